@@ -1,0 +1,22 @@
+"""Exceptions users can act on: one class per kind of mistake."""
+
+from __future__ import annotations
+
+
+class ChronotopeError(Exception):
+    """Base class of every error chronotope raises on purpose."""
+
+
+class CaptureError(ChronotopeError):
+    """A model could not be turned into a graph (untraceable code, wrong inputs)."""
+
+
+class UnknownModelError(ChronotopeError, KeyError):
+    """A model name that is neither a built-in nor ``path/to/file.py:factory``."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SignatureError(ChronotopeError):
+    """An op signature string that does not parse or does not fit the op's tensors."""

@@ -1,0 +1,376 @@
+"""Signatures of ops that move data without arithmetic: reshapes, slices, joins."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from chronotope.graph.ops.pointwise import join, names
+from chronotope.graph.registry import OpCall, OpRegistry, method
+
+aten = torch.ops.aten
+
+
+def regroup(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product.
+
+    ``(2, 8, 16) -> (2, 8, 4, 4)`` gives ``[([0], [0]), ([1], [1]), ([2], [2, 3])]``;
+    size-1 dims that appear or vanish form groups with an empty side.
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, pi, pj = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i)
+                pi *= src[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape(call: OpCall) -> str | None:
+    """Any op whose output is its input with dims merged or split."""
+    src, dst = call.tensors[0].shape, call.out.shape
+    if any(s == 0 for s in (*src, *dst)):
+        return None
+    inp: list[str] = [""] * len(src)
+    out: list[str] = [""] * len(dst)
+    for k, (gi, gj) in enumerate(regroup(src, dst)):
+        if not gi or not gj:
+            for i in gi:
+                inp[i] = "1"
+            for j in gj:
+                out[j] = "1"
+        elif len(gi) == 1 or len(gj) == 1:
+            many, one = (gj, gi) if len(gi) == 1 else (gi, gj)
+            fac = [f"g{k}_{n}" for n in range(len(many))]
+            group = "(" + " ".join(fac) + ")" if len(many) > 1 else fac[0]
+            side_one, side_many = (inp, out) if len(gi) == 1 else (out, inp)
+            side_one[one[0]] = group
+            for n, idx in enumerate(many):
+                side_many[idx] = fac[n]
+        else:  # an irregular regrouping: nothing can be split
+            for n, i in enumerate(gi):
+                inp[i] = f"g{k}_i{n}^"
+            for n, j in enumerate(gj):
+                out[j] = f"g{k}_o{n}^"
+    extra = [names(len(t.shape), "x") for t in call.tensors[1:]]  # view_as/reshape_as
+    return f"{join(inp, *extra)} -> {' '.join(out)}"
+
+
+def permute(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    rest = call.args[1:]
+    dims = rest[0] if len(rest) == 1 and isinstance(rest[0], Sequence) else rest
+    dims = call.kwargs.get("dims", dims)
+    inp = names(n)
+    return f"{' '.join(inp)} -> {' '.join(inp[d % n] for d in dims)}"
+
+
+def transpose(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    inp = names(n)
+    if n < 2:
+        return f"{' '.join(inp)} -> {' '.join(inp)}"
+    a, b = (call.arg(1, "dim0", 0) % n, call.arg(2, "dim1", 1) % n)
+    out = list(inp)
+    out[a], out[b] = out[b], out[a]
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def matrix_t(call: OpCall) -> str:
+    n = len(call.tensors[0].shape)
+    inp = names(n)
+    return f"{' '.join(inp)} -> {' '.join(inp[::-1])}"
+
+
+def expand(call: OpCall) -> str:
+    """expand / expand_as / broadcast_to: size-1 dims grow, leading dims appear."""
+    x, out = call.tensors[0].shape, call.out.shape
+    onames = names(len(out))
+    offset = len(out) - len(x)
+    inp = ["1" if s == 1 and out[offset + j] != 1 else onames[offset + j]
+           for j, s in enumerate(x)]
+    extra = [onames[len(out) - len(t.shape):] for t in call.tensors[1:]]
+    return f"{join(inp, *extra)} -> {' '.join(onames)}"
+
+
+def repeat(call: OpCall) -> str:
+    """repeat / tile / repeat_interleave: repeated dims are frozen."""
+    x, out = call.tensors[0].shape, call.out.shape
+    offset = len(out) - len(x)
+    inp, outn = [], []
+    for j in range(len(out)):
+        if j < offset:
+            outn.append(f"r{j}^")
+        elif x[j - offset] == out[j]:
+            inp.append(f"d{j}")
+            outn.append(f"d{j}")
+        else:
+            inp.append(f"i{j}^")
+            outn.append(f"r{j}^")
+    extra = [names(len(t.shape), "k") for t in call.tensors[1:]]
+    extra = [[d + "^" for d in e] for e in extra]
+    return f"{join(inp, *extra)} -> {' '.join(outn)}"
+
+
+def _dim(call: OpCall, index: int, ndim: int, default: int = 0) -> int:
+    return int(call.arg(index, "dim", default)) % ndim
+
+
+def concat(call: OpCall) -> str:
+    """cat: the joined dim is frozen and sized per input; the rest are shared."""
+    ts = call.tensors
+    n = len(call.out.shape)
+    d = _dim(call, 1, n)
+    items = []
+    for k, _ in enumerate(ts):
+        dims = names(n)
+        dims[d] = f"c{k}^"
+        items.append(dims)
+    out = names(n)
+    out[d] = "c^"
+    return f"{join(*items)} -> {' '.join(out)}"
+
+
+def stack(call: OpCall) -> str:
+    ts = call.tensors
+    n = len(call.out.shape)
+    d = _dim(call, 1, n)
+    inp = names(n - 1)
+    out = list(inp)
+    out.insert(d, str(len(ts)))
+    return f"{join(*[inp] * len(ts))} -> {' '.join(out)}"
+
+
+def split(call: OpCall) -> str:
+    """split / chunk / unbind / tensor_split: each piece has its own frozen size."""
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 2, n)
+    inp = names(n)
+    inp[d] = "s^"
+    outs = []
+    for k, o in enumerate(call.outputs):
+        dims = names(n)
+        if len(o.shape) == n:
+            dims[d] = f"p{k}^"
+        else:
+            del dims[d]
+        outs.append(dims)
+    return f"{' '.join(inp)} -> {join(*outs)}"
+
+
+def unbind(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    inp = names(n)
+    inp[d] = "s^"
+    out = names(n)
+    del out[d]
+    return f"{' '.join(inp)} -> " + ", ".join(" ".join(out) for _ in call.outputs)
+
+
+def _is_full(s: slice, size: int) -> bool:
+    return (
+        s.start in (None, 0)
+        and (s.stop is None or (isinstance(s.stop, int) and s.stop >= size))
+        and s.step in (None, 1)
+    )
+
+
+def getitem(call: OpCall) -> str | None:
+    """Basic indexing and a single advanced (tensor) index."""
+    x = call.tensors[0]
+    index = call.arg(1, "index")
+    items = list(index) if isinstance(index, tuple) else [index]
+    n = len(x.shape)
+    explicit = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if sum(1 for it in items if it is Ellipsis) > 1 or explicit > n:
+        return None
+    expanded: list[object] = []
+    for it in items:
+        if it is Ellipsis:
+            expanded.extend([slice(None)] * (n - explicit))
+        else:
+            expanded.append(it)
+    expanded.extend([slice(None)] * (n - sum(1 for it in expanded if it is not None)))
+    inp: list[str] = []
+    out: list[str] = []
+    extra: list[list[str]] = []
+    d = 0
+    for it in expanded:
+        if it is None:
+            out.append("1")
+            continue
+        size = x.shape[d]
+        if isinstance(it, slice):
+            if any(hasattr(v, "shape") for v in (it.start, it.stop, it.step)):
+                return None
+            if _is_full(it, size):
+                inp.append(f"d{d}")
+                out.append(f"d{d}")
+            else:
+                inp.append(f"i{d}^")
+                out.append(f"o{d}^")
+        elif isinstance(it, int):
+            inp.append(f"i{d}^")
+        elif hasattr(it, "shape"):
+            if extra or it.dtype == torch.bool:
+                return None  # several advanced indices, or a data-dependent size
+            inp.append(f"i{d}^")
+            idx = names(len(it.shape), "t")
+            extra.append(idx)
+            out.extend(idx)
+        else:
+            return None
+        d += 1
+    return f"{join(inp, *extra)} -> {' '.join(out)}"
+
+
+def setitem(call: OpCall) -> str:
+    """``x[idx] = v`` made functional: the written region is frozen."""
+    dims = [f"d{i}^" for i in range(len(call.tensors[0].shape))]
+    others = [[f"v{k}_{i}^" for i in range(len(t.shape))] for k, t in enumerate(call.tensors[1:])]
+    return f"{join(dims, *others)} -> {' '.join(dims)}"
+
+
+def along_dims(dims_index: int, name: str = "dims"):
+    """roll / flip: the listed dims are frozen (all of them when none are listed)."""
+
+    def rule(call: OpCall) -> str:
+        x = call.tensors[0]
+        n = len(x.shape)
+        raw = call.arg(dims_index, name)
+        chosen = set(range(n)) if raw in (None, (), []) else {
+            d % n for d in ([raw] if isinstance(raw, int) else raw)
+        }
+        inp = [f"d{i}^" if i in chosen else f"d{i}" for i in range(n)]
+        return f"{' '.join(inp)} -> {' '.join(inp)}"
+
+    return rule
+
+
+def last_two_frozen(call: OpCall) -> str:
+    n = len(call.tensors[0].shape)
+    dims = [f"d{i}^" if i >= n - 2 else f"d{i}" for i in range(n)]
+    return f"{' '.join(dims)} -> {' '.join(dims)}"
+
+
+def gather(call: OpCall) -> str:
+    x, idx = call.tensors[0], call.tensors[1]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    xin = ["g^" if i == d else f"d{i}^" for i in range(n)]
+    iin = ["o^" if i == d else f"e{i}^" for i in range(len(idx.shape))]
+    return f"{join(xin, iin)} -> {' '.join(iin)}"
+
+
+def index_select(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    xin = ["g^" if i == d else f"d{i}" for i in range(n)]
+    out = ["t0" if i == d else f"d{i}" for i in range(n)]
+    return f"{join(xin, ['t0'])} -> {' '.join(out)}"
+
+
+def aten_slice(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = int(call.arg(1, "dim", 0)) % n
+    if x.shape[d] == call.out.shape[d]:
+        dims = names(n)
+        return f"{' '.join(dims)} -> {' '.join(dims)}"
+    inp = [f"i{i}^" if i == d else f"d{i}" for i in range(n)]
+    out = [f"o{i}^" if i == d else f"d{i}" for i in range(n)]
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def aten_select(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = int(call.arg(1, "dim", 0)) % n
+    inp = [f"i{i}^" if i == d else f"d{i}" for i in range(n)]
+    out = [f"d{i}" for i in range(n) if i != d]
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def aten_index(call: OpCall) -> str | None:
+    indices = call.arg(1, "indices")
+    return getitem(OpCall((call.args[0], tuple(slice(None) if i is None else i for i in indices)),
+                          {}, call.outputs))
+
+
+def narrow(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    inp = [f"i{i}^" if i == d else f"d{i}" for i in range(n)]
+    out = [f"o{i}^" if i == d else f"d{i}" for i in range(n)]
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def pad(call: OpCall) -> str:
+    x = call.tensors[0]
+    n = len(x.shape)
+    widths = call.arg(1, "pad")
+    padded = {n - 1 - k // 2 for k in range(len(widths)) if widths[k]}
+    inp = [f"i{i}^" if i in padded else f"d{i}" for i in range(n)]
+    out = [f"o{i}^" if i in padded else f"d{i}" for i in range(n)]
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def _targets(*names_: str) -> list[object]:
+    out: list[object] = list(method(*names_))
+    for name in names_:
+        for ns in (torch, aten):
+            if hasattr(ns, name):
+                out.append(getattr(ns, name))
+    return out
+
+
+def register(reg: OpRegistry) -> None:
+    reg.add(_targets("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
+                     "view_as", "reshape_as", "_unsafe_view", "ravel"), "reshape", reshape)
+    reg.add(_targets("permute"), "permute", permute)
+    reg.add(_targets("transpose", "swapaxes", "swapdims"), "transpose", transpose)
+    reg.add(_targets("t"), "transpose", matrix_t)
+    reg.add(_targets("expand", "expand_as", "broadcast_to"), "expand", expand)
+    reg.add(_targets("repeat", "tile", "repeat_interleave"), "repeat", repeat)
+    reg.add([torch.cat, torch.concat, torch.concatenate, aten.cat], "cat", concat)
+    reg.add([torch.stack, aten.stack], "stack", stack)
+    reg.add(_targets("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)
+    reg.add(_targets("unbind"), "unbind", unbind)
+    reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem)
+    reg.add([operator.setitem], "setitem", setitem)
+    reg.add(_targets("roll"), "roll", along_dims(2))
+    reg.add(_targets("flip"), "flip", along_dims(1))
+    reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)
+    reg.add(_targets("gather"), "gather", gather)
+    reg.add(_targets("index_select"), "index_select", index_select)
+    reg.add(_targets("narrow"), "narrow", narrow)
+    reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.constant_pad_nd], "pad", pad)
+    reg.add([aten.slice], "slice", aten_slice)
+    reg.add([aten.select], "select", aten_select)
+    reg.add([aten.index], "getitem", aten_index)

@@ -1,0 +1,155 @@
+"""The op registry: which calls chronotope knows, and their signatures.
+
+An entry maps a call target (a torch function, a ``Tensor`` method name, an
+``aten`` op, or a user function) to a canonical kind and a signature rule. The
+rule is a fixed string, or a function of the call (``OpCall``) that returns one
+(a reshape's signature depends on its shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chronotope.errors import SignatureError
+from chronotope.graph.ir import TensorMeta
+from chronotope.graph.signature import Signature
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """A call as a signature rule sees it: tensors replaced by their ``TensorMeta``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[TensorMeta, ...]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument by position or keyword, as Python would bind it."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if index < len(self.args):
+            return self.args[index]
+        return default
+
+    @property
+    def tensors(self) -> list[TensorMeta]:
+        """Tensor arguments in the order the op's inputs are listed."""
+        return list(iter_tensors((self.args, self.kwargs)))
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outputs[0]
+
+
+SignatureRule = str | Callable[[OpCall], str | None]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    kind: str
+    rule: SignatureRule
+    # Splitting a "+" dim: a mean-like op must scale each partial by its share, and
+    # inputs that enter the output additively (a linear's bias) are value-split,
+    # while all other inputs are needed whole by every partial.
+    mean_reduction: bool = False
+    additive_inputs: tuple[int, ...] = ()
+    user: bool = False
+
+    def signature(self, call: OpCall) -> Signature | None:
+        text = self.rule if isinstance(self.rule, str) else self.rule(call)
+        return None if text is None else Signature.parse(text)
+
+
+def iter_tensors(tree: Any) -> Iterable[Any]:
+    """Leaves of nested tuples/lists/dicts/slices that are tensor-like records."""
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from iter_tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from iter_tensors(x)
+    elif isinstance(tree, slice):
+        yield from iter_tensors((tree.start, tree.stop, tree.step))
+    elif hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        yield tree
+
+
+def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild nested tuples/lists/dicts/slices with ``fn`` applied to every leaf."""
+    if isinstance(tree, tuple):
+        mapped = tuple(map_leaves(x, fn) for x in tree)
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else mapped
+    if isinstance(tree, list):
+        return [map_leaves(x, fn) for x in tree]
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, fn) for k, v in tree.items()}
+    if isinstance(tree, slice):
+        return slice(*(map_leaves(x, fn) for x in (tree.start, tree.stop, tree.step)))
+    return fn(tree)
+
+
+class OpRegistry:
+    """Targets -> ``OpDef``. Methods are keyed ``"method:<name>"``."""
+
+    def __init__(self) -> None:
+        self._defs: dict[Any, OpDef] = {}
+
+    def add(self, targets: Iterable[Any], kind: str, rule: SignatureRule, **kw: Any) -> OpDef:
+        op = OpDef(kind, rule, **kw)
+        for t in targets:
+            self._defs[t] = op
+        return op
+
+    def lookup(self, target: Any) -> OpDef | None:
+        """The entry for a target; an ``aten`` overload falls back to its packet."""
+        try:
+            found = self._defs.get(target)
+        except TypeError:  # unhashable target
+            return None
+        if found is None and isinstance(target, torch._ops.OpOverload):
+            found = self._defs.get(target.overloadpacket)
+        return found
+
+    def user_functions(self) -> list[Callable[..., Any]]:
+        return [t for t, d in self._defs.items() if d.user and callable(t)]
+
+    def copy(self) -> OpRegistry:
+        new = OpRegistry()
+        new._defs = dict(self._defs)
+        return new
+
+    def register(self, signature: SignatureRule, *, name: str | None = None) -> Callable:
+        """Decorator: make a module-level function one op of the graph.
+
+        ``signature`` is a string (or a function of ``OpCall`` returning one);
+        strings are parsed now so a typo fails at import, not at capture.
+        """
+        if isinstance(signature, str):
+            Signature.parse(signature)
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if not callable(fn) or getattr(fn, "__name__", "<lambda>") == "<lambda>":
+                raise SignatureError("register_op decorates a named module-level function")
+            self.add([fn], name or fn.__name__, signature, user=True)
+            return fn
+
+        return wrap
+
+
+def method(*names: str) -> list[str]:
+    return [f"method:{n}" for n in names]
+
+
+def warn_unannotated(kinds: Sequence[str], model: str) -> None:
+    if kinds:
+        listed = ", ".join(sorted(set(kinds)))
+        warnings.warn(
+            f"{model}: {len(kinds)} ops have no signature and can only be replicated: {listed}. "
+            "Register one with @chronotope.register_op('<signature>') to let plans split them.",
+            stacklevel=3,
+        )
