@@ -8,12 +8,14 @@ rule is a fixed string, or a function of the call (``OpCall``) that returns one
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
 
 from chronotope.errors import SignatureError
 from chronotope.graph.ir import TensorMeta
@@ -65,18 +67,25 @@ class OpDef:
         return None if text is None else Signature.parse(text)
 
 
-def iter_tensors(tree: Any) -> Iterable[Any]:
-    """Leaves of nested tuples/lists/dicts/slices that are tensor-like records."""
+def iter_leaves(tree: Any) -> Iterable[Any]:
+    """Leaves of nested tuples/lists/dicts/slices, in argument order."""
     if isinstance(tree, (tuple, list)):
         for x in tree:
-            yield from iter_tensors(x)
+            yield from iter_leaves(x)
     elif isinstance(tree, dict):
         for x in tree.values():
-            yield from iter_tensors(x)
+            yield from iter_leaves(x)
     elif isinstance(tree, slice):
-        yield from iter_tensors((tree.start, tree.stop, tree.step))
-    elif hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        yield from iter_leaves((tree.start, tree.stop, tree.step))
+    else:
         yield tree
+
+
+def iter_tensors(tree: Any) -> Iterable[Any]:
+    """Leaves that are tensor-like records (tensors, ``TensorMeta``, pTensors)."""
+    for x in iter_leaves(tree):
+        if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, torch.fx.Proxy):
+            yield x
 
 
 def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
@@ -115,28 +124,35 @@ class OpRegistry:
             found = self._defs.get(target.overloadpacket)
         return found
 
-    def user_functions(self) -> list[Callable[..., Any]]:
-        return [t for t, d in self._defs.items() if d.user and callable(t)]
-
     def copy(self) -> OpRegistry:
         new = OpRegistry()
         new._defs = dict(self._defs)
         return new
 
     def register(self, signature: SignatureRule, *, name: str | None = None) -> Callable:
-        """Decorator: make a module-level function one op of the graph.
+        """Decorator: make a function one op of the graph, whatever it does inside.
 
         ``signature`` is a string (or a function of ``OpCall`` returning one);
-        strings are parsed now so a typo fails at import, not at capture.
+        strings are parsed now so a typo fails at import, not at capture. The
+        returned function records itself as a single node when traced.
         """
         if isinstance(signature, str):
             Signature.parse(signature)
 
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            if not callable(fn) or getattr(fn, "__name__", "<lambda>") == "<lambda>":
-                raise SignatureError("register_op decorates a named module-level function")
-            self.add([fn], name or fn.__name__, signature, user=True)
-            return fn
+            if not callable(fn):
+                raise SignatureError(f"register_op decorates a function, got {fn!r}")
+
+            @functools.wraps(fn)
+            def op(*args: Any, **kwargs: Any) -> Any:
+                proxy = next((x for x in iter_leaves((args, kwargs))
+                              if isinstance(x, torch.fx.Proxy)), None)
+                if proxy is not None:
+                    return proxy.tracer.create_proxy("call_function", op, args, kwargs)
+                return fn(*args, **kwargs)
+
+            self.add([op], name or fn.__name__, signature, user=True)
+            return op
 
         return wrap
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from chronotope.graph.ops.pointwise import join, names
+from chronotope.graph import functional
+from chronotope.graph.ops.pointwise import join, names, pointwise
 from chronotope.graph.registry import OpCall, OpRegistry, method
 
 aten = torch.ops.aten
@@ -255,6 +256,13 @@ def setitem(call: OpCall) -> str:
     return f"{join(dims, *others)} -> {' '.join(dims)}"
 
 
+def updated(call: OpCall) -> str | None:
+    """An in-place method made functional: elementwise updates broadcast like pointwise ops."""
+    if call.args[1] not in functional.ELEMENTWISE_UPDATES:
+        return None
+    return pointwise(call)
+
+
 def along_dims(dims_index: int, name: str = "dims"):
     """roll / flip: the listed dims are frozen (all of them when none are listed)."""
 
@@ -363,7 +371,8 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)
     reg.add(_targets("unbind"), "unbind", unbind)
     reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem)
-    reg.add([operator.setitem], "setitem", setitem)
+    reg.add([operator.setitem, functional.setitem], "setitem", setitem)
+    reg.add([functional.updated], "update", updated)
     reg.add(_targets("roll"), "roll", along_dims(2))
     reg.add(_targets("flip"), "flip", along_dims(1))
     reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)

@@ -1,0 +1,297 @@
+"""From a traced fx graph to a chronotope ``Graph``.
+
+Each node runs once on meta tensors, so shapes come out exact without touching
+weights. Python values (sizes, dtypes, devices) fold into constants; only
+tensor ops stay. In-place updates become out-of-place ops whose result is a new
+version of the tensor (SSA), which later readers of that tensor see.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from chronotope.errors import CaptureError
+from chronotope.graph import functional
+from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, TensorMeta
+from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
+from chronotope.graph.trace import call_on_meta, device_args, to_meta
+
+_NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+_IDENTITY_METHODS = frozenset({"cpu", "cuda", "requires_grad_", "retain_grad"})
+_RANDOM = re.compile(r"rand|dropout|bernoulli|normal|uniform|multinomial")
+
+
+class OpFailed(CaptureError):
+    """An op could not run on the example shapes: the inputs, not the frontend, are wrong."""
+
+
+@dataclass
+class Leaf:
+    """A graph input: a batch tensor, a parameter, a buffer or a constant."""
+
+    name: str
+    kind: TensorKind
+    value: torch.Tensor
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in iter_tensors(tree) if _is_tensor(x)]
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+class Converter:
+    def __init__(self, registry: OpRegistry, model_name: str, frontend: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self.frontend = frontend
+        self.ops: list[Op] = []
+        self.current: dict[int, PTensor] = {}  # id(meta tensor) -> its latest version
+        self.alive: list[torch.Tensor] = []  # keeps ids unique while converting
+        self.view_bases: set[int] = set()
+        self.tensor_names: set[str] = set()
+        self.op_names: set[str] = set()
+        self.leaves: dict[str, tuple[torch.Tensor, PTensor]] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.batch: list[PTensor] = []
+
+    # ---- tensors -------------------------------------------------------------------------
+
+    @staticmethod
+    def unique(name: str, used: set[str]) -> str:
+        base, i = name, 1
+        while name in used:
+            name, i = f"{base}_v{i}", i + 1
+        used.add(name)
+        return name
+
+    def new_tensor(self, value: torch.Tensor, name: str, kind: TensorKind,
+                   producer: Op | None = None) -> PTensor:
+        t = PTensor(self.unique(name, self.tensor_names), TensorMeta(tuple(value.shape), value.dtype), kind, producer)
+        self.current[id(value)] = t
+        self.alive.append(value)
+        return t
+
+    def leaf(self, leaf: Leaf) -> torch.Tensor:
+        """The meta value standing for a graph input; a tied weight is one input."""
+        if leaf.name in self.leaves:
+            return self.leaves[leaf.name][0]
+        meta = to_meta(leaf.value)
+        t = self.new_tensor(meta, leaf.name, leaf.kind)
+        self.leaves[leaf.name] = (meta, t)
+        if leaf.kind is TensorKind.INPUT:
+            self.batch.append(t)
+        elif leaf.kind is TensorKind.CONSTANT:
+            self.constants[t.name] = leaf.value
+        return meta
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    def run(self, graph: fx.Graph, placeholder: Callable[[fx.Node], Leaf],
+            get_attr: Callable[[fx.Node], Leaf], output: Callable[[Any], Any],
+            source: Callable[[fx.Node], Source | None]) -> PTensor:
+        env: dict[fx.Node, Any] = {}
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                env[node] = self.leaf(placeholder(node))
+            elif node.op == "get_attr":
+                env[node] = self.leaf(get_attr(node))
+            elif node.op in ("call_function", "call_method"):
+                args = fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = self.call(node, args, kwargs, source(node))
+            elif node.op == "output":
+                return self.loss(output(fx.node.map_arg(node.args[0], env.__getitem__)))
+            else:
+                raise CaptureError(f"{self.model_name}: unexpected {node.op} node {node.name}")
+        raise CaptureError(f"{self.model_name}: the traced graph has no output")
+
+    def loss(self, value: Any) -> PTensor:
+        if not _is_tensor(value) or value.dim() != 0 or not value.dtype.is_floating_point:
+            got = f"a tensor of shape {list(value.shape)}" if _is_tensor(value) else repr(value)
+            raise CaptureError(
+                f"{self.model_name}: the training step must end in a scalar floating-point loss, "
+                f"got {got}; pass loss_fn= to turn the model's output into a loss"
+            )
+        return self.current[id(value)]
+
+    def call(self, node: fx.Node, args: tuple, kwargs: dict, source: Source | None) -> Any:
+        target = node.target
+        if target is operator.getitem and not _is_tensor(args[0]):
+            return args[0][args[1]]  # a Python container: a size, or one output of a multi-output op
+        inputs = _tensors((args, kwargs))
+        if node.op == "call_method" and target in _IDENTITY_METHODS:
+            return args[0]
+        mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
+        try:
+            result = call_on_meta(node.op, target, args, kwargs)
+        except RuntimeError as e:
+            if "view size is not compatible" not in str(e):
+                raise self.op_failed(node, target, inputs, source, e) from e
+            # Strides on meta can differ from the real kernel's; the shape is all we need.
+            result = call_on_meta("call_method", "reshape", args, kwargs)
+        except CaptureError:
+            raise
+        except Exception as e:  # the op itself rejected these inputs
+            raise self.op_failed(node, target, inputs, source, e) from e
+        outs = _tensors(result)
+        if not outs:
+            return result  # metadata (x.shape, x.size(1), x.dtype): folds into a constant
+        if mutated is None and all(any(o is i for i in inputs) for o in outs):
+            return result  # returns its input unchanged (contiguous on a contiguous tensor)
+        op = self.emit(node, target, args, kwargs, outs, source)
+        if mutated is not None:
+            self.current[id(mutated)] = op.outputs[0]
+            return mutated
+        return result
+
+    def functional_form(self, node: fx.Node, target: Any, args: tuple, kwargs: dict,
+                        source: Source | None) -> tuple[torch.Tensor | None, Any, tuple, dict]:
+        """Rewrite an in-place call out of place; return the tensor it updates."""
+        if target is operator.setitem:
+            mutated, target = args[0], functional.setitem
+        elif kwargs.get("inplace") is True:
+            mutated, kwargs = args[0], {**kwargs, "inplace": False}
+        elif (node.op == "call_method" and target.endswith("_") and not target.startswith("__")
+              and target not in _NOT_INPLACE):
+            mutated = args[0]
+            if hasattr(torch.Tensor, target[:-1]) and self.registry.lookup(f"method:{target[:-1]}"):
+                target = target[:-1]
+            else:
+                node.op = "call_function"  # the out-of-place helper is a plain function
+                args, target = (args[0], target, *args[1:]), functional.updated
+        else:
+            return None, target, args, kwargs
+        self.check_mutable(mutated, node, source)
+        return mutated, target, args, kwargs
+
+    def check_mutable(self, t: Any, node: fx.Node, source: Source | None) -> None:
+        where = f" at {source}" if source else ""
+        if not _is_tensor(t):
+            raise CaptureError(f"{self.model_name}: in-place op {node.name}{where} on a non-tensor")
+        current = self.current.get(id(t))
+        if current is not None and current.kind in (TensorKind.PARAM, TensorKind.BUFFER):
+            raise CaptureError(
+                f"{self.model_name}: in-place update of {current.kind} {current.name} by "
+                f"{node.name}{where}; a captured training step may not modify the model's state"
+            )
+        if t._base is not None or id(t) in self.view_bases:
+            raise CaptureError(
+                f"{self.model_name}: in-place op {node.name}{where} writes through a view, which "
+                "SSA rewriting cannot follow; write it out of place, or capture with "
+                "frontend='export'"
+            )
+
+    def op_failed(self, node: fx.Node, target: Any, inputs: list[torch.Tensor],
+                  source: Source | None, e: Exception) -> CaptureError:
+        shapes = ", ".join(str(TensorMeta(tuple(t.shape), t.dtype)) for t in inputs) or "none"
+        where = f" at {source}" if source else ""
+        batch = ", ".join(f"{t.name} {t.meta}" for t in self.batch)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "meta" in first and ("item" in first or "data-dependent" in first):
+            return CaptureError(
+                f"{self.model_name}: {target_name(target)} ({node.name}){where} reads tensor "
+                "values in Python (data-dependent control flow); keep tensor values inside "
+                "tensor ops, or wrap the code in a function registered with "
+                "@chronotope.register_op"
+            )
+        return OpFailed(
+            f"{self.model_name}: {target_name(target)} ({node.name}){where} fails on inputs "
+            f"[{shapes}]: {first}. Example batch: {batch}; check the example inputs' shapes"
+        )
+
+    def emit(self, node: fx.Node, target: Any, args: tuple, kwargs: dict,
+             outs: list[torch.Tensor], source: Source | None) -> Op:
+        def stored(x: Any) -> Any:
+            if _is_tensor(x):
+                return self.current[id(x)]
+            return DEVICE if isinstance(x, torch.device) else x
+
+        s_args, s_kwargs = device_args(target, args, kwargs, DEVICE)
+        s_args, s_kwargs = map_leaves(s_args, stored), map_leaves(s_kwargs, stored)
+        name = self.unique(node.name, self.op_names)
+        key = f"method:{target}" if isinstance(target, str) else target
+        op = Op(name, target_name(target), target, s_args, s_kwargs, tuple(iter_tensors((s_args, s_kwargs))), (), source=source)
+        op.outputs = tuple(
+            self.new_tensor(o, name if len(outs) == 1 else f"{name}_{i}", TensorKind.ACTIVATION, op)
+            for i, o in enumerate(outs)
+        )
+        for o in outs:
+            if o._base is not None:
+                self.view_bases.add(id(o._base))
+        self.annotate(op, key)
+        self.ops.append(op)
+        return op
+
+    def annotate(self, op: Op, key: Any) -> None:
+        opdef = self.registry.lookup(key)
+        if opdef is None:
+            op.note = "no signature registered"
+            return
+        op.kind = opdef.kind
+        as_meta = lambda x: x.meta if isinstance(x, PTensor) else x  # noqa: E731
+        call = OpCall(map_leaves(op.args, as_meta), map_leaves(op.kwargs, as_meta),
+                      tuple(t.meta for t in op.outputs))
+        try:
+            sig = opdef.signature(call)
+            if sig is not None:
+                sig.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
+        except Exception as e:  # a rule that does not cover this call: replicate-only
+            op.note = f"signature rule does not apply: {e}"
+            return
+        if sig is None:
+            op.note = "no signature for this form of the call"
+        op.signature = sig
+
+    # ---- result --------------------------------------------------------------------------
+
+    def graph(self, loss: PTensor, name: str, input_names: list[str]) -> Graph:
+        ops = prune(self.ops, loss)
+        by_kind: dict[TensorKind, dict[str, PTensor]] = {k: {} for k in TensorKind}
+        for _, t in self.leaves.values():
+            by_kind[t.kind][t.name] = t
+        return Graph(
+            ops=ops,
+            inputs=list(self.batch),
+            params=by_kind[TensorKind.PARAM],
+            buffers=by_kind[TensorKind.BUFFER],
+            constants=self.constants,
+            loss=loss,
+            input_names=input_names,
+            name=name,
+            frontend=self.frontend,
+        )
+
+
+def is_random(op: Op) -> bool:
+    """Ops that draw from the RNG: dropping one would shift every later random draw."""
+    name = op.target if isinstance(op.target, str) else target_name(op.target)
+    return bool(_RANDOM.search(name))
+
+
+def prune(ops: list[Op], loss: PTensor) -> list[Op]:
+    """Drop ops the loss does not need, except random ones (they keep the RNG stream aligned)."""
+    needed = {loss}
+    kept = []
+    for op in reversed(ops):
+        if any(t in needed for t in op.outputs) or is_random(op):
+            needed.update(op.inputs)
+            kept.append(op)
+    return kept[::-1]

@@ -1,0 +1,24 @@
+"""Out-of-place forms of in-place tensor updates, so captured graphs are in SSA form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# In-place methods whose out-of-place form broadcasts the other operands to ``x``.
+ELEMENTWISE_UPDATES = frozenset({"copy_", "fill_", "zero_"})
+
+
+def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``x[index] = value`` without touching ``x``."""
+    y = x.clone()
+    y[index] = value
+    return y
+
+
+def updated(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``x.<method>(*args)`` (an in-place method such as ``copy_``) applied to a copy of ``x``."""
+    y = x.clone()
+    getattr(y, method)(*args, **kwargs)
+    return y

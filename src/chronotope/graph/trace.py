@@ -1,0 +1,203 @@
+"""Symbolic tracing with torch.fx that inlines every module and remembers where ops came from.
+
+Each traced value also carries a meta tensor (shape and dtype, no data), so the
+model's Python code sees concrete sizes, dtypes and devices — ``x.shape[1]``,
+``x.size(-1) // n``, ``torch.finfo(x.dtype)`` and ``len(x)`` work as in eager
+mode — while tensor values stay symbolic.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from chronotope.graph.ir import Source
+from chronotope.graph.registry import map_leaves
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_GRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_SKIP_FILES = ("<eval_with_key", "<string>", "<frozen ")
+META = torch.device("meta")
+
+# Tensor metadata the model may read as plain Python values while being traced.
+_CONCRETE = frozenset({
+    "shape", "dtype", "device", "ndim", "is_cuda", "layout", "size", "dim", "numel",
+    "nelement", "element_size", "is_floating_point", "is_complex", "ndimension",
+})
+
+
+def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The innermost frame that belongs to the user's code, not to torch or to capture."""
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not (
+            file.startswith(_TORCH_DIR)
+            or file.startswith(_GRAPH_DIR)
+            or file.startswith(_SKIP_FILES)
+            or (file.startswith(_STDLIB_DIR) and "-packages" not in file)
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def frame_source(frame: types.FrameType | None, module: str) -> Source | None:
+    if frame is None:
+        return None
+    code = frame.f_code
+    return Source(code.co_filename, frame.f_lineno, code.co_name, module)
+
+
+def strip_root(path: str, root: str = "model") -> str:
+    """``model.layers.3.attn`` -> ``layers.3.attn``: names as the user's model spells them."""
+    if path == root:
+        return ""
+    return path.removeprefix(root + ".")
+
+
+def device_args(target: Any, args: tuple, kwargs: dict, device: Any) -> tuple[tuple, dict]:
+    """Replace every device in a call's arguments by ``device``."""
+
+    def swap(x: Any) -> Any:
+        return device if isinstance(x, torch.device) else x
+
+    args, kwargs = map_leaves(args, swap), map_leaves(kwargs, swap)
+    if isinstance(kwargs.get("device"), str):
+        kwargs = {**kwargs, "device": device}
+    if target == "to":
+        args = tuple(device if isinstance(a, str) else a for a in args)
+    return args, kwargs
+
+
+def call_on_meta(kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run one call on meta tensors; devices in the arguments become the meta device."""
+    args, kwargs = device_args(target, args, kwargs, META)
+    with torch.no_grad(), torch.device(META):
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
+
+
+def to_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.is_meta else torch.empty_like(t, device=META)
+
+
+class MetaProxy(fx.Proxy):
+    """A traced value that answers metadata questions from its meta tensor."""
+
+    def _meta(self) -> Any:
+        return self.node.meta.get("val")
+
+    def __getattr__(self, k: str) -> Any:
+        val = self._meta()
+        if k in _CONCRETE and isinstance(val, torch.Tensor):
+            return getattr(val, k)
+        return super().__getattr__(k)
+
+    def __len__(self) -> int:
+        val = self._meta()
+        if val is None:
+            return super().__len__()
+        return len(val)
+
+    def __iter__(self) -> Any:
+        val = self._meta()
+        if isinstance(val, (tuple, list)):
+            return iter([self[i] for i in range(len(val))])
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            return iter([self[i] for i in range(val.shape[0])])
+        return super().__iter__()
+
+
+_FACTORIES = frozenset(
+    getattr(torch, name) for name in (
+        "arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint", "randperm",
+        "linspace", "logspace", "eye", "tensor", "as_tensor", "scalar_tensor", "empty_strided",
+        "tril_indices", "triu_indices",
+    )
+)
+
+
+class _RecordFactories(TorchFunctionMode):
+    """Records tensor factories whose arguments are all concrete (``torch.arange(T)``).
+
+    With concrete sizes they would otherwise run once at trace time and freeze
+    into constants; as ops they run on the training device every step.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _FACTORIES and not any(
+            isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs))
+        ):
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Tracer(fx.Tracer):
+    """Traces through all modules (no leaves), recording each node's source, module and meta."""
+
+    def __init__(self, example: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.example = example
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        with _RecordFactories(self):
+            return super().trace(root, concrete_args)
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return MetaProxy(node, self)
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            if not hasattr(e, "chronotope_module"):  # the innermost module names the failure
+                e.chronotope_module = strip_root(self.path_of_module(m))
+            raise
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        module = strip_root(self.scope.module_path)
+        node.meta["source"] = frame_source(user_frame(sys._getframe(1)), module)
+        node.meta["val"] = self.meta_value(node)
+        return node
+
+    def meta_value(self, node: fx.Node) -> Any:
+        """Shape and dtype of the node's result, or None when it cannot be known."""
+        if node.op == "placeholder":
+            value = self.example.get(node.target)
+            return None if value is None else to_meta(value)
+        if node.op == "get_attr":  # read around the tracer's patched Module.__getattr__
+            prefix, _, attr = node.target.rpartition(".")
+            mod = self.root.get_submodule(prefix)
+            for table in (mod._parameters, mod._buffers, mod.__dict__):
+                if attr in table:
+                    value = table[attr]
+                    return to_meta(value) if isinstance(value, torch.Tensor) else value
+            return None
+        if node.op not in ("call_function", "call_method"):
+            return None
+        args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+        try:
+            return call_on_meta(node.op, node.target, args, kwargs)
+        except Exception:  # reported by the converter, which knows the op's context
+            return None
