@@ -23,6 +23,8 @@ from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, 
 from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
 
+_VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 _NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 _IDENTITY_METHODS = frozenset({"cpu", "cuda", "requires_grad_", "retain_grad"})
 _RANDOM = re.compile(r"rand|dropout|bernoulli|normal|uniform|multinomial")
@@ -133,7 +135,9 @@ class Converter:
         return self.current[id(value)]
 
     def call(self, node: fx.Node, args: tuple, kwargs: dict, source: Source | None) -> Any:
-        target = node.target
+        # An exported graph is functional, so its views may as well be reshapes: its
+        # trace-time strides need not match what the real kernels produce.
+        target = _VIEW_AS_RESHAPE.get(node.target, node.target)
         if target is operator.getitem and not _is_tensor(args[0]):
             return args[0][args[1]]  # a Python container: a size, or one output of a multi-output op
         inputs = _tensors((args, kwargs))

@@ -379,7 +379,7 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("gather"), "gather", gather)
     reg.add(_targets("index_select"), "index_select", index_select)
     reg.add(_targets("narrow"), "narrow", narrow)
-    reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.constant_pad_nd], "pad", pad)
+    reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.pad, aten.constant_pad_nd], "pad", pad)
     reg.add([aten.slice], "slice", aten_slice)
     reg.add([aten.select], "select", aten_select)
     reg.add([aten.index], "getitem", aten_index)

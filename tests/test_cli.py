@@ -1,0 +1,66 @@
+"""The ``chronotope`` command line, called as users call it."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from chronotope.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_capture_builtin_json(capsys):
+    report = run_json(capsys, "capture", "gpt")
+    assert report["model"] == "gpt"
+    assert report["num_ops"] > 50 and report["num_params"] == 234_880
+    assert report["unannotated_ops"] == []
+
+
+def test_capture_prints_a_summary(capsys):
+    assert main(["capture", "llama", "--print-graph"]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "parameters" in out and "rms_norm" in out
+
+
+def test_capture_user_model_file(tmp_path, capsys):
+    path = tmp_path / "mymodel.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 1)
+
+            def forward(self, x):
+                return torch.special.erfcx(self.b(torch.tanh(self.a(x)))).mean()
+
+        def make():
+            return Net(), torch.randn(3, 6)
+    """))
+    report = run_json(capsys, "capture", f"{path}:make")
+    assert report["num_params"] == 6 * 5 + 5 + 5 + 1
+    (missing,) = report["unannotated_ops"]
+    assert missing["kind"] == "special_erfcx" and "mymodel.py:10" in missing["source"]
+
+
+def test_unknown_model_lists_the_builtins(capsys):
+    assert main(["capture", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "gpt" in err and "llama" in err
+    assert "Traceback" not in err
+
+
+def test_console_entry_point_exit_codes():
+    ok = subprocess.run([sys.executable, "-m", "chronotope.cli", "capture", "bert", "--json"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["unannotated_ops"] == []
+    bad = subprocess.run([sys.executable, "-m", "chronotope.cli", "capture", "missing.py:make"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "missing.py" in bad.stderr and "Traceback" not in bad.stderr
