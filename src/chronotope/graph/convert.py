@@ -91,11 +91,15 @@ class Converter:
         self.alive.append(value)
         return t
 
-    def leaf(self, leaf: Leaf) -> torch.Tensor:
+    def traced(self, node: fx.Node) -> Any:
+        """The meta value the fx tracer already computed for this node, if it can be reused."""
+        return node.meta.get("val") if self.frontend == "fx" else None
+
+    def leaf(self, leaf: Leaf, meta: Any = None) -> torch.Tensor:
         """The meta value standing for a graph input; a tied weight is one input."""
         if leaf.name in self.leaves:
             return self.leaves[leaf.name][0]
-        meta = to_meta(leaf.value)
+        meta = meta if isinstance(meta, torch.Tensor) else to_meta(leaf.value)
         t = self.new_tensor(meta, leaf.name, leaf.kind)
         self.leaves[leaf.name] = (meta, t)
         if leaf.kind is TensorKind.INPUT:
@@ -112,9 +116,9 @@ class Converter:
         env: dict[fx.Node, Any] = {}
         for node in graph.nodes:
             if node.op == "placeholder":
-                env[node] = self.leaf(placeholder(node))
+                env[node] = self.leaf(placeholder(node), self.traced(node))
             elif node.op == "get_attr":
-                env[node] = self.leaf(get_attr(node))
+                env[node] = self.leaf(get_attr(node), self.traced(node))
             elif node.op in ("call_function", "call_method"):
                 args = fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -144,8 +148,10 @@ class Converter:
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
+        result = self.traced(node) if mutated is None else None
         try:
-            result = call_on_meta(node.op, target, args, kwargs)
+            if result is None:
+                result = call_on_meta(node.op, target, args, kwargs)
         except RuntimeError as e:
             if "view size is not compatible" not in str(e):
                 raise self.op_failed(node, target, inputs, source, e) from e

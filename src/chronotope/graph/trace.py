@@ -156,8 +156,21 @@ class Tracer(fx.Tracer):
         self.example = example
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self.tensor_paths = {
+            id(t): name
+            for name, t in [*root.named_parameters(), *root.named_buffers()]
+        }
         with _RecordFactories(self):
             return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """Parameters and buffers by a dict lookup (fx searches all of them on every access)."""
+        name = self.tensor_paths.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
