@@ -183,7 +183,7 @@ def capture(
 
 def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
     placeholders = dict(zip(step.names, step.tensors))
-    tracer = Tracer(placeholders)
+    tracer = Tracer(placeholders, registry)
     fx_graph = tracer.trace(step)
     root = tracer.root
     params = {id(p): n for n, p in step.model.named_parameters()}

@@ -151,7 +151,7 @@ class Converter:
         result = self.traced(node) if mutated is None else None
         try:
             if result is None:
-                result = call_on_meta(node.op, target, args, kwargs)
+                result = call_on_meta(node.op, target, args, kwargs, self.registry)
         except RuntimeError as e:
             if "view size is not compatible" not in str(e):
                 raise self.op_failed(node, target, inputs, source, e) from e

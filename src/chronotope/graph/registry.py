@@ -66,6 +66,19 @@ class OpDef:
         text = self.rule if isinstance(self.rule, str) else self.rule(call)
         return None if text is None else Signature.parse(text)
 
+    def infer(self, args: tuple, kwargs: dict) -> Any:
+        """Meta outputs of a user op from its signature, for bodies that cannot run on meta.
+
+        Outputs take the dtype of the first floating-point input.
+        """
+        if not self.user or not isinstance(self.rule, str):
+            return None
+        tensors = [t for t in iter_tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
+        dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)
+        shapes = Signature.parse(self.rule).output_shapes([tuple(t.shape) for t in tensors])
+        outs = tuple(torch.empty(s, dtype=dtype, device="meta") for s in shapes)
+        return outs[0] if len(outs) == 1 else outs
+
 
 def iter_leaves(tree: Any) -> Iterable[Any]:
     """Leaves of nested tuples/lists/dicts/slices, in argument order."""

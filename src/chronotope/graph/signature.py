@@ -12,8 +12,8 @@ the legal partitions:
   leading factor may be split, since a slice of any other is not contiguous;
 * ``1`` or any integer: a dim of that fixed size, never split.
 
-An empty item between commas is a 0-dim tensor; nothing after ``->`` is one
-scalar output, nothing before it an op without tensor inputs (``-> a b``).
+An empty item between commas, or ``()``, is a 0-dim tensor; nothing after ``->``
+is one scalar output, nothing before it an op without tensor inputs (``-> a b``).
 """
 
 from __future__ import annotations
@@ -176,11 +176,31 @@ class Signature:
             raise SignatureError(f"signature '{self}': cannot infer the size of {missing}")
         return sizes
 
+    def output_shapes(self, input_shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """Shape inference: output shapes from input shapes, when inputs name every dim."""
+        sizes = Signature(self.inputs, ()).bind(input_shapes, [])
+        shapes = []
+        for t in self.outputs:
+            shape = []
+            for axis in t:
+                size = 1
+                for f in axis.factors:
+                    if f.size is None and f.name not in sizes:
+                        raise SignatureError(
+                            f"signature '{self}': output dim {f.name!r} appears in no input, "
+                            "so its size cannot be inferred"
+                        )
+                    size *= f.size if f.size is not None else sizes[f.name]
+                shape.append(size)
+            shapes.append(tuple(shape))
+        return shapes
+
     def __str__(self) -> str:
         def side(ts: tuple[TensorDims, ...]) -> str:
             return ", ".join(" ".join(str(a) for a in t) for t in ts)
 
-        return f"{side(self.inputs)} -> {side(self.outputs)}".strip()
+        lhs = "()" if self.inputs == ((),) else side(self.inputs)  # one 0-dim input
+        return f"{lhs} -> {side(self.outputs)}".strip()
 
 
 def _set_size(sizes: dict[str, int], dim: Dim, size: int, sig: Signature, where: str) -> None:
@@ -201,7 +221,7 @@ def _parse_side(side: str, text: str) -> tuple[TensorDims, ...]:
     items = side.split(",")
     if len(items) == 1 and not items[0].strip():
         return ()
-    return tuple(_parse_tensor(item, text) for item in items)
+    return tuple(() if item.strip() == "()" else _parse_tensor(item, text) for item in items)
 
 
 def _parse_tensor(item: str, text: str) -> TensorDims:

@@ -8,6 +8,7 @@ mode — while tensor values stay symbolic.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import sysconfig
@@ -21,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from chronotope.graph.ir import Source
-from chronotope.graph.registry import map_leaves
+from chronotope.graph.registry import OpRegistry, map_leaves
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _GRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -79,13 +80,25 @@ def device_args(target: Any, args: tuple, kwargs: dict, device: Any) -> tuple[tu
     return args, kwargs
 
 
-def call_on_meta(kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
-    """Run one call on meta tensors; devices in the arguments become the meta device."""
+def call_on_meta(kind: str, target: Any, args: tuple, kwargs: dict,
+                 registry: OpRegistry | None = None) -> Any:
+    """Run one call on meta tensors; devices in the arguments become the meta device.
+
+    A registered user op whose body cannot run on meta gets its outputs from
+    its signature instead.
+    """
     args, kwargs = device_args(target, args, kwargs, META)
-    with torch.no_grad(), torch.device(META):
-        if kind == "call_method":
-            return getattr(args[0], target)(*args[1:], **kwargs)
-        return target(*args, **kwargs)
+    try:
+        with torch.no_grad(), torch.device(META):
+            if kind == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            return target(*args, **kwargs)
+    except Exception:
+        opdef = registry.lookup(target) if registry is not None and kind != "call_method" else None
+        inferred = opdef.infer(args, kwargs) if opdef is not None else None
+        if inferred is None:
+            raise
+        return inferred
 
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -109,6 +122,9 @@ class MetaProxy(fx.Proxy):
         if val is None:
             return super().__len__()
         return len(val)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __iter__(self) -> Any:
         val = self._meta()
@@ -141,7 +157,7 @@ class _RecordFactories(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _FACTORIES and not any(
+        if func in _FACTORIES and not self.tracer.on_meta and not any(
             isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs))
         ):
             return self.tracer.create_proxy("call_function", func, args, kwargs)
@@ -151,9 +167,11 @@ class _RecordFactories(TorchFunctionMode):
 class Tracer(fx.Tracer):
     """Traces through all modules (no leaves), recording each node's source, module and meta."""
 
-    def __init__(self, example: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, example: Mapping[str, torch.Tensor], registry: OpRegistry) -> None:
         super().__init__()
         self.example = example
+        self.registry = registry
+        self.on_meta = False  # computing a meta value: factories run, they are not recorded
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self.tensor_paths = {
@@ -210,7 +228,10 @@ class Tracer(fx.Tracer):
             return None
         args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
         kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+        self.on_meta = True
         try:
-            return call_on_meta(node.op, node.target, args, kwargs)
+            return call_on_meta(node.op, node.target, args, kwargs, self.registry)
         except Exception:  # reported by the converter, which knows the op's context
             return None
+        finally:
+            self.on_meta = False

@@ -17,6 +17,8 @@ def names(n: int, prefix: str = "d") -> list[str]:
 
 
 def join(*tensors: list[str]) -> str:
+    if len(tensors) == 1 and not tensors[0]:
+        return "()"  # a lone 0-dim tensor
     return ", ".join(" ".join(t) for t in tensors)
 
 

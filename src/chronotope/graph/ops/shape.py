@@ -324,6 +324,19 @@ def aten_select(call: OpCall) -> str:
     return f"{' '.join(inp)} -> {' '.join(out)}"
 
 
+def scatter(call: OpCall) -> str:
+    """``slice_scatter`` / ``select_scatter``: ``src`` is written into one dim of ``x``."""
+    x, src = call.tensors[:2]
+    n = len(x.shape)
+    d = _dim(call, 2, n)
+    xin = [f"x{i}^" if i == d else f"d{i}" for i in range(n)]
+    if len(src.shape) == n:
+        srcd = [f"s{i}^" if i == d else f"d{i}" for i in range(n)]
+    else:
+        srcd = [f"d{i}" for i in range(n) if i != d]
+    return f"{join(xin, srcd)} -> {' '.join(xin)}"
+
+
 def aten_index(call: OpCall) -> str | None:
     indices = call.arg(1, "indices")
     return getitem(OpCall((call.args[0], tuple(slice(None) if i is None else i for i in indices)),
@@ -382,4 +395,5 @@ def register(reg: OpRegistry) -> None:
     reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.pad, aten.constant_pad_nd], "pad", pad)
     reg.add([aten.slice], "slice", aten_slice)
     reg.add([aten.select], "select", aten_select)
+    reg.add([aten.slice_scatter, aten.select_scatter], "setitem", scatter)
     reg.add([aten.index], "getitem", aten_index)
