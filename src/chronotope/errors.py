@@ -20,3 +20,7 @@ class UnknownModelError(ChronotopeError, KeyError):
 
 class SignatureError(ChronotopeError):
     """An op signature string that does not parse or does not fit the op's tensors."""
+
+
+class ModelLoadError(ChronotopeError):
+    """A ``path/to/file.py:factory`` model spec that cannot be loaded or returns the wrong thing."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chronotope.errors import UnknownModelError
 from chronotope.models.workload import Workload
 
 
@@ -125,6 +126,8 @@ def gpt(
     **overrides: int | float,
 ) -> Workload:
     """Build a GPT preset and a random next-token batch (targets are inputs shifted by one)."""
+    if preset not in PRESETS:
+        raise UnknownModelError(f"unknown GPT preset {preset!r}; presets: {', '.join(PRESETS)}")
     cfg = replace(PRESETS[preset], **overrides)
     torch.manual_seed(seed)
     with torch.device(device):

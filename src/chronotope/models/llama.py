@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chronotope.errors import UnknownModelError
 from chronotope.models.workload import Workload
 
 
@@ -53,7 +54,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: n_kv_head key/value heads each shared by n_head/n_kv_head queries."""
+    """Grouped-query attention: each key/value head is shared by n_head / n_kv_head queries."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -141,6 +142,8 @@ def llama(
     **overrides: int | float,
 ) -> Workload:
     """Build a Llama preset and a random next-token batch (targets are inputs shifted by one)."""
+    if preset not in PRESETS:
+        raise UnknownModelError(f"unknown Llama preset {preset!r}; presets: {', '.join(PRESETS)}")
     cfg = replace(PRESETS[preset], **overrides)
     torch.manual_seed(seed)
     with torch.device(device):

@@ -63,12 +63,14 @@ class RelativeBias(nn.Module):
             offset = torch.zeros_like(rel)
             dist = (-rel).clamp(min=0)
         exact = n // 2
-        log_ratio = torch.log(dist.clamp(min=1).float() / exact) / math.log(self.max_distance / exact)
+        log_ratio = torch.log(dist.clamp(min=1).float() / exact)
+        log_ratio = log_ratio / math.log(self.max_distance / exact)
         far = (exact + (log_ratio * (n - exact)).long()).clamp(max=n - 1)
         return offset + torch.where(dist < exact, dist, far)
 
     def forward(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-        rel = torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]
+        q, k = torch.arange(q_len, device=device), torch.arange(k_len, device=device)
+        rel = k[None, :] - q[:, None]
         return self.embedding(self.bucket(rel)).permute(2, 0, 1)[None]  # (1, H, Tq, Tk)
 
 
