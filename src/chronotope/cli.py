@@ -17,7 +17,7 @@ from rich.text import Text
 
 from chronotope.errors import ChronotopeError
 from chronotope.graph import Graph, capture
-from chronotope.models import load_workload
+from chronotope.models import default_device, load_workload
 
 EXIT_USAGE = 2
 
@@ -35,7 +35,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_capture(args: argparse.Namespace, out: Console) -> int:
     start = time.perf_counter()
-    workload = load_workload(args.model, device=args.device, batch_size=args.batch_size)
+    device = args.device or default_device(args.model)
+    workload = load_workload(args.model, device=device, batch_size=args.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unannotated ops are listed below instead
         graph = capture(workload, frontend=args.frontend)

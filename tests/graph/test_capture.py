@@ -57,6 +57,16 @@ def test_builtin_models_capture_and_replay_exactly(name):
     assert_same_step(graph, w)
 
 
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama", "hf-bert", "hf-t5"])
+def test_hugging_face_models_capture_and_replay_exactly(name):
+    pytest.importorskip("transformers")
+    w = get_workload(name)
+    graph = ct.capture(w)
+    assert graph.unannotated_ops() == []
+    assert graph.num_params == sum(p.numel() for p in w.model.parameters())
+    assert_same_step(graph, w)
+
+
 @pytest.mark.parametrize("name", ["gpt", "t5"])
 def test_export_frontend_gives_an_equivalent_graph(name):
     w = get_workload(name)
@@ -76,6 +86,7 @@ def test_parameters_are_named_by_module_path_and_ops_keep_their_source():
     graph = ct.capture(w)
     assert "h.0.attn.c_attn.weight" in graph.params
     assert [t.name for t in graph.inputs] == ["idx", "targets"]
+    assert all(op.source is not None for op in graph)
     linear = next(op for op in graph if op.kind == "linear")
     assert linear.source.file.endswith("chronotope/models/gpt.py")
     assert linear.source.module == "h.0.attn.c_attn"

@@ -174,6 +174,7 @@ class Tracer(fx.Tracer):
         self.on_meta = False  # computing a meta value: factories run, they are not recorded
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self.module_ids = {id(m) for m in root.modules()}
         self.tensor_paths = {
             id(t): name
             for name, t in [*root.named_parameters(), *root.named_buffers()]
@@ -197,6 +198,8 @@ class Tracer(fx.Tracer):
         return MetaProxy(node, self)
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if id(m) not in self.module_ids:
+            return forward(*args, **kwargs)  # made inside forward (a loss module): inline it
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as e:

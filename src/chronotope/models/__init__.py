@@ -29,7 +29,7 @@ from chronotope.models.swin import swin
 from chronotope.models.t5 import t5
 from chronotope.models.workload import Workload
 
-__all__ = ["BUILTINS", "Workload", "get_workload", "load_workload"]
+__all__ = ["BUILTINS", "LARGE", "Workload", "default_device", "get_workload", "load_workload"]
 
 BUILTINS: dict[str, Callable[..., Workload]] = {
     "gpt": gpt,
@@ -49,6 +49,14 @@ BUILTINS: dict[str, Callable[..., Workload]] = {
 }
 
 SPEC_FORM = "path/to/file.py:factory"
+
+
+# Configurations too large to allocate here: built on the meta device unless asked otherwise.
+LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-175b", "llama-70b"})
+
+
+def default_device(spec: str) -> str:
+    return "meta" if spec in LARGE else "cpu"
 
 
 def _unknown(name: str) -> UnknownModelError:

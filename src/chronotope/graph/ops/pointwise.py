@@ -159,6 +159,9 @@ def register(reg: OpRegistry) -> None:
         reg.add(targets, name.strip("_"), pointwise)
     for fn in OPERATORS:
         reg.add([fn], fn.__name__.strip("_"), pointwise)
+    for name in ("__and__", "__or__", "__xor__", "__invert__", "__rsub__", "__radd__"):
+        targets = [*method(name), *([getattr(aten, name)] if hasattr(aten, name) else [])]
+        reg.add(targets, name.strip("_"), pointwise)
     for fn in ACTIVATIONS:
         reg.add([fn], fn.__name__, pointwise)
 

@@ -201,7 +201,7 @@ def _is_full(s: slice, size: int) -> bool:
 
 
 def getitem(call: OpCall) -> str | None:
-    """Basic indexing and a single advanced (tensor) index."""
+    """Basic indexing plus integer tensor indices (broadcast together, as in NumPy)."""
     x = call.tensors[0]
     index = call.arg(1, "index")
     items = list(index) if isinstance(index, tuple) else [index]
@@ -216,11 +216,17 @@ def getitem(call: OpCall) -> str | None:
         else:
             expanded.append(it)
     expanded.extend([slice(None)] * (n - sum(1 for it in expanded if it is not None)))
+    tensor_at = [i for i, it in enumerate(expanded) if hasattr(it, "shape")]
+    if any(expanded[i].dtype == torch.bool for i in tensor_at):
+        return None  # a mask index: the result's size depends on the values
+    batch = torch.broadcast_shapes(*(expanded[i].shape for i in tensor_at)) if tensor_at else ()
+    bnames = names(len(batch), "t")
+    adjacent = tensor_at == list(range(tensor_at[0], tensor_at[-1] + 1)) if tensor_at else True
     inp: list[str] = []
-    out: list[str] = []
+    out: list[str] = [] if adjacent else list(bnames)
     extra: list[list[str]] = []
     d = 0
-    for it in expanded:
+    for pos, it in enumerate(expanded):
         if it is None:
             out.append("1")
             continue
@@ -237,15 +243,26 @@ def getitem(call: OpCall) -> str | None:
         elif isinstance(it, int):
             inp.append(f"i{d}^")
         elif hasattr(it, "shape"):
-            if extra or it.dtype == torch.bool:
-                return None  # several advanced indices, or a data-dependent size
             inp.append(f"i{d}^")
-            idx = names(len(it.shape), "t")
-            extra.append(idx)
-            out.extend(idx)
+            offset = len(batch) - len(it.shape)
+            extra.append(["1" if s == 1 and batch[offset + j] != 1 else bnames[offset + j]
+                          for j, s in enumerate(it.shape)])
+            if adjacent and pos == tensor_at[0]:
+                out.extend(bnames)
         else:
             return None
         d += 1
+    return f"{join(inp, *extra)} -> {' '.join(out)}"
+
+
+def diff(call: OpCall) -> str:
+    """``torch.diff``: neighbours along one dim are subtracted, so that dim is frozen."""
+    n = len(call.tensors[0].shape)
+    d = _dim(call, 2, n, default=-1)
+    inp = [f"i{i}^" if i == d else f"d{i}" for i in range(n)]
+    extra = [[f"x{k}_{i}^" if i == d else f"d{i}" for i in range(n)]
+             for k in range(len(call.tensors) - 1)]  # prepend / append
+    out = [f"o{i}^" if i == d else f"d{i}" for i in range(n)]
     return f"{join(inp, *extra)} -> {' '.join(out)}"
 
 
@@ -387,6 +404,7 @@ def register(reg: OpRegistry) -> None:
     reg.add([operator.setitem, functional.setitem], "setitem", setitem)
     reg.add([functional.updated], "update", updated)
     reg.add(_targets("roll"), "roll", along_dims(2))
+    reg.add(_targets("diff"), "diff", diff)
     reg.add(_targets("flip"), "flip", along_dims(1))
     reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)
     reg.add(_targets("gather"), "gather", gather)
