@@ -86,7 +86,8 @@ class Converter:
 
     def new_tensor(self, value: torch.Tensor, name: str, kind: TensorKind,
                    producer: Op | None = None) -> PTensor:
-        t = PTensor(self.unique(name, self.tensor_names), TensorMeta(tuple(value.shape), value.dtype), kind, producer)
+        meta = TensorMeta(tuple(value.shape), value.dtype)
+        t = PTensor(self.unique(name, self.tensor_names), meta, kind, producer)
         self.current[id(value)] = t
         self.alive.append(value)
         return t
@@ -143,7 +144,7 @@ class Converter:
         # trace-time strides need not match what the real kernels produce.
         target = _VIEW_AS_RESHAPE.get(node.target, node.target)
         if target is operator.getitem and not _is_tensor(args[0]):
-            return args[0][args[1]]  # a Python container: a size, or one output of a multi-output op
+            return args[0][args[1]]  # a size, or one output of a multi-output op
         inputs = _tensors((args, kwargs))
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
@@ -238,7 +239,8 @@ class Converter:
         s_args, s_kwargs = map_leaves(s_args, stored), map_leaves(s_kwargs, stored)
         name = self.unique(node.name, self.op_names)
         key = f"method:{target}" if isinstance(target, str) else target
-        op = Op(name, target_name(target), target, s_args, s_kwargs, tuple(iter_tensors((s_args, s_kwargs))), (), source=source)
+        inputs = tuple(iter_tensors((s_args, s_kwargs)))
+        op = Op(name, target_name(target), target, s_args, s_kwargs, inputs, (), source=source)
         op.outputs = tuple(
             self.new_tensor(o, name if len(outs) == 1 else f"{name}_{i}", TensorKind.ACTIVATION, op)
             for i, o in enumerate(outs)

@@ -155,7 +155,8 @@ class _RecordFactories(TorchFunctionMode):
         super().__init__()
         self.tracer = tracer
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _FACTORIES and not self.tracer.on_meta and not any(
             isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs))
