@@ -24,7 +24,7 @@ from chronotope.graph.convert import Converter, Leaf, OpFailed
 from chronotope.graph.ir import Graph, Source, TensorKind
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry, warn_unannotated
-from chronotope.graph.trace import Tracer, frame_source, strip_root, user_frame
+from chronotope.graph.trace import Tracer, frame_source, is_library_file, strip_root, user_frame
 from chronotope.models.workload import Workload
 
 Frontend = Literal["auto", "fx", "export"]
@@ -260,17 +260,9 @@ def export_source(node: fx.Node) -> Source | None:
     if stack:
         module = strip_root(list(stack.values())[-1][0])
     for file, line, fn in reversed(_FRAME.findall(node.meta.get("stack_trace") or "")):
-        frame_like = Source(file, int(line), fn, module)
-        if not _in_library(file):
-            return frame_like
+        if not is_library_file(file):
+            return Source(file, int(line), fn, module)
     return None
-
-
-def _in_library(file: str) -> bool:
-    from chronotope.graph import trace
-
-    return (file.startswith(trace._TORCH_DIR) or file.startswith(trace._GRAPH_DIR)
-            or file.startswith("<"))
 
 
 def _capture_error(name: str, first: str, error: Exception,

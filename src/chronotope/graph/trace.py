@@ -37,19 +37,21 @@ _CONCRETE = frozenset({
 })
 
 
+def is_library_file(file: str) -> bool:
+    """Code that is not the user's: torch, capture itself, the standard library, generated code."""
+    return (
+        file.startswith(_TORCH_DIR)
+        or file.startswith(_GRAPH_DIR)
+        or file.startswith(_SKIP_FILES)
+        or (file.startswith(_STDLIB_DIR) and "-packages" not in file)
+    )
+
+
 def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The innermost frame that belongs to the user's code, not to torch or to capture."""
-    while frame is not None:
-        file = frame.f_code.co_filename
-        if not (
-            file.startswith(_TORCH_DIR)
-            or file.startswith(_GRAPH_DIR)
-            or file.startswith(_SKIP_FILES)
-            or (file.startswith(_STDLIB_DIR) and "-packages" not in file)
-        ):
-            return frame
+    """The innermost frame that belongs to the user's code."""
+    while frame is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
-    return None
+    return frame
 
 
 def frame_source(frame: types.FrameType | None, module: str) -> Source | None:
