@@ -1,6 +1,15 @@
 """chronotope: parallel training plans as small programs over a captured operator graph."""
 
-from chronotope.errors import CaptureError, ChronotopeError, SignatureError, UnknownModelError
+from chronotope.errors import (
+    CaptureError,
+    ChronotopeError,
+    DeadlockError,
+    ModelLoadError,
+    PlanError,
+    SignatureError,
+    UnassignedOpError,
+    UnknownModelError,
+)
 from chronotope.graph import (
     Graph,
     Mask,
@@ -13,11 +22,13 @@ from chronotope.graph import (
     register_op,
 )
 from chronotope.models.workload import Workload
+from chronotope.plan import Plan, Replicate, Split
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "ChronotopeError", "Graph", "Mask", "Op", "PTensor", "Signature",
-    "SignatureError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
+    "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
+    "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
+    "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op",
 ]

@@ -24,3 +24,15 @@ class SignatureError(ChronotopeError):
 
 class ModelLoadError(ChronotopeError):
     """A ``path/to/file.py:factory`` model spec that cannot be loaded or returns the wrong thing."""
+
+
+class PlanError(ChronotopeError):
+    """A plan that cannot work as written: a bad split, a device out of range, a bad order."""
+
+
+class UnassignedOpError(PlanError):
+    """Some ops of the plan were never placed on a device."""
+
+
+class DeadlockError(PlanError):
+    """The plan's data dependencies and orders form a cycle: its ops would wait forever."""

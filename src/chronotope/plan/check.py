@@ -1,0 +1,326 @@
+"""Checking a plan: who waits on whom, whether that can ever finish, and what fits where.
+
+Dependencies come from masks: a piece that reads part of a tensor waits for
+the pieces that wrote an overlapping part (one replica of each region, the one
+on its own device when there is one). With the backward-after-forward edges and
+the user's orders they must form a DAG; a cycle is a deadlock and is reported
+with the ops on it and the ``order()`` calls that closed it. A topological sort
+of the DAG gives each device its complete sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+import textwrap
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
+from chronotope.graph.ir import PTensor, TensorKind
+from chronotope.graph.mask import Mask, VTensor
+from chronotope.plan.plan import OrderCall, Plan, PlanOp
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclass(eq=False)
+class Barrier:
+    """Joins the two sides of one ``order()`` call on one device (keeps edges linear)."""
+
+    call: OrderCall
+    device: int
+    order: int
+
+    @property
+    def name(self) -> str:
+        return f"order() at {self.call.where}"
+
+
+Node = PlanOp | Barrier
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: Node
+    dst: Node
+    why: str
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one device holds: weights, their gradients, optimizer state, peak activations."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        return (f"{_bytes(self.total)} = {_bytes(self.params)} params + {_bytes(self.grads)} "
+                f"grads + {_bytes(self.optimizer)} optimizer + {_bytes(self.activations)} "
+                "peak activations")
+
+
+@dataclass
+class CheckedPlan:
+    """A plan that passed ``check``: each device's op sequence and memory estimate."""
+
+    plan: Plan
+    sequences: dict[int, list[PlanOp]]
+    memory: dict[int, Memory]
+    edges: list[Edge] = field(repr=False)
+
+    def sequence(self, rank: int) -> list[PlanOp]:
+        """The ops global ``rank`` runs, in order (ranks past the scale unit repeat it)."""
+        if not 0 <= rank < self.plan.world_size:
+            raise PlanError(f"rank {rank} is out of range for {self.plan.world_size} ranks")
+        return self.sequences[rank % self.plan.ndevices]
+
+    def memory_of(self, rank: int) -> Memory:
+        self.sequence(rank)
+        return self.memory[rank % self.plan.ndevices]
+
+    def summary(self, max_ops: int | None = None) -> str:
+        p = self.plan
+        ranks = f" x {p.replicas} data-parallel replicas = {p.world_size} ranks" \
+            if p.replicas > 1 else ""
+        lines = [f"Plan for {p.graph.name}: {p.ndevices} devices{ranks}, "
+                 f"{sum(len(s) for s in self.sequences.values())} ops"]
+        for d, seq in self.sequences.items():
+            lines.append(f"device {d}: {len(seq)} ops, memory {self.memory[d]}")
+            names = [op.name for op in seq[:max_ops]]
+            if max_ops is not None and len(seq) > max_ops:
+                names.append(f"... {len(seq) - max_ops} more")
+            lines += textwrap.wrap(", ".join(names), 100, initial_indent="  ",
+                                   subsequent_indent="  ")
+        return "\n".join(lines)
+
+
+def check(plan: Plan) -> CheckedPlan:
+    forward = plan.forward_leaves()
+    unassigned = [op for op in forward if op.device is None]
+    if unassigned:
+        raise UnassignedOpError(_unassigned_message(unassigned))
+    backward = [b for f in forward if (b := plan.backward_op(f)) is not None]
+    ops: list[PlanOp] = forward + backward
+    edges = data_edges(ops)
+    edges += [Edge(b.forward, b, "its backward") for b in backward]
+    barriers, order_edges = _order_edges(plan)
+    edges += order_edges
+    order = _topological(ops + barriers, edges)
+    sequences: dict[int, list[PlanOp]] = {d: [] for d in range(plan.ndevices)}
+    for node in order:
+        if isinstance(node, PlanOp):
+            sequences[node.device].append(node)
+    memory = {d: estimate_memory(plan, seq, d) for d, seq in sequences.items()}
+    return CheckedPlan(plan, sequences, memory, edges)
+
+
+def data_edges(ops: list[PlanOp]) -> list[Edge]:
+    """Producer -> consumer for every overlapping piece, one replica per region."""
+    producers: dict[PTensor, dict[tuple, list[tuple[PlanOp, Mask]]]] = defaultdict(dict)
+    for op in ops:
+        for v in op.outputs:
+            producers[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
+    edges = []
+    for op in ops:
+        for v in op.inputs:
+            by_index = producers.get(v.ptensor)
+            if not by_index:
+                continue  # a graph input, a parameter, or the loss's seed gradient
+            found = _exact(by_index.get(v.mask.index, []), v.mask)
+            if found is None:
+                found = [(p, m) for group in by_index.values() for p, m in group
+                         if m.overlaps(v.mask)]
+            for p in _one_replica(found, op.device):
+                if p is not op:
+                    edges.append(Edge(p, op, f"reads {v.ptensor.name}"))
+    return edges
+
+
+def _exact(candidates: list[tuple[PlanOp, Mask]], want: Mask) -> list | None:
+    """Producers of exactly the wanted region, if their values cover the wanted value."""
+    hits = [(p, m) for p, m in candidates if m.value.intersect(want.value) is not None]
+    covered = sorted({(m.value.lo, m.value.hi) for _, m in hits})
+    lo = want.value.lo
+    for a, b in covered:
+        if a > lo:
+            break
+        lo = max(lo, b)
+    return hits if lo >= want.value.hi else None
+
+
+def _one_replica(found: list[tuple[PlanOp, Mask]], device: int | None) -> list[PlanOp]:
+    """Of producers of the same region (replicas), the one on ``device``, else the first."""
+    regions: dict[Mask, list[PlanOp]] = {}
+    for p, m in found:
+        regions.setdefault(m, []).append(p)
+    return [next((p for p in ps if p.device == device), ps[0]) for ps in regions.values()]
+
+
+def _order_edges(plan: Plan) -> tuple[list[Barrier], list[Edge]]:
+    barriers, edges = [], []
+    for call in plan.orders:
+        before, after = plan.leaves(call.before), plan.leaves(call.after)
+        devices = sorted({op.device for op in before} & {op.device for op in after})
+        if not devices:
+            raise PlanError(
+                f"{call}: the two sides share no device ({_devices(before)} vs "
+                f"{_devices(after)}); order() only orders ops on the same device"
+            )
+        for d in devices:
+            rank = min([op.order for op in after if op.device == d])
+            barrier = Barrier(call, d, rank)
+            barriers.append(barrier)
+            edges += [Edge(op, barrier, "order") for op in before if op.device == d]
+            edges += [Edge(barrier, op, "order") for op in after if op.device == d]
+    return barriers, edges
+
+
+def _devices(ops: list[PlanOp]) -> str:
+    ds = sorted({op.device for op in ops if op.device is not None})
+    return "devices " + ", ".join(map(str, ds)) if ds else "no device"
+
+
+def _topological(nodes: list[Node], edges: list[Edge]) -> list[Node]:
+    """Kahn's algorithm, program order first among ready ops; a leftover is a deadlock."""
+    index = {id(n): i for i, n in enumerate(nodes)}
+    out: dict[int, list[Edge]] = defaultdict(list)
+    indegree = [0] * len(nodes)
+    for e in edges:
+        out[index[id(e.src)]].append(e)
+        indegree[index[id(e.dst)]] += 1
+    ready = [(n.order, i) for i, n in enumerate(nodes) if indegree[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for e in out[i]:
+            j = index[id(e.dst)]
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(ready, (nodes[j].order, j))
+    if len(order) < len(nodes):
+        stuck = {i for i in range(len(nodes)) if indegree[i] > 0}
+        raise DeadlockError(_cycle_message(_find_cycle(stuck, out, index)))
+    return order
+
+
+def _find_cycle(stuck: set[int], out: dict[int, list[Edge]], index: dict) -> list[Edge]:
+    """One cycle among the ops Kahn's algorithm could not schedule.
+
+    Every stuck op waits on a stuck predecessor, so walking predecessors must
+    come back to an op already seen.
+    """
+    waits_on: dict[int, Edge] = {}
+    for i in stuck:
+        for e in out[i]:
+            j = index[id(e.dst)]
+            if j in stuck:
+                waits_on.setdefault(j, e)
+    i = min(stuck)
+    seen: dict[int, int] = {}
+    path: list[Edge] = []
+    while i not in seen:
+        seen[i] = len(path)
+        e = waits_on[i]
+        path.append(e)
+        i = index[id(e.src)]
+    return path[seen[i]:][::-1]
+
+
+def _cycle_message(cycle: list[Edge]) -> str:
+    lines = ["the plan deadlocks: these ops wait on each other in a cycle"]
+    calls: list[OrderCall] = []
+    for e in cycle:
+        if isinstance(e.src, Barrier):
+            continue  # shown as the "order" edge that enters it
+        dst, why = e.dst, e.why
+        if isinstance(dst, Barrier):
+            calls.append(dst.call)
+            nxt = next(x for x in cycle if x.src is dst)
+            dst, why = nxt.dst, f"ordered by plan.order at {dst.call.where}"
+        lines.append(f"  {_node(e.src)}  -> must run before ({why}) ->  {_node(dst)}")
+    if calls:
+        lines.append("order() calls that close the cycle:")
+        lines += [f"  {c}" for c in dict.fromkeys(calls)]
+    lines.append("Remove or reverse one of these orders, or move one of the ops to another "
+                 "device.")
+    return "\n".join(lines)
+
+
+def _node(op: Node) -> str:
+    src = f", {op.op.source.file.rsplit('/', 1)[-1]}:{op.op.source.line}" \
+        if isinstance(op, PlanOp) and op.op.source else ""
+    return f"{op.name} [device {op.device}{src}]"
+
+
+def _unassigned_message(ops: list[PlanOp]) -> str:
+    shown = ", ".join(op.name for op in ops[:12])
+    more = f" and {len(ops) - 12} more" if len(ops) > 12 else ""
+    return (f"{len(ops)} ops are not assigned to a device: {shown}{more}. "
+            "Place each with plan.assign(op, device) (or assign a group or the op they "
+            "were cut from).")
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+def _nbytes(v: VTensor) -> int:
+    return v.mask.numel * v.ptensor.dtype.itemsize
+
+
+def _reads(op: PlanOp) -> tuple[VTensor, ...]:
+    """A backward piece also reads what its forward saved: the forward's inputs and outputs."""
+    if op.forward is None:
+        return op.inputs
+    return (*op.inputs, *op.forward.inputs, *op.forward.outputs)
+
+
+def estimate_memory(plan: Plan, seq: list[PlanOp], device: int) -> Memory:
+    params: dict[PTensor, list[Mask]] = defaultdict(list)
+    param_grads = {plan.grads[p] for p in plan.graph.params.values() if p in plan.grads}
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    for i, op in enumerate(seq):
+        for v in (*_reads(op), *op.outputs):
+            if v.ptensor.kind is TensorKind.PARAM:
+                params[v.ptensor].append(v.mask)
+                continue
+            if v.ptensor in param_grads:
+                continue  # counted with the parameters
+            key = (v.ptensor, v.mask)
+            first.setdefault(key, i)
+            last[key] = i
+            size[key] = _nbytes(v)
+    delta = [0] * (len(seq) + 1)
+    for key, i in first.items():
+        delta[i] += size[key]
+        delta[last[key] + 1] -= size[key]
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    held = 0
+    for p, masks in params.items():
+        distinct = set(masks)
+        kept = [m for m in distinct if not any(o != m and o.contains(m) for o in distinct)]
+        held += sum(m.numel for m in kept) * p.dtype.itemsize
+    states = OPTIMIZER_STATES.get(plan.optimizer)
+    if states is None:
+        raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
+    return Memory(held, held, states * held, peak)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

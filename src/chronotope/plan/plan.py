@@ -1,0 +1,324 @@
+"""``Plan``: a parallel plan as a program over three primitives on a captured graph.
+
+``trans`` partitions an op into sub-ops, ``assign`` places an op on a device,
+``order`` makes one op (or group) run before another on the devices they share.
+Backward ops are not written: each forward piece gets one, partitioned and
+placed like it, and ``backward(x)`` names them so they can be ordered too.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+from chronotope.errors import PlanError
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind, TensorMeta
+from chronotope.graph.mask import Mask, ValueRange, VTensor
+from chronotope.graph.ops import DEFAULT_REGISTRY
+from chronotope.graph.registry import OpRegistry
+from chronotope.graph.trace import user_frame
+from chronotope.plan.algo import Algorithm, Piece, partition
+
+if TYPE_CHECKING:
+    from chronotope.plan.check import CheckedPlan
+
+# Kinds whose outputs carry no gradient even when their inputs do.
+_NO_GRAD_KINDS = frozenset({"detach", "factory", "fill", "argmax", "argmin", "one_hot"})
+
+
+@dataclass(eq=False)
+class PlanOp:
+    """One piece of work: a forward (sub-)op, or the backward of a forward piece."""
+
+    name: str
+    op: Op
+    piece: Piece
+    order: int  # position in program order, to break ties between independent ops
+    device: int | None = None
+    forward: PlanOp | None = None  # set on backward ops
+    children: list[PlanOp] = field(default_factory=list)
+
+    @property
+    def is_backward(self) -> bool:
+        return self.forward is not None
+
+    @property
+    def inputs(self) -> tuple[VTensor, ...]:
+        return self.piece.inputs
+
+    @property
+    def outputs(self) -> tuple[VTensor, ...]:
+        return self.piece.outputs
+
+    def __repr__(self) -> str:
+        where = "unassigned" if self.device is None else f"device {self.device}"
+        return f"PlanOp({self.name}, {where})"
+
+
+@dataclass(eq=False)
+class Group:
+    """Ops named together (a layer, a stage x micro-batch), to be placed or ordered at once."""
+
+    name: str
+    members: tuple[Ref, ...]
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, {len(self.members)} members)"
+
+
+@dataclass(eq=False)
+class BackwardOf:
+    """The backward ops of a forward op or group, whatever it is later cut into."""
+
+    of: Ref
+    name: str
+
+    def __repr__(self) -> str:
+        return f"BackwardOf({self.name})"
+
+
+Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
+
+
+@dataclass(frozen=True)
+class OrderCall:
+    """One ``plan.order(before, after)``, kept so a deadlock can name it."""
+
+    before: Ref
+    after: Ref
+    where: str
+
+    def __str__(self) -> str:
+        return f"plan.order({_label(self.before)}, {_label(self.after)}) at {self.where}"
+
+
+def _label(ref: Ref) -> str:
+    return getattr(ref, "name", str(ref))
+
+
+class Plan:
+    """A plan for ``ndevices`` devices over ``graph``; see the module docstring."""
+
+    def __init__(self, graph: Graph, ndevices: int, *, optimizer: str = "adam",
+                 registry: OpRegistry | None = None) -> None:
+        if ndevices < 1:
+            raise PlanError(f"a plan needs at least one device, got ndevices={ndevices}")
+        self.graph = graph
+        self.ndevices = ndevices
+        self.optimizer = optimizer
+        self.registry = registry or DEFAULT_REGISTRY
+        self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
+        self.orders: list[OrderCall] = []
+        self.grads: dict[PTensor, PTensor] = {}
+        self.requires_grad = _requires_grad(graph)
+        self.roots: dict[str, PlanOp] = {}
+        self._by_name: dict[str, PlanOp] = {}
+        self._backward: dict[PlanOp, PlanOp] = {}
+        shares = _gradient_shares(graph)
+        for i, op in enumerate(graph.ops):
+            sizes = op.signature.bind([t.shape for t in op.inputs],
+                                      [t.shape for t in op.outputs]) if op.signature else {}
+            piece = Piece(
+                tuple(VTensor(t, Mask.full(t.shape)) for t in op.inputs),
+                tuple(VTensor(t, Mask.full(t.shape)) for t in op.outputs),
+                shares[op], sizes,
+            )
+            self._add(PlanOp(op.name, op, piece, order=i * 2))
+            self.roots[op.name] = self._by_name[op.name]
+        self.checked: CheckedPlan | None = None
+
+    # ---- the primitives -------------------------------------------------------------------
+
+    def trans(self, op: Ref, algo: Algorithm) -> list[PlanOp]:
+        """Partition a forward op (not yet partitioned) into sub-ops; returns them in order."""
+        target = self._one(op, "trans")
+        if target.is_backward:
+            raise PlanError(f"{target.name} is a backward op: partition its forward op instead")
+        if target.children:
+            raise PlanError(f"{target.name} is already partitioned into "
+                            f"{len(target.children)} sub-ops; transform those instead")
+        opdef = self.registry.lookup(target.op.target)
+        additive = opdef.additive_inputs if opdef is not None else ()
+        pieces = partition(target.name, target.op.signature, target.piece, algo, additive)
+        target.children = [
+            PlanOp(f"{target.name}.{i}", target.op, p, target.order, target.device)
+            for i, p in enumerate(pieces)
+        ]
+        for child in target.children:
+            self._add(child)
+        self.checked = None
+        return list(target.children)
+
+    def assign(self, op: Ref, device: int) -> None:
+        """Place a forward op, group or sub-op (and so its backward) on ``device``."""
+        if not isinstance(device, int) or not 0 <= device < self.ndevices:
+            raise PlanError(f"cannot assign {_label(op)} to device {device}: this plan has "
+                            f"devices 0..{self.ndevices - 1}")
+        for leaf in self.leaves(op):
+            if leaf.is_backward:
+                raise PlanError(f"{leaf.name} is a backward op: it runs where its forward runs")
+            leaf.device = device
+        self._set_device(op, device)
+        self.checked = None
+
+    def order(self, before: Ref, after: Ref) -> None:
+        """On every device both run on, ``before``'s ops run before ``after``'s."""
+        frame = user_frame(sys._getframe(1))
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
+        for ref in (before, after):
+            self.leaves(ref)  # unknown names fail here, where the user wrote them
+        self.orders.append(OrderCall(before, after, where))
+        self.checked = None
+
+    def group(self, ops: Iterable[Ref], name: str) -> Group:
+        return Group(name, tuple(ops))
+
+    def backward(self, ref: Ref) -> BackwardOf:
+        """The backward ops of a forward op or group, to order them (1F1B needs it)."""
+        return BackwardOf(ref, f"backward({_label(ref)})")
+
+    def scale(self, replicas: int) -> Plan:
+        """Run this plan on ``replicas`` device groups, data parallel (a scale unit).
+
+        The plan stays the size of one group: device ``d`` of replica ``r`` is global
+        rank ``r * ndevices + d`` and runs what device ``d`` runs, on its own batch.
+        """
+        if replicas < 1:
+            raise PlanError(f"scale needs replicas >= 1, got {replicas}")
+        self.replicas = replicas
+        self.checked = None
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.ndevices * self.replicas
+
+    # ---- resolving names ------------------------------------------------------------------
+
+    def op(self, name: str) -> PlanOp:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise PlanError(f"the plan has no op named {name!r}") from None
+
+    def leaves(self, ref: Ref) -> list[PlanOp]:
+        """The ops a reference stands for now: forward leaves, or their backward ops."""
+        if isinstance(ref, str):
+            ref = self.op(ref)
+        elif isinstance(ref, Op):
+            ref = self.op(ref.name)
+        if isinstance(ref, PlanOp):
+            if ref.children:
+                return [leaf for c in ref.children for leaf in self.leaves(c)]
+            return [ref]
+        if isinstance(ref, Group):
+            return [leaf for m in ref.members for leaf in self.leaves(m)]
+        if isinstance(ref, BackwardOf):
+            return [b for f in self.leaves(ref.of) if (b := self.backward_op(f)) is not None]
+        if isinstance(ref, Sequence):
+            return [leaf for r in ref for leaf in self.leaves(r)]
+        raise PlanError(f"expected an op, sub-op, group or op name, got {ref!r}")
+
+    def forward_leaves(self) -> list[PlanOp]:
+        return [leaf for root in self.roots.values() for leaf in self.leaves(root)]
+
+    def backward_op(self, fwd: PlanOp) -> PlanOp | None:
+        """The backward of a forward leaf (None when it has no gradient to pass on)."""
+        if fwd in self._backward:
+            return self._backward[fwd]
+        if fwd.is_backward or fwd.children:
+            raise PlanError(f"{fwd.name} is not a forward leaf op")
+        rg = self.requires_grad
+        grad_in = [VTensor(self.grad(v.ptensor), Mask(v.mask.index))
+                   for v in fwd.outputs if v.ptensor in rg]
+        grad_out = [VTensor(self.grad(v.ptensor), Mask(v.mask.index, share))
+                    for v, share in zip(fwd.inputs, fwd.piece.grad_shares) if v.ptensor in rg]
+        bwd = None
+        if grad_in and grad_out:
+            piece = Piece(tuple(grad_in), tuple(grad_out), (), fwd.piece.sizes)
+            # Backward runs after every forward, in reverse program order.
+            order = 4 * len(self.graph.ops) - fwd.order
+            bwd = PlanOp(f"{fwd.name}.bw", fwd.op, piece, order=order,
+                         device=fwd.device, forward=fwd)
+            self._by_name[bwd.name] = bwd
+        self._backward[fwd] = bwd
+        return bwd
+
+    def grad(self, t: PTensor) -> PTensor:
+        """The gradient tensor of ``t``: one per forward tensor, produced piecewise."""
+        if t not in self.grads:
+            self.grads[t] = PTensor(f"grad({t.name})", TensorMeta(t.shape, t.dtype),
+                                    TensorKind.ACTIVATION)
+        return self.grads[t]
+
+    def _one(self, ref: Ref, what: str) -> PlanOp:
+        if isinstance(ref, str):
+            return self.op(ref)
+        if isinstance(ref, Op):
+            return self.op(ref.name)
+        if not isinstance(ref, PlanOp):
+            raise PlanError(f"{what} takes one op or sub-op, got {ref!r}")
+        return ref
+
+    def _add(self, op: PlanOp) -> None:
+        if op.name in self._by_name:
+            raise PlanError(f"two plan ops named {op.name!r}")
+        self._by_name[op.name] = op
+
+    def _set_device(self, ref: Ref, device: int) -> None:
+        """Sub-ops made later inherit the device of what they are cut from."""
+        if isinstance(ref, (str, Op)):
+            ref = self._one(ref, "assign")
+        if isinstance(ref, PlanOp):
+            ref.device = device
+            for c in ref.children:
+                self._set_device(c, device)
+        elif isinstance(ref, Group):
+            for m in ref.members:
+                self._set_device(m, device)
+
+    # ---- check and report -----------------------------------------------------------------
+
+    def check(self) -> CheckedPlan:
+        """Dependencies, deadlocks, placement and memory; see ``chronotope.plan.check``."""
+        from chronotope.plan.check import check
+
+        if self.checked is None:
+            self.checked = check(self)
+        return self.checked
+
+    def summary(self) -> str:
+        return self.check().summary()
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _requires_grad(graph: Graph) -> set[PTensor]:
+    """Tensors the loss is differentiated through: parameters and what is computed from them."""
+    rg = {t for t in graph.params.values() if t.dtype.is_floating_point}
+    for op in graph.ops:
+        if op.kind in _NO_GRAD_KINDS or not any(t in rg for t in op.inputs):
+            continue
+        rg.update(t for t in op.outputs if t.dtype.is_floating_point)
+    return rg
+
+
+def _gradient_shares(graph: Graph) -> dict[Op, tuple[ValueRange, ...]]:
+    """Each use of a tensor contributes an equal share of its gradient's value."""
+    uses: dict[PTensor, int] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            uses[t] = uses.get(t, 0) + 1
+    seen: dict[PTensor, int] = {}
+    shares = {}
+    for op in graph.ops:
+        mine = []
+        for t in op.inputs:
+            k = seen.get(t, 0)
+            seen[t] = k + 1
+            mine.append(ValueRange.part(k, uses[t]))
+        shares[op] = tuple(mine)
+    return shares
