@@ -10,6 +10,7 @@ an input a piece reads whole (it lacks the split dim) gets a partial gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from chronotope.errors import PlanError
 from chronotope.graph.mask import Mask, ValueRange, VTensor
@@ -42,6 +43,8 @@ class Piece:
     outputs: tuple[VTensor, ...]
     grad_shares: tuple[ValueRange, ...]
     sizes: dict[str, int]
+    # Replicas compute the same gradient: each contributes this fraction of it.
+    grad_scale: Fraction = Fraction(1)
 
 
 def _axis_of(sig_tensor: tuple, dim: str) -> int | None:
@@ -64,7 +67,8 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             raise PlanError(f"{name}: Replicate needs n >= 1, got {algo.n}")
         return [
             Piece(piece.inputs, piece.outputs,
-                  tuple(s.split(algo.n)[i] for s in piece.grad_shares), piece.sizes)
+                  tuple(s.split(algo.n)[i] for s in piece.grad_shares), piece.sizes,
+                  piece.grad_scale / algo.n)
             for i in range(algo.n)
         ]
     if not isinstance(algo, Split):
@@ -109,5 +113,6 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
                                                        v.mask.value.split(algo.parts)[i])))
             else:
                 outputs.append(v)  # every piece computes this output whole
-        pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes))
+        pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes,
+                            piece.grad_scale))
     return pieces

@@ -120,26 +120,40 @@ def check(plan: Plan) -> CheckedPlan:
     return CheckedPlan(plan, sequences, memory, edges)
 
 
+class Sources:
+    """Which pieces produced which regions of each tensor, to find what a reader needs."""
+
+    def __init__(self, ops: list[PlanOp]) -> None:
+        self.by_tensor: dict[PTensor, dict[tuple, list[tuple[PlanOp, Mask]]]] = defaultdict(dict)
+        for op in ops:
+            for v in op.outputs:
+                self.by_tensor[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
+
+    def find(self, v: VTensor, device: int | None) -> list[tuple[PlanOp, Mask]]:
+        """Pieces overlapping ``v``: one replica per region, on ``device`` when possible.
+
+        Empty for graph inputs, parameters and the loss's seed gradient.
+        """
+        by_index = self.by_tensor.get(v.ptensor)
+        if not by_index:
+            return []
+        found = _exact(by_index.get(v.mask.index, []), v.mask)
+        if found is None:
+            found = [(p, m) for group in by_index.values() for p, m in group
+                     if m.overlaps(v.mask)]
+        regions: dict[Mask, list[PlanOp]] = {}
+        for p, m in found:
+            regions.setdefault(m, []).append(p)
+        return [(next((p for p in ps if p.device == device), ps[0]), m)
+                for m, ps in regions.items()]
+
+
 def data_edges(ops: list[PlanOp]) -> list[Edge]:
     """Producer -> consumer for every overlapping piece, one replica per region."""
-    producers: dict[PTensor, dict[tuple, list[tuple[PlanOp, Mask]]]] = defaultdict(dict)
-    for op in ops:
-        for v in op.outputs:
-            producers[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
-    edges = []
-    for op in ops:
-        for v in op.inputs:
-            by_index = producers.get(v.ptensor)
-            if not by_index:
-                continue  # a graph input, a parameter, or the loss's seed gradient
-            found = _exact(by_index.get(v.mask.index, []), v.mask)
-            if found is None:
-                found = [(p, m) for group in by_index.values() for p, m in group
-                         if m.overlaps(v.mask)]
-            for p in _one_replica(found, op.device):
-                if p is not op:
-                    edges.append(Edge(p, op, f"reads {v.ptensor.name}"))
-    return edges
+    sources = Sources(ops)
+    return [Edge(p, op, f"reads {v.ptensor.name}")
+            for op in ops for v in op.inputs
+            for p, _ in sources.find(v, op.device) if p is not op]
 
 
 def _exact(candidates: list[tuple[PlanOp, Mask]], want: Mask) -> list | None:
@@ -152,14 +166,6 @@ def _exact(candidates: list[tuple[PlanOp, Mask]], want: Mask) -> list | None:
             break
         lo = max(lo, b)
     return hits if lo >= want.value.hi else None
-
-
-def _one_replica(found: list[tuple[PlanOp, Mask]], device: int | None) -> list[PlanOp]:
-    """Of producers of the same region (replicas), the one on ``device``, else the first."""
-    regions: dict[Mask, list[PlanOp]] = {}
-    for p, m in found:
-        regions.setdefault(m, []).append(p)
-    return [next((p for p in ps if p.device == device), ps[0]) for ps in regions.values()]
 
 
 def _order_edges(plan: Plan) -> tuple[list[Barrier], list[Edge]]:
