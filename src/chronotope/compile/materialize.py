@@ -1,0 +1,244 @@
+"""Materialization: the communication a checked plan needs, derived from its masks.
+
+For every piece a rank reads, the overlapping pieces that wrote it are found
+(one replica per region, the local one first). A local piece of exactly the
+right region is used as is; otherwise the parts are cut out, sent from other
+ranks, and assembled: regions concatenated, partial values summed. After the
+backward, each rank sums the gradient of every parameter region it stores,
+and rank 0 assembles the loss.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from fractions import Fraction
+
+from chronotope.compile.program import (
+    Assemble,
+    Backward,
+    Forward,
+    Free,
+    Grad,
+    Instruction,
+    Load,
+    Loss,
+    Part,
+    Program,
+    Recv,
+    Send,
+)
+from chronotope.graph.ir import PTensor, TensorKind
+from chronotope.graph.mask import Mask, VTensor
+from chronotope.plan.check import CheckedPlan, Sources
+from chronotope.plan.plan import PlanOp
+
+_SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
+            TensorKind.CONSTANT: "constant", TensorKind.INPUT: "input"}
+
+
+def _overlap(a: Mask, b: Mask) -> Mask | None:
+    """The index region two masks share (values aside)."""
+    index = []
+    for (p, q), (r, s) in zip(a.index, b.index):
+        lo, hi = max(p, r), min(q, s)
+        if lo >= hi:
+            return None
+        index.append((lo, hi))
+    return Mask(tuple(index))
+
+
+def _within(inner: Mask, outer: Mask) -> tuple[slice, ...]:
+    return tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer.index, inner.index))
+
+
+def held_regions(masks: list[Mask]) -> list[Mask]:
+    """The parameter regions a rank stores: the largest of the regions its pieces read."""
+    index_only = {Mask(m.index) for m in masks}
+    return sorted((m for m in index_only
+                   if not any(o != m and o.contains(m) for o in index_only)),
+                  key=lambda m: m.index)
+
+
+class Materializer:
+    def __init__(self, checked: CheckedPlan) -> None:
+        self.plan = checked.plan
+        self.sequences = checked.sequences
+        self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
+        n = self.plan.ndevices
+        self.pre: dict[PlanOp, list[Instruction]] = defaultdict(list)
+        self.post: dict[PlanOp, list[Instruction]] = defaultdict(list)
+        self.main: dict[PlanOp, Instruction] = {}
+        self.tail: list[list[Instruction]] = [[] for _ in range(n)]
+        self.local: list[dict[tuple[PTensor, Mask], str]] = [{} for _ in range(n)]
+        self.received: list[dict[tuple, str]] = [{} for _ in range(n)]
+        self.shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in range(n)]
+        self.piece_var: dict[tuple[PlanOp, Mask, PTensor], str] = {}
+        self.forward_of = {g: t for t, g in self.plan.grads.items()}
+        self.tag = 0
+        self.held = [self._held(seq) for _, seq in sorted(self.sequences.items())]
+
+    def _held(self, seq: list[PlanOp]) -> dict[str, list[Mask]]:
+        masks: dict[str, list[Mask]] = defaultdict(list)
+        for op in seq:
+            for v in op.inputs:
+                if v.ptensor.kind is TensorKind.PARAM:
+                    masks[v.ptensor.name].append(v.mask)
+        return {name: held_regions(ms) for name, ms in masks.items()}
+
+    def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
+        """A fresh local name on ``rank`` for a tensor of ``shape``."""
+        base = re.sub(r"\W", "_", hint).strip("_") or "t"
+        if base[0].isdigit():
+            base = "t_" + base
+        name, i = base, 1
+        while name in self.shapes[rank]:
+            name, i = f"{base}_{i}", i + 1
+        self.shapes[rank][name] = shape
+        return name
+
+    # ---- building ------------------------------------------------------------------------
+
+    def run(self) -> Program:
+        for rank, seq in sorted(self.sequences.items()):  # name every piece before any read
+            for op in seq:
+                for v in op.outputs:
+                    hint = f"d_{self.forward_of[v.ptensor].name}" \
+                        if v.ptensor in self.forward_of else v.ptensor.name
+                    self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint, v.mask.shape)
+        for rank, seq in sorted(self.sequences.items()):
+            for op in seq:
+                self.emit(rank, op)
+        for rank in range(self.plan.ndevices):
+            for pname, regions in self.held[rank].items():
+                param = self.plan.graph.params[pname]
+                if param not in self.plan.grads:
+                    continue
+                for region in regions:
+                    var = self.read(rank, VTensor(self.plan.grads[param], region), self.tail[rank])
+                    self.tail[rank].append(Grad(pname, region, var))
+        loss = self.plan.graph.loss
+        var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
+        self.tail[0].append(Loss(var))
+        ranks = []
+        for rank, seq in sorted(self.sequences.items()):
+            flat: list[Instruction] = []
+            for op in seq:
+                flat += [*self.pre[op], self.main[op], *self.post[op]]
+            ranks.append(with_frees(flat + self.tail[rank]))
+        return Program(self.plan, ranks, self.held)
+
+    def emit(self, rank: int, op: PlanOp) -> None:
+        pre = self.pre[op]
+        ins = tuple(self.read(rank, v, pre) for v in op.inputs)
+        outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
+        for v, var in zip(op.outputs, outs):
+            self.local[rank].setdefault((v.ptensor, v.mask), var)
+        if op.is_backward:
+            self.main[op] = Backward(op, ins, tuple(outs))
+            return
+        rg = self.plan.requires_grad
+        grad = tuple(v.ptensor in rg for v in op.inputs)
+        out_grad = tuple(v.ptensor in rg for v in op.outputs)
+        opdef = self.plan.registry.lookup(op.op.target)
+        scale = Fraction(1)
+        if opdef is not None and opdef.mean_reduction and op.outputs:
+            scale = op.outputs[0].mask.value.width
+        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale)
+
+    def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
+        """The name of a local tensor holding ``v``, adding what it takes to get it."""
+        key = (v.ptensor, v.mask)
+        if key in self.local[rank]:
+            return self.local[rank][key]
+        found = self.sources.find(v, rank)
+        if not found:
+            var = self.load(rank, v, pre)
+        else:
+            var = self.assemble(rank, v, found, pre)
+        self.local[rank][key] = var
+        return var
+
+    def load(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
+        t = v.ptensor
+        if t in self.forward_of:
+            source = "seed" if self.forward_of[t] is self.plan.graph.loss else "zeros"
+        else:
+            source = _SOURCES[t.kind]
+        held = None
+        if source == "param":
+            held = next(r for r in self.held[rank][t.name] if r.contains(Mask(v.mask.index)))
+        var = self.name(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
+        pre.append(Load(var, t, v.mask, source, held))
+        return var
+
+    def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
+                 pre: list[Instruction]) -> str:
+        parts = []
+        for producer, m in found:
+            region = _overlap(m, v.mask)
+            value = m.value.intersect(v.mask.value)
+            if region is None or value is None:
+                continue
+            scale = value.width / m.value.width
+            src, src_region = self.fetch(rank, producer, m, region, v.ptensor, pre)
+            parts.append(Part(src, _within(region, src_region), _within(region, v.mask), scale))
+        if len(parts) == 1 and parts[0].scale == 1 and _covers(parts[0].dst_slices, v.mask.shape) \
+                and _covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
+            return parts[0].src  # exactly one whole tensor: no copy
+        var = self.name(rank, v.ptensor.name, v.mask.shape)
+        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts))
+        return var
+
+    def fetch(self, rank: int, producer: PlanOp, m: Mask, region: Mask, t: PTensor,
+              pre: list[Instruction]) -> tuple[str, Mask]:
+        """A local name for ``region`` of ``producer``'s piece ``m``, and the region it covers."""
+        src_var = self.piece_var[(producer, m, t)]
+        if producer.device == rank:
+            return src_var, Mask(m.index)
+        key = (producer, m, region.index, t)
+        if key not in self.received[rank]:
+            self.tag += 1
+            var = self.name(rank, f"{t.name}_from{producer.device}", region.shape)
+            self.post[producer].append(Send(src_var, _within(region, Mask(m.index)), rank,
+                                            self.tag))
+            pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
+            self.received[rank][key] = var
+        return self.received[rank][key], Mask(region.index)
+
+
+def _covers(slices: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    return all(s == slice(0, n) for s, n in zip(slices, shape))
+
+
+def with_frees(code: list[Instruction]) -> list[Instruction]:
+    """Insert ``Free`` after the last instruction that reads each tensor."""
+    last: dict[str, int] = {}
+    for i, ins in enumerate(code):
+        for var in _reads(ins):
+            last[var] = i
+    frees: dict[int, list[str]] = defaultdict(list)
+    for var, i in last.items():
+        frees[i].append(var)
+    out: list[Instruction] = []
+    for i, ins in enumerate(code):
+        out.append(ins)
+        if frees.get(i):
+            out.append(Free(tuple(frees[i])))
+    return out
+
+
+def _reads(ins: Instruction) -> tuple[str, ...]:
+    if isinstance(ins, Forward):
+        return ins.ins
+    if isinstance(ins, Backward):
+        return ins.grad_outputs
+    if isinstance(ins, Assemble):
+        return tuple(p.src for p in ins.parts)
+    if isinstance(ins, (Send, Grad, Loss)):
+        return (ins.var,)
+    return ()
+
+
+def materialize(checked: CheckedPlan) -> Program:
+    return Materializer(checked).run()

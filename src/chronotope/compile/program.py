@@ -1,0 +1,123 @@
+"""The compiled program: per rank, a list of instructions over named local tensors.
+
+Instructions say what a rank does and nothing about how bytes move: ``Send`` /
+``Recv`` are point-to-point messages matched by tag, ``Assemble`` builds a
+reader's piece from overlapping parts (concatenating regions, summing partial
+values), ``Forward`` / ``Backward`` run one plan piece. Codegen turns a rank's
+list into a Python module; the runtime executes that module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+from chronotope.graph.ir import PTensor
+from chronotope.graph.mask import Mask
+from chronotope.plan.plan import Plan, PlanOp
+
+Slices = tuple[slice, ...]
+
+
+@dataclass
+class Load:
+    """A leaf piece: a parameter region, a slice of the batch, a constant, the loss seed."""
+
+    var: str
+    tensor: PTensor
+    mask: Mask
+    source: str  # "param", "buffer", "constant", "input", "seed" (ones), "zeros"
+    held: Mask | None = None  # for parameters: the region this rank stores, ``mask`` inside it
+
+
+@dataclass
+class Forward:
+    op: PlanOp
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    grad: tuple[bool, ...]  # which inputs get a gradient (become autograd leaves)
+    out_grad: tuple[bool, ...]  # which outputs pass a gradient back
+    output_scale: Fraction = Fraction(1)  # a mean over part of a reduced dim: its share
+
+
+@dataclass
+class Backward:
+    op: PlanOp  # the backward piece; ``op.forward`` is what it differentiates
+    grad_outputs: tuple[str, ...]
+    outs: tuple[str, ...]
+
+
+@dataclass
+class Send:
+    var: str
+    slices: Slices
+    dst: int
+    tag: int
+
+
+@dataclass
+class Recv:
+    var: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src: int
+    tag: int
+
+
+@dataclass
+class Part:
+    src: str
+    src_slices: Slices  # where the part sits in ``src``
+    dst_slices: Slices  # where it goes in the assembled tensor
+    scale: Fraction
+
+
+@dataclass
+class Assemble:
+    var: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: list[Part]
+
+
+@dataclass
+class Grad:
+    """The summed gradient of one parameter region this rank stores."""
+
+    param: str
+    region: Mask
+    var: str
+
+
+@dataclass
+class Loss:
+    var: str
+
+
+@dataclass
+class Free:
+    vars: tuple[str, ...]
+
+
+Instruction = Load | Forward | Backward | Send | Recv | Assemble | Grad | Loss | Free
+
+
+@dataclass
+class Program:
+    """What every rank of a plan runs for one training step."""
+
+    plan: Plan
+    ranks: list[list[Instruction]]
+    held: list[dict[str, list[Mask]]] = field(default_factory=list)  # param regions per rank
+
+    @property
+    def ndevices(self) -> int:
+        return len(self.ranks)
+
+    def code(self, rank: int) -> str:
+        """Rank ``rank``'s step as a readable Python module."""
+        from chronotope.compile.codegen import render
+
+        return render(self, rank % self.ndevices)

@@ -1,0 +1,109 @@
+"""``rt``: what a generated rank program calls.
+
+Each forward piece runs on detached inputs that are autograd leaves
+(``enter``), so its backward (``backward``) is one ``torch.autograd.grad`` call
+that yields exactly that piece's share of its inputs' gradients, wherever the
+gradients are then sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from chronotope.graph.registry import iter_tensors
+
+
+class StepContext:
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        params: Mapping[tuple[str, tuple], nn.Parameter],
+        state: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        transport: Any,
+        targets: Mapping[str, Callable[..., Any]],
+    ) -> None:
+        self.rank = rank
+        self.device = device
+        self.params = params
+        self.state = state
+        self.inputs = batch
+        self.transport = transport
+        self.targets = targets
+        self.saved: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self.losses: list[float] = []
+
+    # ---- leaves ----------------------------------------------------------------------------
+
+    def param(self, name: str, region: tuple) -> torch.Tensor:
+        return self.params[(name, region)]
+
+    def input(self, name: str) -> torch.Tensor:
+        return self.inputs[name]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    constant = buffer
+
+    def target(self, op_name: str) -> Callable[..., Any]:
+        return self.targets[op_name]
+
+    # ---- autograd per piece --------------------------------------------------------------
+
+    def enter(self, name: str, tensors: Sequence[torch.Tensor],
+              grad: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+        leaves = tuple(t.detach().requires_grad_() if g else t.detach()
+                       for t, g in zip(tensors, grad))
+        self.saved[name] = (tuple(t for t, g in zip(leaves, grad) if g), ())
+        return leaves
+
+    def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
+        self.saved[name] = (self.saved[name][0], tuple(outputs))
+
+    def backward(self, name: str, grad_outputs: Sequence[torch.Tensor],
+                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+        """This piece's share of the gradients of its inputs (in ``enter`` order)."""
+        leaves, outputs = self.saved.pop(name)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+        grads: Sequence[torch.Tensor | None] = [None] * len(leaves)
+        if pairs:
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves,
+                                        [g for _, g in pairs], allow_unused=True)
+        out = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
+        return tuple(g * scale for g in out) if scale != 1 else out
+
+    @staticmethod
+    def tensors(result: Any) -> list[torch.Tensor]:
+        return [t for t in iter_tensors(result) if isinstance(t, torch.Tensor)]
+
+    # ---- communication -------------------------------------------------------------------
+
+    def send(self, t: torch.Tensor, to: int, tag: int) -> None:
+        self.transport.send(t, self.rank, to, tag)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
+
+    def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
+        """Regions side by side, partial values summed."""
+        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        for t, where, scale in parts:
+            t = t.detach()
+            out[where] += t * scale if scale != 1 else t
+        return out
+
+    # ---- results -------------------------------------------------------------------------
+
+    def grad(self, param: str, region: tuple, g: torch.Tensor) -> None:
+        p = self.params[(param, region)]
+        p.grad = g.detach() if p.grad is None else p.grad + g.detach()
+
+    def loss(self, value: torch.Tensor) -> None:
+        self.losses.append(float(value))
