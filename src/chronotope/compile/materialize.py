@@ -142,7 +142,8 @@ class Materializer:
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
         opdef = self.plan.registry.lookup(op.op.target)
         scale = Fraction(1)
-        if opdef is not None and opdef.mean_reduction and op.outputs:
+        reduction = op.op.kwargs.get("reduction", "mean")
+        if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
         self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale)
 

@@ -8,6 +8,7 @@ version of the tensor (SSA), which later readers of that tensor see.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from chronotope.errors import CaptureError
 from chronotope.graph import functional
@@ -23,6 +25,7 @@ from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, 
 from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
 
+_MEAN_LOSSES = frozenset({F.cross_entropy, F.nll_loss})
 _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 _NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
@@ -149,6 +152,10 @@ class Converter:
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
+        if mutated is None and target in _MEAN_LOSSES:
+            loss = self.mean_as_sum(node.name, target, args, kwargs, source)
+            if loss is not None:
+                return loss
         result = self.traced(node) if mutated is None else None
         try:
             if result is None:
@@ -167,10 +174,36 @@ class Converter:
             return result  # metadata (x.shape, x.size(1), x.dtype): folds into a constant
         if mutated is None and all(any(o is i for i in inputs) for o in outs):
             return result  # returns its input unchanged (contiguous on a contiguous tensor)
-        op = self.emit(node, target, args, kwargs, outs, source)
+        op = self.emit(node.name, target, args, kwargs, outs, source)
         if mutated is not None:
             self.current[id(mutated)] = op.outputs[0]
             return mutated
+        return result
+
+    def mean_as_sum(self, name: str, target: Any, args: tuple, kwargs: dict,
+                    source: Source | None) -> torch.Tensor | None:
+        """A mean-reduced loss with ignored targets as ``sum / counted targets``.
+
+        Its denominator depends on the labels, so a piece of the batch cannot
+        scale its own mean correctly; a sum and a count both split exactly.
+        """
+        bound = inspect.signature(target).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        labels = a["target"]
+        if (a["reduction"] != "mean" or a["size_average"] is not None or a["reduce"] is not None
+                or labels.dtype.is_floating_point
+                or (a["weight"] is not None and a.get("label_smoothing", 0.0))):
+            return None
+        total = self.op_result(f"{name}_sum", target, (), {**a, "reduction": "sum"}, source)
+        count = self.op_result(f"{name}_count", functional.loss_denominator,
+                               (labels, a["weight"], a["ignore_index"], total.dtype), {}, source)
+        return self.op_result(name, operator.truediv, (total, count), {}, source)
+
+    def op_result(self, name: str, target: Any, args: tuple, kwargs: dict,
+                  source: Source | None) -> torch.Tensor:
+        result = call_on_meta("call_function", target, args, kwargs)
+        self.emit(name, target, args, kwargs, [result], source)
         return result
 
     def functional_form(self, node: fx.Node, target: Any, args: tuple, kwargs: dict,
@@ -228,7 +261,7 @@ class Converter:
             f"[{shapes}]: {first}. Example batch: {batch}; check the example inputs' shapes"
         )
 
-    def emit(self, node: fx.Node, target: Any, args: tuple, kwargs: dict,
+    def emit(self, node_name: str, target: Any, args: tuple, kwargs: dict,
              outs: list[torch.Tensor], source: Source | None) -> Op:
         def stored(x: Any) -> Any:
             if _is_tensor(x):
@@ -237,7 +270,7 @@ class Converter:
 
         s_args, s_kwargs = device_args(target, args, kwargs, DEVICE)
         s_args, s_kwargs = map_leaves(s_args, stored), map_leaves(s_kwargs, stored)
-        name = self.unique(node.name, self.op_names)
+        name = self.unique(node_name, self.op_names)
         key = f"method:{target}" if isinstance(target, str) else target
         inputs = tuple(iter_tensors((s_args, s_kwargs)))
         op = Op(name, target_name(target), target, s_args, s_kwargs, inputs, (), source=source)

@@ -22,3 +22,12 @@ def updated(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torch.Te
     y = x.clone()
     getattr(y, method)(*args, **kwargs)
     return y
+
+
+def loss_denominator(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """What a mean-reduced cross entropy divides by: the (weighted) count of counted labels."""
+    keep = target != ignore_index
+    if weight is None:
+        return keep.sum(dtype=dtype)
+    return torch.where(keep, weight[target.clamp(min=0)], 0).sum(dtype=dtype)

@@ -6,6 +6,7 @@ Every wait has a timeout, so a rank that died shows up as an error naming it.
 from __future__ import annotations
 
 import threading
+from collections import defaultdict, deque
 from datetime import timedelta
 
 import torch
@@ -23,27 +24,28 @@ class ThreadTransport:
 
     def __init__(self, timeout: float = 60.0) -> None:
         self.timeout = timeout
-        self.box: dict[tuple[int, int, int], torch.Tensor] = {}
+        # FIFO per (src, dst, tag): a fast rank may send the next step's message early.
+        self.box: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
         self.cond = threading.Condition()
         self.failed: dict[int, BaseException] = {}
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
-            self.box[(src, dst, tag)] = t.detach().clone()
+            self.box[(src, dst, tag)].append(t.detach().clone())
             self.cond.notify_all()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device) -> torch.Tensor:
         key = (src, dst, tag)
         with self.cond:
-            ok = self.cond.wait_for(lambda: key in self.box or src in self.failed, self.timeout)
+            ok = self.cond.wait_for(lambda: self.box[key] or src in self.failed, self.timeout)
             if src in self.failed:
                 raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
                                  f"{self.failed[src]!r}")
             if not ok:
                 raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
                                  f"from rank {src}; rank {src} is dead or stuck")
-            return self.box.pop(key).to(device)
+            return self.box[key].popleft().to(device)
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:

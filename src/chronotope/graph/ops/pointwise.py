@@ -7,6 +7,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from chronotope.graph import functional
 from chronotope.graph.registry import OpCall, OpRegistry, method
 
 aten = torch.ops.aten
@@ -192,8 +193,16 @@ def register(reg: OpRegistry) -> None:
     reg.add([F.nll_loss], "nll_loss", lambda c: loss(c, reduction_index=6), mean_reduction=True)
     reg.add([aten.nll_loss, aten.nll_loss_nd], "nll_loss",
             lambda c: loss(c, reduction_index=3), mean_reduction=True)
+    reg.add([functional.loss_denominator], "loss_denominator", _denominator)
     reg.add([F.mse_loss, F.l1_loss, F.smooth_l1_loss], "pointwise_loss", _pointwise_loss,
             mean_reduction=True)
+
+
+def _denominator(call: OpCall) -> str:
+    """Counting labels: a sum over all of them; class weights are read whole."""
+    dims = [d + "+" for d in names(len(call.tensors[0].shape))]
+    weight = [["c^"]] if len(call.tensors) > 1 else []
+    return f"{join(dims, *weight)} -> "
 
 
 def _pointwise_loss(call: OpCall) -> str:
