@@ -10,6 +10,7 @@ and rank 0 assembles the loss.
 
 from __future__ import annotations
 
+import keyword
 import re
 from collections import defaultdict
 from fractions import Fraction
@@ -33,6 +34,7 @@ from chronotope.graph.mask import Mask, VTensor
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
 
+_RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
 _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
             TensorKind.CONSTANT: "constant", TensorKind.INPUT: "input"}
 
@@ -91,6 +93,8 @@ class Materializer:
         base = re.sub(r"\W", "_", hint).strip("_") or "t"
         if base[0].isdigit():
             base = "t_" + base
+        if keyword.iskeyword(base) or base in _RESERVED:
+            base += "_"
         name, i = base, 1
         while name in self.shapes[rank]:
             name, i = f"{base}_{i}", i + 1

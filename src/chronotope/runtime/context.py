@@ -106,4 +106,4 @@ class StepContext:
         p.grad = g.detach() if p.grad is None else p.grad + g.detach()
 
     def loss(self, value: torch.Tensor) -> None:
-        self.losses.append(float(value))
+        self.losses.append(float(value.detach()))

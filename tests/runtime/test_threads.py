@@ -1,0 +1,78 @@
+"""Compiled plans, run as threads of one process, train exactly like one device."""
+
+import builtins
+import functools
+import warnings
+
+import pytest
+
+import chronotope as ct
+from chronotope.compile import compile
+from chronotope.models import get_workload
+from chronotope.policies import data_parallel
+from chronotope.runtime.local import run_in_threads, sgd
+from chronotope.runtime.reference import compare, train_reference
+
+STEPS = 3
+
+
+@functools.cache
+def captured(name: str):
+    w = get_workload(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+def split_linears(graph: ct.Graph, n: int) -> ct.Plan:
+    """Every linear split on its output features, everything else replicated."""
+    plan = ct.Plan(graph, n)
+    for op in graph:
+        split = op.kind == "linear" and op.inputs[1].shape[0] % n == 0
+        for device, piece in enumerate(plan.trans(op, ct.Split("n", n) if split
+                                                  else ct.Replicate(n))):
+            plan.assign(piece, device)
+    return plan
+
+
+def assert_trains_like_one_device(plan: ct.Plan, workload) -> None:
+    run = run_in_threads(compile(plan), workload, STEPS, sgd(0.1))
+    diff = compare(run, train_reference(workload, STEPS, sgd(0.1)))
+    assert len(run.losses) == STEPS
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "t5", "swin", "evoformer",
+                                  "hf-gpt2", "hf-bert"])
+def test_data_parallel(name):
+    workload, graph = captured(name)
+    assert_trains_like_one_device(data_parallel(graph, 2), workload)
+
+
+@pytest.mark.parametrize("name, n", [("gpt", 2), ("gpt", 4), ("llama", 2), ("bert", 4)])
+def test_split_linears(name, n):
+    workload, graph = captured(name)
+    assert_trains_like_one_device(split_linears(graph, n), workload)
+
+
+def test_data_parallel_on_four():
+    workload, graph = captured("gpt")
+    assert_trains_like_one_device(data_parallel(graph, 4), workload)
+
+
+def test_generated_code_is_readable_python_with_its_messages():
+    workload, graph = captured("gpt")
+    program = compile(split_linears(graph, 2))
+    code = program.code(1)
+    builtins.compile(code, "rank1.py", "exec")  # valid Python (the name compile is the plan's)
+    assert code.startswith('"""Rank 1 of 2: one training step of gpt.')
+    assert "rt.send(" in code and "rt.recv(" in code and "rt.backward('linear.1'" in code
+    assert "# linear.1: linear  (gpt.py:" in code and "\n    del " in code
+
+
+def test_a_dead_rank_is_named():
+    workload, graph = captured("gpt")
+    program = compile(data_parallel(graph, 2))
+    program.ranks[1] = program.ranks[1][:5]  # rank 1 stops early: rank 0 waits on it
+    with pytest.raises(Exception, match="rank 1"):
+        run_in_threads(program, workload, 1, timeout=2)
