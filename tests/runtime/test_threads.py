@@ -10,7 +10,7 @@ import chronotope as ct
 from chronotope.compile import compile
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel
-from chronotope.runtime.local import run_in_threads, sgd
+from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
 STEPS = 3
@@ -36,8 +36,8 @@ def split_linears(graph: ct.Graph, n: int) -> ct.Plan:
 
 
 def assert_trains_like_one_device(plan: ct.Plan, workload) -> None:
-    run = run_in_threads(compile(plan), workload, STEPS, sgd(0.1))
-    diff = compare(run, train_reference(workload, STEPS, sgd(0.1)))
+    run = run_in_threads(compile(plan), workload, STEPS, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(workload, STEPS, Optim("sgd", 0.1)))
     assert len(run.losses) == STEPS
     assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
 

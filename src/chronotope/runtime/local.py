@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,38 +16,70 @@ from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.transport import RankFailed, ThreadTransport
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+@dataclass(frozen=True)
+class Optim:
+    """Which optimizer each rank runs over its parameter regions (picklable, for workers)."""
+
+    name: str = "sgd"
+    lr: float = 0.1
+    weight_decay: float = 0.0
+
+    def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+        if self.name == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        raise ValueError(f"unknown optimizer {self.name!r}: use sgd or adamw")
 
 
-def sgd(lr: float = 0.1) -> OptimizerFactory:
-    return lambda params: torch.optim.SGD(params, lr=lr)
+@dataclass
+class RankSpec:
+    """Everything one rank needs to train: its code, its parameter regions, its data."""
+
+    rank: int
+    code: str
+    params: dict[tuple[str, tuple], torch.Tensor]
+    state: dict[str, torch.Tensor]
+    batch: dict[str, torch.Tensor]
+    targets: dict[str, Any] = field(default_factory=dict)
+
+
+def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
+    graph = program.plan.graph
+    full = {n: p.detach() for n, p in workload.model.named_parameters()}
+    state = {n: b.detach() for n, b in workload.model.named_buffers()}
+    state.update(graph.constants)
+    tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
+    batch = {t.name: v for t, v in zip(graph.inputs, tensors)}
+    targets = {op.name: op.target for op in graph.ops if callable(op.target)}
+    return [
+        RankSpec(
+            rank, program.code(rank),
+            {(name, region.index): full[name][region.to_slices()].clone()
+             for name, regions in program.held[rank].items() for region in regions},
+            state, batch, targets,
+        )
+        for rank in range(program.ndevices)
+    ]
 
 
 class Rank:
     """One rank: its generated step, its parameter regions and their optimizer."""
 
-    def __init__(self, program: Program, rank: int, workload: Workload, transport: Any,
-                 optimizer: OptimizerFactory, device: torch.device | str = "cpu") -> None:
-        self.rank = rank
+    def __init__(self, spec: RankSpec, transport: Any, optim: Optim,
+                 device: torch.device | str = "cpu") -> None:
+        self.rank = spec.rank
         self.device = torch.device(device)
         self.transport = transport
-        graph = program.plan.graph
-        self.code = program.code(rank)
         scope: dict[str, Any] = {}
-        exec(compile(self.code, f"<chronotope rank {rank}>", "exec"), scope)
+        exec(compile(spec.code, f"<chronotope rank {spec.rank}>", "exec"), scope)
         self.step_fn = scope["step"]
-        full = dict(workload.model.named_parameters())
-        self.params = {
-            (name, region.index): nn.Parameter(
-                full[name].detach()[region.to_slices()].clone().to(self.device))
-            for name, regions in program.held[rank].items() for region in regions
-        }
-        self.state = {n: b.detach().to(self.device) for n, b in workload.model.named_buffers()}
-        self.state.update({n: c.to(self.device) for n, c in graph.constants.items()})
-        tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
-        self.batch = {t.name: v.to(self.device) for t, v in zip(graph.inputs, tensors)}
-        self.targets = {op.name: op.target for op in graph.ops if callable(op.target)}
-        self.optimizer = optimizer(list(self.params.values()))
+        self.params = {k: nn.Parameter(v.to(self.device)) for k, v in spec.params.items()}
+        self.state = {n: t.to(self.device) for n, t in spec.state.items()}
+        self.batch = {n: t.to(self.device) for n, t in spec.batch.items()}
+        self.targets = spec.targets
+        self.optimizer = optim.build(list(self.params.values()))
 
     def step(self) -> list[float]:
         rt = StepContext(self.rank, self.device, self.params, self.state, self.batch,
@@ -60,6 +91,9 @@ class Rank:
         self.optimizer.step()
         return rt.losses
 
+    def regions(self) -> dict[tuple[str, tuple], torch.Tensor]:
+        return {k: p.detach().cpu() for k, p in self.params.items()}
+
 
 @dataclass
 class RunResult:
@@ -68,11 +102,10 @@ class RunResult:
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,
-                   optimizer: OptimizerFactory | None = None, timeout: float = 60.0) -> RunResult:
+                   optim: Optim | None = None, timeout: float = 60.0) -> RunResult:
     """Every rank as a thread of this process: the same generated code, messages in memory."""
     transport = ThreadTransport(timeout)
-    optimizer = optimizer or sgd()
-    ranks = [Rank(program, r, workload, transport, optimizer) for r in range(program.ndevices)]
+    ranks = [Rank(spec, transport, optim or Optim()) for spec in rank_specs(program, workload)]
     losses: list[float] = []
     errors: dict[int, BaseException] = {}
 
@@ -82,7 +115,7 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
                 out = rank.step()
                 if rank.rank == 0:
                     losses.extend(out)
-        except BaseException as e:  # noqa: BLE001  (reported below, after every thread ends)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, once every thread ended)
             errors[rank.rank] = e
             transport.fail(rank.rank, e)
 
@@ -91,19 +124,18 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
         t.start()
     for t in threads:
         t.join()
-    if errors:
-        first = min(errors)
-        if isinstance(errors[first], RankFailed):
-            first = next((r for r, e in sorted(errors.items()) if not isinstance(e, RankFailed)),
-                         first)
-        raise errors[first]
-    return RunResult(losses, gather_params(ranks, workload))
+    if errors:  # the root cause, not the ranks that timed out waiting on it
+        cause = next((e for _, e in sorted(errors.items()) if not isinstance(e, RankFailed)),
+                     errors[min(errors)])
+        raise cause
+    return RunResult(losses, gather_params([r.regions() for r in ranks], workload))
 
 
-def gather_params(ranks: list[Rank], workload: Workload) -> dict[str, torch.Tensor]:
+def gather_params(regions: list[dict[tuple[str, tuple], torch.Tensor]],
+                  workload: Workload) -> dict[str, torch.Tensor]:
     """Whole parameters from the regions the ranks hold (replicas agree; any one will do)."""
     out = {n: torch.full_like(p, float("nan")) for n, p in workload.model.named_parameters()}
-    for rank in ranks:
-        for (name, index), p in rank.params.items():
-            out[name][Mask(index).to_slices()] = p.detach().cpu()
+    for held in regions:
+        for (name, index), p in held.items():
+            out[name][Mask(index).to_slices()] = p
     return out

@@ -5,17 +5,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
-
 from chronotope.graph.capture import model_loss
 from chronotope.models.workload import Workload
-from chronotope.runtime.local import OptimizerFactory, RunResult
+from chronotope.runtime.local import Optim, RunResult
 
 
-def train_reference(workload: Workload, steps: int, optimizer: OptimizerFactory) -> RunResult:
+def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
     """Train a copy of the model as written, on one device, with the same optimizer."""
     model = copy.deepcopy(workload.model)
-    opt = optimizer(list(model.parameters()))
+    opt = optim.build(list(model.parameters()))
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -23,7 +21,7 @@ def train_reference(workload: Workload, steps: int, optimizer: OptimizerFactory)
         loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn else model_loss(out)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
