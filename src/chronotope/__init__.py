@@ -21,8 +21,12 @@ from chronotope.graph import (
     execute,
     register_op,
 )
+from chronotope import policies
+from chronotope.compile import Program, compile
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split
+from chronotope.runtime.launch import run_processes as run
+from chronotope.runtime.local import Optim
 
 __version__ = "0.1.0"
 
@@ -30,5 +34,5 @@ __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
     "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
-    "register_op",
+    "register_op", "Optim", "Program", "compile", "policies", "run",
 ]

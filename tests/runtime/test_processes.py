@@ -1,5 +1,8 @@
 """Compiled plans as real worker processes on gloo."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -46,3 +49,20 @@ def test_a_raising_worker_is_named():
                                           "def step(rt):\n    raise ValueError('bad batch')\n")
     with pytest.raises(WorkerError, match="worker rank 0 failed: ValueError: bad batch"):
         launch(specs, 1, timeout=30)
+
+
+def test_saved_program_runs_under_torchrun(tmp_path):
+    w, program = gpt_program(2)
+    program.save(str(tmp_path), w, steps=2)
+    assert (tmp_path / "rank1.py").read_text().startswith('"""Rank 1 of 2')
+    src = os.path.dirname(os.path.dirname(ct.__file__))  # importable however it was installed
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(tmp_path / "launch.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = train_reference(w, 2, Optim())
+    assert f"step 1: loss {reference.losses[1]:.6f}" in done.stdout

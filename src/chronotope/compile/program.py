@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import torch
 
@@ -115,6 +116,12 @@ class Program:
     @property
     def ndevices(self) -> int:
         return len(self.ranks)
+
+    def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
+        """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""
+        from chronotope.runtime.launch import save
+
+        return save(self, workload, directory, steps, optim)
 
     def code(self, rank: int) -> str:
         """Rank ``rank``'s step as a readable Python module."""
