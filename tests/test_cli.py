@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from chronotope.cli import main
 
 
@@ -64,3 +66,23 @@ def test_console_entry_point_exit_codes():
     bad = subprocess.run([sys.executable, "-m", "chronotope.cli", "capture", "missing.py:make"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "missing.py" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plan_writes_code_and_reports_per_rank(tmp_path, capsys):
+    report = run_json(capsys, "plan", "gpt", "--devices", "2", "--out", str(tmp_path))
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert report["ranks"][0]["received_bytes"]["p2p"] > 0
+    assert (tmp_path / "rank0.py").exists() and (tmp_path / "launch.py").exists()
+
+
+def test_plan_that_does_not_divide_exits_2(capsys):
+    assert main(["plan", "gpt", "--devices", "3"]) == 2
+    assert "divisible by 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_check_matches_one_device(capsys):
+    report = run_json(capsys, "run", "gpt", "--devices", "2", "--steps", "2", "--check")
+    assert report["policy"] == "dp" and report["devices"] == 2 and len(report["losses"]) == 2
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+    assert report["step_time_s"] > 0

@@ -9,15 +9,22 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from chronotope.compile import Program
+from chronotope.compile import compile as compile_plan
 from chronotope.errors import ChronotopeError
 from chronotope.graph import Graph, capture
-from chronotope.models import default_device, load_workload
+from chronotope.models import Workload, default_device, load_workload
+from chronotope.policies import data_parallel
+from chronotope.runtime.launch import run_processes
+from chronotope.runtime.local import Optim
+from chronotope.runtime.reference import compare, train_reference
 
 EXIT_USAGE = 2
 
@@ -76,7 +83,92 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
     out.print("Give them one with @chronotope.register_op('<signature>').")
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {"capture": cmd_capture}
+POLICIES = {"dp": data_parallel}
+
+
+def _compiled(args: argparse.Namespace) -> tuple[Workload, Program]:
+    workload = load_workload(args.model, device="cpu", batch_size=args.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(workload)
+    plan = POLICIES[args.policy](graph, args.devices)
+    return workload, compile_plan(plan)
+
+
+def cmd_plan(args: argparse.Namespace, out: Console) -> int:
+    workload, program = _compiled(args)
+    files = program.save(args.out, workload) if args.out else []
+    checked = program.plan.check()
+    ranks = [
+        {"rank": r, "ops": len(checked.sequence(r)), "memory_bytes": asdict(checked.memory[r]),
+         "received_bytes": program.traffic(r)}
+        for r in range(program.ndevices)
+    ]
+    if args.json:
+        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
+                          "ranks": ranks, "files": files}))
+        return 0
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices")
+    for col in ("rank", "ops", "memory", "received per step (p2p)"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        table.add_row(str(r["rank"]), str(r["ops"]), _bytes(checked.memory[r["rank"]].total),
+                      _bytes(r["received_bytes"]["p2p"]))
+    out.print(table)
+    if files:
+        out.print(f"wrote {len(files)} files to {args.out}; run them with "
+                  f"torchrun --nproc-per-node {args.devices} {args.out}/launch.py")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, out: Console) -> int:
+    workload, program = _compiled(args)
+    optim = Optim(args.optimizer, args.lr)
+    with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
+                    f"processes for {args.steps} steps"):
+        result = run_processes(program, workload, args.steps, optim, timeout=args.timeout)
+        reference = train_reference(workload, args.steps, optim) if args.check else None
+    diff = compare(result, reference) if reference else None
+    step_time = sum(result.step_times[1:]) / max(len(result.step_times) - 1, 1)
+    if args.json:
+        print(json.dumps({
+            "policy": args.policy, "devices": args.devices, "losses": result.losses,
+            "reference_losses": reference.losses if reference else None,
+            "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
+            "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
+            "step_time_s": step_time,
+        }))
+        return 0
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} processes")
+    table.add_column("step", justify="right")
+    table.add_column("loss", justify="right")
+    if reference:
+        table.add_column("single device", justify="right")
+    for i, loss in enumerate(result.losses):
+        row = [str(i), f"{loss:.6f}"] + ([f"{reference.losses[i]:.6f}"] if reference else [])
+        table.add_row(*row)
+    out.print(table)
+    out.print(f"step time {step_time * 1e3:.1f} ms (rank 0, after the first step)")
+    if diff:
+        ok = max(diff.max_loss_rel_diff, diff.max_param_rel_diff) <= 1e-5
+        out.print(f"largest relative difference from one device: losses "
+                  f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e} "
+                  + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
+        return 0 if ok else 1
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
+    "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run,
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,12 +176,34 @@ def parser() -> argparse.ArgumentParser:
         prog="chronotope",
         description="Turn a single-device PyTorch model into a distributed training program.",
     )
+    p.set_defaults(json=False, debug=False)
     sub = p.add_subparsers(dest="command", required=True)
     cap = sub.add_parser("capture", help="capture a model's training step as an operator graph")
     _model_args(cap)
     cap.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto",
                      help="tracer to use (auto: torch.fx, then torch.export if fx fails)")
     cap.add_argument("--print-graph", action="store_true", help="list every op")
+
+    for name, help_ in (("plan", "compile a plan and write each rank's code"),
+                        ("run", "train with a plan on local gloo processes")):
+        cmd = sub.add_parser(name, help=help_)
+        cmd.add_argument("model", nargs="?", default="gpt",
+                         help="a built-in name or path/to/file.py:factory (default: gpt)")
+        cmd.add_argument("--policy", choices=sorted(POLICIES), default="dp")
+        cmd.add_argument("--devices", type=int, default=4)
+        cmd.add_argument("--batch-size", type=int, default=None)
+        cmd.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        cmd.add_argument("--debug", action="store_true", help="show tracebacks")
+        if name == "plan":
+            cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
+        else:
+            cmd.add_argument("--steps", type=int, default=3)
+            cmd.add_argument("--check", action="store_true",
+                             help="also train on one device and compare losses and weights")
+            cmd.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+            cmd.add_argument("--lr", type=float, default=0.1)
+            cmd.add_argument("--timeout", type=float, default=60.0,
+                             help="seconds a rank waits on another before giving up")
     return p
 
 

@@ -9,6 +9,7 @@ list into a Python module; the runtime executes that module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -116,6 +117,12 @@ class Program:
     @property
     def ndevices(self) -> int:
         return len(self.ranks)
+
+    def traffic(self, rank: int) -> dict[str, int]:
+        """Bytes this rank receives per step, by kind of communication."""
+        received = sum(math.prod(i.shape) * i.dtype.itemsize
+                       for i in self.ranks[rank] if isinstance(i, Recv))
+        return {"p2p": received}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
         """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""

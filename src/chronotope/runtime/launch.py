@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -35,15 +36,19 @@ def free_port() -> int:
 
 
 def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
-               timeout: float) -> tuple[list[float], dict]:
+               timeout: float) -> tuple[list[float], dict, list[float]]:
     """One rank's whole run inside an initialized process group."""
     device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") \
         if backend == "nccl" else torch.device("cpu")
     rank = Rank(spec, DistTransport(timeout), optim, device)
-    losses = []
+    losses, times = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         losses += rank.step()
-    return losses, rank.regions()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return losses, rank.regions(), times
 
 
 def _worker(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
@@ -65,11 +70,12 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
                   backend: str = "gloo", timeout: float = 60.0) -> RunResult:
     """One process per rank on this machine; returns rank 0's losses and the final weights."""
     results = launch(rank_specs(program, workload), steps, optim, backend, timeout)
-    return RunResult(results[0][0], gather_params([r[1] for r in results], workload))
+    return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
+                     results[0][2])
 
 
 def launch(specs: list[RankSpec], steps: int, optim: Optim | None = None,
-           backend: str = "gloo", timeout: float = 60.0) -> list[tuple[list[float], dict]]:
+           backend: str = "gloo", timeout: float = 60.0) -> list[tuple[list[float], dict, list]]:
     """Spawn the ranks and wait for all of them; a failure names the rank that caused it."""
     with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
         try:
@@ -144,7 +150,7 @@ def worker_main(directory: str, steps: int | None = None, timeout: float = 60.0)
         spec = specs[rank]
         with open(os.path.join(directory, f"rank{rank}.py")) as f:
             spec.code = f.read()
-        losses, _ = train_rank(spec, steps or saved["steps"], saved["optim"], backend, timeout)
+        losses, _, _ = train_rank(spec, steps or saved["steps"], saved["optim"], backend, timeout)
         if rank == 0:
             for i, loss in enumerate(losses):
                 print(f"step {i}: loss {loss:.6f}", flush=True)

@@ -99,6 +99,7 @@ class Rank:
 class RunResult:
     losses: list[float]  # per step, as rank 0 assembled them
     params: dict[str, torch.Tensor]  # final parameters, reassembled from the ranks' regions
+    step_times: list[float] = field(default_factory=list)  # rank 0's seconds per step
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,
