@@ -1,5 +1,7 @@
 """chronotope: parallel training plans as small programs over a captured operator graph."""
 
+from chronotope import policies
+from chronotope.compile import Program, compile
 from chronotope.errors import (
     CaptureError,
     ChronotopeError,
@@ -21,8 +23,6 @@ from chronotope.graph import (
     execute,
     register_op,
 )
-from chronotope import policies
-from chronotope.compile import Program, compile
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split
 from chronotope.runtime.launch import run_processes as run

@@ -109,11 +109,12 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
                           "ranks": ranks, "files": files}))
         return 0
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices")
-    for col in ("rank", "ops", "memory", "received per step (p2p)"):
+    for col in ("rank", "ops", "memory", "p2p received", "all-reduce"):
         table.add_column(col, justify="right")
     for r in ranks:
+        traffic = r["received_bytes"]
         table.add_row(str(r["rank"]), str(r["ops"]), _bytes(checked.memory[r["rank"]].total),
-                      _bytes(r["received_bytes"]["p2p"]))
+                      _bytes(traffic["p2p"]), _bytes(traffic["all_reduce"]))
     out.print(table)
     if files:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "

@@ -76,3 +76,13 @@ def test_a_dead_rank_is_named():
     program.ranks[1] = program.ranks[1][:5]  # rank 1 stops early: rank 0 waits on it
     with pytest.raises(Exception, match="rank 1"):
         run_in_threads(program, workload, 1, timeout=2)
+
+
+def test_gradient_sums_become_all_reduces():
+    workload, graph = captured("gpt")
+    program = compile(data_parallel(graph, 2))
+    traffic = program.traffic(0)
+    assert traffic["p2p"] == 0 and program.groups == [(0, 1)]
+    # one ring all-reduce of every gradient: 2 (k - 1) / k of the parameters' bytes
+    assert traffic["all_reduce"] >= graph.num_params * 4
+    assert "rt.all_reduce((" in program.code(0)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from chronotope.compile.program import (
+    AllReduce,
     Assemble,
     Backward,
     Forward,
@@ -75,6 +76,8 @@ def _render(ins: Instruction) -> list[str]:
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
+    if isinstance(ins, AllReduce):
+        return [f"{ins.var} = rt.all_reduce(({_names(ins.srcs)}), ranks={ins.ranks})"]
     if isinstance(ins, Grad):
         return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var})"]
     if isinstance(ins, Loss):

@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 from fractions import Fraction
 
+from chronotope.compile.collectives import all_reduces
 from chronotope.compile.program import (
     Assemble,
     Backward,
@@ -28,6 +29,8 @@ from chronotope.compile.program import (
     Program,
     Recv,
     Send,
+    SumOfPieces,
+    reads,
 )
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, VTensor
@@ -129,8 +132,9 @@ class Materializer:
             flat: list[Instruction] = []
             for op in seq:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
-            ranks.append(with_frees(flat + self.tail[rank]))
-        return Program(self.plan, ranks, self.held)
+            ranks.append(flat + self.tail[rank])
+        ranks, groups = all_reduces(ranks)
+        return Program(self.plan, [with_frees(code) for code in ranks], self.held, groups)
 
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
@@ -192,8 +196,20 @@ class Materializer:
                 and _covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
         var = self.name(rank, v.ptensor.name, v.mask.shape)
-        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts))
+        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts,
+                            self.sum_of_pieces(rank, v, found)))
         return var
+
+    def sum_of_pieces(self, rank: int, v: VTensor,
+                      found: list[tuple[PlanOp, Mask]]) -> SumOfPieces | None:
+        """Whether this read sums whole pieces of the region held on several ranks."""
+        devices = {p.device for p, _ in found}
+        if (len(devices) < 2 or not v.mask.value.is_full or rank not in devices
+                or any(m.index != v.mask.index for _, m in found)):
+            return None
+        local = tuple(self.piece_var[(p, m, v.ptensor)] for p, m in found if p.device == rank)
+        return SumOfPieces(v.ptensor.name, v.mask.index,
+                           tuple(sorted((p.name, p.device) for p, _ in found)), local)
 
     def fetch(self, rank: int, producer: PlanOp, m: Mask, region: Mask, t: PTensor,
               pre: list[Instruction]) -> tuple[str, Mask]:
@@ -220,7 +236,7 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
     """Insert ``Free`` after the last instruction that reads each tensor."""
     last: dict[str, int] = {}
     for i, ins in enumerate(code):
-        for var in _reads(ins):
+        for var in reads(ins):
             last[var] = i
     frees: dict[int, list[str]] = defaultdict(list)
     for var, i in last.items():
@@ -231,18 +247,6 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
         if frees.get(i):
             out.append(Free(tuple(frees[i])))
     return out
-
-
-def _reads(ins: Instruction) -> tuple[str, ...]:
-    if isinstance(ins, Forward):
-        return ins.ins
-    if isinstance(ins, Backward):
-        return ins.grad_outputs
-    if isinstance(ins, Assemble):
-        return tuple(p.src for p in ins.parts)
-    if isinstance(ins, (Send, Grad, Loss)):
-        return (ins.var,)
-    return ()
 
 
 def materialize(checked: CheckedPlan) -> Program:

@@ -76,12 +76,35 @@ class Part:
     scale: Fraction
 
 
+@dataclass(frozen=True)
+class SumOfPieces:
+    """An Assemble that sums one whole piece from each of several ranks: an all-reduce
+    candidate when every one of those ranks assembles the same sum."""
+
+    tensor: str
+    region: tuple
+    sources: tuple[tuple[str, int], ...]  # (producing piece, its rank)
+    local: tuple[str, ...]  # this rank's own pieces, summed before the all-reduce
+
+
 @dataclass
 class Assemble:
     var: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     parts: list[Part]
+    sum_of_pieces: SumOfPieces | None = None
+
+
+@dataclass
+class AllReduce:
+    """Sum the ``srcs`` of every rank in ``ranks`` (each of them runs the same instruction)."""
+
+    var: str
+    srcs: tuple[str, ...]
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass
@@ -103,7 +126,23 @@ class Free:
     vars: tuple[str, ...]
 
 
-Instruction = Load | Forward | Backward | Send | Recv | Assemble | Grad | Loss | Free
+Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | Grad | Loss
+               | Free)
+
+
+def reads(ins: Instruction) -> tuple[str, ...]:
+    """The local tensors an instruction reads."""
+    if isinstance(ins, Forward):
+        return ins.ins
+    if isinstance(ins, Backward):
+        return ins.grad_outputs
+    if isinstance(ins, Assemble):
+        return tuple(p.src for p in ins.parts)
+    if isinstance(ins, AllReduce):
+        return ins.srcs
+    if isinstance(ins, (Send, Grad, Loss)):
+        return (ins.var,)
+    return ()
 
 
 @dataclass
@@ -113,6 +152,7 @@ class Program:
     plan: Plan
     ranks: list[list[Instruction]]
     held: list[dict[str, list[Mask]]] = field(default_factory=list)  # param regions per rank
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # rank sets of collectives
 
     @property
     def ndevices(self) -> int:
@@ -122,7 +162,10 @@ class Program:
         """Bytes this rank receives per step, by kind of communication."""
         received = sum(math.prod(i.shape) * i.dtype.itemsize
                        for i in self.ranks[rank] if isinstance(i, Recv))
-        return {"p2p": received}
+        # A ring all-reduce of n bytes over k ranks moves 2 (k - 1) / k * n per rank.
+        reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape)
+                      * i.dtype.itemsize for i in self.ranks[rank] if isinstance(i, AllReduce))
+        return {"p2p": received, "all_reduce": int(reduced)}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
         """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""

@@ -90,6 +90,13 @@ class StepContext:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
 
+    def all_reduce(self, pieces: Sequence[torch.Tensor], ranks: tuple[int, ...]) -> torch.Tensor:
+        """The sum of these local pieces and those of the other ``ranks``."""
+        local = pieces[0].detach()
+        for p in pieces[1:]:
+            local = local + p.detach()
+        return self.transport.all_reduce(local, ranks, self.rank)
+
     def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
                  parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
         """Regions side by side, partial values summed."""

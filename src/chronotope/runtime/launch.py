@@ -40,7 +40,7 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
     """One rank's whole run inside an initialized process group."""
     device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") \
         if backend == "nccl" else torch.device("cpu")
-    rank = Rank(spec, DistTransport(timeout), optim, device)
+    rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device)
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()

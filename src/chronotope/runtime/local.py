@@ -43,6 +43,7 @@ class RankSpec:
     state: dict[str, torch.Tensor]
     batch: dict[str, torch.Tensor]
     targets: dict[str, Any] = field(default_factory=dict)
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # collectives' rank sets
 
 
 def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
@@ -58,7 +59,7 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
             rank, program.code(rank),
             {(name, region.index): full[name][region.to_slices()].clone()
              for name, regions in program.held[rank].items() for region in regions},
-            state, batch, targets,
+            state, batch, targets, program.groups,
         )
         for rank in range(program.ndevices)
     ]

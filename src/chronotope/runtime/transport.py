@@ -28,6 +28,9 @@ class ThreadTransport:
         self.box: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
         self.cond = threading.Condition()
         self.failed: dict[int, BaseException] = {}
+        self.calls: dict[tuple, int] = defaultdict(int)  # collectives each rank entered
+        self.pending: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)
+        self.taken: dict[tuple, int] = defaultdict(int)
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
@@ -47,6 +50,29 @@ class ThreadTransport:
                                  f"from rank {src}; rank {src} is dead or stuck")
             return self.box[key].popleft().to(device)
 
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        """Sum over ``ranks`` in rank order, so every member gets the same bits."""
+        with self.cond:
+            seq = self.calls[(ranks, rank)]
+            self.calls[(ranks, rank)] += 1
+            key = (ranks, seq)
+            self.pending[key][rank] = t.detach().clone()
+            self.cond.notify_all()
+            ok = self.cond.wait_for(
+                lambda: len(self.pending[key]) == len(ranks)
+                or any(r in self.failed for r in ranks), self.timeout)
+            dead = [r for r in ranks if r in self.failed and r not in self.pending[key]]
+            if dead or not ok:
+                missing = dead or [r for r in ranks if r not in self.pending[key]]
+                who = ", ".join(f"rank {r}" for r in missing)
+                raise RankFailed(f"rank {rank} waited in an all-reduce over ranks {list(ranks)} "
+                                 f"for {who}, which failed or is stuck")
+            total = sum(self.pending[key][r] for r in ranks)
+            self.taken[key] += 1
+            if self.taken[key] == len(ranks):
+                del self.pending[key], self.taken[key]
+            return total.to(t.device)
+
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
             self.failed[rank] = error
@@ -59,9 +85,22 @@ class ThreadTransport:
 class DistTransport:
     """torch.distributed point-to-point (gloo on CPU, NCCL on GPU), with timeouts."""
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 60.0, groups: list[tuple[int, ...]] = ()) -> None:
         self.timeout = timedelta(seconds=timeout)
         self.pending: list[dist.Work] = []
+        world = dist.get_world_size()
+        # Every rank creates every group, in the same order, as torch.distributed requires.
+        self.groups = {g: None if len(g) == world else dist.new_group(list(g)) for g in groups}
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        out = t.detach().clone()
+        work = dist.all_reduce(out, group=self.groups[ranks], async_op=True)
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise RankFailed(f"rank {rank} timed out in an all-reduce over {list(ranks)}: "
+                             f"{e}") from e
+        return out
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))
