@@ -85,4 +85,5 @@ def test_gradient_sums_become_all_reduces():
     assert traffic["p2p"] == 0 and program.groups == [(0, 1)]
     # one ring all-reduce of every gradient: 2 (k - 1) / k of the parameters' bytes
     assert traffic["all_reduce"] >= graph.num_params * 4
-    assert "rt.all_reduce((" in program.code(0)
+    code = program.code(0)
+    assert code.count("rt.all_reduce(") <= 4  # loss sum and count, their gradients, all weights

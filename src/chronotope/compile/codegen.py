@@ -77,7 +77,8 @@ def _render(ins: Instruction) -> list[str]:
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
     if isinstance(ins, AllReduce):
-        return [f"{ins.var} = rt.all_reduce(({_names(ins.srcs)}), ranks={ins.ranks})"]
+        pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
+        return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks})"]
     if isinstance(ins, Grad):
         return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var})"]
     if isinstance(ins, Loss):

@@ -35,12 +35,27 @@ def all_reduces(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
         new: list[Instruction] = []
         for ins in code:
             if id(ins) in chosen:
-                new.append(AllReduce(ins.var, ins.sum_of_pieces.local, chosen[id(ins)],
-                                     ins.shape, ins.dtype))
+                new.append(AllReduce((ins.var,), (ins.sum_of_pieces.local,), chosen[id(ins)],
+                                     (ins.shape,), ins.dtype))
             else:
                 new.append(ins)
         out.append(new)
-    return _drop_unread_messages(out), sorted(set(chosen.values()))
+    out = [coalesce(code) for code in _drop_unread_messages(out)]
+    return out, sorted(set(chosen.values()))
+
+
+def coalesce(code: list[Instruction]) -> list[Instruction]:
+    """Back-to-back all-reduces over the same ranks and dtype become one (one flat buffer)."""
+    out: list[Instruction] = []
+    for ins in code:
+        prev = out[-1] if out else None
+        if (isinstance(ins, AllReduce) and isinstance(prev, AllReduce)
+                and prev.ranks == ins.ranks and prev.dtype == ins.dtype):
+            out[-1] = AllReduce(prev.vars + ins.vars, prev.srcs + ins.srcs, prev.ranks,
+                                prev.shapes + ins.shapes, prev.dtype)
+        else:
+            out.append(ins)
+    return out
 
 
 def _same_order(ranks: list[list[Instruction]], chosen: dict[int, tuple[int, ...]]) -> bool:

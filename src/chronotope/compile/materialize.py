@@ -117,13 +117,15 @@ class Materializer:
             for op in seq:
                 self.emit(rank, op)
         for rank in range(self.plan.ndevices):
-            for pname, regions in self.held[rank].items():
+            grads = []  # gathered first, handed over after: the sums can then be fused
+            for pname in self.plan.graph.params:  # one order on every rank
                 param = self.plan.graph.params[pname]
                 if param not in self.plan.grads:
                     continue
-                for region in regions:
+                for region in self.held[rank].get(pname, ()):
                     var = self.read(rank, VTensor(self.plan.grads[param], region), self.tail[rank])
-                    self.tail[rank].append(Grad(pname, region, var))
+                    grads.append(Grad(pname, region, var))
+            self.tail[rank] += grads
         loss = self.plan.graph.loss
         var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
         self.tail[0].append(Loss(var))

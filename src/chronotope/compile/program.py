@@ -98,12 +98,15 @@ class Assemble:
 
 @dataclass
 class AllReduce:
-    """Sum the ``srcs`` of every rank in ``ranks`` (each of them runs the same instruction)."""
+    """For each output, the sum over ``ranks`` of their local pieces (summed locally first).
 
-    var: str
-    srcs: tuple[str, ...]
+    Several outputs travel in one flat buffer, as one collective call.
+    """
+
+    vars: tuple[str, ...]
+    srcs: tuple[tuple[str, ...], ...]
     ranks: tuple[int, ...]
-    shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
 
 
@@ -139,7 +142,7 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, Assemble):
         return tuple(p.src for p in ins.parts)
     if isinstance(ins, AllReduce):
-        return ins.srcs
+        return tuple(v for srcs in ins.srcs for v in srcs)
     if isinstance(ins, (Send, Grad, Loss)):
         return (ins.var,)
     return ()
@@ -163,8 +166,8 @@ class Program:
         received = sum(math.prod(i.shape) * i.dtype.itemsize
                        for i in self.ranks[rank] if isinstance(i, Recv))
         # A ring all-reduce of n bytes over k ranks moves 2 (k - 1) / k * n per rank.
-        reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape)
-                      * i.dtype.itemsize for i in self.ranks[rank] if isinstance(i, AllReduce))
+        reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
+                      for i in self.ranks[rank] if isinstance(i, AllReduce) for shape in i.shapes)
         return {"p2p": received, "all_reduce": int(reduced)}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:

@@ -90,12 +90,17 @@ class StepContext:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
 
-    def all_reduce(self, pieces: Sequence[torch.Tensor], ranks: tuple[int, ...]) -> torch.Tensor:
-        """The sum of these local pieces and those of the other ``ranks``."""
-        local = pieces[0].detach()
-        for p in pieces[1:]:
-            local = local + p.detach()
-        return self.transport.all_reduce(local, ranks, self.rank)
+    def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]],
+                   ranks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """For each entry, the sum of its local pieces and the other ``ranks``' pieces.
+
+        All entries travel in one flat buffer: one collective call per instruction.
+        """
+        local = [sum(p.detach() for p in pieces) for pieces in tensors]
+        flat = self.transport.all_reduce(torch.cat([t.reshape(-1) for t in local]), ranks,
+                                         self.rank)
+        return tuple(part.view_as(t) for part, t in
+                     zip(flat.split([t.numel() for t in local]), local))
 
     def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
                  parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
