@@ -181,17 +181,18 @@ def _qualified(fn: Any, op_name: str) -> str:
     if isinstance(fn, torch._ops.OpOverload):
         return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
     module = (getattr(fn, "__module__", None) or "").replace("_operator", "operator")
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
-    if module == "builtins" and getattr(builtins, name, None) is fn:
-        return name
+    names = [n for n in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)) if n]
+    if module == "builtins" and names and getattr(builtins, names[-1], None) is fn:
+        return names[-1]
     for candidate in dict.fromkeys((module, "torch", "torch.nn.functional", "operator")):
-        if candidate.split(".")[0] not in ("torch", "operator") or not name:
+        if candidate.split(".")[0] not in ("torch", "operator"):
             continue
-        obj: Any = importlib.import_module(candidate)
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-        if obj is fn:
-            return f"{candidate}.{name}"
+        for name in names:
+            obj: Any = importlib.import_module(candidate)
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if obj is fn:
+                return f"{candidate}.{name}"
     return f"rt.target({op_name!r})"
 
 
