@@ -21,6 +21,7 @@ from chronotope.compile import compile as compile_plan
 from chronotope.errors import ChronotopeError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
+from chronotope.plan.check import format_bytes
 from chronotope.policies import data_parallel
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
@@ -113,8 +114,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
         table.add_column(col, justify="right")
     for r in ranks:
         traffic = r["received_bytes"]
-        table.add_row(str(r["rank"]), str(r["ops"]), _bytes(checked.memory[r["rank"]].total),
-                      _bytes(traffic["p2p"]), _bytes(traffic["all_reduce"]))
+        table.add_row(str(r["rank"]), str(r["ops"]), format_bytes(checked.memory[r["rank"]].total),
+                      format_bytes(traffic["p2p"]), format_bytes(traffic["all_reduce"]))
     out.print(table)
     if files:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "
@@ -157,14 +158,6 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
                   + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
         return 0 if ok else 1
     return 0
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {

@@ -95,9 +95,8 @@ def _load(ins: Load) -> str:
         return f"torch.{fill}({tuple(mask.shape)}, dtype={t.dtype}, device=rt.device)"
     if ins.source == "param":
         base = f"rt.param({t.name!r}, {ins.held.index})"
-        inner = Mask(mask.index)
-        within = tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(ins.held.index, inner.index))
-        if all(s == slice(0, b - a) for s, (a, b) in zip(within, ins.held.index)):
+        within = Mask(mask.index).local_slices(ins.held)
+        if Mask(mask.index) == ins.held:
             text = base
         else:
             text = f"{base}{_index(within)}"

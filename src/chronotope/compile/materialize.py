@@ -44,17 +44,7 @@ _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
 
 def _overlap(a: Mask, b: Mask) -> Mask | None:
     """The index region two masks share (values aside)."""
-    index = []
-    for (p, q), (r, s) in zip(a.index, b.index):
-        lo, hi = max(p, r), min(q, s)
-        if lo >= hi:
-            return None
-        index.append((lo, hi))
-    return Mask(tuple(index))
-
-
-def _within(inner: Mask, outer: Mask) -> tuple[slice, ...]:
-    return tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer.index, inner.index))
+    return Mask(a.index).intersect(Mask(b.index))
 
 
 def held_regions(masks: list[Mask]) -> list[Mask]:
@@ -193,7 +183,8 @@ class Materializer:
                 continue
             scale = value.width / m.value.width
             src, src_region = self.fetch(rank, producer, m, region, v.ptensor, pre)
-            parts.append(Part(src, _within(region, src_region), _within(region, v.mask), scale))
+            parts.append(Part(src, region.local_slices(src_region), region.local_slices(v.mask),
+                              scale))
         if len(parts) == 1 and parts[0].scale == 1 and _covers(parts[0].dst_slices, v.mask.shape) \
                 and _covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
@@ -223,7 +214,7 @@ class Materializer:
         if key not in self.received[rank]:
             self.tag += 1
             var = self.name(rank, f"{t.name}_from{producer.device}", region.shape)
-            self.post[producer].append(Send(src_var, _within(region, Mask(m.index)), rank,
+            self.post[producer].append(Send(src_var, region.local_slices(m), rank,
                                             self.tag))
             pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var

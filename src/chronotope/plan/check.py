@@ -60,9 +60,9 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations
 
     def __str__(self) -> str:
-        return (f"{_bytes(self.total)} = {_bytes(self.params)} params + {_bytes(self.grads)} "
-                f"grads + {_bytes(self.optimizer)} optimizer + {_bytes(self.activations)} "
-                "peak activations")
+        b = format_bytes
+        return (f"{b(self.total)} = {b(self.params)} params + {b(self.grads)} grads + "
+                f"{b(self.optimizer)} optimizer + {b(self.activations)} peak activations")
 
 
 @dataclass
@@ -324,7 +324,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], device: int) -> Memory:
     return Memory(held, held, states * held, peak)
 
 
-def _bytes(n: int) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
