@@ -103,8 +103,7 @@ def _load(ins: Load) -> str:
     else:
         full = all(a == 0 and b == n for (a, b), n in zip(mask.index, t.shape))
         text = f"rt.{ins.source}({t.name!r})" + ("" if full else _index(mask.to_slices()))
-    width = mask.value.width
-    return text if width == 1 else f"{text} * {_number(width)}"
+    return text
 
 
 def _forward(ins: Forward) -> list[str]:
@@ -119,6 +118,9 @@ def _forward(ins: Forward) -> list[str]:
         lines.append(f"{_targets(leaves)} = rt.enter({op.name!r}, ({_names(ins_names)}), "
                      f"{tuple(ins.grad)})")
         ins_names = leaves
+    for i, share in enumerate(ins.input_shares):
+        if share != 1:  # this piece's share of a value it reads whole (e.g. a bias)
+            lines.append(f"{ins_names[i]} = {ins_names[i]} * {_number(share)}")
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)

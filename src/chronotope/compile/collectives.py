@@ -35,26 +35,37 @@ def all_reduces(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
         new: list[Instruction] = []
         for ins in code:
             if id(ins) in chosen:
-                new.append(AllReduce((ins.var,), (ins.sum_of_pieces.local,), chosen[id(ins)],
-                                     (ins.shape,), ins.dtype))
+                p = ins.sum_of_pieces
+                new.append(AllReduce((ins.var,), (p.local,), chosen[id(ins)], (ins.shape,),
+                                     ins.dtype, ((p.tensor, p.region, p.sources),)))
             else:
                 new.append(ins)
         out.append(new)
-    out = [coalesce(code) for code in _drop_unread_messages(out)]
-    return out, sorted(set(chosen.values()))
+    return coalesce(_drop_unread_messages(out)), sorted(set(chosen.values()))
 
 
-def coalesce(code: list[Instruction]) -> list[Instruction]:
-    """Back-to-back all-reduces over the same ranks and dtype become one (one flat buffer)."""
-    out: list[Instruction] = []
-    for ins in code:
-        prev = out[-1] if out else None
-        if (isinstance(ins, AllReduce) and isinstance(prev, AllReduce)
-                and prev.ranks == ins.ranks and prev.dtype == ins.dtype):
-            out[-1] = AllReduce(prev.vars + ins.vars, prev.srcs + ins.srcs, prev.ranks,
-                                prev.shapes + ins.shapes, prev.dtype)
-        else:
-            out.append(ins)
+def coalesce(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Back-to-back all-reduces over the same ranks and dtype become one flat buffer,
+    where they are back to back on every member rank (so all members merge alike)."""
+    adjacent: dict[tuple, set[int]] = defaultdict(set)  # (key a, key b) -> ranks
+    for rank, code in enumerate(ranks):
+        for a, b in zip(code, code[1:]):
+            if isinstance(a, AllReduce) and isinstance(b, AllReduce):
+                adjacent[(a.keys[-1], b.keys[0])].add(rank)
+    out = []
+    for code in ranks:
+        merged: list[Instruction] = []
+        for ins in code:
+            prev = merged[-1] if merged else None
+            if (isinstance(ins, AllReduce) and isinstance(prev, AllReduce)
+                    and prev.ranks == ins.ranks and prev.dtype == ins.dtype
+                    and adjacent[(prev.keys[-1], ins.keys[0])] == set(ins.ranks)):
+                merged[-1] = AllReduce(prev.vars + ins.vars, prev.srcs + ins.srcs, prev.ranks,
+                                       prev.shapes + ins.shapes, prev.dtype,
+                                       prev.keys + ins.keys)
+            else:
+                merged.append(ins)
+        out.append(merged)
     return out
 
 

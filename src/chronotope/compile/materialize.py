@@ -70,6 +70,9 @@ class Materializer:
         self.shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in range(n)]
         self.piece_var: dict[tuple[PlanOp, Mask, PTensor], str] = {}
         self.forward_of = {g: t for t, g in self.plan.grads.items()}
+        # A reader's share of a value it gets whole (a bias under a reduction split): the
+        # reader applies it inside its autograd region, so its gradient carries it too.
+        self.share: list[dict[str, Fraction]] = [{} for _ in range(n)]
         self.tag = 0
         self.held = [self._held(seq) for _, seq in sorted(self.sequences.items())]
 
@@ -139,13 +142,14 @@ class Materializer:
             return
         rg = self.plan.requires_grad
         grad = tuple(v.ptensor in rg for v in op.inputs)
+        shares = tuple(self.share[rank].get(var, Fraction(1)) for var in ins)
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
         opdef = self.plan.registry.lookup(op.op.target)
         scale = Fraction(1)
         reduction = op.op.kwargs.get("reduction", "mean")
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
-        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale)
+        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares)
 
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""
@@ -170,7 +174,9 @@ class Materializer:
         if source == "param":
             held = next(r for r in self.held[rank][t.name] if r.contains(Mask(v.mask.index)))
         var = self.name(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
-        pre.append(Load(var, t, v.mask, source, held))
+        pre.append(Load(var, t, Mask(v.mask.index), source, held))
+        if not v.mask.value.is_full:
+            self.share[rank][var] = v.mask.value.width
         return var
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
@@ -189,6 +195,10 @@ class Materializer:
                 and _covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
         var = self.name(rank, v.ptensor.name, v.mask.shape)
+        common = {p.scale for p in parts}
+        if len(common) == 1 and (share := common.pop()) != 1:
+            self.share[rank][var] = share  # applied by the reader, see ``self.share``
+            parts = [Part(p.src, p.src_slices, p.dst_slices, Fraction(1)) for p in parts]
         pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts,
                             self.sum_of_pieces(rank, v, found)))
         return var

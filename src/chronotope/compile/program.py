@@ -42,6 +42,7 @@ class Forward:
     grad: tuple[bool, ...]  # which inputs get a gradient (become autograd leaves)
     out_grad: tuple[bool, ...]  # which outputs pass a gradient back
     output_scale: Fraction = Fraction(1)  # a mean over part of a reduced dim: its share
+    input_shares: tuple[Fraction, ...] = ()  # value share of each input this piece takes
 
 
 @dataclass
@@ -108,6 +109,7 @@ class AllReduce:
     ranks: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    keys: tuple[tuple, ...] = ()  # what each output is, the same on every member rank
 
 
 @dataclass

@@ -80,16 +80,19 @@ class Rank:
         self.state = {n: t.to(self.device) for n, t in spec.state.items()}
         self.batch = {n: t.to(self.device) for n, t in spec.batch.items()}
         self.targets = spec.targets
-        self.optimizer = optim.build(list(self.params.values()))
+        # A rank may hold no weights at all (it only runs activations).
+        self.optimizer = optim.build(list(self.params.values())) if self.params else None
 
     def step(self) -> list[float]:
         rt = StepContext(self.rank, self.device, self.params, self.state, self.batch,
                          self.transport, self.targets)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer:
+            self.optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
             self.step_fn(rt)
         self.transport.flush()
-        self.optimizer.step()
+        if self.optimizer:
+            self.optimizer.step()
         return rt.losses
 
     def regions(self) -> dict[tuple[str, tuple], torch.Tensor]:
