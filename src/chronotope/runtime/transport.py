@@ -92,14 +92,16 @@ class DistTransport:
         # Every rank creates every group, in the same order, as torch.distributed requires.
         self.groups = {g: None if len(g) == world else dist.new_group(list(g)) for g in groups}
 
-    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
-        out = t.detach().clone()
-        work = dist.all_reduce(out, group=self.groups[ranks], async_op=True)
+    def _wait(self, work: dist.Work, what: str) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise RankFailed(f"rank {rank} timed out in an all-reduce over {list(ranks)}: "
-                             f"{e}") from e
+            raise RankFailed(f"{what} within {self.timeout.total_seconds():.0f} s: {e}") from e
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        out = t.detach().clone()
+        work = dist.all_reduce(out, group=self.groups[ranks], async_op=True)
+        self._wait(work, f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}")
         return out
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
@@ -108,16 +110,12 @@ class DistTransport:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, src, tag=tag)
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise RankFailed(f"rank {dst} got no message {tag} from rank {src} within "
-                             f"{self.timeout.total_seconds():.0f} s: {e}") from e
+        self._wait(dist.irecv(buf, src, tag=tag),
+                   f"rank {dst} got no message {tag} from rank {src}")
         return buf
 
     def flush(self) -> None:
         """Wait until every message this rank sent was taken."""
         for work in self.pending:
-            work.wait(self.timeout)
+            self._wait(work, "a message this rank sent was not taken")
         self.pending.clear()
