@@ -93,10 +93,10 @@ def test_gradient_sums_become_all_reduces():
 
 @pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_random_plans_train_like_one_device(data):
-    """Any partition and placement of GPT's ops computes the single-device step exactly."""
-    workload, graph = captured("gpt")
+@given(data=st.data(), name=st.sampled_from(["gpt", "llama", "bert"]))
+def test_random_plans_train_like_one_device(data, name):
+    """Any partition and placement of the ops computes the single-device step exactly."""
+    workload, graph = captured(name)
     ndev = data.draw(st.integers(2, 3), label="devices")
     plan = ct.Plan(graph, ndev)
     for op in graph:

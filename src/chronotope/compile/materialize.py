@@ -144,7 +144,7 @@ class Materializer:
         grad = tuple(v.ptensor in rg for v in op.inputs)
         shares = tuple(self.share[rank].get(var, Fraction(1)) for var in ins)
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
-        opdef = self.plan.registry.lookup(op.op.target)
+        opdef = self.plan.registry.of(op.op.target)
         scale = Fraction(1)
         reduction = op.op.kwargs.get("reduction", "mean")
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:

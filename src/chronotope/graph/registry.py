@@ -137,6 +137,10 @@ class OpRegistry:
             found = self._defs.get(target.overloadpacket)
         return found
 
+    def of(self, target: Any) -> OpDef | None:
+        """The entry for a captured op's target: a callable, or a method's name."""
+        return self.lookup(f"method:{target}" if isinstance(target, str) else target)
+
     def copy(self) -> OpRegistry:
         new = OpRegistry()
         new._defs = dict(self._defs)

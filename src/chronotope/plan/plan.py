@@ -139,7 +139,7 @@ class Plan:
         if target.children:
             raise PlanError(f"{target.name} is already partitioned into "
                             f"{len(target.children)} sub-ops; transform those instead")
-        opdef = self.registry.lookup(target.op.target)
+        opdef = self.registry.of(target.op.target)
         additive = opdef.additive_inputs if opdef is not None else ()
         pieces = partition(target.name, target.op.signature, target.piece, algo, additive)
         target.children = [
