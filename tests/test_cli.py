@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from chronotope.cli import main
+from chronotope.models import get_workload
 
 
 def run_json(capsys, *argv):
@@ -86,3 +87,11 @@ def test_run_check_matches_one_device(capsys):
     assert report["policy"] == "dp" and report["devices"] == 2 and len(report["losses"]) == 2
     assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
     assert report["step_time_s"] > 0
+
+
+def test_plan_of_a_large_preset_needs_no_weights(capsys):
+    report = run_json(capsys, "plan", "gpt3-1.3b", "--devices", "2")
+    memory = report["ranks"][0]["memory_bytes"]
+    model = get_workload("gpt3-1.3b", device="meta").model
+    assert memory["params"] == 4 * sum(p.numel() for p in model.parameters())  # all, float32
+    assert main(["plan", "gpt3-1.3b", "--devices", "2", "--out", "x"]) == 2

@@ -87,8 +87,8 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
 POLICIES = {"dp": data_parallel}
 
 
-def _compiled(args: argparse.Namespace) -> tuple[Workload, Program]:
-    workload = load_workload(args.model, device="cpu", batch_size=args.batch_size)
+def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
+    workload = load_workload(args.model, device=device, batch_size=args.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
@@ -97,7 +97,11 @@ def _compiled(args: argparse.Namespace) -> tuple[Workload, Program]:
 
 
 def cmd_plan(args: argparse.Namespace, out: Console) -> int:
-    workload, program = _compiled(args)
+    device = default_device(args.model)  # large presets are planned without their weights
+    if args.out and device == "meta":
+        raise ChronotopeError(f"{args.model} is built on the meta device (no weights), so its "
+                              "program can be planned but not written with --out")
+    workload, program = _compiled(args, device)
     files = program.save(args.out, workload) if args.out else []
     checked = program.plan.check()
     ranks = [
