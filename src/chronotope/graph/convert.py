@@ -216,7 +216,7 @@ class Converter:
         elif (node.op == "call_method" and target.endswith("_") and not target.startswith("__")
               and target not in _NOT_INPLACE):
             mutated = args[0]
-            if hasattr(torch.Tensor, target[:-1]) and self.registry.lookup(f"method:{target[:-1]}"):
+            if hasattr(torch.Tensor, target[:-1]) and self.registry.of(target[:-1]):
                 target = target[:-1]
             else:
                 node.op = "call_function"  # the out-of-place helper is a plain function
@@ -271,7 +271,6 @@ class Converter:
         s_args, s_kwargs = device_args(target, args, kwargs, DEVICE)
         s_args, s_kwargs = map_leaves(s_args, stored), map_leaves(s_kwargs, stored)
         name = self.unique(node_name, self.op_names)
-        key = f"method:{target}" if isinstance(target, str) else target
         inputs = tuple(iter_tensors((s_args, s_kwargs)))
         op = Op(name, target_name(target), target, s_args, s_kwargs, inputs, (), source=source)
         op.outputs = tuple(
@@ -281,12 +280,12 @@ class Converter:
         for o in outs:
             if o._base is not None:
                 self.view_bases.add(id(o._base))
-        self.annotate(op, key)
+        self.annotate(op)
         self.ops.append(op)
         return op
 
-    def annotate(self, op: Op, key: Any) -> None:
-        opdef = self.registry.lookup(key)
+    def annotate(self, op: Op) -> None:
+        opdef = self.registry.of(op.target)
         if opdef is None:
             op.note = "no signature registered"
             return
