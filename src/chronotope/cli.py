@@ -36,6 +36,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="where to build the model: cpu, or meta to capture without allocating "
                    "weights (default: meta for the large presets, cpu otherwise)")
+    _common_args(p)
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -174,7 +178,6 @@ def parser() -> argparse.ArgumentParser:
         prog="chronotope",
         description="Turn a single-device PyTorch model into a distributed training program.",
     )
-    p.set_defaults(json=False, debug=False)
     sub = p.add_subparsers(dest="command", required=True)
     cap = sub.add_parser("capture", help="capture a model's training step as an operator graph")
     _model_args(cap)
@@ -189,9 +192,7 @@ def parser() -> argparse.ArgumentParser:
                          help="a built-in name or path/to/file.py:factory (default: gpt)")
         cmd.add_argument("--policy", choices=sorted(POLICIES), default="dp")
         cmd.add_argument("--devices", type=int, default=4)
-        cmd.add_argument("--batch-size", type=int, default=None)
-        cmd.add_argument("--json", action="store_true", help="print machine-readable JSON")
-        cmd.add_argument("--debug", action="store_true", help="show tracebacks")
+        _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
         else:
