@@ -63,10 +63,8 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Forward):
         return _forward(ins)
     if isinstance(ins, Backward):
-        fwd = ins.op.forward
-        scale = f", scale={_number(fwd.piece.grad_scale)}" if fwd.piece.grad_scale != 1 else ""
         outs = _targets(ins.outs)
-        return [f"{outs} = rt.backward({fwd.name!r}, ({_names(ins.grad_outputs)}){scale})"]
+        return [f"{outs} = rt.backward({ins.op.forward.name!r}, ({_names(ins.grad_outputs)}))"]
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Recv):

@@ -2,15 +2,16 @@
 
 ``Split(dim, parts)`` cuts a named dim of the signature: every tensor that has
 it is sliced alike; when the dim is a reduction (``k+``) the outputs become
-value-split partial sums. ``Replicate(n)`` makes ``n`` identical copies. Each
-piece also records which share of every input's gradient its backward produces:
-an input a piece reads whole (it lacks the split dim) gets a partial gradient.
+value-split partial sums. ``Replicate(n)`` makes ``n`` identical copies whose
+backward pieces are replicas too: each yields the whole gradient, so a reader
+uses the one on its own device. Each piece also records which share of every
+input's gradient its backward produces: an input a split piece reads whole (it
+lacks the split dim) gets a partial gradient.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 from chronotope.errors import PlanError
 from chronotope.graph.mask import Mask, ValueRange, VTensor
@@ -43,8 +44,6 @@ class Piece:
     outputs: tuple[VTensor, ...]
     grad_shares: tuple[ValueRange, ...]
     sizes: dict[str, int]
-    # Replicas compute the same gradient: each contributes this fraction of it.
-    grad_scale: Fraction = Fraction(1)
 
 
 def _axis_of(sig_tensor: tuple, dim: str) -> int | None:
@@ -65,12 +64,7 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
     if isinstance(algo, Replicate):
         if algo.n < 1:
             raise PlanError(f"{name}: Replicate needs n >= 1, got {algo.n}")
-        return [
-            Piece(piece.inputs, piece.outputs,
-                  tuple(s.split(algo.n)[i] for s in piece.grad_shares), piece.sizes,
-                  piece.grad_scale / algo.n)
-            for i in range(algo.n)
-        ]
+        return [piece] * algo.n
     if not isinstance(algo, Split):
         raise PlanError(f"{name}: unknown algorithm {algo!r}; use ct.Split or ct.Replicate")
     if sig is None:
@@ -113,6 +107,5 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
                                                        v.mask.value.split(algo.parts)[i])))
             else:
                 outputs.append(v)  # every piece computes this output whole
-        pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes,
-                            piece.grad_scale))
+        pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes))
     return pieces

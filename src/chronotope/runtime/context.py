@@ -66,8 +66,7 @@ class StepContext:
     def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
         self.saved[name] = (self.saved[name][0], tuple(outputs))
 
-    def backward(self, name: str, grad_outputs: Sequence[torch.Tensor],
-                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    def backward(self, name: str, grad_outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """This piece's share of the gradients of its inputs (in ``enter`` order)."""
         leaves, outputs = self.saved.pop(name)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
@@ -75,8 +74,7 @@ class StepContext:
         if pairs:
             grads = torch.autograd.grad([o for o, _ in pairs], leaves,
                                         [g for _, g in pairs], allow_unused=True)
-        out = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
-        return tuple(g * scale for g in out) if scale != 1 else out
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
 
     @staticmethod
     def tensors(result: Any) -> list[torch.Tensor]:
