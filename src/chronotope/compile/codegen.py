@@ -71,6 +71,9 @@ def _render(ins: Instruction) -> list[str]:
         return [f"{ins.var} = rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, "
                 f"tag={ins.tag})"]
     if isinstance(ins, Assemble):
+        if _is_slice(ins):
+            p = ins.parts[0]
+            return [f"{ins.var} = {p.src}{_index(p.src_slices)}"]
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
@@ -84,6 +87,13 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     raise TypeError(f"cannot render {ins!r}")
+
+
+def _is_slice(ins: Assemble) -> bool:
+    """An Assemble that only cuts a box out of one local tensor: a view will do."""
+    if len(ins.parts) != 1 or ins.parts[0].scale != 1:
+        return False
+    return all(s == slice(0, n) for s, n in zip(ins.parts[0].dst_slices, ins.shape))
 
 
 def _load(ins: Load) -> str:
@@ -122,7 +132,10 @@ def _forward(ins: Forward) -> list[str]:
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
-    call = _local_shape_call(ins, args) or _call(op.op.target, op.op.name, args, kwargs)
+    if op.op.region is not None:  # the input already is the box this piece reads
+        call = f"{ins_names[0]}.reshape({tuple(op.outputs[0].mask.shape)})"
+    else:
+        call = _local_shape_call(ins, args) or _call(op.op.target, op.op.name, args, kwargs)
     if len(ins.outs) == 1:
         lines.append(f"{ins.outs[0]} = {call}")
     else:

@@ -23,6 +23,7 @@ from chronotope.errors import CaptureError
 from chronotope.graph import functional
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, TensorMeta
 from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
+from chronotope.graph.signature import Signature
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
 
 _MEAN_LOSSES = frozenset({F.cross_entropy, F.nll_loss})
@@ -174,11 +175,39 @@ class Converter:
             return result  # metadata (x.shape, x.size(1), x.dtype): folds into a constant
         if mutated is None and all(any(o is i for i in inputs) for o in outs):
             return result  # returns its input unchanged (contiguous on a contiguous tensor)
+        if mutated is None and self.as_slices(node.name, target, args, kwargs, outs, source):
+            return result
         op = self.emit(node.name, target, args, kwargs, outs, source)
         if mutated is not None:
             self.current[id(mutated)] = op.outputs[0]
             return mutated
         return result
+
+    def as_slices(self, name: str, target: Any, args: tuple, kwargs: dict,
+                  outs: list[torch.Tensor], source: Source | None) -> bool:
+        """``split`` / ``chunk`` / ``unbind`` as one ``narrow`` / ``select`` per piece.
+
+        Each piece then reads only its own box of the input, so a plan can split
+        the pieces (the q, k and v of a fused projection) along their own dims.
+        """
+        opdef = self.registry.of(target)
+        x = args[0] if args else None
+        if opdef is None or opdef.kind not in ("split", "unbind") or not _is_tensor(x):
+            return False
+        n = x.dim()
+        if opdef.kind == "unbind":
+            d = int(kwargs.get("dim", args[1] if len(args) > 1 else 0)) % n
+            for k, o in enumerate(outs):
+                self.emit(name, torch.select, (x, d, k), {}, [o], source)
+            return True
+        changed = [a for a in range(n) if any(o.shape[a] != x.shape[a] for o in outs)]
+        if any(o.dim() != n for o in outs) or len(changed) != 1:
+            return False
+        d, start = changed[0], 0
+        for o in outs:
+            self.emit(name, torch.narrow, (x, d, start, o.shape[d]), {}, [o], source)
+            start += o.shape[d]
+        return start == x.shape[d]
 
     def mean_as_sum(self, name: str, target: Any, args: tuple, kwargs: dict,
                     source: Source | None) -> torch.Tensor | None:
@@ -293,6 +322,13 @@ class Converter:
         as_meta = lambda x: x.meta if isinstance(x, PTensor) else x  # noqa: E731
         call = OpCall(map_leaves(op.args, as_meta), map_leaves(op.kwargs, as_meta),
                       tuple(t.meta for t in op.outputs))
+        if opdef.region is not None and op.inputs and op.inputs[0].kind is not TensorKind.PARAM:
+            # A parameter is stored whole wherever it is read, so it is read whole.
+            found = opdef.region(call)
+            if found is not None:
+                op.region, text = found
+                op.signature = Signature.parse(text)
+                return
         try:
             sig = opdef.signature(call)
             if sig is not None:

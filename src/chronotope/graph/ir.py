@@ -113,6 +113,17 @@ class Op:
     signature: Signature | None = None
     source: Source | None = None
     note: str = ""  # why the op has no signature, when it has none
+    # For slicing ops: the box of the first input they read, per axis (lo, hi); the
+    # signature is over that box, so a piece of the op reads a piece of the box.
+    region: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def input_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes the signature describes: the inputs, the first cut to ``region``."""
+        shapes = [t.shape for t in self.inputs]
+        if self.region is not None:
+            shapes[0] = tuple(hi - lo for lo, hi in self.region)
+        return shapes
 
     @property
     def annotated(self) -> bool:

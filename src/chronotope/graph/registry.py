@@ -49,6 +49,9 @@ class OpCall:
 
 
 SignatureRule = str | Callable[[OpCall], str | None]
+# A slicing op's rule for what it reads: the box of its first input (one (lo, hi) per
+# axis) and a signature over that box, whose dims then all split like any other.
+RegionRule = Callable[[OpCall], tuple[tuple[tuple[int, int], ...], str] | None]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class OpDef:
     mean_reduction: bool = False
     additive_inputs: tuple[int, ...] = ()
     user: bool = False
+    region: RegionRule | None = None
 
     def signature(self, call: OpCall) -> Signature | None:
         text = self.rule if isinstance(self.rule, str) else self.rule(call)

@@ -118,10 +118,13 @@ class Plan:
         self._backward: dict[PlanOp, PlanOp] = {}
         shares = _gradient_shares(graph)
         for i, op in enumerate(graph.ops):
-            sizes = op.signature.bind([t.shape for t in op.inputs],
+            sizes = op.signature.bind(op.input_shapes,
                                       [t.shape for t in op.outputs]) if op.signature else {}
+            masks = [Mask.full(t.shape) for t in op.inputs]
+            if op.region is not None:
+                masks[0] = Mask(op.region)
             piece = Piece(
-                tuple(VTensor(t, Mask.full(t.shape)) for t in op.inputs),
+                tuple(VTensor(t, m) for t, m in zip(op.inputs, masks)),
                 tuple(VTensor(t, Mask.full(t.shape)) for t in op.outputs),
                 shares[op], sizes,
             )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from chronotope.graph import functional
+from chronotope.graph.ir import TensorMeta
 from chronotope.graph.ops.pointwise import join, names, pointwise
 from chronotope.graph.registry import OpCall, OpRegistry, method
 
@@ -360,6 +361,96 @@ def aten_index(call: OpCall) -> str | None:
                           {}, call.outputs))
 
 
+Region = tuple[tuple[int, int], ...]
+
+
+def _box(x: TensorMeta, axes: dict[int, tuple[int, int]]) -> Region:
+    return tuple(axes.get(i, (0, n)) for i, n in enumerate(x.shape))
+
+
+def narrow_region(call: OpCall) -> tuple[Region, str] | None:
+    """``narrow``: reads one contiguous run of a dim; every dim stays splittable."""
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    start, length = call.arg(2, "start"), call.arg(3, "length")
+    if not isinstance(start, int) or not isinstance(length, int) or length < 1:
+        return None
+    start %= x.shape[d]
+    dims = " ".join(names(n))
+    return _box(x, {d: (start, start + length)}), f"{dims} -> {dims}"
+
+
+def select_region(call: OpCall) -> tuple[Region, str] | None:
+    """``select`` (and ``unbind``'s pieces): reads one index of a dim, which disappears."""
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = _dim(call, 1, n)
+    index = call.arg(2, "index")
+    if not isinstance(index, int):
+        return None
+    index %= x.shape[d]
+    inp = names(n)
+    inp[d] = "1"
+    out = [a for i, a in enumerate(inp) if i != d]
+    return _box(x, {d: (index, index + 1)}), f"{' '.join(inp)} -> {' '.join(out)}"
+
+
+def slice_region(call: OpCall) -> tuple[Region, str] | None:
+    """``aten.slice`` with step 1."""
+    x = call.tensors[0]
+    n = len(x.shape)
+    d = int(call.arg(1, "dim", 0)) % n
+    start, stop, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1)
+    if any(v is not None and not isinstance(v, int) for v in (start, stop)) or step != 1:
+        return None
+    lo, hi, _ = slice(start, stop).indices(x.shape[d])
+    if hi <= lo:
+        return None
+    dims = " ".join(names(n))
+    return _box(x, {d: (lo, hi)}), f"{dims} -> {dims}"
+
+
+def getitem_region(call: OpCall) -> tuple[Region, str] | None:
+    """Basic indexing (ints, step-1 slices, None, ...): the box it reads, all dims splittable."""
+    x = call.tensors[0]
+    index = call.arg(1, "index")
+    items = list(index) if isinstance(index, tuple) else [index]
+    n = len(x.shape)
+    if not all(it is None or it is Ellipsis or isinstance(it, (int, slice)) for it in items):
+        return None
+    explicit = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if sum(1 for it in items if it is Ellipsis) > 1 or explicit > n:
+        return None
+    expanded: list[object] = []
+    for it in items:
+        expanded.extend([slice(None)] * (n - explicit) if it is Ellipsis else [it])
+    expanded.extend([slice(None)] * (n - sum(1 for it in expanded if it is not None)))
+    axes: dict[int, tuple[int, int]] = {}
+    inp, out = names(n), []
+    d = 0
+    for it in expanded:
+        if it is None:
+            out.append("1")
+            continue
+        size = x.shape[d]
+        if isinstance(it, int):
+            if not -size <= it < size:
+                return None
+            axes[d] = (it % size, it % size + 1)
+            inp[d] = "1"
+        else:
+            if any(v is not None and not isinstance(v, int) for v in (it.start, it.stop, it.step)):
+                return None
+            lo, hi, step = it.indices(size)
+            if step != 1 or hi <= lo:
+                return None
+            axes[d] = (lo, hi)
+            out.append(inp[d])
+        d += 1
+    return _box(x, axes), f"{' '.join(inp)} -> {' '.join(out)}"
+
+
 def narrow(call: OpCall) -> str:
     x = call.tensors[0]
     n = len(x.shape)
@@ -400,7 +491,8 @@ def register(reg: OpRegistry) -> None:
     reg.add([torch.stack, aten.stack], "stack", stack)
     reg.add(_targets("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)
     reg.add(_targets("unbind"), "unbind", unbind)
-    reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem)
+    reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem,
+            region=getitem_region)
     reg.add([operator.setitem, functional.setitem], "setitem", setitem)
     reg.add([functional.updated], "update", updated)
     reg.add(_targets("roll"), "roll", along_dims(2))
@@ -409,9 +501,9 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)
     reg.add(_targets("gather"), "gather", gather)
     reg.add(_targets("index_select"), "index_select", index_select)
-    reg.add(_targets("narrow"), "narrow", narrow)
+    reg.add(_targets("narrow"), "narrow", narrow, region=narrow_region)
     reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.pad, aten.constant_pad_nd], "pad", pad)
-    reg.add([aten.slice], "slice", aten_slice)
-    reg.add([aten.select], "select", aten_select)
+    reg.add([aten.slice], "slice", aten_slice, region=slice_region)
+    reg.add(_targets("select"), "select", aten_select, region=select_region)
     reg.add([aten.slice_scatter, aten.select_scatter], "setitem", scatter)
     reg.add([aten.index], "getitem", aten_index)
