@@ -18,11 +18,12 @@ from rich.text import Text
 
 from chronotope.compile import Program
 from chronotope.compile import compile as compile_plan
-from chronotope.errors import ChronotopeError
+from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
+from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
-from chronotope.policies import data_parallel
+from chronotope.policies import data_parallel, mesh, sequence_parallel, tensor_parallel
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
@@ -88,7 +89,22 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
     out.print("Give them one with @chronotope.register_op('<signature>').")
 
 
-POLICIES = {"dp": data_parallel}
+def _mesh(sequence: bool) -> Callable[[Graph, int, int], Plan]:
+    def policy(graph: Graph, devices: int, tp: int) -> Plan:
+        if tp < 1 or devices % tp:
+            raise PlanError(f"--tp {tp} does not divide --devices {devices}: a dp x tp mesh "
+                            "needs devices = dp * tp")
+        return mesh(graph, devices // tp, tp, sequence=sequence)
+    return policy
+
+
+POLICIES: dict[str, Callable[[Graph, int, int], Plan]] = {
+    "dp": lambda graph, devices, tp: data_parallel(graph, devices),
+    "tp": lambda graph, devices, tp: tensor_parallel(graph, devices),
+    "sp": lambda graph, devices, tp: sequence_parallel(graph, devices),
+    "dp-tp": _mesh(sequence=False),
+    "dp-sp": _mesh(sequence=True),
+}
 
 
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
@@ -96,7 +112,7 @@ def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
-    plan = POLICIES[args.policy](graph, args.devices)
+    plan = POLICIES[args.policy](graph, args.devices, args.tp)
     return workload, compile_plan(plan)
 
 
@@ -190,8 +206,12 @@ def parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_)
         cmd.add_argument("model", nargs="?", default="gpt",
                          help="a built-in name or path/to/file.py:factory (default: gpt)")
-        cmd.add_argument("--policy", choices=sorted(POLICIES), default="dp")
+        cmd.add_argument("--policy", choices=list(POLICIES), default="dp",
+                         help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
+                              "sequence parallel; dp-tp, dp-sp: both on a dp x tp mesh")
         cmd.add_argument("--devices", type=int, default=4)
+        cmd.add_argument("--tp", type=int, default=2,
+                         help="tensor-parallel group size of the dp-tp and dp-sp meshes")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 import chronotope as ct
 from chronotope.compile import compile
+from chronotope.compile.program import AllReduce, Send
 from chronotope.models import get_workload
-from chronotope.policies import data_parallel
+from chronotope.policies import data_parallel, mesh
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
@@ -55,6 +56,35 @@ def test_data_parallel(name):
 def test_split_linears(name, n):
     workload, graph = captured(name)
     assert_trains_like_one_device(split_linears(graph, n), workload)
+
+
+MESHES = {"tp2": (1, 2, False), "tp4": (1, 4, False), "sp2": (1, 2, True),
+          "sp4": (1, 4, True), "dp2-tp2": (2, 2, False), "dp2-sp2": (2, 2, True)}
+
+
+@pytest.mark.parametrize("shape", list(MESHES))
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_tensor_and_sequence_parallel(name, shape):
+    workload, graph = captured(name)
+    dp, tp, sequence = MESHES[shape]
+    assert_trains_like_one_device(mesh(graph, dp, tp, sequence=sequence), workload)
+
+
+def test_tensor_parallel_communicates_like_megatron():
+    """One all-reduce after attention and one after the MLP, forward and backward;
+    the fused q/k/v projection and the attention heads need no messages at all."""
+    workload, graph = captured("gpt")
+    layers = len(workload.model.h)
+    code = compile(ct.policies.tensor_parallel(graph, 2)).ranks[0]
+    reduces = [i for i in code if isinstance(i, AllReduce)]
+    forward = [i for i in reduces if not i.vars[0].startswith("grad_")]
+    assert len(forward) == 2 * layers
+    assert all(i.keys[0][0].startswith("linear") for i in forward)  # row-parallel outputs
+    # backward: where the column linears' input gradients meet (the lm_head's too),
+    # then one fused bucket of the row linears' bias gradients
+    assert len(reduces) == 4 * layers + 2
+    sent = [i.var for i in code if isinstance(i, Send)]
+    assert len(sent) == 2  # the logits, gathered for the loss, and the tied embedding's grad
 
 
 def test_data_parallel_on_four():

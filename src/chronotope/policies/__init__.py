@@ -1,5 +1,7 @@
 """Ready-made plans, each written only with the plan primitives."""
 
-from chronotope.policies.data_parallel import batch_dims, data_parallel
+from chronotope.policies.axes import batch_dims, sequence_dims
+from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
 
-__all__ = ["batch_dims", "data_parallel"]
+__all__ = ["batch_dims", "data_parallel", "mesh", "sequence_parallel", "sequence_dims",
+           "tensor_parallel"]

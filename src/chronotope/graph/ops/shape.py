@@ -116,6 +116,21 @@ def expand(call: OpCall) -> str:
     return f"{join(inp, *extra)} -> {' '.join(onames)}"
 
 
+def repeat_interleave(call: OpCall) -> str:
+    """``x.repeat_interleave(r, dim)`` with an int ``r``: element ``i`` becomes rows
+    ``i*r .. i*r+r-1``, so the output dim is ``(i r)`` and ``i`` still splits."""
+    x = call.tensors[0]
+    r, d = call.arg(1, "repeats"), call.arg(2, "dim")
+    if len(call.tensors) > 1 or not isinstance(r, int) or d is None:
+        return repeat(call)
+    n = len(x.shape)
+    d %= n
+    inp = names(n)
+    out = list(inp)
+    out[d] = f"({inp[d]} {r})"
+    return f"{' '.join(inp)} -> {' '.join(out)}"
+
+
 def repeat(call: OpCall) -> str:
     """repeat / tile / repeat_interleave: repeated dims are frozen."""
     x, out = call.tensors[0].shape, call.out.shape
@@ -486,7 +501,8 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("transpose", "swapaxes", "swapdims"), "transpose", transpose)
     reg.add(_targets("t"), "transpose", matrix_t)
     reg.add(_targets("expand", "expand_as", "broadcast_to"), "expand", expand)
-    reg.add(_targets("repeat", "tile", "repeat_interleave"), "repeat", repeat)
+    reg.add(_targets("repeat", "tile"), "repeat", repeat)
+    reg.add(_targets("repeat_interleave"), "repeat", repeat_interleave)
     reg.add([torch.cat, torch.concat, torch.concatenate, aten.cat], "cat", concat)
     reg.add([torch.stack, aten.stack], "stack", stack)
     reg.add(_targets("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)

@@ -1,0 +1,57 @@
+"""Following one tensor axis through the graph by signatures.
+
+A policy marks where an axis starts (the batch on inputs' axis 0, the
+sequence on axis 1, a column-split linear's features); each op that reads a
+marked axis names it with a signature dim, and that dim marks the output axes
+it reaches. ``(b t)`` after a flatten keeps ``b`` as its leading factor, so the
+batch survives reshapes; a reduced dim (``k+``) ends the trail.
+"""
+
+from __future__ import annotations
+
+from chronotope.graph.ir import Graph, Op, PTensor
+
+
+def carried_dim(op: Op, axis: dict[PTensor, int]) -> str | None:
+    """The splittable signature dim of ``op`` that one of its inputs' marked axes carries."""
+    sig = op.signature
+    if sig is None:
+        return None
+    for t, tdims in zip(op.inputs, sig.inputs):
+        a = axis.get(t)
+        if a is None or a >= len(tdims):
+            continue
+        lead = tdims[a].factors[0]
+        if lead.size is None and lead.name in sig.splittable():
+            return lead.name
+    return None
+
+
+def carry(op: Op, dim: str, axis: dict[PTensor, int]) -> None:
+    """Mark the output axes that ``dim`` (as a plain axis or a leading factor) reaches."""
+    for t, tdims in zip(op.outputs, op.signature.outputs):
+        for a, ax in enumerate(tdims):
+            if ax.factors[0].name == dim:
+                axis[t] = a
+                break
+
+
+def follow(graph: Graph, start: dict[PTensor, int]) -> dict[Op, str | None]:
+    """For each op, the signature dim that carries the axes marked in ``start``."""
+    axis = dict(start)
+    dims: dict[Op, str | None] = {}
+    for op in graph.ops:
+        dims[op] = carried_dim(op, axis)
+        if dims[op] is not None:
+            carry(op, dims[op], axis)
+    return dims
+
+
+def batch_dims(graph: Graph) -> dict[Op, str | None]:
+    """For each op, the dim that carries the batch (axis 0 of every batch input)."""
+    return follow(graph, {t: 0 for t in graph.inputs if t.shape})
+
+
+def sequence_dims(graph: Graph) -> dict[Op, str | None]:
+    """For each op, the dim that carries the sequence (axis 1 of the batch inputs)."""
+    return follow(graph, {t: 1 for t in graph.inputs if len(t.shape) >= 2})

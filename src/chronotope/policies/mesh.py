@@ -1,0 +1,145 @@
+"""Data, tensor and sequence parallelism on a ``dp x tp`` device mesh, from the primitives.
+
+Data parallel splits every op along the batch (``axes.batch_dims``); ops that
+never see the batch are replicated. Within each data-parallel group of ``tp``
+devices, tensor parallelism (Megatron) splits a linear whose input is whole
+along its output features (column), follows that split through the ops after
+it (heads of the attention, the MLP's activation), and a linear that reads it
+on its reduced dim is split there (row), so its outputs are partial sums: one
+all-reduce after each column/row pair forward, and one in backward where the
+column linears' input gradients meet. Everything else is replicated, or with
+``sequence=True`` (Megatron sequence parallel) split along the sequence, which
+turns those all-reduces into all-gathers before the column linears and
+reduce-scatters after the row linears. Communication is derived by the
+compiler from the pieces' masks, so any model whose ops have signatures works.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chronotope.errors import PlanError
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
+from chronotope.plan import Plan, Replicate, Split
+from chronotope.plan.plan import PlanOp
+from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How tensor parallelism cuts one op: along ``dim``, first into ``chunks`` equal runs.
+
+    A fused projection (q, k and v side by side) is cut into its ``chunks`` first,
+    so that device ``j`` gets part ``j`` of each and its readers find them locally.
+    """
+
+    dim: str
+    chunks: int = 1
+
+
+def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
+    """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it."""
+    readers: dict[PTensor, list[Op]] = defaultdict(list)
+    for op in graph.ops:
+        for t in op.inputs:
+            readers[t].append(op)
+    axis: dict[PTensor, int] = {}
+    out: dict[Op, Shard | None] = {}
+    for op in graph.ops:
+        out[op] = None
+        if op.signature is None:
+            continue
+        sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
+        dim = carried_dim(op, axis)
+        shard = None
+        if dim is not None:
+            shard = Shard(dim) if sizes[dim] % parts == 0 else None
+        elif _is_column(op):
+            dim = op.signature.inputs[1][0].factors[0].name
+            chunks = _chunks(op.outputs[0], readers[op.outputs[0]])
+            shard = Shard(dim, chunks) if sizes[dim] % (chunks * parts) == 0 else None
+        if shard is not None:
+            carry(op, shard.dim, axis)
+        out[op] = shard
+    return out
+
+
+def _is_column(op: Op) -> bool:
+    """A linear with a weight parameter, whose input carries no split: cut its features."""
+    return (op.kind == "linear" and len(op.inputs) >= 2
+            and op.inputs[1].kind is TensorKind.PARAM and len(op.inputs[1].shape) == 2)
+
+
+def _chunks(t: PTensor, readers: list[Op]) -> int:
+    """How many equal runs of ``t``'s last axis its slicing readers take (q, k, v: 3)."""
+    runs = sorted({op.region[-1] for op in readers
+                   if op.region is not None and op.inputs[0] is t})
+    size = t.shape[-1]
+    if len(runs) < 2:
+        return 1
+    width = size // len(runs)
+    if runs != [(i * width, (i + 1) * width) for i in range(len(runs))]:
+        return 1
+    return len(runs)
+
+
+def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, sequence: bool = False) -> Plan:
+    """Data parallel over ``dp`` groups of ``tp`` tensor-parallel devices (rank = i * tp + j)."""
+    if dp < 1 or tp < 1:
+        raise PlanError(f"a mesh needs dp >= 1 and tp >= 1, got dp={dp}, tp={tp}")
+    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
+    if dp > 1 and batch % dp:
+        raise PlanError(f"data parallel over {dp} groups needs a batch divisible by {dp}; "
+                        f"the example batch has {batch} samples")
+    plan = Plan(graph, dp * tp)
+    batch_dim = batch_dims(graph)
+    shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
+    seq = sequence_dims(graph) if sequence and tp > 1 else {}
+    for op in graph.ops:
+        if dp > 1:
+            algo = Split(batch_dim[op], dp) if batch_dim[op] is not None else Replicate(dp)
+            groups = plan.trans(op, algo)
+        else:
+            groups = [plan.op(op.name)]
+        for i, piece in enumerate(groups):
+            devices = range(i * tp, (i + 1) * tp)
+            _tensor_parallel(plan, piece, shards.get(op), seq.get(op), devices)
+    return plan
+
+
+def _tensor_parallel(plan: Plan, piece: PlanOp, shard: Shard | None, seq: str | None,
+                     devices: Sequence[int]) -> None:
+    if len(devices) == 1:
+        plan.assign(piece, devices[0])
+        return
+    n = len(devices)
+    if shard is not None:
+        chunks = plan.trans(piece, Split(shard.dim, shard.chunks)) if shard.chunks > 1 else [piece]
+        parts = [plan.trans(c, Split(shard.dim, n)) for c in chunks]
+        for subs in parts:
+            for device, sub in zip(devices, subs):
+                plan.assign(sub, device)
+        return
+    if seq is not None and piece.piece.sizes.get(seq, 0) % n == 0:
+        subs = plan.trans(piece, Split(seq, n))
+    else:
+        subs = plan.trans(piece, Replicate(n))
+    for device, sub in zip(devices, subs):
+        plan.assign(sub, device)
+
+
+def data_parallel(graph: Graph, ndevices: int) -> Plan:
+    """Each device runs 1/ndevices of the batch with a full copy of the weights."""
+    return mesh(graph, dp=ndevices)
+
+
+def tensor_parallel(graph: Graph, ndevices: int) -> Plan:
+    """Megatron tensor parallelism: column/row-split linears, the rest replicated."""
+    return mesh(graph, tp=ndevices)
+
+
+def sequence_parallel(graph: Graph, ndevices: int) -> Plan:
+    """Megatron tensor + sequence parallelism: what TP replicates is split along the sequence."""
+    return mesh(graph, tp=ndevices, sequence=True)
