@@ -23,7 +23,7 @@ from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
-from chronotope.policies import data_parallel, mesh, sequence_parallel, tensor_parallel
+from chronotope.policies import data_parallel, mesh, sequence_parallel, tensor_parallel, zero
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
@@ -104,6 +104,9 @@ POLICIES: dict[str, Callable[[Graph, int, int], Plan]] = {
     "sp": lambda graph, devices, tp: sequence_parallel(graph, devices),
     "dp-tp": _mesh(sequence=False),
     "dp-sp": _mesh(sequence=True),
+    "zero-1": lambda graph, devices, tp: zero(graph, devices, 1),
+    "zero-2": lambda graph, devices, tp: zero(graph, devices, 2),
+    "zero-3": lambda graph, devices, tp: zero(graph, devices, 3),
 }
 
 
@@ -208,7 +211,9 @@ def parser() -> argparse.ArgumentParser:
                          help="a built-in name or path/to/file.py:factory (default: gpt)")
         cmd.add_argument("--policy", choices=list(POLICIES), default="dp",
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
-                              "sequence parallel; dp-tp, dp-sp: both on a dp x tp mesh")
+                              "sequence parallel; dp-tp, dp-sp: both on a dp x tp mesh; "
+                              "zero-1/2/3: data parallel with sharded optimizer state, "
+                              "+ gradients, + weights")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")

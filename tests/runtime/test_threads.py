@@ -12,7 +12,7 @@ import chronotope as ct
 from chronotope.compile import compile
 from chronotope.compile.program import AllReduce, Send
 from chronotope.models import get_workload
-from chronotope.policies import data_parallel, mesh
+from chronotope.policies import data_parallel, mesh, zero
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
@@ -68,6 +68,27 @@ def test_tensor_and_sequence_parallel(name, shape):
     workload, graph = captured(name)
     dp, tp, sequence = MESHES[shape]
     assert_trains_like_one_device(mesh(graph, dp, tp, sequence=sequence), workload)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_zero(name, stage, n):
+    workload, graph = captured(name)
+    assert_trains_like_one_device(zero(graph, n, stage), workload)
+
+
+def test_zero_shards_what_each_stage_promises():
+    _, graph = captured("gpt")
+    dp, z1, z2, z3 = (p.check().memory_of(0) for p in
+                      (data_parallel(graph, 4), zero(graph, 4, 1), zero(graph, 4, 2),
+                       zero(graph, 4, 3)))
+    assert z1.optimizer < dp.optimizer / 3 and z1.grads == dp.grads and z1.params == dp.params
+    assert z2.optimizer == z1.optimizer and z2.grads < dp.grads / 3 and z2.params == dp.params
+    assert z3.params < dp.params / 3
+    code = compile(zero(graph, 2, 3))
+    assert "rt.recv(" in code.code(0) and "def refresh" not in code.code(0)
+    assert "def refresh(rt):" in compile(zero(graph, 2, 2)).code(1)
 
 
 def test_tensor_parallel_communicates_like_megatron():

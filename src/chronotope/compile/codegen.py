@@ -26,6 +26,8 @@ from chronotope.compile.program import (
     Load,
     Loss,
     Program,
+    PullParam,
+    PushParam,
     Recv,
     Send,
 )
@@ -54,6 +56,11 @@ def render(program: Program, rank: int) -> str:
     for ins in program.ranks[rank]:
         body += _render(ins)
     lines += ["    " + line for line in body] or ["    pass"]
+    if program.refresh and program.refresh[rank]:
+        lines += ["", "", "def refresh(rt):",
+                  '    """After the optimizer step: parameter regions this rank stores but '
+                  'others update."""']
+        lines += ["    " + line for ins in program.refresh[rank] for line in _render(ins)]
     return "\n".join(lines) + "\n"
 
 
@@ -81,7 +88,15 @@ def _render(ins: Instruction) -> list[str]:
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks})"]
     if isinstance(ins, Grad):
-        return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var})"]
+        return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)})"]
+    if isinstance(ins, PushParam):
+        where = _index(ins.region.local_slices(ins.owned))
+        return [f"rt.send(rt.owned({ins.param!r}, {ins.owned.index}){where}, to={ins.dst}, "
+                f"tag={ins.tag})"]
+    if isinstance(ins, PullParam):
+        where = _index(ins.region.local_slices(ins.stored))
+        return [f"rt.param({ins.param!r}, {ins.stored.index}){where}.copy_(rt.recv("
+                f"{tuple(ins.region.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag}))"]
     if isinstance(ins, Loss):
         return [f"rt.loss({ins.var})"]
     if isinstance(ins, Free):

@@ -27,6 +27,8 @@ from chronotope.compile.program import (
     Loss,
     Part,
     Program,
+    PullParam,
+    PushParam,
     Recv,
     Send,
     SumOfPieces,
@@ -45,14 +47,6 @@ _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
 def _overlap(a: Mask, b: Mask) -> Mask | None:
     """The index region two masks share (values aside)."""
     return Mask(a.index).intersect(Mask(b.index))
-
-
-def held_regions(masks: list[Mask]) -> list[Mask]:
-    """The parameter regions a rank stores: the largest of the regions its pieces read."""
-    index_only = {Mask(m.index) for m in masks}
-    return sorted((m for m in index_only
-                   if not any(o != m and o.contains(m) for o in index_only)),
-                  key=lambda m: m.index)
 
 
 class Materializer:
@@ -74,15 +68,10 @@ class Materializer:
         # reader applies it inside its autograd region, so its gradient carries it too.
         self.share: list[dict[str, Fraction]] = [{} for _ in range(n)]
         self.tag = 0
-        self.held = [self._held(seq) for _, seq in sorted(self.sequences.items())]
-
-    def _held(self, seq: list[PlanOp]) -> dict[str, list[Mask]]:
-        masks: dict[str, list[Mask]] = defaultdict(list)
-        for op in seq:
-            for v in op.inputs:
-                if v.ptensor.kind is TensorKind.PARAM:
-                    masks[v.ptensor.name].append(v.mask)
-        return {name: held_regions(ms) for name, ms in masks.items()}
+        self.stored = [checked.storage.stored[d] for d in range(n)]
+        self.owned = [checked.storage.owned[d] for d in range(n)]
+        self.head: list[list[Instruction]] = [[] for _ in range(n)]  # owners' sends of params
+        self.sent_params: dict[tuple, str] = {}
 
     def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
         """A fresh local name on ``rank`` for a tensor of ``shape``."""
@@ -113,11 +102,11 @@ class Materializer:
             grads = []  # gathered first, handed over after: the sums can then be fused
             for pname in self.plan.graph.params:  # one order on every rank
                 param = self.plan.graph.params[pname]
-                if param not in self.plan.grads:
-                    continue
-                for region in self.held[rank].get(pname, ()):
-                    var = self.read(rank, VTensor(self.plan.grads[param], region), self.tail[rank])
-                    grads.append(Grad(pname, region, var))
+                for owned in self.owned[rank].get(pname, ()):
+                    var = self.read(rank, VTensor(self.plan.grad(param), owned.grad),
+                                    self.tail[rank])
+                    grads.append(Grad(pname, owned.region, var,
+                                      Mask(owned.region.index).local_slices(owned.grad)))
             self.tail[rank] += grads
         loss = self.plan.graph.loss
         var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
@@ -127,9 +116,36 @@ class Materializer:
             flat: list[Instruction] = []
             for op in seq:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
-            ranks.append(flat + self.tail[rank])
+            ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks, groups = all_reduces(ranks)
-        return Program(self.plan, [with_frees(code) for code in ranks], self.held, groups)
+        return Program(self.plan, [with_frees(code) for code in ranks], self.stored,
+                       groups, self.owned, self.refresh())
+
+    def refresh(self) -> list[list[Instruction]]:
+        """After the optimizer step: stored regions that others own, copied from the owners."""
+        code: list[list[Instruction]] = [[] for _ in range(self.plan.ndevices)]
+        for rank, stored in enumerate(self.stored):
+            for pname, regions in stored.items():
+                for region in regions:
+                    for owner, owned in self._owners(pname, region, rank):
+                        if owner == rank:
+                            continue
+                        self.tag += 1
+                        part = owned.intersect(region)
+                        code[owner].append(PushParam(pname, owned, part, rank, self.tag))
+                        code[rank].append(PullParam(pname, region, part, owner, self.tag,
+                                                    self.plan.graph.params[pname].dtype))
+        return code
+
+    def _owners(self, pname: str, region: Mask, reader: int) -> list[tuple[int, Mask]]:
+        """One owner for each owned region overlapping ``region`` (the reader's own first)."""
+        found: dict[Mask, int] = {}
+        n = self.plan.ndevices
+        for rank in sorted(range(n), key=lambda r: r != reader):
+            for owned in self.owned[rank].get(pname, ()):
+                if owned.region.overlaps(region):
+                    found.setdefault(owned.region, rank)
+        return [(rank, m) for m, rank in found.items()]
 
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
@@ -172,9 +188,42 @@ class Materializer:
             source = _SOURCES[t.kind]
         held = None
         if source == "param":
-            held = next(r for r in self.held[rank][t.name] if r.contains(Mask(v.mask.index)))
+            held = next((r for r in self.stored[rank].get(t.name, ())
+                         if r.contains(Mask(v.mask.index))), None)
+            if held is None:
+                return self.fetch_param(rank, v, pre)
         var = self.name(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
         pre.append(Load(var, t, Mask(v.mask.index), source, held))
+        if not v.mask.value.is_full:
+            self.share[rank][var] = v.mask.value.width
+        return var
+
+    def fetch_param(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
+        """A parameter region this rank does not store, from the ranks that own it.
+
+        The owners send at the start of the step, so the reader never waits on an
+        owner that is itself waiting.
+        """
+        t = v.ptensor
+        want = Mask(v.mask.index)
+        parts = []
+        for owner, owned in self._owners(t.name, want, rank):
+            region = owned.intersect(want)
+            if owner == rank:
+                src = self.load(rank, VTensor(t, region), pre)
+            else:
+                key = (owner, rank, t.name, region.index)
+                if key not in self.sent_params:
+                    self.tag += 1
+                    local = self.load(owner, VTensor(t, region), self.head[owner])
+                    self.head[owner].append(Send(local, (), rank, self.tag))
+                    src = self.name(rank, f"{t.name}_from{owner}", region.shape)
+                    pre.append(Recv(src, region.shape, t.dtype, owner, self.tag))
+                    self.sent_params[key] = src
+                src = self.sent_params[key]
+            parts.append(Part(src, (), region.local_slices(want), Fraction(1)))
+        var = self.name(rank, t.name, want.shape)
+        pre.append(Assemble(var, want.shape, t.dtype, parts))
         if not v.mask.value.is_full:
             self.share[rank][var] = v.mask.value.width
         return var

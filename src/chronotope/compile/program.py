@@ -19,6 +19,7 @@ import torch
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.storage import Owned
 
 Slices = tuple[slice, ...]
 
@@ -114,11 +115,35 @@ class AllReduce:
 
 @dataclass
 class Grad:
-    """The summed gradient of one parameter region this rank stores."""
+    """The summed gradient of one parameter region this rank updates (``var[slices]``)."""
 
     param: str
     region: Mask
     var: str
+    slices: Slices = ()
+
+
+@dataclass
+class PushParam:
+    """After the optimizer step: send ``region`` of the ``owned`` region this rank updated."""
+
+    param: str
+    owned: Mask
+    region: Mask
+    dst: int
+    tag: int
+
+
+@dataclass
+class PullParam:
+    """After the optimizer step: receive ``region`` into the ``stored`` region from its owner."""
+
+    param: str
+    stored: Mask
+    region: Mask
+    src: int
+    tag: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -132,7 +157,7 @@ class Free:
 
 
 Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | Grad | Loss
-               | Free)
+               | Free | PushParam | PullParam)
 
 
 def reads(ins: Instruction) -> tuple[str, ...]:
@@ -156,8 +181,10 @@ class Program:
 
     plan: Plan
     ranks: list[list[Instruction]]
-    held: list[dict[str, list[Mask]]] = field(default_factory=list)  # param regions per rank
+    stored: list[dict[str, list[Mask]]] = field(default_factory=list)  # param regions per rank
     groups: list[tuple[int, ...]] = field(default_factory=list)  # rank sets of collectives
+    owned: list[dict[str, list[Owned]]] = field(default_factory=list)  # regions each updates
+    refresh: list[list[Instruction]] = field(default_factory=list)  # after the optimizer step
 
     @property
     def ndevices(self) -> int:
@@ -168,6 +195,8 @@ class Program:
         received = sum(math.prod(i.shape) * i.dtype.itemsize
                        for i in self.ranks[rank] if isinstance(i, Recv))
         # A ring all-reduce of n bytes over k ranks moves 2 (k - 1) / k * n per rank.
+        received += sum(i.region.numel * i.dtype.itemsize
+                        for i in self.refresh[rank] if isinstance(i, PullParam))
         reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
                       for i in self.ranks[rank] if isinstance(i, AllReduce) for shape in i.shapes)
         return {"p2p": received, "all_reduce": int(reduced)}

@@ -19,6 +19,7 @@ from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, VTensor
 from chronotope.plan.plan import OrderCall, Plan, PlanOp
+from chronotope.plan.storage import Storage, storage
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 
@@ -73,6 +74,7 @@ class CheckedPlan:
     sequences: dict[int, list[PlanOp]]
     memory: dict[int, Memory]
     edges: list[Edge] = field(repr=False)
+    storage: Storage = field(repr=False)
 
     def sequence(self, rank: int) -> list[PlanOp]:
         """The ops global ``rank`` runs, in order (ranks past the scale unit repeat it)."""
@@ -116,8 +118,9 @@ def check(plan: Plan) -> CheckedPlan:
     for node in order:
         if isinstance(node, PlanOp):
             sequences[node.device].append(node)
-    memory = {d: estimate_memory(plan, seq, d) for d, seq in sequences.items()}
-    return CheckedPlan(plan, sequences, memory, edges)
+    stored = storage(plan, sequences)
+    memory = {d: estimate_memory(plan, seq, stored, d) for d, seq in sequences.items()}
+    return CheckedPlan(plan, sequences, memory, edges, stored)
 
 
 class Sources:
@@ -288,18 +291,14 @@ def _reads(op: PlanOp) -> tuple[VTensor, ...]:
     return (*op.inputs, *op.forward.inputs, *op.forward.outputs)
 
 
-def estimate_memory(plan: Plan, seq: list[PlanOp], device: int) -> Memory:
-    params: dict[PTensor, list[Mask]] = defaultdict(list)
+def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int) -> Memory:
     param_grads = {plan.grads[p] for p in plan.graph.params.values() if p in plan.grads}
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     size: dict[tuple, int] = {}
     for i, op in enumerate(seq):
         for v in (*_reads(op), *op.outputs):
-            if v.ptensor.kind is TensorKind.PARAM:
-                params[v.ptensor].append(v.mask)
-                continue
-            if v.ptensor in param_grads:
+            if v.ptensor.kind is TensorKind.PARAM or v.ptensor in param_grads:
                 continue  # counted with the parameters
             key = (v.ptensor, v.mask)
             first.setdefault(key, i)
@@ -313,15 +312,12 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], device: int) -> Memory:
     for d in delta:
         live += d
         peak = max(peak, live)
-    held = 0
-    for p, masks in params.items():
-        distinct = set(masks)
-        kept = [m for m in distinct if not any(o != m and o.contains(m) for o in distinct)]
-        held += sum(m.numel for m in kept) * p.dtype.itemsize
     states = OPTIMIZER_STATES.get(plan.optimizer)
     if states is None:
         raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
-    return Memory(held, held, states * held, peak)
+    owned = stored.bytes_owned(plan, device)
+    return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
+                  states * owned, peak)
 
 
 def format_bytes(n: float) -> str:

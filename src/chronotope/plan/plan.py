@@ -18,6 +18,7 @@ from chronotope.graph.ir import Graph, Op, PTensor, TensorKind, TensorMeta
 from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
+from chronotope.graph.signature import Signature
 from chronotope.graph.trace import user_frame
 from chronotope.plan.algo import Algorithm, Piece, partition
 
@@ -114,6 +115,12 @@ class Plan:
         self.grads: dict[PTensor, PTensor] = {}
         self.requires_grad = _requires_grad(graph)
         self.roots: dict[str, PlanOp] = {}
+        # Optimizer steps made ops (see ``update``), and where parameters are kept:
+        # "read": a device stores every region its pieces read, refreshed from the
+        # owners after each step (ZeRO 1-2); "owned": only the regions it updates,
+        # other regions are fetched from their owners when read (ZeRO 3).
+        self.updates: dict[str, PlanOp] = {}
+        self.param_storage = "read"
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp] = {}
         shares = _gradient_shares(graph)
@@ -174,6 +181,35 @@ class Plan:
             self.leaves(ref)  # unknown names fail here, where the user wrote them
         self.orders.append(OrderCall(before, after, where))
         self.checked = None
+
+    def update(self, param: str, *, whole_grad: bool = False) -> PlanOp:
+        """The optimizer step of parameter ``param``, as an op to partition and place.
+
+        Its pieces own regions of the parameter: the device of a piece keeps that
+        region's optimizer state and updates it, reading the region's gradient (or
+        the whole gradient with ``whole_grad``, as ZeRO-1 does). Left alone, every
+        device that reads a region updates it (data parallel).
+        """
+        if param in self.updates:
+            return self.updates[param]
+        t = self.graph.params.get(param)
+        if t is None:
+            raise PlanError(f"the graph has no parameter {param!r}")
+        if t not in self.requires_grad:
+            raise PlanError(f"parameter {param!r} gets no gradient, so it has no update")
+        dims = [f"d{i}" for i in range(len(t.shape))]
+        reads = [f"g{i}^" for i in range(len(t.shape))] if whole_grad else dims
+        text = f"{' '.join(reads) or '()'} -> {' '.join(dims) or '()'}"
+        grad = self.grad(t)
+        op = Op(f"update({param})", "update", "update", (grad,), {}, (grad,), (t,),
+                Signature.parse(text))
+        piece = Piece((VTensor(grad, Mask.full(t.shape)),), (VTensor(t, Mask.full(t.shape)),),
+                      (ValueRange.FULL,), op.signature.bind([t.shape], [t.shape]))
+        root = PlanOp(op.name, op, piece, order=0)
+        self._add(root)
+        self.updates[param] = root
+        self.checked = None
+        return root
 
     def group(self, ops: Iterable[Ref], name: str) -> Group:
         return Group(name, tuple(ops))

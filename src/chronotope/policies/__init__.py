@@ -2,6 +2,7 @@
 
 from chronotope.policies.axes import batch_dims, sequence_dims
 from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
+from chronotope.policies.zero import zero
 
 __all__ = ["batch_dims", "data_parallel", "mesh", "sequence_parallel", "sequence_dims",
-           "tensor_parallel"]
+           "tensor_parallel", "zero"]

@@ -22,7 +22,8 @@ class StepContext:
         self,
         rank: int,
         device: torch.device,
-        params: Mapping[tuple[str, tuple], nn.Parameter],
+        stored: Mapping[tuple[str, tuple], torch.Tensor],
+        owned: Mapping[tuple[str, tuple], nn.Parameter],
         state: Mapping[str, torch.Tensor],
         batch: Mapping[str, torch.Tensor],
         transport: Any,
@@ -30,7 +31,8 @@ class StepContext:
     ) -> None:
         self.rank = rank
         self.device = device
-        self.params = params
+        self.stored = stored
+        self.owned_params = owned
         self.state = state
         self.inputs = batch
         self.transport = transport
@@ -41,7 +43,12 @@ class StepContext:
     # ---- leaves ----------------------------------------------------------------------------
 
     def param(self, name: str, region: tuple) -> torch.Tensor:
-        return self.params[(name, region)]
+        """A parameter region this rank stores (what its pieces read)."""
+        return self.stored[(name, region)]
+
+    def owned(self, name: str, region: tuple) -> nn.Parameter:
+        """A parameter region this rank updates."""
+        return self.owned_params[(name, region)]
 
     def input(self, name: str) -> torch.Tensor:
         return self.inputs[name]
@@ -112,7 +119,7 @@ class StepContext:
     # ---- results -------------------------------------------------------------------------
 
     def grad(self, param: str, region: tuple, g: torch.Tensor) -> None:
-        p = self.params[(param, region)]
+        p = self.owned_params[(param, region)]
         p.grad = g.detach() if p.grad is None else p.grad + g.detach()
 
     def loss(self, value: torch.Tensor) -> None:

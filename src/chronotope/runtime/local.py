@@ -39,7 +39,8 @@ class RankSpec:
 
     rank: int
     code: str
-    params: dict[tuple[str, tuple], torch.Tensor]
+    params: dict[tuple[str, tuple], torch.Tensor]  # the regions this rank stores
+    owned: list[tuple[str, tuple]]  # the regions it updates, each inside a stored one
     state: dict[str, torch.Tensor]
     batch: dict[str, torch.Tensor]
     targets: dict[str, Any] = field(default_factory=dict)
@@ -58,7 +59,9 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
         RankSpec(
             rank, program.code(rank),
             {(name, region.index): full[name][region.to_slices()].clone()
-             for name, regions in program.held[rank].items() for region in regions},
+             for name, regions in program.stored[rank].items() for region in regions},
+            [(name, o.region.index) for name, owned in program.owned[rank].items()
+             for o in owned],
             state, batch, targets, program.groups,
         )
         for rank in range(program.ndevices)
@@ -76,16 +79,27 @@ class Rank:
         scope: dict[str, Any] = {}
         exec(compile(spec.code, f"<chronotope rank {spec.rank}>", "exec"), scope)
         self.step_fn = scope["step"]
-        self.params = {k: nn.Parameter(v.to(self.device)) for k, v in spec.params.items()}
+        self.refresh_fn = scope.get("refresh")
+        self.stored = {k: v.to(self.device) for k, v in spec.params.items()}
+        # What the optimizer updates is a view of what the pieces read: no second copy.
+        self.params = {k: nn.Parameter(self._view(*k)) for k in spec.owned}
         self.state = {n: t.to(self.device) for n, t in spec.state.items()}
         self.batch = {n: t.to(self.device) for n, t in spec.batch.items()}
         self.targets = spec.targets
         # A rank may hold no weights at all (it only runs activations).
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
 
+    def _view(self, name: str, index: tuple) -> torch.Tensor:
+        region = Mask(index)
+        for (stored_name, stored_index), t in self.stored.items():
+            within = Mask(stored_index)
+            if stored_name == name and within.contains(region):
+                return t[region.local_slices(within)]
+        raise ValueError(f"rank {self.rank} updates {name}{list(index)} but does not store it")
+
     def step(self) -> list[float]:
-        rt = StepContext(self.rank, self.device, self.params, self.state, self.batch,
-                         self.transport, self.targets)
+        rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
+                         self.batch, self.transport, self.targets)
         if self.optimizer:
             self.optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
@@ -93,10 +107,15 @@ class Rank:
         self.transport.flush()
         if self.optimizer:
             self.optimizer.step()
+        if self.refresh_fn:
+            with torch.no_grad():
+                self.refresh_fn(rt)
+            self.transport.flush()
         return rt.losses
 
     def regions(self) -> dict[tuple[str, tuple], torch.Tensor]:
-        return {k: p.detach().cpu() for k, p in self.params.items()}
+        """The regions this rank stores (the ones it updates are views into them)."""
+        return {k: t.detach().cpu() for k, t in self.stored.items()}
 
 
 @dataclass

@@ -1,0 +1,89 @@
+"""Where parameters live: the regions a device stores, and the regions it updates.
+
+A device *owns* the regions of a parameter whose update pieces it runs (see
+``Plan.update``); it keeps their optimizer state and gradient. It *stores* the
+regions its forward pieces read (refreshed from the owners after each step),
+or with ``plan.param_storage == "owned"`` only what it owns, fetching the rest
+from the owners when a piece reads it. A parameter whose update was left alone
+is owned by every device that reads it, each updating its copy alike.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from chronotope.errors import PlanError, UnassignedOpError
+from chronotope.graph.ir import TensorKind
+from chronotope.graph.mask import Mask
+from chronotope.plan.plan import Plan, PlanOp
+
+
+@dataclass(frozen=True)
+class Owned:
+    """One region a device updates, and the region of the gradient its update reads."""
+
+    region: Mask
+    grad: Mask
+
+
+@dataclass
+class Storage:
+    stored: dict[int, dict[str, list[Mask]]]
+    owned: dict[int, dict[str, list[Owned]]]
+
+    def bytes_stored(self, plan: Plan, device: int) -> int:
+        return sum(m.numel * plan.graph.params[p].dtype.itemsize
+                   for p, ms in self.stored[device].items() for m in ms)
+
+    def bytes_owned(self, plan: Plan, device: int, grads: bool = False) -> int:
+        return sum((o.grad if grads else o.region).numel * plan.graph.params[p].dtype.itemsize
+                   for p, os_ in self.owned[device].items() for o in os_)
+
+
+def largest(masks: list[Mask]) -> list[Mask]:
+    """The index regions among ``masks`` that no other one contains, in index order."""
+    index_only = {Mask(m.index) for m in masks}
+    return sorted((m for m in index_only if not any(o != m and o.contains(m) for o in index_only)),
+                  key=lambda m: m.index)
+
+
+def storage(plan: Plan, sequences: dict[int, list[PlanOp]]) -> Storage:
+    reads: dict[int, dict[str, list[Mask]]] = {d: defaultdict(list) for d in sequences}
+    for d, seq in sequences.items():
+        for op in seq:
+            for v in op.inputs:
+                if v.ptensor.kind is TensorKind.PARAM:
+                    reads[d][v.ptensor.name].append(v.mask)
+    owned: dict[int, dict[str, list[Owned]]] = {d: defaultdict(list) for d in sequences}
+    for name, root in plan.updates.items():
+        for leaf in _update_leaves(plan, name, root):
+            owned[leaf.device][name].append(Owned(leaf.outputs[0].mask, leaf.inputs[0].mask))
+    stored: dict[int, dict[str, list[Mask]]] = {d: {} for d in sequences}
+    for d in sequences:
+        for name in plan.graph.params:
+            mine = [o.region for o in owned[d].get(name, ())]
+            if name in plan.updates and plan.param_storage == "owned":
+                regions = largest(mine)
+            else:
+                regions = largest(reads[d].get(name, []) + mine)
+            if regions:
+                stored[d][name] = regions
+            if name not in plan.updates and name in reads[d] \
+                    and plan.graph.params[name] in plan.grads:
+                owned[d][name] = [Owned(r, r) for r in regions]
+    return Storage(stored, {d: dict(o) for d, o in owned.items()})
+
+
+def _update_leaves(plan: Plan, name: str, root: PlanOp) -> list[PlanOp]:
+    leaves = plan.leaves(root)
+    unassigned = [leaf.name for leaf in leaves if leaf.device is None]
+    if unassigned:
+        raise UnassignedOpError(f"the update of parameter {name} has pieces on no device: "
+                                f"{', '.join(unassigned)}; assign them with plan.assign")
+    t = plan.graph.params[name]
+    covered = largest([leaf.outputs[0].mask for leaf in leaves])
+    if sum(m.numel for m in covered) != Mask.full(t.shape).numel:
+        raise PlanError(f"the update pieces of parameter {name} do not cover all of it "
+                        f"{list(t.shape)}; split the update so every region has an owner")
+    return leaves

@@ -1,0 +1,38 @@
+"""ZeRO (stages 1-3) from the primitives: data parallel, with each parameter's update split.
+
+The forward and backward are data parallel; the update of every parameter is
+cut into one piece per device (along its first dim that divides), so each
+device keeps the optimizer state of 1/n of the weights.
+
+* stage 1: each update piece reads the whole gradient (an all-reduce), then
+  takes its region; every device stores all weights, refreshed from the owners
+  after the step.
+* stage 2: each update piece reads only its region of the gradient, so the
+  compiler sums just that region on its owner (a reduce-scatter).
+* stage 3: as stage 2, and a device stores only the weights it owns; the
+  others are fetched from their owners when a piece reads them.
+"""
+
+from __future__ import annotations
+
+from chronotope.errors import PlanError
+from chronotope.graph.ir import Graph
+from chronotope.plan import Plan, Replicate, Split
+from chronotope.policies.mesh import data_parallel
+
+
+def zero(graph: Graph, ndevices: int, stage: int = 1) -> Plan:
+    if stage not in (1, 2, 3):
+        raise PlanError(f"ZeRO has stages 1, 2 and 3, got stage={stage}")
+    plan = data_parallel(graph, ndevices)
+    for name, t in graph.params.items():
+        if t not in plan.requires_grad:
+            continue
+        update = plan.update(name, whole_grad=stage == 1)
+        axis = next((a for a, size in enumerate(t.shape) if size % ndevices == 0), None)
+        algo = Split(f"d{axis}", ndevices) if axis is not None else Replicate(ndevices)
+        for device, piece in enumerate(plan.trans(update, algo)):
+            plan.assign(piece, device)
+    if stage == 3:
+        plan.param_storage = "owned"
+    return plan
