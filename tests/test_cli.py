@@ -89,6 +89,23 @@ def test_run_check_matches_one_device(capsys):
     assert report["step_time_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model, policy, devices", [
+    ("gpt", "tp", 4), ("llama", "sp", 2), ("bert", "dp-tp", 4), ("gpt", "dp-sp", 4),
+    ("gpt", "zero-1", 2), ("llama", "zero-2", 4), ("bert", "zero-3", 2),
+])
+def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
+    report = run_json(capsys, "run", model, "--policy", policy, "--devices", str(devices),
+                      "--steps", "3", "--check")
+    assert report["policy"] == policy and len(report["losses"]) == 3
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+
+
+def test_a_mesh_that_does_not_factor_exits_2(capsys):
+    assert main(["plan", "gpt", "--policy", "dp-tp", "--devices", "6", "--tp", "4"]) == 2
+    assert "--tp 4 does not divide --devices 6" in capsys.readouterr().err
+
+
 def test_plan_of_a_large_preset_needs_no_weights(capsys):
     report = run_json(capsys, "plan", "gpt3-1.3b", "--devices", "2")
     memory = report["ranks"][0]["memory_bytes"]

@@ -53,6 +53,8 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
 
 def _worker(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
             port: int, timeout: float, out_dir: str) -> None:
+    if backend == "gloo":  # workers share this machine's cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(specs)))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
                             world_size=len(specs), timeout=timedelta(seconds=timeout))
     try:
