@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.compile.program import AllReduce, Send
+from chronotope.compile.program import AllGather, AllReduce, Send
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, zero
 from chronotope.runtime.local import Optim, run_in_threads
@@ -86,9 +86,12 @@ def test_zero_shards_what_each_stage_promises():
     assert z1.optimizer < dp.optimizer / 3 and z1.grads == dp.grads and z1.params == dp.params
     assert z2.optimizer == z1.optimizer and z2.grads < dp.grads / 3 and z2.params == dp.params
     assert z3.params < dp.params / 3
-    code = compile(zero(graph, 2, 3))
-    assert "rt.recv(" in code.code(0) and "def refresh" not in code.code(0)
-    assert "def refresh(rt):" in compile(zero(graph, 2, 2)).code(1)
+    three = compile(zero(graph, 2, 3)).code(0)  # weights gathered where they are read
+    assert "rt.all_gather(" in three and "rt.reduce_scatter(" in three
+    assert "def refresh" not in three and "rt.send(" not in three
+    two = compile(zero(graph, 2, 2)).code(1)  # one all-gather refreshes every copy
+    assert "rt.reduce_scatter(" in two and "rt.all_gather(" not in two
+    assert "def refresh(rt):\n" in two and two.count("rt.gather_params(") == 1
 
 
 def test_tensor_parallel_communicates_like_megatron():
@@ -104,8 +107,8 @@ def test_tensor_parallel_communicates_like_megatron():
     # backward: where the column linears' input gradients meet (the lm_head's too),
     # then one fused bucket of the row linears' bias gradients
     assert len(reduces) == 4 * layers + 2
-    sent = [i.var for i in code if isinstance(i, Send)]
-    assert len(sent) == 2  # the logits, gathered for the loss, and the tied embedding's grad
+    assert len([i for i in code if isinstance(i, AllGather)]) == 1  # the logits, for the loss
+    assert len([i for i in code if isinstance(i, Send)]) == 1  # the tied embedding's gradient
 
 
 def test_data_parallel_on_four():

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from chronotope.compile.program import (
+    AllGather,
     AllReduce,
     Assemble,
     Backward,
     Forward,
     Free,
+    GatherParams,
     Grad,
     Instruction,
     Load,
@@ -29,6 +31,7 @@ from chronotope.compile.program import (
     PullParam,
     PushParam,
     Recv,
+    ReduceScatter,
     Send,
 )
 from chronotope.graph.ir import DEVICE, PTensor
@@ -87,8 +90,17 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, AllReduce):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks})"]
+    if isinstance(ins, AllGather):
+        return [f"{ins.var} = rt.all_gather({ins.src}, ranks={ins.ranks}, dim={ins.dim})"]
+    if isinstance(ins, ReduceScatter):
+        return [f"{ins.var} = rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, "
+                f"dim={ins.dim})"]
     if isinstance(ins, Grad):
         return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)})"]
+    if isinstance(ins, GatherParams):
+        lines = [f"rt.gather_params(ranks={ins.ranks}, params=["]
+        lines += [f"    ({name!r}, {index}, {dim})," for name, index, dim in ins.params]
+        return [*lines, "])"]
     if isinstance(ins, PushParam):
         where = _index(ins.region.local_slices(ins.owned))
         return [f"rt.send(rt.owned({ins.param!r}, {ins.owned.index}){where}, to={ins.dst}, "

@@ -1,47 +1,114 @@
 """Rewriting point-to-point patterns into collectives.
 
-Materialization speaks only in sends and receives. When every rank of a set
-sums the same region from one piece on each of them, those k·(k-1) messages
-are one all-reduce. Collectives must be called in the same order on every
-member, so the rewrite is applied only when the ranks' orders agree.
+Materialization speaks only in sends and receives, and marks each assembly
+with its ``Pattern``. When every rank of a set sums the same region from one
+piece on each of them, those k·(k-1) messages are one all-reduce; when each
+joins the same region from one piece per member, an all-gather; when each sums
+its own run of a region all of them hold partials of, a reduce-scatter.
+A collective blocks every member until all arrive, where the messages it
+replaces did not, so the rewritten code is run symbolically: a collective that
+some rank would wait in forever (the members' orders disagree, or a member
+first waits on a message sent after it) stays as messages.
 """
 
 from __future__ import annotations
 
-import graphlib
 from collections import defaultdict
 
-from chronotope.compile.program import AllReduce, Assemble, Instruction, Recv, Send, reads
+from chronotope.compile.program import (
+    AllGather,
+    AllReduce,
+    Assemble,
+    Instruction,
+    Load,
+    Recv,
+    ReduceScatter,
+    Send,
+    reads,
+)
 
 
-def all_reduces(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], list]:
-    """Replace all-reduce patterns; returns the new code and the rank sets used."""
+def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], list]:
+    """Replace collective patterns; returns the new code and the rank sets they use."""
     found: dict[tuple, list[tuple[int, Assemble]]] = defaultdict(list)
     for rank, code in enumerate(ranks):
         for ins in code:
-            if isinstance(ins, Assemble) and ins.sum_of_pieces is not None:
-                s = ins.sum_of_pieces
-                found[(s.tensor, s.region, s.sources)].append((rank, ins))
-    chosen: dict[int, tuple[int, ...]] = {}  # id(Assemble) -> ranks
-    for (_, _, sources), members in found.items():
-        member_ranks = tuple(sorted(r for r, _ in members))
-        if len(members) > 1 and member_ranks == tuple(sorted({r for _, r in sources})):
+            if isinstance(ins, Assemble) and ins.pattern is not None:
+                found[(ins.pattern.kind, ins.pattern.key)].append((rank, ins))
+    chosen: dict[int, tuple[int, ...]] = {}  # id(Assemble) -> members, in the pattern's order
+    for (kind, key), members in found.items():
+        order = _members(kind, key, members)
+        if order is not None:
             for _, ins in members:
-                chosen[id(ins)] = member_ranks
-    if not chosen or not _same_order(ranks, chosen):
+                chosen[id(ins)] = order
+    keys = {id(ins): ins.pattern.key for code in ranks for ins in code if id(ins) in chosen}
+    while chosen:
+        out = [[_collective(ins, chosen[id(ins)]) if id(ins) in chosen else ins for ins in code]
+               for code in ranks]
+        out = _drop_unread_messages(out)
+        stuck = _stuck(out)
+        if not stuck:
+            break
+        # A collective blocks where the messages it replaced did not: keep those as messages.
+        chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
+    else:
         return ranks, []
-    out = []
-    for code in ranks:
-        new: list[Instruction] = []
-        for ins in code:
-            if id(ins) in chosen:
-                p = ins.sum_of_pieces
-                new.append(AllReduce((ins.var,), (p.local,), chosen[id(ins)], (ins.shape,),
-                                     ins.dtype, ((p.tensor, p.region, p.sources),)))
-            else:
-                new.append(ins)
-        out.append(new)
-    return coalesce(_drop_unread_messages(out)), sorted(set(chosen.values()))
+    return coalesce(out), sorted({tuple(sorted(m)) for m in chosen.values()})
+
+
+def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
+    """Run the ranks' code with blocking receives and collectives (sends do not block);
+    the keys of the collectives ranks wait in when none can move on (empty: it finishes)."""
+    pc = [0] * len(ranks)
+    sent: set[tuple[int, int, int]] = set()
+    arrived: dict[tuple, set[int]] = defaultdict(set)
+    moved = True
+    while moved:
+        moved = False
+        for r, code in enumerate(ranks):
+            while pc[r] < len(code):
+                ins = code[pc[r]]
+                if isinstance(ins, Send):
+                    sent.add((r, ins.dst, ins.tag))
+                elif isinstance(ins, Recv) and (ins.src, r, ins.tag) not in sent:
+                    break
+                elif isinstance(ins, (AllReduce, AllGather, ReduceScatter)):
+                    arrived[_key(ins)].add(r)
+                    if len(arrived[_key(ins)]) < len(ins.ranks):
+                        break
+                pc[r] += 1
+                moved = True
+    return {_key(code[pc[r]]) for r, code in enumerate(ranks)
+            if pc[r] < len(code) and isinstance(code[pc[r]], (AllReduce, AllGather, ReduceScatter))}
+
+
+def _key(ins: AllReduce | AllGather | ReduceScatter) -> tuple:
+    return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
+
+
+def _members(kind: str, key: tuple, members: list[tuple[int, Assemble]]) -> tuple | None:
+    """The members in collective order, when exactly the ranks holding the pieces take part."""
+    sources = sorted({r for _, r in key[2]})
+    if len(members) < 2 or sorted(r for r, _ in members) != sources:
+        return None
+    if kind == "all_reduce":
+        return tuple(sources)
+    if kind == "all_gather":
+        orders = {tuple(ins.pattern.ranks) for _, ins in members}
+        return orders.pop() if len(orders) == 1 else None
+    by_chunk = sorted((ins.pattern.chunk, r) for r, ins in members)
+    if [c for c, _ in by_chunk] != list(range(len(members))):
+        return None
+    return tuple(r for _, r in by_chunk)
+
+
+def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
+    p = ins.pattern
+    if p.kind == "all_reduce":
+        return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
+    if p.kind == "all_gather":
+        return AllGather(ins.var, p.local[0], members, ins.shape, ins.dtype, p.dim, p.key)
+    return ReduceScatter(ins.var, p.local, members, ins.shape, ins.dtype, p.dim, p.key)
 
 
 def coalesce(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
@@ -69,34 +136,17 @@ def coalesce(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     return out
 
 
-def _same_order(ranks: list[list[Instruction]], chosen: dict[int, tuple[int, ...]]) -> bool:
-    """Whether one global order of the collectives agrees with every rank's order."""
-    key = {}
-    for code in ranks:
-        for ins in code:
-            if id(ins) in chosen:
-                s = ins.sum_of_pieces
-                key[id(ins)] = (s.tensor, s.region, s.sources)
-    order = graphlib.TopologicalSorter()
-    for code in ranks:
-        mine = [key[id(ins)] for ins in code if id(ins) in chosen]
-        for a, b in zip(mine, mine[1:]):
-            order.add(b, a)
-    try:
-        order.prepare()
-    except graphlib.CycleError:
-        return False
-    return True
-
-
 def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Receives nobody reads any more, and their sends."""
+    """Receives nobody reads any more, their sends, and loads only those sends read."""
     read = [{var for ins in code for var in reads(ins)} for code in ranks]
     dead = {(r, ins.tag) for r, code in enumerate(ranks) for ins in code
             if isinstance(ins, Recv) and ins.var not in read[r]}
-    return [
+    kept = [
         [ins for ins in code
          if not (isinstance(ins, Recv) and (rank, ins.tag) in dead)
          and not (isinstance(ins, Send) and (ins.dst, ins.tag) in dead)]
         for rank, code in enumerate(ranks)
     ]
+    read = [{var for ins in code for var in reads(ins)} for code in kept]
+    return [[ins for ins in code if not (isinstance(ins, Load) and ins.var not in read[rank])]
+            for rank, code in enumerate(kept)]

@@ -15,23 +15,24 @@ import re
 from collections import defaultdict
 from fractions import Fraction
 
-from chronotope.compile.collectives import all_reduces
+from chronotope.compile.collectives import collectives
 from chronotope.compile.program import (
     Assemble,
     Backward,
     Forward,
     Free,
+    GatherParams,
     Grad,
     Instruction,
     Load,
     Loss,
     Part,
+    Pattern,
     Program,
     PullParam,
     PushParam,
     Recv,
     Send,
-    SumOfPieces,
     reads,
 )
 from chronotope.graph.ir import PTensor, TensorKind
@@ -117,15 +118,28 @@ class Materializer:
             for op in seq:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks, groups = all_reduces(ranks)
+        ranks, groups = collectives(ranks)
         return Program(self.plan, [with_frees(code) for code in ranks], self.stored,
                        groups, self.owned, self.refresh())
 
     def refresh(self) -> list[list[Instruction]]:
         """After the optimizer step: stored regions that others own, copied from the owners."""
         code: list[list[Instruction]] = [[] for _ in range(self.plan.ndevices)]
+        gathers: dict[tuple[int, ...], list[tuple[str, tuple, int]]] = defaultdict(list)
+        gathered = set()
+        for pname in self.plan.graph.params:  # one order on every rank
+            found = self._sharded(pname)
+            if found is not None:
+                members, region, dim = found
+                gathers[members].append((pname, region.index, dim))
+                gathered.add(pname)
+        for members, params in gathers.items():
+            for rank in members:
+                code[rank].append(GatherParams(tuple(params), members))
         for rank, stored in enumerate(self.stored):
             for pname, regions in stored.items():
+                if pname in gathered:
+                    continue
                 for region in regions:
                     for owner, owned in self._owners(pname, region, rank):
                         if owner == rank:
@@ -136,6 +150,23 @@ class Materializer:
                         code[rank].append(PullParam(pname, region, part, owner, self.tag,
                                                     self.plan.graph.params[pname].dtype))
         return code
+
+    def _sharded(self, pname: str) -> tuple[tuple[int, ...], Mask, int] | None:
+        """Whether ``pname`` is stored whole by exactly its owners, each owning one equal
+        run of it along one dim: then the refresh is an all-gather (members in run order)."""
+        owners = {r: owned[pname] for r, owned in enumerate(self.owned) if pname in owned}
+        if len(owners) < 2 or any(len(o) != 1 for o in owners.values()):
+            return None
+        whole = Mask.full(self.plan.graph.params[pname].shape)
+        if any(self.stored[r].get(pname) != [whole] for r in owners) or any(
+                pname in self.stored[r] for r in range(self.plan.ndevices) if r not in owners):
+            return None
+        ranks = list(owners)
+        found = _chunks(whole, [owners[r][0].region for r in ranks])
+        if found is None:
+            return None
+        dim, order = found
+        return tuple(ranks[i] for i in order), whole, dim
 
     def _owners(self, pname: str, region: Mask, reader: int) -> list[tuple[int, Mask]]:
         """One owner for each owned region overlapping ``region`` (the reader's own first)."""
@@ -207,7 +238,8 @@ class Materializer:
         t = v.ptensor
         want = Mask(v.mask.index)
         parts = []
-        for owner, owned in self._owners(t.name, want, rank):
+        owners = self._owners(t.name, want, rank)
+        for owner, owned in owners:
             region = owned.intersect(want)
             if owner == rank:
                 src = self.load(rank, VTensor(t, region), pre)
@@ -223,7 +255,8 @@ class Materializer:
                 src = self.sent_params[key]
             parts.append(Part(src, (), region.local_slices(want), Fraction(1)))
         var = self.name(rank, t.name, want.shape)
-        pre.append(Assemble(var, want.shape, t.dtype, parts))
+        pre.append(Assemble(var, want.shape, t.dtype, parts, _param_gather(t.name, want, owners,
+                                                                           rank, parts)))
         if not v.mask.value.is_full:
             self.share[rank][var] = v.mask.value.width
         return var
@@ -249,19 +282,43 @@ class Materializer:
             self.share[rank][var] = share  # applied by the reader, see ``self.share``
             parts = [Part(p.src, p.src_slices, p.dst_slices, Fraction(1)) for p in parts]
         pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts,
-                            self.sum_of_pieces(rank, v, found)))
+                            self.pattern(rank, v, found)))
         return var
 
-    def sum_of_pieces(self, rank: int, v: VTensor,
-                      found: list[tuple[PlanOp, Mask]]) -> SumOfPieces | None:
-        """Whether this read sums whole pieces of the region held on several ranks."""
-        devices = {p.device for p, _ in found}
-        if (len(devices) < 2 or not v.mask.value.is_full or rank not in devices
-                or any(m.index != v.mask.index for _, m in found)):
+    def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]]) -> Pattern | None:
+        """What this read does in terms every rank involved can agree on (see ``Pattern``)."""
+        devices = [p.device for p, _ in found]
+        if len(set(devices)) < 2 or rank not in devices or not v.mask.value.is_full:
             return None
-        local = tuple(self.piece_var[(p, m, v.ptensor)] for p, m in found if p.device == rank)
-        return SumOfPieces(v.ptensor.name, v.mask.index,
-                           tuple(sorted((p.name, p.device) for p, _ in found)), local)
+        t = v.ptensor
+        sources = tuple(sorted((p.name, p.device) for p, _ in found))
+        local = tuple(self.piece_var[(p, m, t)] for p, m in found if p.device == rank)
+        if all(m.index == v.mask.index for _, m in found):
+            return Pattern("all_reduce", (t.name, v.mask.index, sources), sorted(set(devices)),
+                           local)
+        masks = [m for _, m in found]
+        if all(m.value.is_full for m in masks):
+            if len(devices) != len(set(devices)):
+                return None  # a gather takes one piece from each member
+            chunks = _chunks(v.mask, masks)
+            if chunks is not None:
+                dim, order = chunks
+                return Pattern("all_gather", (t.name, v.mask.index, sources),
+                               [devices[i] for i in order], local, dim)
+            return None
+        whole = Mask(masks[0].index)
+        if any(m.index != whole.index for m in masks) or sum(m.value.width for m in masks) != 1:
+            return None
+        dims = [d for d, (a, b) in enumerate(zip(v.mask.index, whole.index)) if a != b]
+        if len(dims) != 1:
+            return None
+        d = dims[0]
+        size = v.mask.shape[d]
+        lo, hi = whole.index[d]
+        if (hi - lo) != size * len(set(devices)) or (v.mask.index[d][0] - lo) % size:
+            return None
+        return Pattern("reduce_scatter", (t.name, whole.index, sources), [], local, d,
+                       (v.mask.index[d][0] - lo) // size)
 
     def fetch(self, rank: int, producer: PlanOp, m: Mask, region: Mask, t: PTensor,
               pre: list[Instruction]) -> tuple[str, Mask]:
@@ -278,6 +335,35 @@ class Materializer:
             pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)
+
+
+def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: int,
+                  parts: list[Part]) -> Pattern | None:
+    """A parameter read whole from runs its owners (this rank among them) hold: a gather."""
+    ranks = [r for r, _ in owners]
+    found = _chunks(want, [m for _, m in owners])
+    if found is None or rank not in ranks or len(set(ranks)) != len(ranks):
+        return None
+    dim, order = found
+    sources = tuple(sorted((f"update({name})", r) for r in ranks))
+    return Pattern("all_gather", (name, want.index, sources), [ranks[i] for i in order],
+                   (parts[ranks.index(rank)].src,), dim)
+
+
+def _chunks(whole: Mask, masks: list[Mask]) -> tuple[int, list[int]] | None:
+    """Whether ``masks`` are equal runs of ``whole`` along one dim: that dim, and the
+    masks' order along it."""
+    dims = {d for m in masks for d, (a, b) in enumerate(zip(m.index, whole.index)) if a != b}
+    if len(dims) != 1:
+        return None
+    d = dims.pop()
+    order = sorted(range(len(masks)), key=lambda i: masks[i].index[d][0])
+    lo, hi = whole.index[d]
+    size = (hi - lo) // len(masks)
+    if [masks[i].index[d] for i in order] != [(lo + k * size, lo + (k + 1) * size)
+                                               for k in range(len(masks))]:
+        return None
+    return d, order
 
 
 def _covers(slices: tuple[slice, ...], shape: tuple[int, ...]) -> bool:

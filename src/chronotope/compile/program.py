@@ -78,15 +78,26 @@ class Part:
     scale: Fraction
 
 
-@dataclass(frozen=True)
-class SumOfPieces:
-    """An Assemble that sums one whole piece from each of several ranks: an all-reduce
-    candidate when every one of those ranks assembles the same sum."""
+@dataclass
+class Pattern:
+    """An Assemble as a collective candidate, in terms every member agrees on.
 
-    tensor: str
-    region: tuple
-    sources: tuple[tuple[str, int], ...]  # (producing piece, its rank)
-    local: tuple[str, ...]  # this rank's own pieces, summed before the all-reduce
+    * ``all_reduce``: each member sums the same region from whole pieces on all of them;
+    * ``all_gather``: each member joins the same region from one piece per member, side
+      by side along ``dim`` in ``ranks`` order;
+    * ``reduce_scatter``: each member sums its own run ``chunk`` along ``dim`` of a
+      region every member holds a partial value of.
+
+    ``key`` (tensor, region, producing pieces) is the same on every member; ``local``
+    names this rank's own pieces.
+    """
+
+    kind: str
+    key: tuple
+    ranks: list[int]
+    local: tuple[str, ...]
+    dim: int = 0
+    chunk: int = 0
 
 
 @dataclass
@@ -95,7 +106,7 @@ class Assemble:
     shape: tuple[int, ...]
     dtype: torch.dtype
     parts: list[Part]
-    sum_of_pieces: SumOfPieces | None = None
+    pattern: Pattern | None = None
 
 
 @dataclass
@@ -111,6 +122,32 @@ class AllReduce:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     keys: tuple[tuple, ...] = ()  # what each output is, the same on every member rank
+
+
+@dataclass
+class AllGather:
+    """The members' pieces side by side along ``dim``, in ``ranks`` order, on every member."""
+
+    var: str
+    src: str
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    key: tuple = ()
+
+
+@dataclass
+class ReduceScatter:
+    """Member ``ranks[i]`` gets run ``i`` along ``dim`` of the sum of the members' pieces."""
+
+    var: str
+    srcs: tuple[str, ...]
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]  # of the run this rank gets
+    dtype: torch.dtype
+    dim: int
+    key: tuple = ()
 
 
 @dataclass
@@ -135,6 +172,15 @@ class PushParam:
 
 
 @dataclass
+class GatherParams:
+    """After the optimizer step: each member updated run ``ranks.index(member)`` along
+    ``dim`` of these parameters; one all-gather of all the runs refreshes every copy."""
+
+    params: tuple[tuple[str, tuple, int], ...]  # (name, stored region, dim)
+    ranks: tuple[int, ...]
+
+
+@dataclass
 class PullParam:
     """After the optimizer step: receive ``region`` into the ``stored`` region from its owner."""
 
@@ -156,8 +202,8 @@ class Free:
     vars: tuple[str, ...]
 
 
-Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | Grad | Loss
-               | Free | PushParam | PullParam)
+Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | AllGather
+               | ReduceScatter | Grad | Loss | Free | PushParam | PullParam | GatherParams)
 
 
 def reads(ins: Instruction) -> tuple[str, ...]:
@@ -170,6 +216,10 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return tuple(p.src for p in ins.parts)
     if isinstance(ins, AllReduce):
         return tuple(v for srcs in ins.srcs for v in srcs)
+    if isinstance(ins, AllGather):
+        return (ins.src,)
+    if isinstance(ins, ReduceScatter):
+        return ins.srcs
     if isinstance(ins, (Send, Grad, Loss)):
         return (ins.var,)
     return ()
@@ -199,7 +249,18 @@ class Program:
                         for i in self.refresh[rank] if isinstance(i, PullParam))
         reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
                       for i in self.ranks[rank] if isinstance(i, AllReduce) for shape in i.shapes)
-        return {"p2p": received, "all_reduce": int(reduced)}
+        # An all-gather brings in the (k - 1) pieces of the others; a reduce-scatter as much.
+        gathered = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
+                       for i in self.ranks[rank] if isinstance(i, AllGather))
+        scattered = sum((len(i.ranks) - 1) * math.prod(i.shape) * i.dtype.itemsize
+                        for i in self.ranks[rank] if isinstance(i, ReduceScatter))
+        params = self.plan.graph.params
+        gathered += sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(params[name].shape)
+                        * params[name].dtype.itemsize
+                        for i in self.refresh[rank] if isinstance(i, GatherParams)
+                        for name, _, _ in i.params)
+        return {"p2p": received, "all_reduce": int(reduced), "all_gather": int(gathered),
+                "reduce_scatter": int(scattered)}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
         """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""

@@ -107,6 +107,39 @@ class StepContext:
         return tuple(part.view_as(t) for part, t in
                      zip(flat.split([t.numel() for t in local]), local))
 
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int) -> torch.Tensor:
+        """The members' pieces side by side along ``dim``, in ``ranks`` order."""
+        members = tuple(sorted(ranks))
+        pieces = self.transport.all_gather(t.detach().contiguous(), members, self.rank)
+        return torch.cat([pieces[members.index(r)] for r in ranks], dim)
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
+                       dim: int) -> torch.Tensor:
+        """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members."""
+        local = sum(t.detach() for t in tensors)
+        members = tuple(sorted(ranks))
+        runs = local.chunk(len(ranks), dim)
+        # The transport hands member i (in rank order) run i: put each member's run there.
+        ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
+        return self.transport.reduce_scatter(ordered, members, self.rank, dim)
+
+    def gather_params(self, ranks: tuple[int, ...], params: Sequence[tuple[str, tuple, int]],
+                      ) -> None:
+        """Refresh stored parameters from their owners: member ``ranks[k]`` updated run ``k``
+        along ``dim`` of each; all runs travel in one flat all-gather."""
+        runs = [(self.stored[(name, index)].chunk(len(ranks), dim)) for name, index, dim in params]
+        mine = ranks.index(self.rank)
+        local = torch.cat([r[mine].reshape(-1) for r in runs])
+        members = tuple(sorted(ranks))
+        for member, flat in zip(members, self.transport.all_gather(local, members, self.rank)):
+            if member == self.rank:
+                continue
+            offset = 0
+            for r in runs:
+                dst = r[ranks.index(member)]
+                dst.copy_(flat[offset:offset + dst.numel()].view_as(dst))
+                offset += dst.numel()
+
     def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
                  parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
         """Regions side by side, partial values summed."""

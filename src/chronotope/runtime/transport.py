@@ -50,8 +50,9 @@ class ThreadTransport:
                                  f"from rank {src}; rank {src} is dead or stuck")
             return self.box[key].popleft().to(device)
 
-    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
-        """Sum over ``ranks`` in rank order, so every member gets the same bits."""
+    def _exchange(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                  what: str) -> list[torch.Tensor]:
+        """Every member's tensor, in ``ranks`` order, once all of them arrived."""
         with self.cond:
             seq = self.calls[(ranks, rank)]
             self.calls[(ranks, rank)] += 1
@@ -65,13 +66,25 @@ class ThreadTransport:
             if dead or not ok:
                 missing = dead or [r for r in ranks if r not in self.pending[key]]
                 who = ", ".join(f"rank {r}" for r in missing)
-                raise RankFailed(f"rank {rank} waited in an all-reduce over ranks {list(ranks)} "
+                raise RankFailed(f"rank {rank} waited in an {what} over ranks {list(ranks)} "
                                  f"for {who}, which failed or is stuck")
-            total = sum(self.pending[key][r] for r in ranks)
+            pieces = [self.pending[key][r].to(t.device) for r in ranks]
             self.taken[key] += 1
             if self.taken[key] == len(ranks):
                 del self.pending[key], self.taken[key]
-            return total.to(t.device)
+            return pieces
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        """Sum over ``ranks`` in rank order, so every member gets the same bits."""
+        return sum(self._exchange(t, ranks, rank, "all-reduce"))
+
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
+        return self._exchange(t, ranks, rank, "all-gather")
+
+    def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                       dim: int) -> torch.Tensor:
+        total = sum(self._exchange(t, ranks, rank, "reduce-scatter"))
+        return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -103,6 +116,25 @@ class DistTransport:
         work = dist.all_reduce(out, group=self.groups[ranks], async_op=True)
         self._wait(work, f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}")
         return out
+
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in ranks]
+        work = dist.all_gather(out, t, group=self.groups[ranks], async_op=True)
+        self._wait(work, f"rank {rank} did not finish an all-gather over ranks {list(ranks)}")
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                       dim: int) -> torch.Tensor:
+        what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
+        if dist.get_backend(self.groups[ranks]) == "gloo":  # gloo has no reduce-scatter
+            total = self.all_reduce(t, ranks, rank)
+            return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
+        rows = t.movedim(dim, 0).contiguous()
+        out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        self._wait(dist.reduce_scatter_tensor(out, rows, group=self.groups[ranks],
+                                              async_op=True), what)
+        return out.movedim(0, dim).contiguous()
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))
