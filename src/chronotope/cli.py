@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
 
 def cmd_run(args: argparse.Namespace, out: Console) -> int:
     workload, program = _compiled(args)
-    optim = Optim(args.optimizer, args.lr)
+    optim = Optim(args.optimizer, args.lr, clip=args.clip)
     with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
                     f"processes for {args.steps} steps"):
         result = run_processes(program, workload, args.steps, optim, timeout=args.timeout)
@@ -226,6 +226,8 @@ def parser() -> argparse.ArgumentParser:
                              help="also train on one device and compare losses and weights")
             cmd.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
             cmd.add_argument("--lr", type=float, default=0.1)
+            cmd.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                             help="clip gradients to this global norm across all ranks")
             cmd.add_argument("--timeout", type=float, default=60.0,
                              help="seconds a rank waits on another before giving up")
     return p

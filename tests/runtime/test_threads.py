@@ -94,6 +94,18 @@ def test_zero_shards_what_each_stage_promises():
     assert "def refresh(rt):\n" in two and two.count("rt.gather_params(") == 1
 
 
+@pytest.mark.parametrize("policy", ["dp", "tp", "zero-2", "zero-3"])
+def test_gradients_clipped_by_the_global_norm(policy):
+    workload, graph = captured("gpt")
+    plan = {"dp": lambda: data_parallel(graph, 2), "tp": lambda: mesh(graph, 1, 2),
+            "zero-2": lambda: zero(graph, 2, 2), "zero-3": lambda: zero(graph, 2, 3)}[policy]()
+    optim = Optim("sgd", 0.1, clip=0.05)  # well below the gradients' norm: every step clips
+    run = run_in_threads(compile(plan), workload, STEPS, optim)
+    diff = compare(run, train_reference(workload, STEPS, optim))
+    unclipped = compare(run, train_reference(workload, STEPS, Optim("sgd", 0.1)))
+    assert diff.max_param_rel_diff <= 1e-5 < unclipped.max_param_rel_diff, (diff, unclipped)
+
+
 def test_tensor_parallel_communicates_like_megatron():
     """One all-reduce after attention and one after the MLP, forward and backward;
     the fused q/k/v projection and the attention heads need no messages at all."""

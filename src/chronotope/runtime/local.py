@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ class Optim:
     name: str = "sgd"
     lr: float = 0.1
     weight_decay: float = 0.0
+    clip: float | None = None  # max global gradient norm, as torch.nn.utils.clip_grad_norm_
 
     def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "sgd":
@@ -45,6 +47,9 @@ class RankSpec:
     batch: dict[str, torch.Tensor]
     targets: dict[str, Any] = field(default_factory=dict)
     groups: list[tuple[int, ...]] = field(default_factory=list)  # collectives' rank sets
+    # Each owned region's share of the global gradient norm: 1 / how many ranks own it.
+    norm_weights: dict[tuple[str, tuple], float] = field(default_factory=dict)
+    world: int = 1
 
 
 def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
@@ -55,6 +60,11 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
     tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
     batch = {t.name: v for t, v in zip(graph.inputs, tensors)}
     targets = {op.name: op.target for op in graph.ops if callable(op.target)}
+    owners: dict[tuple[str, tuple], int] = defaultdict(int)
+    for owned in program.owned:
+        for name, regions in owned.items():
+            for o in regions:
+                owners[(name, o.region.index)] += 1
     return [
         RankSpec(
             rank, program.code(rank),
@@ -63,6 +73,9 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
             [(name, o.region.index) for name, owned in program.owned[rank].items()
              for o in owned],
             state, batch, targets, program.groups,
+            {(name, o.region.index): 1 / owners[(name, o.region.index)]
+             for name, owned in program.owned[rank].items() for o in owned},
+            program.ndevices,
         )
         for rank in range(program.ndevices)
     ]
@@ -86,6 +99,9 @@ class Rank:
         self.state = {n: t.to(self.device) for n, t in spec.state.items()}
         self.batch = {n: t.to(self.device) for n, t in spec.batch.items()}
         self.targets = spec.targets
+        self.norm_weights = spec.norm_weights
+        self.world = tuple(range(spec.world))
+        self.clip = optim.clip
         # A rank may hold no weights at all (it only runs activations).
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
 
@@ -105,6 +121,8 @@ class Rank:
         with torch.enable_grad():
             self.step_fn(rt)
         self.transport.flush()
+        if self.clip is not None:
+            self.clip_gradients(self.clip)
         if self.optimizer:
             self.optimizer.step()
         if self.refresh_fn:
@@ -112,6 +130,26 @@ class Rank:
                 self.refresh_fn(rt)
             self.transport.flush()
         return rt.losses
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale every rank's gradients so their global norm is at most ``max_norm``.
+
+        Each rank sums the squares of the regions it owns (a region owned by k ranks
+        counts 1/k on each); one all-reduce gives the norm of the whole model.
+        """
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for key, p in self.params.items():
+            if p.grad is not None:
+                local += self.norm_weights[key] * p.grad.double().pow(2).sum()
+        total = self.transport.all_reduce(local, self.world, self.rank) if len(self.world) > 1 \
+            else local
+        norm = float(total.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad = p.grad * coef
+        return norm
 
     def regions(self) -> dict[tuple[str, tuple], torch.Tensor]:
         """The regions this rank stores (the ones it updates are views into them)."""

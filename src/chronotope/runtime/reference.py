@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
+
 from chronotope.graph.capture import model_loss
 from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, RunResult
@@ -20,6 +22,8 @@ def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
         out = model(*workload.inputs, **workload.kwargs)
         loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn else model_loss(out)
         loss.backward()
+        if optim.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
         losses.append(float(loss.detach()))
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})

@@ -104,6 +104,7 @@ class DistTransport:
         world = dist.get_world_size()
         # Every rank creates every group, in the same order, as torch.distributed requires.
         self.groups = {g: None if len(g) == world else dist.new_group(list(g)) for g in groups}
+        self.groups[tuple(range(world))] = None  # the default group: gradient norms
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
