@@ -1,9 +1,14 @@
-"""Step time of chronotope data parallel vs DistributedDataParallel, same model, same run.
+"""Step time of chronotope vs PyTorch's own parallel training, same model, same run.
 
-    python benchmarks/runtime_overhead.py [--model gpt] [--devices 4] [--steps 10]
+    python benchmarks/runtime_overhead.py [--devices 4] [--steps 10] [--d-model 128]
 
-Both train the same built-in model on the same batch with SGD on gloo processes
-(one intra-op thread each). Goal: chronotope DP <= 1.03x DDP.
+On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
+
+* data parallel: chronotope ``dp`` vs ``DistributedDataParallel`` (goal <= 1.03x);
+* tensor parallel: chronotope ``tp`` vs ``parallelize_module`` with Colwise/Rowwise
+  on each block's linears (goal <= 1.00x). The baseline's fused q/k/v weight is
+  reordered so each rank's rows are whole heads (as Megatron lays it out); its
+  tied lm_head stays replicated, while chronotope's tp also splits it by column.
 """
 
 from __future__ import annotations
@@ -29,13 +34,43 @@ from chronotope.runtime.launch import free_port, launch
 from chronotope.runtime.local import Optim, rank_specs
 
 
-def _ddp_worker(rank: int, world: int, model_name: str, steps: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
+def _head_aligned(attn: torch.nn.Module, world: int) -> None:
+    """Reorder the fused q/k/v rows so rank r's contiguous shard is [q_r; k_r; v_r]."""
+    rows = attn.c_attn.weight.shape[0] // 3
+    runs = [torch.arange(rows).chunk(world)[r] + part * rows
+            for r in range(world) for part in range(3)]
+    order = torch.cat(runs)
+    with torch.no_grad():
+        attn.c_attn.weight.copy_(attn.c_attn.weight[order])
+        attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+
+
+def _baseline_worker(rank: int, world: int, kind: str, overrides: dict, steps: int, port: int,
+                     out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
-    w = get_workload(model_name)
-    tensors = [t.chunk(world)[rank] for t in w.inputs]
-    model = torch.nn.parallel.DistributedDataParallel(w.model)
+                            world_size=world, timeout=timedelta(seconds=300))
+    w = get_workload("gpt", **overrides)
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(w.model)
+        tensors = [t.chunk(world)[rank] for t in w.inputs]
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = w.model
+        for block in model.h:
+            _head_aligned(block.attn, world)
+            parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(),
+                                             "attn.c_proj": RowwiseParallel(),
+                                             "mlp.c_fc": ColwiseParallel(),
+                                             "mlp.c_proj": RowwiseParallel()})
+        tensors = list(w.inputs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     times = []
     for _ in range(steps):
@@ -49,38 +84,51 @@ def _ddp_worker(rank: int, world: int, model_name: str, steps: int, port: int, o
     dist.destroy_process_group()
 
 
-def ddp_step_time(model: str, world: int, steps: int) -> float:
+def baseline_step_time(kind: str, world: int, steps: int, overrides: dict) -> float:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "times.pt")
-        mp.start_processes(_ddp_worker, args=(world, model, steps, free_port(), out),
+        mp.start_processes(_baseline_worker,
+                           args=(world, kind, overrides, steps, free_port(), out),
                            nprocs=world, join=True, start_method="spawn")
         return statistics.median(torch.load(out)[1:])
 
 
-def chronotope_step_time(model: str, world: int, steps: int) -> float:
-    w = get_workload(model)
+def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict) -> float:
+    w = get_workload("gpt", **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = ct.compile(ct.policies.data_parallel(ct.capture(w), world))
-    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=120)
+        graph = ct.capture(w)
+    plan = {"dp": ct.policies.data_parallel, "tp": ct.policies.tensor_parallel}[policy]
+    program = ct.compile(plan(graph, world))
+    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=300)
     return statistics.median(results[0][2][1:])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ddp = ddp_step_time(args.model, args.devices, args.steps)
-    ours = chronotope_step_time(args.model, args.devices, args.steps)
-    table = Table(title=f"{args.model}, data parallel on {args.devices} gloo processes "
+    overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
+                 "batch_size": args.batch}
+    rows = []
+    for name, kind, policy in (("data parallel", "ddp", "dp"), ("tensor parallel", "tp", "tp")):
+        base = baseline_step_time(kind, args.devices, args.steps, overrides)
+        ours = chronotope_step_time(policy, args.devices, args.steps, overrides)
+        rows.append((name, "DistributedDataParallel" if kind == "ddp"
+                     else "parallelize_module (DTensor)", base, ours))
+    table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} x "
+                        f"{args.seq} tokens, on {args.devices} gloo processes "
                         f"(median of {args.steps - 1} steps)")
-    for col in ("runtime", "step ms", "ratio"):
-        table.add_column(col, justify="right" if col != "runtime" else "left")
-    table.add_row("DistributedDataParallel", f"{ddp * 1e3:.1f}", "1.00")
-    table.add_row("chronotope dp", f"{ours * 1e3:.1f}", f"{ours / ddp:.2f}")
+    for col in ("parallelism", "baseline", "baseline ms", "chronotope ms", "ratio"):
+        table.add_column(col, justify="right" if col.endswith(("ms", "ratio")) else "left")
+    for name, baseline, base, ours in rows:
+        table.add_row(name, baseline, f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}",
+                      f"{ours / base:.2f}")
     Console().print(table)
 
 

@@ -48,13 +48,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        hd = C // self.n_head
+        # Sizes come from the projection's output, so a tensor-parallel shard of it
+        # (fewer heads) runs through the same code.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q = q.view(B, T, -1, hd).transpose(1, 2)
+        k = k.view(B, T, -1, hd).transpose(1, 2)
+        v = v.view(B, T, -1, hd).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.c_proj(y))
 
 
