@@ -129,7 +129,7 @@ def main() -> None:
     for name, baseline, base, ours in rows:
         table.add_row(name, baseline, f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}",
                       f"{ours / base:.2f}")
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":

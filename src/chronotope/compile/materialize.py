@@ -71,6 +71,10 @@ class Materializer:
         self.tag = 0
         self.stored = [checked.storage.stored[d] for d in range(n)]
         self.owned = [checked.storage.owned[d] for d in range(n)]
+        self.owners: dict[str, list[tuple[int, Mask]]] = defaultdict(list)
+        for rank, owned in enumerate(self.owned):
+            for pname, regions in owned.items():
+                self.owners[pname] += [(rank, o.region) for o in regions]
         self.head: list[list[Instruction]] = [[] for _ in range(n)]  # owners' sends of params
         self.sent_params: dict[tuple, str] = {}
 
@@ -154,7 +158,9 @@ class Materializer:
     def _sharded(self, pname: str) -> tuple[tuple[int, ...], Mask, int] | None:
         """Whether ``pname`` is stored whole by exactly its owners, each owning one equal
         run of it along one dim: then the refresh is an all-gather (members in run order)."""
-        owners = {r: owned[pname] for r, owned in enumerate(self.owned) if pname in owned}
+        owners: dict[int, list[Mask]] = defaultdict(list)
+        for r, region in self.owners[pname]:
+            owners[r].append(region)
         if len(owners) < 2 or any(len(o) != 1 for o in owners.values()):
             return None
         whole = Mask.full(self.plan.graph.params[pname].shape)
@@ -162,7 +168,7 @@ class Materializer:
                 pname in self.stored[r] for r in range(self.plan.ndevices) if r not in owners):
             return None
         ranks = list(owners)
-        found = _chunks(whole, [owners[r][0].region for r in ranks])
+        found = _chunks(whole, [owners[r][0] for r in ranks])
         if found is None:
             return None
         dim, order = found
@@ -171,11 +177,9 @@ class Materializer:
     def _owners(self, pname: str, region: Mask, reader: int) -> list[tuple[int, Mask]]:
         """One owner for each owned region overlapping ``region`` (the reader's own first)."""
         found: dict[Mask, int] = {}
-        n = self.plan.ndevices
-        for rank in sorted(range(n), key=lambda r: r != reader):
-            for owned in self.owned[rank].get(pname, ()):
-                if owned.region.overlaps(region):
-                    found.setdefault(owned.region, rank)
+        for rank, owned in sorted(self.owners[pname], key=lambda o: o[0] != reader):
+            if owned.overlaps(region):
+                found.setdefault(owned, rank)
         return [(rank, m) for m, rank in found.items()]
 
     def emit(self, rank: int, op: PlanOp) -> None:

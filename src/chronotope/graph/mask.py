@@ -36,11 +36,17 @@ class ValueRange:
     FULL: ClassVar[ValueRange]
 
     def __post_init__(self) -> None:
-        lo, hi = Fraction(self.lo), Fraction(self.hi)
+        lo, hi = self.lo, self.hi
+        if type(lo) is not Fraction or type(hi) is not Fraction:
+            lo, hi = Fraction(lo), Fraction(hi)
         if not 0 <= lo < hi <= 1:
             raise ValueError(f"value range must satisfy 0 <= lo < hi <= 1, got [{lo}, {hi})")
         object.__setattr__(self, "lo", lo)
         object.__setattr__(self, "hi", hi)
+
+    def __hash__(self) -> int:  # Fraction's own hash is slow, and masks are hashed a lot
+        return hash((self.lo.numerator, self.lo.denominator, self.hi.numerator,
+                     self.hi.denominator))
 
     @classmethod
     def part(cls, i: int, n: int) -> ValueRange:
@@ -56,7 +62,7 @@ class ValueRange:
 
     @property
     def is_full(self) -> bool:
-        return self.lo == 0 and self.hi == 1
+        return self is ValueRange.FULL or (self.lo == 0 and self.hi == 1)
 
     def as_part(self) -> tuple[int, int] | None:
         """``(i, n)`` if this range is exactly ``part(i, n)``, else None."""
@@ -68,6 +74,10 @@ class ValueRange:
         return (int(i), n) if i.denominator == 1 else None
 
     def intersect(self, other: ValueRange) -> ValueRange | None:
+        if other is self or other.is_full:
+            return self
+        if self.is_full:
+            return other
         lo, hi = max(self.lo, other.lo), min(self.hi, other.hi)
         return ValueRange(lo, hi) if lo < hi else None
 
@@ -146,7 +156,10 @@ class Mask:
         return Mask(tuple(index), value)
 
     def overlaps(self, other: Mask) -> bool:
-        return self.intersect(other) is not None
+        self._check_ndim(other)
+        return (all(max(a, c) < min(b, d)
+                    for (a, b), (c, d) in zip(self.index, other.index, strict=True))
+                and self.value.intersect(other.value) is not None)
 
     def _index_contains(self, other: Mask) -> bool:
         self._check_ndim(other)

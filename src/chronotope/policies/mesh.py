@@ -85,15 +85,30 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
     return len(runs)
 
 
-def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, sequence: bool = False) -> Plan:
-    """Data parallel over ``dp`` groups of ``tp`` tensor-parallel devices (rank = i * tp + j)."""
-    if dp < 1 or tp < 1:
-        raise PlanError(f"a mesh needs dp >= 1 and tp >= 1, got dp={dp}, tp={tp}")
+def stages(graph: Graph, pp: int) -> dict[Op, int]:
+    """Cut the ops, in program order, into ``pp`` runs holding equal parameter bytes."""
+    weight = {op: sum(t.meta.nbytes for t in op.inputs if t.kind is TensorKind.PARAM)
+              for op in graph.ops}
+    total = sum(weight.values()) or 1
+    out, seen = {}, 0
+    for op in graph.ops:
+        out[op] = min(pp - 1, seen * pp // total)
+        seen += weight[op]
+    return out
+
+
+def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1,
+         sequence: bool = False) -> Plan:
+    """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
+    devices: rank = (i * pp + s) * tp + j. Stages run one after another (no micro-batches)."""
+    if dp < 1 or tp < 1 or pp < 1:
+        raise PlanError(f"a mesh needs dp, tp, pp >= 1, got dp={dp}, tp={tp}, pp={pp}")
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
     if dp > 1 and batch % dp:
         raise PlanError(f"data parallel over {dp} groups needs a batch divisible by {dp}; "
                         f"the example batch has {batch} samples")
-    plan = Plan(graph, dp * tp)
+    plan = Plan(graph, dp * pp * tp)
+    stage = stages(graph, pp)
     batch_dim = batch_dims(graph)
     shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
@@ -104,7 +119,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, sequence: bool = False) -> P
         else:
             groups = [plan.op(op.name)]
         for i, piece in enumerate(groups):
-            devices = range(i * tp, (i + 1) * tp)
+            first = (i * pp + stage[op]) * tp
+            devices = range(first, first + tp)
             _tensor_parallel(plan, piece, shards.get(op), seq.get(op), devices)
     return plan
 
