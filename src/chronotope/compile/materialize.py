@@ -47,7 +47,8 @@ _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
 
 def _overlap(a: Mask, b: Mask) -> Mask | None:
     """The index region two masks share (values aside)."""
-    return Mask(a.index).intersect(Mask(b.index))
+    index = tuple((max(x, y), min(u, w)) for (x, u), (y, w) in zip(a.index, b.index))
+    return Mask(index) if all(lo < hi for lo, hi in index) else None
 
 
 class Materializer:

@@ -58,7 +58,7 @@ class ValueRange:
     @property
     def width(self) -> Fraction:
         """Share of the full value this range holds."""
-        return self.hi - self.lo
+        return _ONE if self is ValueRange.FULL else self.hi - self.lo
 
     @property
     def is_full(self) -> bool:
@@ -101,6 +101,7 @@ class ValueRange:
 
 
 ValueRange.FULL = ValueRange(Fraction(0), Fraction(1))
+_ONE = Fraction(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +110,13 @@ class Mask:
 
     index: Index
     value: ValueRange = field(default=ValueRange.FULL)
+    _hash: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if type(self.index) is tuple and all(
+                type(r) is tuple and type(r[0]) is int and type(r[1]) is int and 0 <= r[0] <= r[1]
+                for r in self.index):
+            return  # already normalized (the common case: masks made from masks)
         index = tuple((int(a), int(b)) for a, b in self.index)
         for dim, (a, b) in enumerate(index):
             if not 0 <= a <= b:
@@ -118,6 +124,11 @@ class Mask:
                     f"index range of dim {dim} must satisfy 0 <= start <= stop, got {a}:{b}"
                 )
         object.__setattr__(self, "index", index)
+
+    def __hash__(self) -> int:  # masks key many dicts: hash once
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((self.index, self.value)))
+        return self._hash
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> Mask:
