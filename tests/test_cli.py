@@ -93,17 +93,19 @@ def test_run_check_matches_one_device(capsys):
 @pytest.mark.parametrize("model, policy, devices", [
     ("gpt", "tp", 4), ("llama", "sp", 2), ("bert", "dp-tp", 4), ("gpt", "dp-sp", 4),
     ("gpt", "zero-1", 2), ("llama", "zero-2", 4), ("bert", "zero-3", 2),
+    ("gpt", "dp-tp --tp 1 --pp 2 --micro 2", 4),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
+    policy, *options = policy.split()
     report = run_json(capsys, "run", model, "--policy", policy, "--devices", str(devices),
-                      "--steps", "3", "--check")
+                      "--steps", "3", "--check", *options)
     assert report["policy"] == policy and len(report["losses"]) == 3
     assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
 
 
 def test_a_mesh_that_does_not_factor_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "dp-tp", "--devices", "6", "--tp", "4"]) == 2
-    assert "--tp 4 does not divide --devices 6" in capsys.readouterr().err
+    assert "--tp 4 x --pp 1 does not divide --devices 6" in capsys.readouterr().err
 
 
 def test_plan_of_a_large_preset_needs_no_weights(capsys):

@@ -89,24 +89,26 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
     out.print("Give them one with @chronotope.register_op('<signature>').")
 
 
-def _mesh(sequence: bool) -> Callable[[Graph, int, int], Plan]:
-    def policy(graph: Graph, devices: int, tp: int) -> Plan:
-        if tp < 1 or devices % tp:
-            raise PlanError(f"--tp {tp} does not divide --devices {devices}: a dp x tp mesh "
-                            "needs devices = dp * tp")
-        return mesh(graph, devices // tp, tp, sequence=sequence)
+def _mesh(sequence: bool) -> Callable[[Graph, argparse.Namespace], Plan]:
+    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
+        group = args.tp * args.pp
+        if args.tp < 1 or args.pp < 1 or args.devices % group:
+            raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
+                            f"{args.devices}: a mesh needs devices = dp * pp * tp")
+        return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
+                    sequence=sequence)
     return policy
 
 
-POLICIES: dict[str, Callable[[Graph, int, int], Plan]] = {
-    "dp": lambda graph, devices, tp: data_parallel(graph, devices),
-    "tp": lambda graph, devices, tp: tensor_parallel(graph, devices),
-    "sp": lambda graph, devices, tp: sequence_parallel(graph, devices),
+POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
+    "dp": lambda graph, args: data_parallel(graph, args.devices),
+    "tp": lambda graph, args: tensor_parallel(graph, args.devices),
+    "sp": lambda graph, args: sequence_parallel(graph, args.devices),
     "dp-tp": _mesh(sequence=False),
     "dp-sp": _mesh(sequence=True),
-    "zero-1": lambda graph, devices, tp: zero(graph, devices, 1),
-    "zero-2": lambda graph, devices, tp: zero(graph, devices, 2),
-    "zero-3": lambda graph, devices, tp: zero(graph, devices, 3),
+    "zero-1": lambda graph, args: zero(graph, args.devices, 1),
+    "zero-2": lambda graph, args: zero(graph, args.devices, 2),
+    "zero-3": lambda graph, args: zero(graph, args.devices, 3),
 }
 
 
@@ -115,7 +117,7 @@ def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
-    plan = POLICIES[args.policy](graph, args.devices, args.tp)
+    plan = POLICIES[args.policy](graph, args)
     return workload, compile_plan(plan)
 
 
@@ -211,12 +213,17 @@ def parser() -> argparse.ArgumentParser:
                          help="a built-in name or path/to/file.py:factory (default: gpt)")
         cmd.add_argument("--policy", choices=list(POLICIES), default="dp",
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
-                              "sequence parallel; dp-tp, dp-sp: both on a dp x tp mesh; "
+                              "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
                               "+ gradients, + weights")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
+        cmd.add_argument("--pp", type=int, default=1,
+                         help="pipeline stages of the dp-tp and dp-sp meshes (GPipe order)")
+        cmd.add_argument("--micro", type=int, default=1,
+                         help="micro-batches per data-parallel group (gradient accumulation) "
+                              "in the dp-tp and dp-sp meshes")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

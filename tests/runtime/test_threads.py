@@ -106,6 +106,18 @@ def test_gradients_clipped_by_the_global_norm(policy):
     assert diff.max_param_rel_diff <= 1e-5 < unclipped.max_param_rel_diff, (diff, unclipped)
 
 
+@pytest.mark.parametrize("name, dp, tp, pp, micro", [
+    ("gpt", 1, 1, 2, 2), ("llama", 2, 1, 1, 2), ("bert", 1, 2, 2, 2)])
+def test_pipeline_stages_and_micro_batches(name, dp, tp, pp, micro):
+    workload, graph = captured(name)
+    plan = mesh(graph, dp, tp, pp=pp, micro=micro)
+    if pp > 1:  # the first stage starts the second micro-batch before any backward
+        first = [op.name for op in plan.check().sequence(0)]
+        second_micro = min(i for i, n in enumerate(first) if n.startswith("embedding.1"))
+        assert second_micro < min(i for i, n in enumerate(first) if n.endswith(".bw"))
+    assert_trains_like_one_device(plan, workload)
+
+
 def test_tensor_parallel_communicates_like_megatron():
     """One all-reduce after attention and one after the MLP, forward and backward;
     the fused q/k/v projection and the attention heads need no messages at all."""

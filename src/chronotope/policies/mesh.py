@@ -97,16 +97,22 @@ def stages(graph: Graph, pp: int) -> dict[Op, int]:
     return out
 
 
-def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1,
+def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
-    devices: rank = (i * pp + s) * tp + j. Stages run one after another (no micro-batches)."""
-    if dp < 1 or tp < 1 or pp < 1:
-        raise PlanError(f"a mesh needs dp, tp, pp >= 1, got dp={dp}, tp={tp}, pp={pp}")
+    devices: rank = (i * pp + s) * tp + j.
+
+    ``micro`` cuts each group's batch into micro-batches whose gradients the
+    compiler sums (gradient accumulation); with stages, every device runs its
+    forwards in micro-batch order, then its backwards, as GPipe does.
+    """
+    if dp < 1 or tp < 1 or pp < 1 or micro < 1:
+        raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
+                        f"micro={micro}")
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
-    if dp > 1 and batch % dp:
-        raise PlanError(f"data parallel over {dp} groups needs a batch divisible by {dp}; "
-                        f"the example batch has {batch} samples")
+    if (dp > 1 or micro > 1) and batch % (dp * micro):
+        raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
+                        f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
     stage = stages(graph, pp)
     batch_dim = batch_dims(graph)
@@ -121,7 +127,10 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1,
         for i, piece in enumerate(groups):
             first = (i * pp + stage[op]) * tp
             devices = range(first, first + tp)
-            _tensor_parallel(plan, piece, shards.get(op), seq.get(op), devices)
+            micros = plan.trans(piece, Split(batch_dim[op], micro)) \
+                if micro > 1 and batch_dim[op] is not None else [piece]
+            for m in micros:
+                _tensor_parallel(plan, m, shards.get(op), seq.get(op), devices)
     return plan
 
 
