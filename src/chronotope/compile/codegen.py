@@ -33,6 +33,7 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Send,
+    covers,
 )
 from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
@@ -118,9 +119,8 @@ def _render(ins: Instruction) -> list[str]:
 
 def _is_slice(ins: Assemble) -> bool:
     """An Assemble that only cuts a box out of one local tensor: a view will do."""
-    if len(ins.parts) != 1 or ins.parts[0].scale != 1:
-        return False
-    return all(s == slice(0, n) for s, n in zip(ins.parts[0].dst_slices, ins.shape))
+    return len(ins.parts) == 1 and ins.parts[0].scale == 1 and covers(ins.parts[0].dst_slices,
+                                                                       ins.shape)
 
 
 def _load(ins: Load) -> str:

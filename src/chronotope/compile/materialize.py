@@ -33,10 +33,11 @@ from chronotope.compile.program import (
     PushParam,
     Recv,
     Send,
+    covers,
     reads,
 )
 from chronotope.graph.ir import PTensor, TensorKind
-from chronotope.graph.mask import Mask, VTensor
+from chronotope.graph.mask import Mask, VTensor, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
 
@@ -169,7 +170,7 @@ class Materializer:
                 pname in self.stored[r] for r in range(self.plan.ndevices) if r not in owners):
             return None
         ranks = list(owners)
-        found = _chunks(whole, [owners[r][0] for r in ranks])
+        found = equal_runs(whole, [owners[r][0] for r in ranks])
         if found is None:
             return None
         dim, order = found
@@ -278,8 +279,8 @@ class Materializer:
             src, src_region = self.fetch(rank, producer, m, region, v.ptensor, pre)
             parts.append(Part(src, region.local_slices(src_region), region.local_slices(v.mask),
                               scale))
-        if len(parts) == 1 and parts[0].scale == 1 and _covers(parts[0].dst_slices, v.mask.shape) \
-                and _covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
+        if len(parts) == 1 and parts[0].scale == 1 and covers(parts[0].dst_slices, v.mask.shape) \
+                and covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
         var = self.name(rank, v.ptensor.name, v.mask.shape)
         common = {p.scale for p in parts}
@@ -305,7 +306,7 @@ class Materializer:
         if all(m.value.is_full for m in masks):
             if len(devices) != len(set(devices)):
                 return None  # a gather takes one piece from each member
-            chunks = _chunks(v.mask, masks)
+            chunks = equal_runs(v.mask, masks)
             if chunks is not None:
                 dim, order = chunks
                 return Pattern("all_gather", (t.name, v.mask.index, sources),
@@ -346,33 +347,13 @@ def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: i
                   parts: list[Part]) -> Pattern | None:
     """A parameter read whole from runs its owners (this rank among them) hold: a gather."""
     ranks = [r for r, _ in owners]
-    found = _chunks(want, [m for _, m in owners])
+    found = equal_runs(want, [m for _, m in owners])
     if found is None or rank not in ranks or len(set(ranks)) != len(ranks):
         return None
     dim, order = found
     sources = tuple(sorted((f"update({name})", r) for r in ranks))
     return Pattern("all_gather", (name, want.index, sources), [ranks[i] for i in order],
                    (parts[ranks.index(rank)].src,), dim)
-
-
-def _chunks(whole: Mask, masks: list[Mask]) -> tuple[int, list[int]] | None:
-    """Whether ``masks`` are equal runs of ``whole`` along one dim: that dim, and the
-    masks' order along it."""
-    dims = {d for m in masks for d, (a, b) in enumerate(zip(m.index, whole.index)) if a != b}
-    if len(dims) != 1:
-        return None
-    d = dims.pop()
-    order = sorted(range(len(masks)), key=lambda i: masks[i].index[d][0])
-    lo, hi = whole.index[d]
-    size = (hi - lo) // len(masks)
-    if [masks[i].index[d] for i in order] != [(lo + k * size, lo + (k + 1) * size)
-                                               for k in range(len(masks))]:
-        return None
-    return d, order
-
-
-def _covers(slices: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
-    return all(s == slice(0, n) for s, n in zip(slices, shape))
 
 
 def with_frees(code: list[Instruction]) -> list[Instruction]:

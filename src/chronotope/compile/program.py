@@ -206,6 +206,11 @@ Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | 
                | ReduceScatter | Grad | Loss | Free | PushParam | PullParam | GatherParams)
 
 
+def covers(slices: Slices, shape: tuple[int, ...]) -> bool:
+    """Whether ``slices`` take all of a tensor of ``shape``."""
+    return all(s == slice(0, n) for s, n in zip(slices, shape))
+
+
 def reads(ins: Instruction) -> tuple[str, ...]:
     """The local tensors an instruction reads."""
     if isinstance(ins, Forward):
@@ -244,9 +249,9 @@ class Program:
         """Bytes this rank receives per step, by kind of communication."""
         received = sum(math.prod(i.shape) * i.dtype.itemsize
                        for i in self.ranks[rank] if isinstance(i, Recv))
-        # A ring all-reduce of n bytes over k ranks moves 2 (k - 1) / k * n per rank.
         received += sum(i.region.numel * i.dtype.itemsize
                         for i in self.refresh[rank] if isinstance(i, PullParam))
+        # A ring all-reduce of n bytes over k ranks moves 2 (k - 1) / k * n per rank.
         reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
                       for i in self.ranks[rank] if isinstance(i, AllReduce) for shape in i.shapes)
         # An all-gather brings in the (k - 1) pieces of the others; a reduce-scatter as much.

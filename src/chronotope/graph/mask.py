@@ -231,6 +231,22 @@ class Mask:
         return self._render()
 
 
+def equal_runs(whole: Mask, masks: Sequence[Mask]) -> tuple[int, list[int]] | None:
+    """Whether ``masks`` are equal runs of ``whole`` along one dim, covering it: that dim,
+    and the masks' order along it (None otherwise)."""
+    dims = {d for m in masks for d, (a, b) in enumerate(zip(m.index, whole.index)) if a != b}
+    if len(dims) != 1:
+        return None
+    d = dims.pop()
+    order = sorted(range(len(masks)), key=lambda i: masks[i].index[d][0])
+    lo, hi = whole.index[d]
+    size = (hi - lo) // len(masks)
+    if [masks[i].index[d] for i in order] != [(lo + k * size, lo + (k + 1) * size)
+                                               for k in range(len(masks))]:
+        return None
+    return d, order
+
+
 def covers_exactly_once(pieces: Iterable[Mask], shape: Sequence[int]) -> bool:
     """True iff ``pieces`` tile ``shape x [0, 1)`` with no overlap and no gap.
 

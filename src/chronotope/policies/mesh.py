@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
+from chronotope.graph.mask import Mask, equal_runs
 from chronotope.plan import Plan, Replicate, Split
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
@@ -76,11 +77,7 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
     """How many equal runs of ``t``'s last axis its slicing readers take (q, k, v: 3)."""
     runs = sorted({op.region[-1] for op in readers
                    if op.region is not None and op.inputs[0] is t})
-    size = t.shape[-1]
-    if len(runs) < 2:
-        return 1
-    width = size // len(runs)
-    if runs != [(i * width, (i + 1) * width) for i in range(len(runs))]:
+    if len(runs) < 2 or equal_runs(Mask(((0, t.shape[-1]),)), [Mask((r,)) for r in runs]) is None:
         return 1
     return len(runs)
 

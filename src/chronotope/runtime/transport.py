@@ -19,6 +19,11 @@ class RankFailed(ChronotopeError):
     """A rank stopped answering (crashed, killed, or stuck) while others waited on it."""
 
 
+def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) -> torch.Tensor:
+    """What a reduce-scatter hands ``rank``: its run of the sum along ``dim``."""
+    return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
+
+
 class ThreadTransport:
     """Messages between ranks run as threads of one process (tests, debugging)."""
 
@@ -83,8 +88,7 @@ class ThreadTransport:
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
-        total = sum(self._exchange(t, ranks, rank, "reduce-scatter"))
-        return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
+        return _run_of(sum(self._exchange(t, ranks, rank, "reduce-scatter")), ranks, rank, dim)
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -128,8 +132,7 @@ class DistTransport:
                        dim: int) -> torch.Tensor:
         what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
         if dist.get_backend(self.groups[ranks]) == "gloo":  # gloo has no reduce-scatter
-            total = self.all_reduce(t, ranks, rank)
-            return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
+            return _run_of(self.all_reduce(t, ranks, rank), ranks, rank, dim)
         rows = t.movedim(dim, 0).contiguous()
         out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
                           device=t.device)

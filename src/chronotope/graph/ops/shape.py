@@ -216,22 +216,28 @@ def _is_full(s: slice, size: int) -> bool:
     )
 
 
-def getitem(call: OpCall) -> str | None:
-    """Basic indexing plus integer tensor indices (broadcast together, as in NumPy)."""
-    x = call.tensors[0]
+def _index_items(call: OpCall) -> list[object] | None:
+    """``x[index]``'s items with ``...`` and missing trailing dims written out as ``:``,
+    one per dim of ``x`` (plus the ``None``s that add dims); None for a bad index."""
     index = call.arg(1, "index")
     items = list(index) if isinstance(index, tuple) else [index]
-    n = len(x.shape)
+    n = len(call.tensors[0].shape)
     explicit = sum(1 for it in items if it is not None and it is not Ellipsis)
     if sum(1 for it in items if it is Ellipsis) > 1 or explicit > n:
         return None
     expanded: list[object] = []
     for it in items:
-        if it is Ellipsis:
-            expanded.extend([slice(None)] * (n - explicit))
-        else:
-            expanded.append(it)
+        expanded.extend([slice(None)] * (n - explicit) if it is Ellipsis else [it])
     expanded.extend([slice(None)] * (n - sum(1 for it in expanded if it is not None)))
+    return expanded
+
+
+def getitem(call: OpCall) -> str | None:
+    """Basic indexing plus integer tensor indices (broadcast together, as in NumPy)."""
+    x = call.tensors[0]
+    expanded = _index_items(call)
+    if expanded is None:
+        return None
     tensor_at = [i for i, it in enumerate(expanded) if hasattr(it, "shape")]
     if any(expanded[i].dtype == torch.bool for i in tensor_at):
         return None  # a mask index: the result's size depends on the values
@@ -429,18 +435,11 @@ def slice_region(call: OpCall) -> tuple[Region, str] | None:
 def getitem_region(call: OpCall) -> tuple[Region, str] | None:
     """Basic indexing (ints, step-1 slices, None, ...): the box it reads, all dims splittable."""
     x = call.tensors[0]
-    index = call.arg(1, "index")
-    items = list(index) if isinstance(index, tuple) else [index]
     n = len(x.shape)
-    if not all(it is None or it is Ellipsis or isinstance(it, (int, slice)) for it in items):
+    expanded = _index_items(call)
+    if expanded is None or not all(it is None or isinstance(it, (int, slice))
+                                   for it in expanded):
         return None
-    explicit = sum(1 for it in items if it is not None and it is not Ellipsis)
-    if sum(1 for it in items if it is Ellipsis) > 1 or explicit > n:
-        return None
-    expanded: list[object] = []
-    for it in items:
-        expanded.extend([slice(None)] * (n - explicit) if it is Ellipsis else [it])
-    expanded.extend([slice(None)] * (n - sum(1 for it in expanded if it is not None)))
     axes: dict[int, tuple[int, int]] = {}
     inp, out = names(n), []
     d = 0
