@@ -33,522 +33,457 @@ def step(rt):
     h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
     # layer_norm.0: layer_norm  (gpt.py:88, h.0.ln_1)
-    add_in, h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.0', (add, h_0_ln_1_weight, h_0_ln_1_bias), (True, True, True))
-    layer_norm = torch.nn.functional.layer_norm(add_in, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
+    h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.0', (h_0_ln_1_weight, h_0_ln_1_bias), (True, True))
+    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm.0', (layer_norm,))
     del h_0_ln_1_weight, h_0_ln_1_bias
     h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((0, 192),))
     # linear.0: linear  (gpt.py:54, h.0.attn.c_attn)
-    layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in = rt.enter('linear.0', (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
-    linear = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in)
+    h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in = rt.enter('linear.0', (h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True))
+    linear = torch._C._nn.linear(layer_norm, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in)
     rt.leave('linear.0', (linear,))
     del layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
     linear_17 = linear[0:2, 0:32, 0:64]
     # chunk.0: narrow  (gpt.py:54, h.0.attn)
-    linear_17_in, = rt.enter('chunk.0', (linear_17,), (True,))
-    chunk = linear_17_in.reshape((2, 32, 64))
+    chunk = linear_17.reshape((2, 32, 64))
     rt.leave('chunk.0', (chunk,))
     del linear_17
     linear_18 = linear[0:2, 0:32, 64:128]
     # chunk_v1.0: narrow  (gpt.py:54, h.0.attn)
-    linear_18_in, = rt.enter('chunk_v1.0', (linear_18,), (True,))
-    chunk_v1 = linear_18_in.reshape((2, 32, 64))
+    chunk_v1 = linear_18.reshape((2, 32, 64))
     rt.leave('chunk_v1.0', (chunk_v1,))
     del linear_18
     linear_19 = linear[0:2, 0:32, 128:192]
     del linear
     # chunk_v2.0: narrow  (gpt.py:54, h.0.attn)
-    linear_19_in, = rt.enter('chunk_v2.0', (linear_19,), (True,))
-    chunk_v2 = linear_19_in.reshape((2, 32, 64))
+    chunk_v2 = linear_19.reshape((2, 32, 64))
     rt.leave('chunk_v2.0', (chunk_v2,))
     del linear_19
     # view.0: reshape  (gpt.py:55, h.0.attn)
-    chunk_in, = rt.enter('view.0', (chunk,), (True,))
-    view = chunk_in.reshape((2, 32, 4, 16))
+    view = chunk.reshape((2, 32, 4, 16))
     rt.leave('view.0', (view,))
     del chunk
     # transpose.0: transpose  (gpt.py:55, h.0.attn)
-    view_in, = rt.enter('transpose.0', (view,), (True,))
-    transpose = view_in.transpose(1, 2)
+    transpose = view.transpose(1, 2)
     rt.leave('transpose.0', (transpose,))
     del view
     # view_1.0: reshape  (gpt.py:56, h.0.attn)
-    chunk_v1_in, = rt.enter('view_1.0', (chunk_v1,), (True,))
-    view_1 = chunk_v1_in.reshape((2, 32, 4, 16))
+    view_1 = chunk_v1.reshape((2, 32, 4, 16))
     rt.leave('view_1.0', (view_1,))
     del chunk_v1
     # transpose_1.0: transpose  (gpt.py:56, h.0.attn)
-    view_1_in, = rt.enter('transpose_1.0', (view_1,), (True,))
-    transpose_1 = view_1_in.transpose(1, 2)
+    transpose_1 = view_1.transpose(1, 2)
     rt.leave('transpose_1.0', (transpose_1,))
     del view_1
     # view_2.0: reshape  (gpt.py:57, h.0.attn)
-    chunk_v2_in, = rt.enter('view_2.0', (chunk_v2,), (True,))
-    view_2 = chunk_v2_in.reshape((2, 32, 4, 16))
+    view_2 = chunk_v2.reshape((2, 32, 4, 16))
     rt.leave('view_2.0', (view_2,))
     del chunk_v2
     # transpose_2.0: transpose  (gpt.py:57, h.0.attn)
-    view_2_in, = rt.enter('transpose_2.0', (view_2,), (True,))
-    transpose_2 = view_2_in.transpose(1, 2)
+    transpose_2 = view_2.transpose(1, 2)
     rt.leave('transpose_2.0', (transpose_2,))
     del view_2
     # scaled_dot_product_attention.0: attention  (gpt.py:59, h.0.attn)
-    transpose_in, transpose_1_in, transpose_2_in = rt.enter('scaled_dot_product_attention.0', (transpose, transpose_1, transpose_2), (True, True, True))
-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(transpose_in, transpose_1_in, transpose_2_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(transpose, transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention.0', (scaled_dot_product_attention,))
     del transpose, transpose_1, transpose_2
     # transpose_3.0: transpose  (gpt.py:60, h.0.attn)
-    scaled_dot_product_attention_in, = rt.enter('transpose_3.0', (scaled_dot_product_attention,), (True,))
-    transpose_3 = scaled_dot_product_attention_in.transpose(1, 2)
+    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
     rt.leave('transpose_3.0', (transpose_3,))
     del scaled_dot_product_attention
     # contiguous.0: contiguous  (gpt.py:60, h.0.attn)
-    transpose_3_in, = rt.enter('contiguous.0', (transpose_3,), (True,))
-    contiguous = transpose_3_in.contiguous()
+    contiguous = transpose_3.contiguous()
     rt.leave('contiguous.0', (contiguous,))
     del transpose_3
     # view_3.0: reshape  (gpt.py:60, h.0.attn)
-    contiguous_in, = rt.enter('view_3.0', (contiguous,), (True,))
-    view_3 = contiguous_in.reshape((2, 32, 64))
+    view_3 = contiguous.reshape((2, 32, 64))
     rt.leave('view_3.0', (view_3,))
     del contiguous
     h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (0, 64)))
     h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
     # linear_1.0: linear  (gpt.py:61, h.0.attn.c_proj)
-    view_3_in, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.0', (view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True, True))
-    linear_1 = torch._C._nn.linear(view_3_in, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
+    h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.0', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
+    linear_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
     rt.leave('linear_1.0', (linear_1,))
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     # add_1.0: add  (gpt.py:88, h.0)
-    add_in, linear_1_in = rt.enter('add_1.0', (add, linear_1), (True, True))
-    add_1 = operator.add(add_in, linear_1_in)
+    add_1 = operator.add(add, linear_1)
     rt.leave('add_1.0', (add_1,))
     del add, linear_1
     h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
     # layer_norm_1.0: layer_norm  (gpt.py:89, h.0.ln_2)
-    add_1_in, h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.0', (add_1, h_0_ln_2_weight, h_0_ln_2_bias), (True, True, True))
-    layer_norm_1 = torch.nn.functional.layer_norm(add_1_in, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
+    h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.0', (h_0_ln_2_weight, h_0_ln_2_bias), (True, True))
+    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_1.0', (layer_norm_1,))
     del h_0_ln_2_weight, h_0_ln_2_bias
     h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((0, 256),))
     # linear_2.0: linear  (gpt.py:74, h.0.mlp.c_fc)
-    layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in = rt.enter('linear_2.0', (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
-    linear_2 = torch._C._nn.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in)
+    h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in = rt.enter('linear_2.0', (h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True))
+    linear_2 = torch._C._nn.linear(layer_norm_1, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in)
     rt.leave('linear_2.0', (linear_2,))
     del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
     # gelu.0: gelu  (gpt.py:74, h.0.mlp)
-    linear_2_in, = rt.enter('gelu.0', (linear_2,), (True,))
-    gelu = torch._C._nn.gelu(linear_2_in)
+    gelu = torch._C._nn.gelu(linear_2)
     rt.leave('gelu.0', (gelu,))
     del linear_2
     h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (0, 256)))
     h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
     # linear_3.0: linear  (gpt.py:74, h.0.mlp.c_proj)
-    gelu_in, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.0', (gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True, True))
-    linear_3 = torch._C._nn.linear(gelu_in, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
+    h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.0', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
+    linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
     rt.leave('linear_3.0', (linear_3,))
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     # add_2.0: add  (gpt.py:89, h.0)
-    add_1_in, linear_3_in = rt.enter('add_2.0', (add_1, linear_3), (True, True))
-    add_2 = operator.add(add_1_in, linear_3_in)
+    add_2 = operator.add(add_1, linear_3)
     rt.leave('add_2.0', (add_2,))
     del add_1, linear_3
     h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
     h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
     # layer_norm_2.0: layer_norm  (gpt.py:88, h.1.ln_1)
-    add_2_in, h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.0', (add_2, h_1_ln_1_weight, h_1_ln_1_bias), (True, True, True))
-    layer_norm_2 = torch.nn.functional.layer_norm(add_2_in, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
+    h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.0', (h_1_ln_1_weight, h_1_ln_1_bias), (True, True))
+    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_2.0', (layer_norm_2,))
     del h_1_ln_1_weight, h_1_ln_1_bias
     h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((0, 192),))
     # linear_4.0: linear  (gpt.py:54, h.1.attn.c_attn)
-    layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in = rt.enter('linear_4.0', (layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True, True))
-    linear_4 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in)
+    h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in = rt.enter('linear_4.0', (h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True))
+    linear_4 = torch._C._nn.linear(layer_norm_2, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in)
     rt.leave('linear_4.0', (linear_4,))
     del layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
     linear_4_1 = linear_4[0:2, 0:32, 0:64]
     # chunk_1.0: narrow  (gpt.py:54, h.1.attn)
-    linear_4_1_in, = rt.enter('chunk_1.0', (linear_4_1,), (True,))
-    chunk_1 = linear_4_1_in.reshape((2, 32, 64))
+    chunk_1 = linear_4_1.reshape((2, 32, 64))
     rt.leave('chunk_1.0', (chunk_1,))
     del linear_4_1
     linear_4_2 = linear_4[0:2, 0:32, 64:128]
     # chunk_1_v1.0: narrow  (gpt.py:54, h.1.attn)
-    linear_4_2_in, = rt.enter('chunk_1_v1.0', (linear_4_2,), (True,))
-    chunk_1_v1 = linear_4_2_in.reshape((2, 32, 64))
+    chunk_1_v1 = linear_4_2.reshape((2, 32, 64))
     rt.leave('chunk_1_v1.0', (chunk_1_v1,))
     del linear_4_2
     linear_4_3 = linear_4[0:2, 0:32, 128:192]
     del linear_4
     # chunk_1_v2.0: narrow  (gpt.py:54, h.1.attn)
-    linear_4_3_in, = rt.enter('chunk_1_v2.0', (linear_4_3,), (True,))
-    chunk_1_v2 = linear_4_3_in.reshape((2, 32, 64))
+    chunk_1_v2 = linear_4_3.reshape((2, 32, 64))
     rt.leave('chunk_1_v2.0', (chunk_1_v2,))
     del linear_4_3
     # view_4.0: reshape  (gpt.py:55, h.1.attn)
-    chunk_1_in, = rt.enter('view_4.0', (chunk_1,), (True,))
-    view_4 = chunk_1_in.reshape((2, 32, 4, 16))
+    view_4 = chunk_1.reshape((2, 32, 4, 16))
     rt.leave('view_4.0', (view_4,))
     del chunk_1
     # transpose_4.0: transpose  (gpt.py:55, h.1.attn)
-    view_4_in, = rt.enter('transpose_4.0', (view_4,), (True,))
-    transpose_4 = view_4_in.transpose(1, 2)
+    transpose_4 = view_4.transpose(1, 2)
     rt.leave('transpose_4.0', (transpose_4,))
     del view_4
     # view_5.0: reshape  (gpt.py:56, h.1.attn)
-    chunk_1_v1_in, = rt.enter('view_5.0', (chunk_1_v1,), (True,))
-    view_5 = chunk_1_v1_in.reshape((2, 32, 4, 16))
+    view_5 = chunk_1_v1.reshape((2, 32, 4, 16))
     rt.leave('view_5.0', (view_5,))
     del chunk_1_v1
     # transpose_5.0: transpose  (gpt.py:56, h.1.attn)
-    view_5_in, = rt.enter('transpose_5.0', (view_5,), (True,))
-    transpose_5 = view_5_in.transpose(1, 2)
+    transpose_5 = view_5.transpose(1, 2)
     rt.leave('transpose_5.0', (transpose_5,))
     del view_5
     # view_6.0: reshape  (gpt.py:57, h.1.attn)
-    chunk_1_v2_in, = rt.enter('view_6.0', (chunk_1_v2,), (True,))
-    view_6 = chunk_1_v2_in.reshape((2, 32, 4, 16))
+    view_6 = chunk_1_v2.reshape((2, 32, 4, 16))
     rt.leave('view_6.0', (view_6,))
     del chunk_1_v2
     # transpose_6.0: transpose  (gpt.py:57, h.1.attn)
-    view_6_in, = rt.enter('transpose_6.0', (view_6,), (True,))
-    transpose_6 = view_6_in.transpose(1, 2)
+    transpose_6 = view_6.transpose(1, 2)
     rt.leave('transpose_6.0', (transpose_6,))
     del view_6
     # scaled_dot_product_attention_1.0: attention  (gpt.py:59, h.1.attn)
-    transpose_4_in, transpose_5_in, transpose_6_in = rt.enter('scaled_dot_product_attention_1.0', (transpose_4, transpose_5, transpose_6), (True, True, True))
-    scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(transpose_4_in, transpose_5_in, transpose_6_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_1.0', (scaled_dot_product_attention_1,))
     del transpose_4, transpose_5, transpose_6
     # transpose_7.0: transpose  (gpt.py:60, h.1.attn)
-    scaled_dot_product_attention_1_in, = rt.enter('transpose_7.0', (scaled_dot_product_attention_1,), (True,))
-    transpose_7 = scaled_dot_product_attention_1_in.transpose(1, 2)
+    transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
     rt.leave('transpose_7.0', (transpose_7,))
     del scaled_dot_product_attention_1
     # contiguous_1.0: contiguous  (gpt.py:60, h.1.attn)
-    transpose_7_in, = rt.enter('contiguous_1.0', (transpose_7,), (True,))
-    contiguous_1 = transpose_7_in.contiguous()
+    contiguous_1 = transpose_7.contiguous()
     rt.leave('contiguous_1.0', (contiguous_1,))
     del transpose_7
     # view_7.0: reshape  (gpt.py:60, h.1.attn)
-    contiguous_1_in, = rt.enter('view_7.0', (contiguous_1,), (True,))
-    view_7 = contiguous_1_in.reshape((2, 32, 64))
+    view_7 = contiguous_1.reshape((2, 32, 64))
     rt.leave('view_7.0', (view_7,))
     del contiguous_1
     h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (0, 64)))
     h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
     # linear_5.0: linear  (gpt.py:61, h.1.attn.c_proj)
-    view_7_in, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.0', (view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True, True))
-    linear_5 = torch._C._nn.linear(view_7_in, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
+    h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.0', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True))
+    linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
     rt.leave('linear_5.0', (linear_5,))
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     # add_3.0: add  (gpt.py:88, h.1)
-    add_2_in, linear_5_in = rt.enter('add_3.0', (add_2, linear_5), (True, True))
-    add_3 = operator.add(add_2_in, linear_5_in)
+    add_3 = operator.add(add_2, linear_5)
     rt.leave('add_3.0', (add_3,))
     del add_2, linear_5
     h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
     h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
     # layer_norm_3.0: layer_norm  (gpt.py:89, h.1.ln_2)
-    add_3_in, h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.0', (add_3, h_1_ln_2_weight, h_1_ln_2_bias), (True, True, True))
-    layer_norm_3 = torch.nn.functional.layer_norm(add_3_in, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
+    h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.0', (h_1_ln_2_weight, h_1_ln_2_bias), (True, True))
+    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_3.0', (layer_norm_3,))
     del h_1_ln_2_weight, h_1_ln_2_bias
     h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((0, 256),))
     # linear_6.0: linear  (gpt.py:74, h.1.mlp.c_fc)
-    layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in = rt.enter('linear_6.0', (layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True, True))
-    linear_6 = torch._C._nn.linear(layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in)
+    h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in = rt.enter('linear_6.0', (h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True))
+    linear_6 = torch._C._nn.linear(layer_norm_3, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in)
     rt.leave('linear_6.0', (linear_6,))
     del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
     # gelu_1.0: gelu  (gpt.py:74, h.1.mlp)
-    linear_6_in, = rt.enter('gelu_1.0', (linear_6,), (True,))
-    gelu_1 = torch._C._nn.gelu(linear_6_in)
+    gelu_1 = torch._C._nn.gelu(linear_6)
     rt.leave('gelu_1.0', (gelu_1,))
     del linear_6
     h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (0, 256)))
     h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
     # linear_7.0: linear  (gpt.py:74, h.1.mlp.c_proj)
-    gelu_1_in, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.0', (gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True, True))
-    linear_7 = torch._C._nn.linear(gelu_1_in, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
+    h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.0', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True))
+    linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
     rt.leave('linear_7.0', (linear_7,))
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     # add_4.0: add  (gpt.py:89, h.1)
-    add_3_in, linear_7_in = rt.enter('add_4.0', (add_3, linear_7), (True, True))
-    add_4 = operator.add(add_3_in, linear_7_in)
+    add_4 = operator.add(add_3, linear_7)
     rt.leave('add_4.0', (add_4,))
     del add_3, linear_7
     h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
     h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
     # layer_norm_4.0: layer_norm  (gpt.py:88, h.2.ln_1)
-    add_4_in, h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.0', (add_4, h_2_ln_1_weight, h_2_ln_1_bias), (True, True, True))
-    layer_norm_4 = torch.nn.functional.layer_norm(add_4_in, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
+    h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.0', (h_2_ln_1_weight, h_2_ln_1_bias), (True, True))
+    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_4.0', (layer_norm_4,))
     del h_2_ln_1_weight, h_2_ln_1_bias
     h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((0, 192),))
     # linear_8.0: linear  (gpt.py:54, h.2.attn.c_attn)
-    layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in = rt.enter('linear_8.0', (layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True, True))
-    linear_8 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in)
+    h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in = rt.enter('linear_8.0', (h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True))
+    linear_8 = torch._C._nn.linear(layer_norm_4, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in)
     rt.leave('linear_8.0', (linear_8,))
     del layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
     linear_8_1 = linear_8[0:2, 0:32, 0:64]
     # chunk_2.0: narrow  (gpt.py:54, h.2.attn)
-    linear_8_1_in, = rt.enter('chunk_2.0', (linear_8_1,), (True,))
-    chunk_2 = linear_8_1_in.reshape((2, 32, 64))
+    chunk_2 = linear_8_1.reshape((2, 32, 64))
     rt.leave('chunk_2.0', (chunk_2,))
     del linear_8_1
     linear_8_2 = linear_8[0:2, 0:32, 64:128]
     # chunk_2_v1.0: narrow  (gpt.py:54, h.2.attn)
-    linear_8_2_in, = rt.enter('chunk_2_v1.0', (linear_8_2,), (True,))
-    chunk_2_v1 = linear_8_2_in.reshape((2, 32, 64))
+    chunk_2_v1 = linear_8_2.reshape((2, 32, 64))
     rt.leave('chunk_2_v1.0', (chunk_2_v1,))
     del linear_8_2
     linear_8_3 = linear_8[0:2, 0:32, 128:192]
     del linear_8
     # chunk_2_v2.0: narrow  (gpt.py:54, h.2.attn)
-    linear_8_3_in, = rt.enter('chunk_2_v2.0', (linear_8_3,), (True,))
-    chunk_2_v2 = linear_8_3_in.reshape((2, 32, 64))
+    chunk_2_v2 = linear_8_3.reshape((2, 32, 64))
     rt.leave('chunk_2_v2.0', (chunk_2_v2,))
     del linear_8_3
     # view_8.0: reshape  (gpt.py:55, h.2.attn)
-    chunk_2_in, = rt.enter('view_8.0', (chunk_2,), (True,))
-    view_8 = chunk_2_in.reshape((2, 32, 4, 16))
+    view_8 = chunk_2.reshape((2, 32, 4, 16))
     rt.leave('view_8.0', (view_8,))
     del chunk_2
     # transpose_8.0: transpose  (gpt.py:55, h.2.attn)
-    view_8_in, = rt.enter('transpose_8.0', (view_8,), (True,))
-    transpose_8 = view_8_in.transpose(1, 2)
+    transpose_8 = view_8.transpose(1, 2)
     rt.leave('transpose_8.0', (transpose_8,))
     del view_8
     # view_9.0: reshape  (gpt.py:56, h.2.attn)
-    chunk_2_v1_in, = rt.enter('view_9.0', (chunk_2_v1,), (True,))
-    view_9 = chunk_2_v1_in.reshape((2, 32, 4, 16))
+    view_9 = chunk_2_v1.reshape((2, 32, 4, 16))
     rt.leave('view_9.0', (view_9,))
     del chunk_2_v1
     # transpose_9.0: transpose  (gpt.py:56, h.2.attn)
-    view_9_in, = rt.enter('transpose_9.0', (view_9,), (True,))
-    transpose_9 = view_9_in.transpose(1, 2)
+    transpose_9 = view_9.transpose(1, 2)
     rt.leave('transpose_9.0', (transpose_9,))
     del view_9
     # view_10.0: reshape  (gpt.py:57, h.2.attn)
-    chunk_2_v2_in, = rt.enter('view_10.0', (chunk_2_v2,), (True,))
-    view_10 = chunk_2_v2_in.reshape((2, 32, 4, 16))
+    view_10 = chunk_2_v2.reshape((2, 32, 4, 16))
     rt.leave('view_10.0', (view_10,))
     del chunk_2_v2
     # transpose_10.0: transpose  (gpt.py:57, h.2.attn)
-    view_10_in, = rt.enter('transpose_10.0', (view_10,), (True,))
-    transpose_10 = view_10_in.transpose(1, 2)
+    transpose_10 = view_10.transpose(1, 2)
     rt.leave('transpose_10.0', (transpose_10,))
     del view_10
     # scaled_dot_product_attention_2.0: attention  (gpt.py:59, h.2.attn)
-    transpose_8_in, transpose_9_in, transpose_10_in = rt.enter('scaled_dot_product_attention_2.0', (transpose_8, transpose_9, transpose_10), (True, True, True))
-    scaled_dot_product_attention_2 = torch._C._nn.scaled_dot_product_attention(transpose_8_in, transpose_9_in, transpose_10_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_2 = torch._C._nn.scaled_dot_product_attention(transpose_8, transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_2.0', (scaled_dot_product_attention_2,))
     del transpose_8, transpose_9, transpose_10
     # transpose_11.0: transpose  (gpt.py:60, h.2.attn)
-    scaled_dot_product_attention_2_in, = rt.enter('transpose_11.0', (scaled_dot_product_attention_2,), (True,))
-    transpose_11 = scaled_dot_product_attention_2_in.transpose(1, 2)
+    transpose_11 = scaled_dot_product_attention_2.transpose(1, 2)
     rt.leave('transpose_11.0', (transpose_11,))
     del scaled_dot_product_attention_2
     # contiguous_2.0: contiguous  (gpt.py:60, h.2.attn)
-    transpose_11_in, = rt.enter('contiguous_2.0', (transpose_11,), (True,))
-    contiguous_2 = transpose_11_in.contiguous()
+    contiguous_2 = transpose_11.contiguous()
     rt.leave('contiguous_2.0', (contiguous_2,))
     del transpose_11
     # view_11.0: reshape  (gpt.py:60, h.2.attn)
-    contiguous_2_in, = rt.enter('view_11.0', (contiguous_2,), (True,))
-    view_11 = contiguous_2_in.reshape((2, 32, 64))
+    view_11 = contiguous_2.reshape((2, 32, 64))
     rt.leave('view_11.0', (view_11,))
     del contiguous_2
     h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (0, 64)))
     h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
     # linear_9.0: linear  (gpt.py:61, h.2.attn.c_proj)
-    view_11_in, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.0', (view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True, True))
-    linear_9 = torch._C._nn.linear(view_11_in, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
+    h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.0', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True))
+    linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
     rt.leave('linear_9.0', (linear_9,))
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     # add_5.0: add  (gpt.py:88, h.2)
-    add_4_in, linear_9_in = rt.enter('add_5.0', (add_4, linear_9), (True, True))
-    add_5 = operator.add(add_4_in, linear_9_in)
+    add_5 = operator.add(add_4, linear_9)
     rt.leave('add_5.0', (add_5,))
     del add_4, linear_9
     h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
     h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
     # layer_norm_5.0: layer_norm  (gpt.py:89, h.2.ln_2)
-    add_5_in, h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.0', (add_5, h_2_ln_2_weight, h_2_ln_2_bias), (True, True, True))
-    layer_norm_5 = torch.nn.functional.layer_norm(add_5_in, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
+    h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.0', (h_2_ln_2_weight, h_2_ln_2_bias), (True, True))
+    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_5.0', (layer_norm_5,))
     del h_2_ln_2_weight, h_2_ln_2_bias
     h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((0, 256),))
     # linear_10.0: linear  (gpt.py:74, h.2.mlp.c_fc)
-    layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in = rt.enter('linear_10.0', (layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True, True))
-    linear_10 = torch._C._nn.linear(layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in)
+    h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in = rt.enter('linear_10.0', (h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True))
+    linear_10 = torch._C._nn.linear(layer_norm_5, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in)
     rt.leave('linear_10.0', (linear_10,))
     del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
     # gelu_2.0: gelu  (gpt.py:74, h.2.mlp)
-    linear_10_in, = rt.enter('gelu_2.0', (linear_10,), (True,))
-    gelu_2 = torch._C._nn.gelu(linear_10_in)
+    gelu_2 = torch._C._nn.gelu(linear_10)
     rt.leave('gelu_2.0', (gelu_2,))
     del linear_10
     h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (0, 256)))
     h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
     # linear_11.0: linear  (gpt.py:74, h.2.mlp.c_proj)
-    gelu_2_in, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.0', (gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True, True))
-    linear_11 = torch._C._nn.linear(gelu_2_in, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
+    h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.0', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True))
+    linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
     rt.leave('linear_11.0', (linear_11,))
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     # add_6.0: add  (gpt.py:89, h.2)
-    add_5_in, linear_11_in = rt.enter('add_6.0', (add_5, linear_11), (True, True))
-    add_6 = operator.add(add_5_in, linear_11_in)
+    add_6 = operator.add(add_5, linear_11)
     rt.leave('add_6.0', (add_6,))
     del add_5, linear_11
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
     # layer_norm_6.0: layer_norm  (gpt.py:88, h.3.ln_1)
-    add_6_in, h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.0', (add_6, h_3_ln_1_weight, h_3_ln_1_bias), (True, True, True))
-    layer_norm_6 = torch.nn.functional.layer_norm(add_6_in, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
+    h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.0', (h_3_ln_1_weight, h_3_ln_1_bias), (True, True))
+    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.0', (layer_norm_6,))
     del h_3_ln_1_weight, h_3_ln_1_bias
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((0, 192),))
     # linear_12.0: linear  (gpt.py:54, h.3.attn.c_attn)
-    layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in = rt.enter('linear_12.0', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True, True))
-    linear_12 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in)
+    h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in = rt.enter('linear_12.0', (h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True))
+    linear_12 = torch._C._nn.linear(layer_norm_6, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in)
     rt.leave('linear_12.0', (linear_12,))
     del layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
     linear_12_1 = linear_12[0:2, 0:32, 0:64]
     # chunk_3.0: narrow  (gpt.py:54, h.3.attn)
-    linear_12_1_in, = rt.enter('chunk_3.0', (linear_12_1,), (True,))
-    chunk_3 = linear_12_1_in.reshape((2, 32, 64))
+    chunk_3 = linear_12_1.reshape((2, 32, 64))
     rt.leave('chunk_3.0', (chunk_3,))
     del linear_12_1
     linear_12_2 = linear_12[0:2, 0:32, 64:128]
     # chunk_3_v1.0: narrow  (gpt.py:54, h.3.attn)
-    linear_12_2_in, = rt.enter('chunk_3_v1.0', (linear_12_2,), (True,))
-    chunk_3_v1 = linear_12_2_in.reshape((2, 32, 64))
+    chunk_3_v1 = linear_12_2.reshape((2, 32, 64))
     rt.leave('chunk_3_v1.0', (chunk_3_v1,))
     del linear_12_2
     linear_12_3 = linear_12[0:2, 0:32, 128:192]
     del linear_12
     # chunk_3_v2.0: narrow  (gpt.py:54, h.3.attn)
-    linear_12_3_in, = rt.enter('chunk_3_v2.0', (linear_12_3,), (True,))
-    chunk_3_v2 = linear_12_3_in.reshape((2, 32, 64))
+    chunk_3_v2 = linear_12_3.reshape((2, 32, 64))
     rt.leave('chunk_3_v2.0', (chunk_3_v2,))
     del linear_12_3
     # view_12.0: reshape  (gpt.py:55, h.3.attn)
-    chunk_3_in, = rt.enter('view_12.0', (chunk_3,), (True,))
-    view_12 = chunk_3_in.reshape((2, 32, 4, 16))
+    view_12 = chunk_3.reshape((2, 32, 4, 16))
     rt.leave('view_12.0', (view_12,))
     del chunk_3
     # transpose_12.0: transpose  (gpt.py:55, h.3.attn)
-    view_12_in, = rt.enter('transpose_12.0', (view_12,), (True,))
-    transpose_12 = view_12_in.transpose(1, 2)
+    transpose_12 = view_12.transpose(1, 2)
     rt.leave('transpose_12.0', (transpose_12,))
     del view_12
     # view_13.0: reshape  (gpt.py:56, h.3.attn)
-    chunk_3_v1_in, = rt.enter('view_13.0', (chunk_3_v1,), (True,))
-    view_13 = chunk_3_v1_in.reshape((2, 32, 4, 16))
+    view_13 = chunk_3_v1.reshape((2, 32, 4, 16))
     rt.leave('view_13.0', (view_13,))
     del chunk_3_v1
     # transpose_13.0: transpose  (gpt.py:56, h.3.attn)
-    view_13_in, = rt.enter('transpose_13.0', (view_13,), (True,))
-    transpose_13 = view_13_in.transpose(1, 2)
+    transpose_13 = view_13.transpose(1, 2)
     rt.leave('transpose_13.0', (transpose_13,))
     del view_13
     # view_14.0: reshape  (gpt.py:57, h.3.attn)
-    chunk_3_v2_in, = rt.enter('view_14.0', (chunk_3_v2,), (True,))
-    view_14 = chunk_3_v2_in.reshape((2, 32, 4, 16))
+    view_14 = chunk_3_v2.reshape((2, 32, 4, 16))
     rt.leave('view_14.0', (view_14,))
     del chunk_3_v2
     # transpose_14.0: transpose  (gpt.py:57, h.3.attn)
-    view_14_in, = rt.enter('transpose_14.0', (view_14,), (True,))
-    transpose_14 = view_14_in.transpose(1, 2)
+    transpose_14 = view_14.transpose(1, 2)
     rt.leave('transpose_14.0', (transpose_14,))
     del view_14
     # scaled_dot_product_attention_3.0: attention  (gpt.py:59, h.3.attn)
-    transpose_12_in, transpose_13_in, transpose_14_in = rt.enter('scaled_dot_product_attention_3.0', (transpose_12, transpose_13, transpose_14), (True, True, True))
-    scaled_dot_product_attention_3 = torch._C._nn.scaled_dot_product_attention(transpose_12_in, transpose_13_in, transpose_14_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_3 = torch._C._nn.scaled_dot_product_attention(transpose_12, transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_3.0', (scaled_dot_product_attention_3,))
     del transpose_12, transpose_13, transpose_14
     # transpose_15.0: transpose  (gpt.py:60, h.3.attn)
-    scaled_dot_product_attention_3_in, = rt.enter('transpose_15.0', (scaled_dot_product_attention_3,), (True,))
-    transpose_15 = scaled_dot_product_attention_3_in.transpose(1, 2)
+    transpose_15 = scaled_dot_product_attention_3.transpose(1, 2)
     rt.leave('transpose_15.0', (transpose_15,))
     del scaled_dot_product_attention_3
     # contiguous_3.0: contiguous  (gpt.py:60, h.3.attn)
-    transpose_15_in, = rt.enter('contiguous_3.0', (transpose_15,), (True,))
-    contiguous_3 = transpose_15_in.contiguous()
+    contiguous_3 = transpose_15.contiguous()
     rt.leave('contiguous_3.0', (contiguous_3,))
     del transpose_15
     # view_15.0: reshape  (gpt.py:60, h.3.attn)
-    contiguous_3_in, = rt.enter('view_15.0', (contiguous_3,), (True,))
-    view_15 = contiguous_3_in.reshape((2, 32, 64))
+    view_15 = contiguous_3.reshape((2, 32, 64))
     rt.leave('view_15.0', (view_15,))
     del contiguous_3
     h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (0, 64)))
     h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     # linear_13.0: linear  (gpt.py:61, h.3.attn.c_proj)
-    view_15_in, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.0', (view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True, True))
-    linear_13 = torch._C._nn.linear(view_15_in, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
+    h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.0', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True))
+    linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
     rt.leave('linear_13.0', (linear_13,))
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     # add_7.0: add  (gpt.py:88, h.3)
-    add_6_in, linear_13_in = rt.enter('add_7.0', (add_6, linear_13), (True, True))
-    add_7 = operator.add(add_6_in, linear_13_in)
+    add_7 = operator.add(add_6, linear_13)
     rt.leave('add_7.0', (add_7,))
     del add_6, linear_13
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
     # layer_norm_7.0: layer_norm  (gpt.py:89, h.3.ln_2)
-    add_7_in, h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.0', (add_7, h_3_ln_2_weight, h_3_ln_2_bias), (True, True, True))
-    layer_norm_7 = torch.nn.functional.layer_norm(add_7_in, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
+    h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.0', (h_3_ln_2_weight, h_3_ln_2_bias), (True, True))
+    layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.0', (layer_norm_7,))
     del h_3_ln_2_weight, h_3_ln_2_bias
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((0, 256),))
     # linear_14.0: linear  (gpt.py:74, h.3.mlp.c_fc)
-    layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in = rt.enter('linear_14.0', (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
-    linear_14 = torch._C._nn.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in)
+    h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in = rt.enter('linear_14.0', (h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True))
+    linear_14 = torch._C._nn.linear(layer_norm_7, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in)
     rt.leave('linear_14.0', (linear_14,))
     del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
     # gelu_3.0: gelu  (gpt.py:74, h.3.mlp)
-    linear_14_in, = rt.enter('gelu_3.0', (linear_14,), (True,))
-    gelu_3 = torch._C._nn.gelu(linear_14_in)
+    gelu_3 = torch._C._nn.gelu(linear_14)
     rt.leave('gelu_3.0', (gelu_3,))
     del linear_14
     h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (0, 256)))
     h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     # linear_15.0: linear  (gpt.py:74, h.3.mlp.c_proj)
-    gelu_3_in, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.0', (gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True, True))
-    linear_15 = torch._C._nn.linear(gelu_3_in, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
+    h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.0', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True))
+    linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
     rt.leave('linear_15.0', (linear_15,))
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     # add_8.0: add  (gpt.py:89, h.3)
-    add_7_in, linear_15_in = rt.enter('add_8.0', (add_7, linear_15), (True, True))
-    add_8 = operator.add(add_7_in, linear_15_in)
+    add_8 = operator.add(add_7, linear_15)
     rt.leave('add_8.0', (add_8,))
     del add_7, linear_15
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
     # layer_norm_8.0: layer_norm  (gpt.py:119, ln_f)
-    add_8_in, ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.0', (add_8, ln_f_weight, ln_f_bias), (True, True, True))
-    layer_norm_8 = torch.nn.functional.layer_norm(add_8_in, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
+    ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.0', (ln_f_weight, ln_f_bias), (True, True))
+    layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.0', (layer_norm_8,))
     del add_8, ln_f_weight, ln_f_bias
     # linear_16.0: linear  (gpt.py:119, lm_head)
-    layer_norm_8_in, wte_weight_in = rt.enter('linear_16.0', (layer_norm_8, wte_weight), (True, True))
-    linear_16 = torch._C._nn.linear(layer_norm_8_in, wte_weight_in, None)
+    wte_weight_in, = rt.enter('linear_16.0', (wte_weight,), (True,))
+    linear_16 = torch._C._nn.linear(layer_norm_8, wte_weight_in, None)
     rt.leave('linear_16.0', (linear_16,))
     del wte_weight, layer_norm_8
     # view_16.0: reshape  (gpt.py:120)
-    linear_16_in, = rt.enter('view_16.0', (linear_16,), (True,))
-    view_16 = linear_16_in.reshape((64, 512))
+    view_16 = linear_16.reshape((64, 512))
     rt.leave('view_16.0', (view_16,))
     del linear_16
     targets = rt.input('targets')[0:2, 0:32]
@@ -556,8 +491,7 @@ def step(rt):
     view_17 = targets.reshape((64,))
     del targets
     # cross_entropy_sum.0: cross_entropy  (gpt.py:120)
-    view_16_in, view_17 = rt.enter('cross_entropy_sum.0', (view_16, view_17), (True, False))
-    cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_in, target=view_17, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum', label_smoothing=0.0)
+    cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16, target=view_17, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum', label_smoothing=0.0)
     rt.leave('cross_entropy_sum.0', (cross_entropy_sum,))
     del view_16
     # cross_entropy_count.0: loss_denominator  (gpt.py:120)
@@ -571,224 +505,16 @@ def step(rt):
     rt.leave('cross_entropy.0', (cross_entropy,))
     del cross_entropy_sum_1, cross_entropy_count_1
     d_loss = torch.ones((), dtype=torch.float32, device=rt.device)
-    d_cross_entropy_sum, = rt.backward('cross_entropy.0', (d_loss,))
+    d_cross_entropy_sum, = rt.backward({'cross_entropy.0': (d_loss,)}, ('cross_entropy.0',))
     del d_loss
-    d_view_16, = rt.backward('cross_entropy_sum.0', (d_cross_entropy_sum,))
+    # backward of 93 pieces in one call
+    d_wte_weight, d_ln_f_weight, d_ln_f_bias, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias, d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias, d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_embedding, d_embedding_1 = rt.backward({'cross_entropy_sum.0': (d_cross_entropy_sum,)}, ('cross_entropy_sum.0', 'view_16.0', 'linear_16.0', 'layer_norm_8.0', 'add_8.0', 'linear_15.0', 'gelu_3.0', 'linear_14.0', 'layer_norm_7.0', 'add_7.0', 'linear_13.0', 'view_15.0', 'contiguous_3.0', 'transpose_15.0', 'scaled_dot_product_attention_3.0', 'transpose_14.0', 'view_14.0', 'transpose_13.0', 'view_13.0', 'transpose_12.0', 'view_12.0', 'chunk_3_v2.0', 'chunk_3_v1.0', 'chunk_3.0', 'linear_12.0', 'layer_norm_6.0', 'add_6.0', 'linear_11.0', 'gelu_2.0', 'linear_10.0', 'layer_norm_5.0', 'add_5.0', 'linear_9.0', 'view_11.0', 'contiguous_2.0', 'transpose_11.0', 'scaled_dot_product_attention_2.0', 'transpose_10.0', 'view_10.0', 'transpose_9.0', 'view_9.0', 'transpose_8.0', 'view_8.0', 'chunk_2_v2.0', 'chunk_2_v1.0', 'chunk_2.0', 'linear_8.0', 'layer_norm_4.0', 'add_4.0', 'linear_7.0', 'gelu_1.0', 'linear_6.0', 'layer_norm_3.0', 'add_3.0', 'linear_5.0', 'view_7.0', 'contiguous_1.0', 'transpose_7.0', 'scaled_dot_product_attention_1.0', 'transpose_6.0', 'view_6.0', 'transpose_5.0', 'view_5.0', 'transpose_4.0', 'view_4.0', 'chunk_1_v2.0', 'chunk_1_v1.0', 'chunk_1.0', 'linear_4.0', 'layer_norm_2.0', 'add_2.0', 'linear_3.0', 'gelu.0', 'linear_2.0', 'layer_norm_1.0', 'add_1.0', 'linear_1.0', 'view_3.0', 'contiguous.0', 'transpose_3.0', 'scaled_dot_product_attention.0', 'transpose_2.0', 'view_2.0', 'transpose_1.0', 'view_1.0', 'transpose.0', 'view.0', 'chunk_v2.0', 'chunk_v1.0', 'chunk.0', 'linear.0', 'layer_norm.0', 'add.0'))
     del d_cross_entropy_sum
-    d_linear_16, = rt.backward('view_16.0', (d_view_16,))
-    del d_view_16
-    d_layer_norm_8, d_wte_weight = rt.backward('linear_16.0', (d_linear_16,))
-    del d_linear_16
-    d_add_8, d_ln_f_weight, d_ln_f_bias = rt.backward('layer_norm_8.0', (d_layer_norm_8,))
-    del d_layer_norm_8
-    d_add_7, d_linear_15 = rt.backward('add_8.0', (d_add_8,))
-    del d_add_8
-    d_gelu_3, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias = rt.backward('linear_15.0', (d_linear_15,))
-    del d_linear_15
-    d_linear_14, = rt.backward('gelu_3.0', (d_gelu_3,))
-    del d_gelu_3
-    d_layer_norm_7, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias = rt.backward('linear_14.0', (d_linear_14,))
-    del d_linear_14
-    d_add_7_1, d_h_3_ln_2_weight, d_h_3_ln_2_bias = rt.backward('layer_norm_7.0', (d_layer_norm_7,))
-    del d_layer_norm_7
-    grad_add_7 = rt.assemble((2, 32, 64), torch.float32, [(d_add_7[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_7_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_7, d_add_7_1
-    d_add_6, d_linear_13 = rt.backward('add_7.0', (grad_add_7,))
-    del grad_add_7
-    d_view_15, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias = rt.backward('linear_13.0', (d_linear_13,))
-    del d_linear_13
-    d_contiguous_3, = rt.backward('view_15.0', (d_view_15,))
-    del d_view_15
-    d_transpose_15, = rt.backward('contiguous_3.0', (d_contiguous_3,))
-    del d_contiguous_3
-    d_scaled_dot_product_attention_3, = rt.backward('transpose_15.0', (d_transpose_15,))
-    del d_transpose_15
-    d_transpose_12, d_transpose_13, d_transpose_14 = rt.backward('scaled_dot_product_attention_3.0', (d_scaled_dot_product_attention_3,))
-    del d_scaled_dot_product_attention_3
-    d_view_14, = rt.backward('transpose_14.0', (d_transpose_14,))
-    del d_transpose_14
-    d_chunk_3_v2, = rt.backward('view_14.0', (d_view_14,))
-    del d_view_14
-    d_view_13, = rt.backward('transpose_13.0', (d_transpose_13,))
-    del d_transpose_13
-    d_chunk_3_v1, = rt.backward('view_13.0', (d_view_13,))
-    del d_view_13
-    d_view_12, = rt.backward('transpose_12.0', (d_transpose_12,))
-    del d_transpose_12
-    d_chunk_3, = rt.backward('view_12.0', (d_view_12,))
-    del d_view_12
-    d_linear_12, = rt.backward('chunk_3_v2.0', (d_chunk_3_v2,))
-    del d_chunk_3_v2
-    d_linear_12_1, = rt.backward('chunk_3_v1.0', (d_chunk_3_v1,))
-    del d_chunk_3_v1
-    d_linear_12_2, = rt.backward('chunk_3.0', (d_chunk_3,))
-    del d_chunk_3
-    grad_linear_12 = rt.assemble((2, 32, 192), torch.float32, [(d_linear_12[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(128, 192)), 1.0), (d_linear_12_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(64, 128)), 1.0), (d_linear_12_2[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_linear_12, d_linear_12_1, d_linear_12_2
-    d_layer_norm_6, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias = rt.backward('linear_12.0', (grad_linear_12,))
-    del grad_linear_12
-    d_add_6_1, d_h_3_ln_1_weight, d_h_3_ln_1_bias = rt.backward('layer_norm_6.0', (d_layer_norm_6,))
-    del d_layer_norm_6
-    grad_add_6 = rt.assemble((2, 32, 64), torch.float32, [(d_add_6[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_6_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_6, d_add_6_1
-    d_add_5, d_linear_11 = rt.backward('add_6.0', (grad_add_6,))
-    del grad_add_6
-    d_gelu_2, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias = rt.backward('linear_11.0', (d_linear_11,))
-    del d_linear_11
-    d_linear_10, = rt.backward('gelu_2.0', (d_gelu_2,))
-    del d_gelu_2
-    d_layer_norm_5, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias = rt.backward('linear_10.0', (d_linear_10,))
-    del d_linear_10
-    d_add_5_1, d_h_2_ln_2_weight, d_h_2_ln_2_bias = rt.backward('layer_norm_5.0', (d_layer_norm_5,))
-    del d_layer_norm_5
-    grad_add_5 = rt.assemble((2, 32, 64), torch.float32, [(d_add_5[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_5_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_5, d_add_5_1
-    d_add_4, d_linear_9 = rt.backward('add_5.0', (grad_add_5,))
-    del grad_add_5
-    d_view_11, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias = rt.backward('linear_9.0', (d_linear_9,))
-    del d_linear_9
-    d_contiguous_2, = rt.backward('view_11.0', (d_view_11,))
-    del d_view_11
-    d_transpose_11, = rt.backward('contiguous_2.0', (d_contiguous_2,))
-    del d_contiguous_2
-    d_scaled_dot_product_attention_2, = rt.backward('transpose_11.0', (d_transpose_11,))
-    del d_transpose_11
-    d_transpose_8, d_transpose_9, d_transpose_10 = rt.backward('scaled_dot_product_attention_2.0', (d_scaled_dot_product_attention_2,))
-    del d_scaled_dot_product_attention_2
-    d_view_10, = rt.backward('transpose_10.0', (d_transpose_10,))
-    del d_transpose_10
-    d_chunk_2_v2, = rt.backward('view_10.0', (d_view_10,))
-    del d_view_10
-    d_view_9, = rt.backward('transpose_9.0', (d_transpose_9,))
-    del d_transpose_9
-    d_chunk_2_v1, = rt.backward('view_9.0', (d_view_9,))
-    del d_view_9
-    d_view_8, = rt.backward('transpose_8.0', (d_transpose_8,))
-    del d_transpose_8
-    d_chunk_2, = rt.backward('view_8.0', (d_view_8,))
-    del d_view_8
-    d_linear_8, = rt.backward('chunk_2_v2.0', (d_chunk_2_v2,))
-    del d_chunk_2_v2
-    d_linear_8_1, = rt.backward('chunk_2_v1.0', (d_chunk_2_v1,))
-    del d_chunk_2_v1
-    d_linear_8_2, = rt.backward('chunk_2.0', (d_chunk_2,))
-    del d_chunk_2
-    grad_linear_8 = rt.assemble((2, 32, 192), torch.float32, [(d_linear_8[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(128, 192)), 1.0), (d_linear_8_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(64, 128)), 1.0), (d_linear_8_2[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_linear_8, d_linear_8_1, d_linear_8_2
-    d_layer_norm_4, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias = rt.backward('linear_8.0', (grad_linear_8,))
-    del grad_linear_8
-    d_add_4_1, d_h_2_ln_1_weight, d_h_2_ln_1_bias = rt.backward('layer_norm_4.0', (d_layer_norm_4,))
-    del d_layer_norm_4
-    grad_add_4 = rt.assemble((2, 32, 64), torch.float32, [(d_add_4[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_4_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_4, d_add_4_1
-    d_add_3, d_linear_7 = rt.backward('add_4.0', (grad_add_4,))
-    del grad_add_4
-    d_gelu_1, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias = rt.backward('linear_7.0', (d_linear_7,))
-    del d_linear_7
-    d_linear_6, = rt.backward('gelu_1.0', (d_gelu_1,))
-    del d_gelu_1
-    d_layer_norm_3, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias = rt.backward('linear_6.0', (d_linear_6,))
-    del d_linear_6
-    d_add_3_1, d_h_1_ln_2_weight, d_h_1_ln_2_bias = rt.backward('layer_norm_3.0', (d_layer_norm_3,))
-    del d_layer_norm_3
-    grad_add_3 = rt.assemble((2, 32, 64), torch.float32, [(d_add_3[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_3_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_3, d_add_3_1
-    d_add_2, d_linear_5 = rt.backward('add_3.0', (grad_add_3,))
-    del grad_add_3
-    d_view_7, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias = rt.backward('linear_5.0', (d_linear_5,))
-    del d_linear_5
-    d_contiguous_1, = rt.backward('view_7.0', (d_view_7,))
-    del d_view_7
-    d_transpose_7, = rt.backward('contiguous_1.0', (d_contiguous_1,))
-    del d_contiguous_1
-    d_scaled_dot_product_attention_1, = rt.backward('transpose_7.0', (d_transpose_7,))
-    del d_transpose_7
-    d_transpose_4, d_transpose_5, d_transpose_6 = rt.backward('scaled_dot_product_attention_1.0', (d_scaled_dot_product_attention_1,))
-    del d_scaled_dot_product_attention_1
-    d_view_6, = rt.backward('transpose_6.0', (d_transpose_6,))
-    del d_transpose_6
-    d_chunk_1_v2, = rt.backward('view_6.0', (d_view_6,))
-    del d_view_6
-    d_view_5, = rt.backward('transpose_5.0', (d_transpose_5,))
-    del d_transpose_5
-    d_chunk_1_v1, = rt.backward('view_5.0', (d_view_5,))
-    del d_view_5
-    d_view_4, = rt.backward('transpose_4.0', (d_transpose_4,))
-    del d_transpose_4
-    d_chunk_1, = rt.backward('view_4.0', (d_view_4,))
-    del d_view_4
-    d_linear_4, = rt.backward('chunk_1_v2.0', (d_chunk_1_v2,))
-    del d_chunk_1_v2
-    d_linear_4_1, = rt.backward('chunk_1_v1.0', (d_chunk_1_v1,))
-    del d_chunk_1_v1
-    d_linear_4_2, = rt.backward('chunk_1.0', (d_chunk_1,))
-    del d_chunk_1
-    grad_linear_4 = rt.assemble((2, 32, 192), torch.float32, [(d_linear_4[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(128, 192)), 1.0), (d_linear_4_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(64, 128)), 1.0), (d_linear_4_2[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_linear_4, d_linear_4_1, d_linear_4_2
-    d_layer_norm_2, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias = rt.backward('linear_4.0', (grad_linear_4,))
-    del grad_linear_4
-    d_add_2_1, d_h_1_ln_1_weight, d_h_1_ln_1_bias = rt.backward('layer_norm_2.0', (d_layer_norm_2,))
-    del d_layer_norm_2
-    grad_add_2 = rt.assemble((2, 32, 64), torch.float32, [(d_add_2[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_2_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_2, d_add_2_1
-    d_add_1, d_linear_3 = rt.backward('add_2.0', (grad_add_2,))
-    del grad_add_2
-    d_gelu, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias = rt.backward('linear_3.0', (d_linear_3,))
-    del d_linear_3
-    d_linear_2, = rt.backward('gelu.0', (d_gelu,))
-    del d_gelu
-    d_layer_norm_1, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias = rt.backward('linear_2.0', (d_linear_2,))
-    del d_linear_2
-    d_add_1_1, d_h_0_ln_2_weight, d_h_0_ln_2_bias = rt.backward('layer_norm_1.0', (d_layer_norm_1,))
-    del d_layer_norm_1
-    grad_add_1 = rt.assemble((2, 32, 64), torch.float32, [(d_add_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_1_1[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_1, d_add_1_1
-    d_add, d_linear_1 = rt.backward('add_1.0', (grad_add_1,))
-    del grad_add_1
-    d_view_3, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias = rt.backward('linear_1.0', (d_linear_1,))
-    del d_linear_1
-    d_contiguous, = rt.backward('view_3.0', (d_view_3,))
-    del d_view_3
-    d_transpose_3, = rt.backward('contiguous.0', (d_contiguous,))
-    del d_contiguous
-    d_scaled_dot_product_attention, = rt.backward('transpose_3.0', (d_transpose_3,))
-    del d_transpose_3
-    d_transpose, d_transpose_1, d_transpose_2 = rt.backward('scaled_dot_product_attention.0', (d_scaled_dot_product_attention,))
-    del d_scaled_dot_product_attention
-    d_view_2, = rt.backward('transpose_2.0', (d_transpose_2,))
-    del d_transpose_2
-    d_chunk_v2, = rt.backward('view_2.0', (d_view_2,))
-    del d_view_2
-    d_view_1, = rt.backward('transpose_1.0', (d_transpose_1,))
-    del d_transpose_1
-    d_chunk_v1, = rt.backward('view_1.0', (d_view_1,))
-    del d_view_1
-    d_view, = rt.backward('transpose.0', (d_transpose,))
-    del d_transpose
-    d_chunk, = rt.backward('view.0', (d_view,))
-    del d_view
-    d_linear, = rt.backward('chunk_v2.0', (d_chunk_v2,))
-    del d_chunk_v2
-    d_linear_17, = rt.backward('chunk_v1.0', (d_chunk_v1,))
-    del d_chunk_v1
-    d_linear_18, = rt.backward('chunk.0', (d_chunk,))
-    del d_chunk
-    grad_linear = rt.assemble((2, 32, 192), torch.float32, [(d_linear[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(128, 192)), 1.0), (d_linear_17[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(64, 128)), 1.0), (d_linear_18[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_linear, d_linear_17, d_linear_18
-    d_layer_norm, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias = rt.backward('linear.0', (grad_linear,))
-    del grad_linear
-    d_add_9, d_h_0_ln_1_weight, d_h_0_ln_1_bias = rt.backward('layer_norm.0', (d_layer_norm,))
-    del d_layer_norm
-    grad_add = rt.assemble((2, 32, 64), torch.float32, [(d_add[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0), (d_add_9[0:2, 0:32, 0:64], (slice(0, 2), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add, d_add_9
-    d_embedding, d_embedding_1 = rt.backward('add.0', (grad_add,))
-    del grad_add
     grad_embedding_1, = rt.all_reduce([(d_embedding_1,)], ranks=(0, 1))
     del d_embedding_1
-    d_wpe_weight, = rt.backward('embedding_1.0', (grad_embedding_1,))
-    del grad_embedding_1
-    d_wte_weight_1, = rt.backward('embedding.0', (d_embedding,))
-    del d_embedding
+    # backward of 2 pieces in one call
+    d_wpe_weight, d_wte_weight_1 = rt.backward({'embedding_1.0': (grad_embedding_1,), 'embedding.0': (d_embedding,)}, ('embedding_1.0', 'embedding.0'))
+    del grad_embedding_1, d_embedding
     grad_wte_weight, grad_h_0_ln_1_weight, grad_h_0_ln_1_bias, grad_h_0_attn_c_attn_weight, grad_h_0_attn_c_attn_bias, grad_h_0_attn_c_proj_weight, grad_h_0_attn_c_proj_bias, grad_h_0_ln_2_weight, grad_h_0_ln_2_bias, grad_h_0_mlp_c_fc_weight, grad_h_0_mlp_c_fc_bias, grad_h_0_mlp_c_proj_weight, grad_h_0_mlp_c_proj_bias, grad_h_1_ln_1_weight, grad_h_1_ln_1_bias, grad_h_1_attn_c_attn_weight, grad_h_1_attn_c_attn_bias, grad_h_1_attn_c_proj_weight, grad_h_1_attn_c_proj_bias, grad_h_1_ln_2_weight, grad_h_1_ln_2_bias, grad_h_1_mlp_c_fc_weight, grad_h_1_mlp_c_fc_bias, grad_h_1_mlp_c_proj_weight, grad_h_1_mlp_c_proj_bias, grad_h_2_ln_1_weight, grad_h_2_ln_1_bias, grad_h_2_attn_c_attn_weight, grad_h_2_attn_c_attn_bias, grad_h_2_attn_c_proj_weight, grad_h_2_attn_c_proj_bias, grad_h_2_ln_2_weight, grad_h_2_ln_2_bias, grad_h_2_mlp_c_fc_weight, grad_h_2_mlp_c_fc_bias, grad_h_2_mlp_c_proj_weight, grad_h_2_mlp_c_proj_bias, grad_h_3_ln_1_weight, grad_h_3_ln_1_bias, grad_h_3_attn_c_attn_weight, grad_h_3_attn_c_attn_bias, grad_h_3_attn_c_proj_weight, grad_h_3_attn_c_proj_bias, grad_h_3_ln_2_weight, grad_h_3_ln_2_bias, grad_h_3_mlp_c_fc_weight, grad_h_3_mlp_c_fc_bias, grad_h_3_mlp_c_proj_weight, grad_h_3_mlp_c_proj_bias, grad_ln_f_weight, grad_ln_f_bias = rt.all_reduce([(d_wte_weight, d_wte_weight_1), (d_h_0_ln_1_weight,), (d_h_0_ln_1_bias,), (d_h_0_attn_c_attn_weight,), (d_h_0_attn_c_attn_bias,), (d_h_0_attn_c_proj_weight,), (d_h_0_attn_c_proj_bias,), (d_h_0_ln_2_weight,), (d_h_0_ln_2_bias,), (d_h_0_mlp_c_fc_weight,), (d_h_0_mlp_c_fc_bias,), (d_h_0_mlp_c_proj_weight,), (d_h_0_mlp_c_proj_bias,), (d_h_1_ln_1_weight,), (d_h_1_ln_1_bias,), (d_h_1_attn_c_attn_weight,), (d_h_1_attn_c_attn_bias,), (d_h_1_attn_c_proj_weight,), (d_h_1_attn_c_proj_bias,), (d_h_1_ln_2_weight,), (d_h_1_ln_2_bias,), (d_h_1_mlp_c_fc_weight,), (d_h_1_mlp_c_fc_bias,), (d_h_1_mlp_c_proj_weight,), (d_h_1_mlp_c_proj_bias,), (d_h_2_ln_1_weight,), (d_h_2_ln_1_bias,), (d_h_2_attn_c_attn_weight,), (d_h_2_attn_c_attn_bias,), (d_h_2_attn_c_proj_weight,), (d_h_2_attn_c_proj_bias,), (d_h_2_ln_2_weight,), (d_h_2_ln_2_bias,), (d_h_2_mlp_c_fc_weight,), (d_h_2_mlp_c_fc_bias,), (d_h_2_mlp_c_proj_weight,), (d_h_2_mlp_c_proj_bias,), (d_h_3_ln_1_weight,), (d_h_3_ln_1_bias,), (d_h_3_attn_c_attn_weight,), (d_h_3_attn_c_attn_bias,), (d_h_3_attn_c_proj_weight,), (d_h_3_attn_c_proj_bias,), (d_h_3_ln_2_weight,), (d_h_3_ln_2_bias,), (d_h_3_mlp_c_fc_weight,), (d_h_3_mlp_c_fc_bias,), (d_h_3_mlp_c_proj_weight,), (d_h_3_mlp_c_proj_bias,), (d_ln_f_weight,), (d_ln_f_bias,)], ranks=(0, 1))
     del d_wte_weight, d_wte_weight_1, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_ln_f_weight, d_ln_f_bias
     rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight[0:512, 0:64])

@@ -26,15 +26,14 @@ def step(rt):
     rt.leave('embedding_1.1', (embedding_1,))
     del arange, wpe_weight
     # add.1: add  (gpt.py:116)
-    embedding_in, embedding_1_in = rt.enter('add.1', (embedding, embedding_1), (True, True))
-    add = operator.add(embedding_in, embedding_1_in)
+    add = operator.add(embedding, embedding_1)
     rt.leave('add.1', (add,))
     del embedding, embedding_1
     h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
     # layer_norm.1: layer_norm  (gpt.py:88, h.0.ln_1)
-    add_in, h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.1', (add, h_0_ln_1_weight, h_0_ln_1_bias), (True, True, True))
-    layer_norm = torch.nn.functional.layer_norm(add_in, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
+    h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.1', (h_0_ln_1_weight, h_0_ln_1_bias), (True, True))
+    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm.1', (layer_norm,))
     del h_0_ln_1_weight, h_0_ln_1_bias
     h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((32, 64), (0, 64)))
@@ -59,76 +58,63 @@ def step(rt):
     rt.leave('linear.2.1', (linear_2,))
     del layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2
     # chunk.1: narrow  (gpt.py:54, h.0.attn)
-    linear_in, = rt.enter('chunk.1', (linear,), (True,))
-    chunk = linear_in.reshape((4, 32, 32))
+    chunk = linear.reshape((4, 32, 32))
     rt.leave('chunk.1', (chunk,))
     del linear
     # chunk_v1.1: narrow  (gpt.py:54, h.0.attn)
-    linear_1_in, = rt.enter('chunk_v1.1', (linear_1,), (True,))
-    chunk_v1 = linear_1_in.reshape((4, 32, 32))
+    chunk_v1 = linear_1.reshape((4, 32, 32))
     rt.leave('chunk_v1.1', (chunk_v1,))
     del linear_1
     # chunk_v2.1: narrow  (gpt.py:54, h.0.attn)
-    linear_2_in, = rt.enter('chunk_v2.1', (linear_2,), (True,))
-    chunk_v2 = linear_2_in.reshape((4, 32, 32))
+    chunk_v2 = linear_2.reshape((4, 32, 32))
     rt.leave('chunk_v2.1', (chunk_v2,))
     del linear_2
     # view.1: reshape  (gpt.py:55, h.0.attn)
-    chunk_in, = rt.enter('view.1', (chunk,), (True,))
-    view = chunk_in.reshape((4, 32, 2, 16))
+    view = chunk.reshape((4, 32, 2, 16))
     rt.leave('view.1', (view,))
     del chunk
     # transpose.1: transpose  (gpt.py:55, h.0.attn)
-    view_in, = rt.enter('transpose.1', (view,), (True,))
-    transpose = view_in.transpose(1, 2)
+    transpose = view.transpose(1, 2)
     rt.leave('transpose.1', (transpose,))
     del view
     # view_1.1: reshape  (gpt.py:56, h.0.attn)
-    chunk_v1_in, = rt.enter('view_1.1', (chunk_v1,), (True,))
-    view_1 = chunk_v1_in.reshape((4, 32, 2, 16))
+    view_1 = chunk_v1.reshape((4, 32, 2, 16))
     rt.leave('view_1.1', (view_1,))
     del chunk_v1
     # transpose_1.1: transpose  (gpt.py:56, h.0.attn)
-    view_1_in, = rt.enter('transpose_1.1', (view_1,), (True,))
-    transpose_1 = view_1_in.transpose(1, 2)
+    transpose_1 = view_1.transpose(1, 2)
     rt.leave('transpose_1.1', (transpose_1,))
     del view_1
     # view_2.1: reshape  (gpt.py:57, h.0.attn)
-    chunk_v2_in, = rt.enter('view_2.1', (chunk_v2,), (True,))
-    view_2 = chunk_v2_in.reshape((4, 32, 2, 16))
+    view_2 = chunk_v2.reshape((4, 32, 2, 16))
     rt.leave('view_2.1', (view_2,))
     del chunk_v2
     # transpose_2.1: transpose  (gpt.py:57, h.0.attn)
-    view_2_in, = rt.enter('transpose_2.1', (view_2,), (True,))
-    transpose_2 = view_2_in.transpose(1, 2)
+    transpose_2 = view_2.transpose(1, 2)
     rt.leave('transpose_2.1', (transpose_2,))
     del view_2
     # scaled_dot_product_attention.1: attention  (gpt.py:59, h.0.attn)
-    transpose_in, transpose_1_in, transpose_2_in = rt.enter('scaled_dot_product_attention.1', (transpose, transpose_1, transpose_2), (True, True, True))
-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(transpose_in, transpose_1_in, transpose_2_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(transpose, transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention.1', (scaled_dot_product_attention,))
     del transpose, transpose_1, transpose_2
     # transpose_3.1: transpose  (gpt.py:60, h.0.attn)
-    scaled_dot_product_attention_in, = rt.enter('transpose_3.1', (scaled_dot_product_attention,), (True,))
-    transpose_3 = scaled_dot_product_attention_in.transpose(1, 2)
+    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
     rt.leave('transpose_3.1', (transpose_3,))
     del scaled_dot_product_attention
     # contiguous.1: contiguous  (gpt.py:60, h.0.attn)
-    transpose_3_in, = rt.enter('contiguous.1', (transpose_3,), (True,))
-    contiguous = transpose_3_in.contiguous()
+    contiguous = transpose_3.contiguous()
     rt.leave('contiguous.1', (contiguous,))
     del transpose_3
     # view_3.1: reshape  (gpt.py:60, h.0.attn)
-    contiguous_in, = rt.enter('view_3.1', (contiguous,), (True,))
-    view_3 = contiguous_in.reshape((4, 32, 32))
+    view_3 = contiguous.reshape((4, 32, 32))
     rt.leave('view_3.1', (view_3,))
     del contiguous
     h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
     # linear_1.1: linear  (gpt.py:61, h.0.attn.c_proj)
-    view_3_in, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.1', (view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True, True))
+    h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.1', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
     h_0_attn_c_proj_bias_in = h_0_attn_c_proj_bias_in * 0.5
-    linear_1_1 = torch._C._nn.linear(view_3_in, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
+    linear_1_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
     rt.leave('linear_1.1', (linear_1_1,))
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     linear_1_2, = rt.all_reduce([(linear_1_1,)], ranks=(0, 1))
@@ -141,8 +127,8 @@ def step(rt):
     h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
     # layer_norm_1.1: layer_norm  (gpt.py:89, h.0.ln_2)
-    add_1_in, h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.1', (add_1, h_0_ln_2_weight, h_0_ln_2_bias), (True, True, True))
-    layer_norm_1 = torch.nn.functional.layer_norm(add_1_in, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
+    h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.1', (h_0_ln_2_weight, h_0_ln_2_bias), (True, True))
+    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_1.1', (layer_norm_1,))
     del h_0_ln_2_weight, h_0_ln_2_bias
     h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((128, 256), (0, 64)))
@@ -153,16 +139,15 @@ def step(rt):
     rt.leave('linear_2.1', (linear_2_1,))
     del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
     # gelu.1: gelu  (gpt.py:74, h.0.mlp)
-    linear_2_1_in, = rt.enter('gelu.1', (linear_2_1,), (True,))
-    gelu = torch._C._nn.gelu(linear_2_1_in)
+    gelu = torch._C._nn.gelu(linear_2_1)
     rt.leave('gelu.1', (gelu,))
     del linear_2_1
     h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
     # linear_3.1: linear  (gpt.py:74, h.0.mlp.c_proj)
-    gelu_in, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.1', (gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True, True))
+    h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.1', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
     h_0_mlp_c_proj_bias_in = h_0_mlp_c_proj_bias_in * 0.5
-    linear_3 = torch._C._nn.linear(gelu_in, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
+    linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
     rt.leave('linear_3.1', (linear_3,))
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     linear_3_1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
@@ -175,8 +160,8 @@ def step(rt):
     h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
     h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
     # layer_norm_2.1: layer_norm  (gpt.py:88, h.1.ln_1)
-    add_2_in, h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.1', (add_2, h_1_ln_1_weight, h_1_ln_1_bias), (True, True, True))
-    layer_norm_2 = torch.nn.functional.layer_norm(add_2_in, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
+    h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.1', (h_1_ln_1_weight, h_1_ln_1_bias), (True, True))
+    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_2.1', (layer_norm_2,))
     del h_1_ln_1_weight, h_1_ln_1_bias
     h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((32, 64), (0, 64)))
@@ -201,76 +186,63 @@ def step(rt):
     rt.leave('linear_4.2.1', (linear_4_2,))
     del layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2
     # chunk_1.1: narrow  (gpt.py:54, h.1.attn)
-    linear_4_in, = rt.enter('chunk_1.1', (linear_4,), (True,))
-    chunk_1 = linear_4_in.reshape((4, 32, 32))
+    chunk_1 = linear_4.reshape((4, 32, 32))
     rt.leave('chunk_1.1', (chunk_1,))
     del linear_4
     # chunk_1_v1.1: narrow  (gpt.py:54, h.1.attn)
-    linear_4_1_in, = rt.enter('chunk_1_v1.1', (linear_4_1,), (True,))
-    chunk_1_v1 = linear_4_1_in.reshape((4, 32, 32))
+    chunk_1_v1 = linear_4_1.reshape((4, 32, 32))
     rt.leave('chunk_1_v1.1', (chunk_1_v1,))
     del linear_4_1
     # chunk_1_v2.1: narrow  (gpt.py:54, h.1.attn)
-    linear_4_2_in, = rt.enter('chunk_1_v2.1', (linear_4_2,), (True,))
-    chunk_1_v2 = linear_4_2_in.reshape((4, 32, 32))
+    chunk_1_v2 = linear_4_2.reshape((4, 32, 32))
     rt.leave('chunk_1_v2.1', (chunk_1_v2,))
     del linear_4_2
     # view_4.1: reshape  (gpt.py:55, h.1.attn)
-    chunk_1_in, = rt.enter('view_4.1', (chunk_1,), (True,))
-    view_4 = chunk_1_in.reshape((4, 32, 2, 16))
+    view_4 = chunk_1.reshape((4, 32, 2, 16))
     rt.leave('view_4.1', (view_4,))
     del chunk_1
     # transpose_4.1: transpose  (gpt.py:55, h.1.attn)
-    view_4_in, = rt.enter('transpose_4.1', (view_4,), (True,))
-    transpose_4 = view_4_in.transpose(1, 2)
+    transpose_4 = view_4.transpose(1, 2)
     rt.leave('transpose_4.1', (transpose_4,))
     del view_4
     # view_5.1: reshape  (gpt.py:56, h.1.attn)
-    chunk_1_v1_in, = rt.enter('view_5.1', (chunk_1_v1,), (True,))
-    view_5 = chunk_1_v1_in.reshape((4, 32, 2, 16))
+    view_5 = chunk_1_v1.reshape((4, 32, 2, 16))
     rt.leave('view_5.1', (view_5,))
     del chunk_1_v1
     # transpose_5.1: transpose  (gpt.py:56, h.1.attn)
-    view_5_in, = rt.enter('transpose_5.1', (view_5,), (True,))
-    transpose_5 = view_5_in.transpose(1, 2)
+    transpose_5 = view_5.transpose(1, 2)
     rt.leave('transpose_5.1', (transpose_5,))
     del view_5
     # view_6.1: reshape  (gpt.py:57, h.1.attn)
-    chunk_1_v2_in, = rt.enter('view_6.1', (chunk_1_v2,), (True,))
-    view_6 = chunk_1_v2_in.reshape((4, 32, 2, 16))
+    view_6 = chunk_1_v2.reshape((4, 32, 2, 16))
     rt.leave('view_6.1', (view_6,))
     del chunk_1_v2
     # transpose_6.1: transpose  (gpt.py:57, h.1.attn)
-    view_6_in, = rt.enter('transpose_6.1', (view_6,), (True,))
-    transpose_6 = view_6_in.transpose(1, 2)
+    transpose_6 = view_6.transpose(1, 2)
     rt.leave('transpose_6.1', (transpose_6,))
     del view_6
     # scaled_dot_product_attention_1.1: attention  (gpt.py:59, h.1.attn)
-    transpose_4_in, transpose_5_in, transpose_6_in = rt.enter('scaled_dot_product_attention_1.1', (transpose_4, transpose_5, transpose_6), (True, True, True))
-    scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(transpose_4_in, transpose_5_in, transpose_6_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_1.1', (scaled_dot_product_attention_1,))
     del transpose_4, transpose_5, transpose_6
     # transpose_7.1: transpose  (gpt.py:60, h.1.attn)
-    scaled_dot_product_attention_1_in, = rt.enter('transpose_7.1', (scaled_dot_product_attention_1,), (True,))
-    transpose_7 = scaled_dot_product_attention_1_in.transpose(1, 2)
+    transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
     rt.leave('transpose_7.1', (transpose_7,))
     del scaled_dot_product_attention_1
     # contiguous_1.1: contiguous  (gpt.py:60, h.1.attn)
-    transpose_7_in, = rt.enter('contiguous_1.1', (transpose_7,), (True,))
-    contiguous_1 = transpose_7_in.contiguous()
+    contiguous_1 = transpose_7.contiguous()
     rt.leave('contiguous_1.1', (contiguous_1,))
     del transpose_7
     # view_7.1: reshape  (gpt.py:60, h.1.attn)
-    contiguous_1_in, = rt.enter('view_7.1', (contiguous_1,), (True,))
-    view_7 = contiguous_1_in.reshape((4, 32, 32))
+    view_7 = contiguous_1.reshape((4, 32, 32))
     rt.leave('view_7.1', (view_7,))
     del contiguous_1
     h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
     # linear_5.1: linear  (gpt.py:61, h.1.attn.c_proj)
-    view_7_in, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.1', (view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True, True))
+    h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.1', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True))
     h_1_attn_c_proj_bias_in = h_1_attn_c_proj_bias_in * 0.5
-    linear_5 = torch._C._nn.linear(view_7_in, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
+    linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
     rt.leave('linear_5.1', (linear_5,))
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     linear_5_1, = rt.all_reduce([(linear_5,)], ranks=(0, 1))
@@ -283,8 +255,8 @@ def step(rt):
     h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
     h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
     # layer_norm_3.1: layer_norm  (gpt.py:89, h.1.ln_2)
-    add_3_in, h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.1', (add_3, h_1_ln_2_weight, h_1_ln_2_bias), (True, True, True))
-    layer_norm_3 = torch.nn.functional.layer_norm(add_3_in, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
+    h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.1', (h_1_ln_2_weight, h_1_ln_2_bias), (True, True))
+    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_3.1', (layer_norm_3,))
     del h_1_ln_2_weight, h_1_ln_2_bias
     h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((128, 256), (0, 64)))
@@ -295,16 +267,15 @@ def step(rt):
     rt.leave('linear_6.1', (linear_6,))
     del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
     # gelu_1.1: gelu  (gpt.py:74, h.1.mlp)
-    linear_6_in, = rt.enter('gelu_1.1', (linear_6,), (True,))
-    gelu_1 = torch._C._nn.gelu(linear_6_in)
+    gelu_1 = torch._C._nn.gelu(linear_6)
     rt.leave('gelu_1.1', (gelu_1,))
     del linear_6
     h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
     # linear_7.1: linear  (gpt.py:74, h.1.mlp.c_proj)
-    gelu_1_in, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.1', (gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True, True))
+    h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.1', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True))
     h_1_mlp_c_proj_bias_in = h_1_mlp_c_proj_bias_in * 0.5
-    linear_7 = torch._C._nn.linear(gelu_1_in, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
+    linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
     rt.leave('linear_7.1', (linear_7,))
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     linear_7_1, = rt.all_reduce([(linear_7,)], ranks=(0, 1))
@@ -317,8 +288,8 @@ def step(rt):
     h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
     h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
     # layer_norm_4.1: layer_norm  (gpt.py:88, h.2.ln_1)
-    add_4_in, h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.1', (add_4, h_2_ln_1_weight, h_2_ln_1_bias), (True, True, True))
-    layer_norm_4 = torch.nn.functional.layer_norm(add_4_in, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
+    h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.1', (h_2_ln_1_weight, h_2_ln_1_bias), (True, True))
+    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_4.1', (layer_norm_4,))
     del h_2_ln_1_weight, h_2_ln_1_bias
     h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((32, 64), (0, 64)))
@@ -343,76 +314,63 @@ def step(rt):
     rt.leave('linear_8.2.1', (linear_8_2,))
     del layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2
     # chunk_2.1: narrow  (gpt.py:54, h.2.attn)
-    linear_8_in, = rt.enter('chunk_2.1', (linear_8,), (True,))
-    chunk_2 = linear_8_in.reshape((4, 32, 32))
+    chunk_2 = linear_8.reshape((4, 32, 32))
     rt.leave('chunk_2.1', (chunk_2,))
     del linear_8
     # chunk_2_v1.1: narrow  (gpt.py:54, h.2.attn)
-    linear_8_1_in, = rt.enter('chunk_2_v1.1', (linear_8_1,), (True,))
-    chunk_2_v1 = linear_8_1_in.reshape((4, 32, 32))
+    chunk_2_v1 = linear_8_1.reshape((4, 32, 32))
     rt.leave('chunk_2_v1.1', (chunk_2_v1,))
     del linear_8_1
     # chunk_2_v2.1: narrow  (gpt.py:54, h.2.attn)
-    linear_8_2_in, = rt.enter('chunk_2_v2.1', (linear_8_2,), (True,))
-    chunk_2_v2 = linear_8_2_in.reshape((4, 32, 32))
+    chunk_2_v2 = linear_8_2.reshape((4, 32, 32))
     rt.leave('chunk_2_v2.1', (chunk_2_v2,))
     del linear_8_2
     # view_8.1: reshape  (gpt.py:55, h.2.attn)
-    chunk_2_in, = rt.enter('view_8.1', (chunk_2,), (True,))
-    view_8 = chunk_2_in.reshape((4, 32, 2, 16))
+    view_8 = chunk_2.reshape((4, 32, 2, 16))
     rt.leave('view_8.1', (view_8,))
     del chunk_2
     # transpose_8.1: transpose  (gpt.py:55, h.2.attn)
-    view_8_in, = rt.enter('transpose_8.1', (view_8,), (True,))
-    transpose_8 = view_8_in.transpose(1, 2)
+    transpose_8 = view_8.transpose(1, 2)
     rt.leave('transpose_8.1', (transpose_8,))
     del view_8
     # view_9.1: reshape  (gpt.py:56, h.2.attn)
-    chunk_2_v1_in, = rt.enter('view_9.1', (chunk_2_v1,), (True,))
-    view_9 = chunk_2_v1_in.reshape((4, 32, 2, 16))
+    view_9 = chunk_2_v1.reshape((4, 32, 2, 16))
     rt.leave('view_9.1', (view_9,))
     del chunk_2_v1
     # transpose_9.1: transpose  (gpt.py:56, h.2.attn)
-    view_9_in, = rt.enter('transpose_9.1', (view_9,), (True,))
-    transpose_9 = view_9_in.transpose(1, 2)
+    transpose_9 = view_9.transpose(1, 2)
     rt.leave('transpose_9.1', (transpose_9,))
     del view_9
     # view_10.1: reshape  (gpt.py:57, h.2.attn)
-    chunk_2_v2_in, = rt.enter('view_10.1', (chunk_2_v2,), (True,))
-    view_10 = chunk_2_v2_in.reshape((4, 32, 2, 16))
+    view_10 = chunk_2_v2.reshape((4, 32, 2, 16))
     rt.leave('view_10.1', (view_10,))
     del chunk_2_v2
     # transpose_10.1: transpose  (gpt.py:57, h.2.attn)
-    view_10_in, = rt.enter('transpose_10.1', (view_10,), (True,))
-    transpose_10 = view_10_in.transpose(1, 2)
+    transpose_10 = view_10.transpose(1, 2)
     rt.leave('transpose_10.1', (transpose_10,))
     del view_10
     # scaled_dot_product_attention_2.1: attention  (gpt.py:59, h.2.attn)
-    transpose_8_in, transpose_9_in, transpose_10_in = rt.enter('scaled_dot_product_attention_2.1', (transpose_8, transpose_9, transpose_10), (True, True, True))
-    scaled_dot_product_attention_2 = torch._C._nn.scaled_dot_product_attention(transpose_8_in, transpose_9_in, transpose_10_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_2 = torch._C._nn.scaled_dot_product_attention(transpose_8, transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_2.1', (scaled_dot_product_attention_2,))
     del transpose_8, transpose_9, transpose_10
     # transpose_11.1: transpose  (gpt.py:60, h.2.attn)
-    scaled_dot_product_attention_2_in, = rt.enter('transpose_11.1', (scaled_dot_product_attention_2,), (True,))
-    transpose_11 = scaled_dot_product_attention_2_in.transpose(1, 2)
+    transpose_11 = scaled_dot_product_attention_2.transpose(1, 2)
     rt.leave('transpose_11.1', (transpose_11,))
     del scaled_dot_product_attention_2
     # contiguous_2.1: contiguous  (gpt.py:60, h.2.attn)
-    transpose_11_in, = rt.enter('contiguous_2.1', (transpose_11,), (True,))
-    contiguous_2 = transpose_11_in.contiguous()
+    contiguous_2 = transpose_11.contiguous()
     rt.leave('contiguous_2.1', (contiguous_2,))
     del transpose_11
     # view_11.1: reshape  (gpt.py:60, h.2.attn)
-    contiguous_2_in, = rt.enter('view_11.1', (contiguous_2,), (True,))
-    view_11 = contiguous_2_in.reshape((4, 32, 32))
+    view_11 = contiguous_2.reshape((4, 32, 32))
     rt.leave('view_11.1', (view_11,))
     del contiguous_2
     h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
     # linear_9.1: linear  (gpt.py:61, h.2.attn.c_proj)
-    view_11_in, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.1', (view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True, True))
+    h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.1', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True))
     h_2_attn_c_proj_bias_in = h_2_attn_c_proj_bias_in * 0.5
-    linear_9 = torch._C._nn.linear(view_11_in, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
+    linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
     rt.leave('linear_9.1', (linear_9,))
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     linear_9_1, = rt.all_reduce([(linear_9,)], ranks=(0, 1))
@@ -425,8 +383,8 @@ def step(rt):
     h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
     h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
     # layer_norm_5.1: layer_norm  (gpt.py:89, h.2.ln_2)
-    add_5_in, h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.1', (add_5, h_2_ln_2_weight, h_2_ln_2_bias), (True, True, True))
-    layer_norm_5 = torch.nn.functional.layer_norm(add_5_in, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
+    h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.1', (h_2_ln_2_weight, h_2_ln_2_bias), (True, True))
+    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_5.1', (layer_norm_5,))
     del h_2_ln_2_weight, h_2_ln_2_bias
     h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((128, 256), (0, 64)))
@@ -437,16 +395,15 @@ def step(rt):
     rt.leave('linear_10.1', (linear_10,))
     del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
     # gelu_2.1: gelu  (gpt.py:74, h.2.mlp)
-    linear_10_in, = rt.enter('gelu_2.1', (linear_10,), (True,))
-    gelu_2 = torch._C._nn.gelu(linear_10_in)
+    gelu_2 = torch._C._nn.gelu(linear_10)
     rt.leave('gelu_2.1', (gelu_2,))
     del linear_10
     h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
     # linear_11.1: linear  (gpt.py:74, h.2.mlp.c_proj)
-    gelu_2_in, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.1', (gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True, True))
+    h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.1', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True))
     h_2_mlp_c_proj_bias_in = h_2_mlp_c_proj_bias_in * 0.5
-    linear_11 = torch._C._nn.linear(gelu_2_in, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
+    linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
     rt.leave('linear_11.1', (linear_11,))
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     linear_11_1, = rt.all_reduce([(linear_11,)], ranks=(0, 1))
@@ -459,8 +416,8 @@ def step(rt):
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
     # layer_norm_6.1: layer_norm  (gpt.py:88, h.3.ln_1)
-    add_6_in, h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.1', (add_6, h_3_ln_1_weight, h_3_ln_1_bias), (True, True, True))
-    layer_norm_6 = torch.nn.functional.layer_norm(add_6_in, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
+    h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.1', (h_3_ln_1_weight, h_3_ln_1_bias), (True, True))
+    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.1', (layer_norm_6,))
     del h_3_ln_1_weight, h_3_ln_1_bias
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((32, 64), (0, 64)))
@@ -485,76 +442,63 @@ def step(rt):
     rt.leave('linear_12.2.1', (linear_12_2,))
     del layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2
     # chunk_3.1: narrow  (gpt.py:54, h.3.attn)
-    linear_12_in, = rt.enter('chunk_3.1', (linear_12,), (True,))
-    chunk_3 = linear_12_in.reshape((4, 32, 32))
+    chunk_3 = linear_12.reshape((4, 32, 32))
     rt.leave('chunk_3.1', (chunk_3,))
     del linear_12
     # chunk_3_v1.1: narrow  (gpt.py:54, h.3.attn)
-    linear_12_1_in, = rt.enter('chunk_3_v1.1', (linear_12_1,), (True,))
-    chunk_3_v1 = linear_12_1_in.reshape((4, 32, 32))
+    chunk_3_v1 = linear_12_1.reshape((4, 32, 32))
     rt.leave('chunk_3_v1.1', (chunk_3_v1,))
     del linear_12_1
     # chunk_3_v2.1: narrow  (gpt.py:54, h.3.attn)
-    linear_12_2_in, = rt.enter('chunk_3_v2.1', (linear_12_2,), (True,))
-    chunk_3_v2 = linear_12_2_in.reshape((4, 32, 32))
+    chunk_3_v2 = linear_12_2.reshape((4, 32, 32))
     rt.leave('chunk_3_v2.1', (chunk_3_v2,))
     del linear_12_2
     # view_12.1: reshape  (gpt.py:55, h.3.attn)
-    chunk_3_in, = rt.enter('view_12.1', (chunk_3,), (True,))
-    view_12 = chunk_3_in.reshape((4, 32, 2, 16))
+    view_12 = chunk_3.reshape((4, 32, 2, 16))
     rt.leave('view_12.1', (view_12,))
     del chunk_3
     # transpose_12.1: transpose  (gpt.py:55, h.3.attn)
-    view_12_in, = rt.enter('transpose_12.1', (view_12,), (True,))
-    transpose_12 = view_12_in.transpose(1, 2)
+    transpose_12 = view_12.transpose(1, 2)
     rt.leave('transpose_12.1', (transpose_12,))
     del view_12
     # view_13.1: reshape  (gpt.py:56, h.3.attn)
-    chunk_3_v1_in, = rt.enter('view_13.1', (chunk_3_v1,), (True,))
-    view_13 = chunk_3_v1_in.reshape((4, 32, 2, 16))
+    view_13 = chunk_3_v1.reshape((4, 32, 2, 16))
     rt.leave('view_13.1', (view_13,))
     del chunk_3_v1
     # transpose_13.1: transpose  (gpt.py:56, h.3.attn)
-    view_13_in, = rt.enter('transpose_13.1', (view_13,), (True,))
-    transpose_13 = view_13_in.transpose(1, 2)
+    transpose_13 = view_13.transpose(1, 2)
     rt.leave('transpose_13.1', (transpose_13,))
     del view_13
     # view_14.1: reshape  (gpt.py:57, h.3.attn)
-    chunk_3_v2_in, = rt.enter('view_14.1', (chunk_3_v2,), (True,))
-    view_14 = chunk_3_v2_in.reshape((4, 32, 2, 16))
+    view_14 = chunk_3_v2.reshape((4, 32, 2, 16))
     rt.leave('view_14.1', (view_14,))
     del chunk_3_v2
     # transpose_14.1: transpose  (gpt.py:57, h.3.attn)
-    view_14_in, = rt.enter('transpose_14.1', (view_14,), (True,))
-    transpose_14 = view_14_in.transpose(1, 2)
+    transpose_14 = view_14.transpose(1, 2)
     rt.leave('transpose_14.1', (transpose_14,))
     del view_14
     # scaled_dot_product_attention_3.1: attention  (gpt.py:59, h.3.attn)
-    transpose_12_in, transpose_13_in, transpose_14_in = rt.enter('scaled_dot_product_attention_3.1', (transpose_12, transpose_13, transpose_14), (True, True, True))
-    scaled_dot_product_attention_3 = torch._C._nn.scaled_dot_product_attention(transpose_12_in, transpose_13_in, transpose_14_in, dropout_p=0.0, is_causal=True)
+    scaled_dot_product_attention_3 = torch._C._nn.scaled_dot_product_attention(transpose_12, transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_3.1', (scaled_dot_product_attention_3,))
     del transpose_12, transpose_13, transpose_14
     # transpose_15.1: transpose  (gpt.py:60, h.3.attn)
-    scaled_dot_product_attention_3_in, = rt.enter('transpose_15.1', (scaled_dot_product_attention_3,), (True,))
-    transpose_15 = scaled_dot_product_attention_3_in.transpose(1, 2)
+    transpose_15 = scaled_dot_product_attention_3.transpose(1, 2)
     rt.leave('transpose_15.1', (transpose_15,))
     del scaled_dot_product_attention_3
     # contiguous_3.1: contiguous  (gpt.py:60, h.3.attn)
-    transpose_15_in, = rt.enter('contiguous_3.1', (transpose_15,), (True,))
-    contiguous_3 = transpose_15_in.contiguous()
+    contiguous_3 = transpose_15.contiguous()
     rt.leave('contiguous_3.1', (contiguous_3,))
     del transpose_15
     # view_15.1: reshape  (gpt.py:60, h.3.attn)
-    contiguous_3_in, = rt.enter('view_15.1', (contiguous_3,), (True,))
-    view_15 = contiguous_3_in.reshape((4, 32, 32))
+    view_15 = contiguous_3.reshape((4, 32, 32))
     rt.leave('view_15.1', (view_15,))
     del contiguous_3
     h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     # linear_13.1: linear  (gpt.py:61, h.3.attn.c_proj)
-    view_15_in, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.1', (view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True, True))
+    h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.1', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True))
     h_3_attn_c_proj_bias_in = h_3_attn_c_proj_bias_in * 0.5
-    linear_13 = torch._C._nn.linear(view_15_in, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
+    linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
     rt.leave('linear_13.1', (linear_13,))
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     linear_13_1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
@@ -567,8 +511,8 @@ def step(rt):
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
     # layer_norm_7.1: layer_norm  (gpt.py:89, h.3.ln_2)
-    add_7_in, h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.1', (add_7, h_3_ln_2_weight, h_3_ln_2_bias), (True, True, True))
-    layer_norm_7 = torch.nn.functional.layer_norm(add_7_in, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
+    h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.1', (h_3_ln_2_weight, h_3_ln_2_bias), (True, True))
+    layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.1', (layer_norm_7,))
     del h_3_ln_2_weight, h_3_ln_2_bias
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)))
@@ -579,16 +523,15 @@ def step(rt):
     rt.leave('linear_14.1', (linear_14,))
     del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
     # gelu_3.1: gelu  (gpt.py:74, h.3.mlp)
-    linear_14_in, = rt.enter('gelu_3.1', (linear_14,), (True,))
-    gelu_3 = torch._C._nn.gelu(linear_14_in)
+    gelu_3 = torch._C._nn.gelu(linear_14)
     rt.leave('gelu_3.1', (gelu_3,))
     del linear_14
     h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     # linear_15.1: linear  (gpt.py:74, h.3.mlp.c_proj)
-    gelu_3_in, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.1', (gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True, True))
+    h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.1', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True))
     h_3_mlp_c_proj_bias_in = h_3_mlp_c_proj_bias_in * 0.5
-    linear_15 = torch._C._nn.linear(gelu_3_in, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
+    linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
     rt.leave('linear_15.1', (linear_15,))
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     linear_15_1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
@@ -601,8 +544,8 @@ def step(rt):
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
     # layer_norm_8.1: layer_norm  (gpt.py:119, ln_f)
-    add_8_in, ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.1', (add_8, ln_f_weight, ln_f_bias), (True, True, True))
-    layer_norm_8 = torch.nn.functional.layer_norm(add_8_in, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
+    ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.1', (ln_f_weight, ln_f_bias), (True, True))
+    layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.1', (layer_norm_8,))
     del add_8, ln_f_weight, ln_f_bias
     wte_weight_1 = rt.param('wte.weight', ((0, 512), (0, 64)))[256:512, 0:64]
@@ -612,8 +555,7 @@ def step(rt):
     rt.leave('linear_16.1', (linear_16,))
     del layer_norm_8, wte_weight_1
     # view_16.1: reshape  (gpt.py:120)
-    linear_16_in, = rt.enter('view_16.1', (linear_16,), (True,))
-    view_16 = linear_16_in.reshape((128, 256))
+    view_16 = linear_16.reshape((128, 256))
     rt.leave('view_16.1', (view_16,))
     del linear_16
     targets = rt.input('targets')
@@ -631,256 +573,104 @@ def step(rt):
     cross_entropy_count = rt.target('cross_entropy_count')(view_17, None, -100, torch.float32)
     del view_17
     # cross_entropy.1: truediv  (gpt.py:120)
-    cross_entropy_sum_in, cross_entropy_count = rt.enter('cross_entropy.1', (cross_entropy_sum, cross_entropy_count), (True, False))
-    cross_entropy = operator.truediv(cross_entropy_sum_in, cross_entropy_count)
+    cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count)
     rt.leave('cross_entropy.1', (cross_entropy,))
     del cross_entropy_sum, cross_entropy_count
     d_loss = torch.ones((), dtype=torch.float32, device=rt.device)
-    d_cross_entropy_sum, = rt.backward('cross_entropy.1', (d_loss,))
+    # backward of 2 pieces in one call
+    d_view_16, = rt.backward({'cross_entropy.1': (d_loss,)}, ('cross_entropy.1', 'cross_entropy_sum.1'))
     del d_loss
-    d_view_16, = rt.backward('cross_entropy_sum.1', (d_cross_entropy_sum,))
-    del d_cross_entropy_sum
     grad_view_16 = d_view_16[0:128, 256:512]
     del d_view_16
-    d_linear_16, = rt.backward('view_16.1', (grad_view_16,))
+    # backward of 2 pieces in one call
+    d_layer_norm_8, d_wte_weight = rt.backward({'view_16.1': (grad_view_16,)}, ('view_16.1', 'linear_16.1'))
     del grad_view_16
-    d_layer_norm_8, d_wte_weight = rt.backward('linear_16.1', (d_linear_16,))
-    del d_linear_16
     rt.send(d_wte_weight[0:256, 0:64], to=0, tag=53)
     grad_layer_norm_8, = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1))
     del d_layer_norm_8
-    d_add_8, d_ln_f_weight, d_ln_f_bias = rt.backward('layer_norm_8.1', (grad_layer_norm_8,))
+    # backward of 2 pieces in one call
+    d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15 = rt.backward({'layer_norm_8.1': (grad_layer_norm_8,)}, ('layer_norm_8.1', 'add_8.1'))
     del grad_layer_norm_8
-    d_add_7, d_linear_15 = rt.backward('add_8.1', (d_add_8,))
-    del d_add_8
-    d_gelu_3, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias = rt.backward('linear_15.1', (d_linear_15,))
+    # backward of 3 pieces in one call
+    d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias = rt.backward({'linear_15.1': (d_linear_15,)}, ('linear_15.1', 'gelu_3.1', 'linear_14.1'))
     del d_linear_15
-    d_linear_14, = rt.backward('gelu_3.1', (d_gelu_3,))
-    del d_gelu_3
-    d_layer_norm_7, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias = rt.backward('linear_14.1', (d_linear_14,))
-    del d_linear_14
     grad_layer_norm_7, = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1))
     del d_layer_norm_7
-    d_add_7_1, d_h_3_ln_2_weight, d_h_3_ln_2_bias = rt.backward('layer_norm_7.1', (grad_layer_norm_7,))
-    del grad_layer_norm_7
-    grad_add_7 = rt.assemble((4, 32, 64), torch.float32, [(d_add_7[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_7_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_7, d_add_7_1
-    d_add_6, d_linear_13 = rt.backward('add_7.1', (grad_add_7,))
-    del grad_add_7
-    d_view_15, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias = rt.backward('linear_13.1', (d_linear_13,))
+    grad_add_7 = d_add_7[0:4, 0:32, 0:64]
+    del d_add_7
+    # backward of 2 pieces in one call
+    d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13 = rt.backward({'layer_norm_7.1': (grad_layer_norm_7,), 'add_7.1': (grad_add_7,)}, ('layer_norm_7.1', 'add_7.1'))
+    del grad_layer_norm_7, grad_add_7
+    # backward of 17 pieces in one call
+    d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_layer_norm_6_1, d_h_3_attn_c_attn_weight_1, d_h_3_attn_c_attn_bias_1, d_layer_norm_6_2, d_h_3_attn_c_attn_weight_2, d_h_3_attn_c_attn_bias_2 = rt.backward({'linear_13.1': (d_linear_13,)}, ('linear_13.1', 'view_15.1', 'contiguous_3.1', 'transpose_15.1', 'scaled_dot_product_attention_3.1', 'transpose_14.1', 'view_14.1', 'transpose_13.1', 'view_13.1', 'transpose_12.1', 'view_12.1', 'chunk_3_v2.1', 'chunk_3_v1.1', 'chunk_3.1', 'linear_12.0.1', 'linear_12.1.1', 'linear_12.2.1'))
     del d_linear_13
-    d_contiguous_3, = rt.backward('view_15.1', (d_view_15,))
-    del d_view_15
-    d_transpose_15, = rt.backward('contiguous_3.1', (d_contiguous_3,))
-    del d_contiguous_3
-    d_scaled_dot_product_attention_3, = rt.backward('transpose_15.1', (d_transpose_15,))
-    del d_transpose_15
-    d_transpose_12, d_transpose_13, d_transpose_14 = rt.backward('scaled_dot_product_attention_3.1', (d_scaled_dot_product_attention_3,))
-    del d_scaled_dot_product_attention_3
-    d_view_14, = rt.backward('transpose_14.1', (d_transpose_14,))
-    del d_transpose_14
-    d_chunk_3_v2, = rt.backward('view_14.1', (d_view_14,))
-    del d_view_14
-    d_view_13, = rt.backward('transpose_13.1', (d_transpose_13,))
-    del d_transpose_13
-    d_chunk_3_v1, = rt.backward('view_13.1', (d_view_13,))
-    del d_view_13
-    d_view_12, = rt.backward('transpose_12.1', (d_transpose_12,))
-    del d_transpose_12
-    d_chunk_3, = rt.backward('view_12.1', (d_view_12,))
-    del d_view_12
-    d_linear_12, = rt.backward('chunk_3_v2.1', (d_chunk_3_v2,))
-    del d_chunk_3_v2
-    d_linear_12_1, = rt.backward('chunk_3_v1.1', (d_chunk_3_v1,))
-    del d_chunk_3_v1
-    d_linear_12_2, = rt.backward('chunk_3.1', (d_chunk_3,))
-    del d_chunk_3
-    d_layer_norm_6, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias = rt.backward('linear_12.0.1', (d_linear_12_2,))
-    del d_linear_12_2
-    d_layer_norm_6_1, d_h_3_attn_c_attn_weight_1, d_h_3_attn_c_attn_bias_1 = rt.backward('linear_12.1.1', (d_linear_12_1,))
-    del d_linear_12_1
-    d_layer_norm_6_2, d_h_3_attn_c_attn_weight_2, d_h_3_attn_c_attn_bias_2 = rt.backward('linear_12.2.1', (d_linear_12,))
-    del d_linear_12
     grad_layer_norm_6, = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2)], ranks=(0, 1))
     del d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2
-    d_add_6_1, d_h_3_ln_1_weight, d_h_3_ln_1_bias = rt.backward('layer_norm_6.1', (grad_layer_norm_6,))
-    del grad_layer_norm_6
-    grad_add_6 = rt.assemble((4, 32, 64), torch.float32, [(d_add_6[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_6_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_6, d_add_6_1
-    d_add_5, d_linear_11 = rt.backward('add_6.1', (grad_add_6,))
-    del grad_add_6
-    d_gelu_2, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias = rt.backward('linear_11.1', (d_linear_11,))
+    grad_add_6 = d_add_6[0:4, 0:32, 0:64]
+    del d_add_6
+    # backward of 2 pieces in one call
+    d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11 = rt.backward({'layer_norm_6.1': (grad_layer_norm_6,), 'add_6.1': (grad_add_6,)}, ('layer_norm_6.1', 'add_6.1'))
+    del grad_layer_norm_6, grad_add_6
+    # backward of 3 pieces in one call
+    d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_layer_norm_5, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias = rt.backward({'linear_11.1': (d_linear_11,)}, ('linear_11.1', 'gelu_2.1', 'linear_10.1'))
     del d_linear_11
-    d_linear_10, = rt.backward('gelu_2.1', (d_gelu_2,))
-    del d_gelu_2
-    d_layer_norm_5, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias = rt.backward('linear_10.1', (d_linear_10,))
-    del d_linear_10
     grad_layer_norm_5, = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1))
     del d_layer_norm_5
-    d_add_5_1, d_h_2_ln_2_weight, d_h_2_ln_2_bias = rt.backward('layer_norm_5.1', (grad_layer_norm_5,))
-    del grad_layer_norm_5
-    grad_add_5 = rt.assemble((4, 32, 64), torch.float32, [(d_add_5[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_5_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_5, d_add_5_1
-    d_add_4, d_linear_9 = rt.backward('add_5.1', (grad_add_5,))
-    del grad_add_5
-    d_view_11, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias = rt.backward('linear_9.1', (d_linear_9,))
+    grad_add_5 = d_add_5[0:4, 0:32, 0:64]
+    del d_add_5
+    # backward of 2 pieces in one call
+    d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_add_4, d_linear_9 = rt.backward({'layer_norm_5.1': (grad_layer_norm_5,), 'add_5.1': (grad_add_5,)}, ('layer_norm_5.1', 'add_5.1'))
+    del grad_layer_norm_5, grad_add_5
+    # backward of 17 pieces in one call
+    d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_layer_norm_4, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_layer_norm_4_1, d_h_2_attn_c_attn_weight_1, d_h_2_attn_c_attn_bias_1, d_layer_norm_4_2, d_h_2_attn_c_attn_weight_2, d_h_2_attn_c_attn_bias_2 = rt.backward({'linear_9.1': (d_linear_9,)}, ('linear_9.1', 'view_11.1', 'contiguous_2.1', 'transpose_11.1', 'scaled_dot_product_attention_2.1', 'transpose_10.1', 'view_10.1', 'transpose_9.1', 'view_9.1', 'transpose_8.1', 'view_8.1', 'chunk_2_v2.1', 'chunk_2_v1.1', 'chunk_2.1', 'linear_8.0.1', 'linear_8.1.1', 'linear_8.2.1'))
     del d_linear_9
-    d_contiguous_2, = rt.backward('view_11.1', (d_view_11,))
-    del d_view_11
-    d_transpose_11, = rt.backward('contiguous_2.1', (d_contiguous_2,))
-    del d_contiguous_2
-    d_scaled_dot_product_attention_2, = rt.backward('transpose_11.1', (d_transpose_11,))
-    del d_transpose_11
-    d_transpose_8, d_transpose_9, d_transpose_10 = rt.backward('scaled_dot_product_attention_2.1', (d_scaled_dot_product_attention_2,))
-    del d_scaled_dot_product_attention_2
-    d_view_10, = rt.backward('transpose_10.1', (d_transpose_10,))
-    del d_transpose_10
-    d_chunk_2_v2, = rt.backward('view_10.1', (d_view_10,))
-    del d_view_10
-    d_view_9, = rt.backward('transpose_9.1', (d_transpose_9,))
-    del d_transpose_9
-    d_chunk_2_v1, = rt.backward('view_9.1', (d_view_9,))
-    del d_view_9
-    d_view_8, = rt.backward('transpose_8.1', (d_transpose_8,))
-    del d_transpose_8
-    d_chunk_2, = rt.backward('view_8.1', (d_view_8,))
-    del d_view_8
-    d_linear_8, = rt.backward('chunk_2_v2.1', (d_chunk_2_v2,))
-    del d_chunk_2_v2
-    d_linear_8_1, = rt.backward('chunk_2_v1.1', (d_chunk_2_v1,))
-    del d_chunk_2_v1
-    d_linear_8_2, = rt.backward('chunk_2.1', (d_chunk_2,))
-    del d_chunk_2
-    d_layer_norm_4, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias = rt.backward('linear_8.0.1', (d_linear_8_2,))
-    del d_linear_8_2
-    d_layer_norm_4_1, d_h_2_attn_c_attn_weight_1, d_h_2_attn_c_attn_bias_1 = rt.backward('linear_8.1.1', (d_linear_8_1,))
-    del d_linear_8_1
-    d_layer_norm_4_2, d_h_2_attn_c_attn_weight_2, d_h_2_attn_c_attn_bias_2 = rt.backward('linear_8.2.1', (d_linear_8,))
-    del d_linear_8
     grad_layer_norm_4, = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2)], ranks=(0, 1))
     del d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2
-    d_add_4_1, d_h_2_ln_1_weight, d_h_2_ln_1_bias = rt.backward('layer_norm_4.1', (grad_layer_norm_4,))
-    del grad_layer_norm_4
-    grad_add_4 = rt.assemble((4, 32, 64), torch.float32, [(d_add_4[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_4_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_4, d_add_4_1
-    d_add_3, d_linear_7 = rt.backward('add_4.1', (grad_add_4,))
-    del grad_add_4
-    d_gelu_1, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias = rt.backward('linear_7.1', (d_linear_7,))
+    grad_add_4 = d_add_4[0:4, 0:32, 0:64]
+    del d_add_4
+    # backward of 2 pieces in one call
+    d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7 = rt.backward({'layer_norm_4.1': (grad_layer_norm_4,), 'add_4.1': (grad_add_4,)}, ('layer_norm_4.1', 'add_4.1'))
+    del grad_layer_norm_4, grad_add_4
+    # backward of 3 pieces in one call
+    d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_layer_norm_3, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias = rt.backward({'linear_7.1': (d_linear_7,)}, ('linear_7.1', 'gelu_1.1', 'linear_6.1'))
     del d_linear_7
-    d_linear_6, = rt.backward('gelu_1.1', (d_gelu_1,))
-    del d_gelu_1
-    d_layer_norm_3, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias = rt.backward('linear_6.1', (d_linear_6,))
-    del d_linear_6
     grad_layer_norm_3, = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1))
     del d_layer_norm_3
-    d_add_3_1, d_h_1_ln_2_weight, d_h_1_ln_2_bias = rt.backward('layer_norm_3.1', (grad_layer_norm_3,))
-    del grad_layer_norm_3
-    grad_add_3 = rt.assemble((4, 32, 64), torch.float32, [(d_add_3[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_3_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_3, d_add_3_1
-    d_add_2, d_linear_5 = rt.backward('add_3.1', (grad_add_3,))
-    del grad_add_3
-    d_view_7, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias = rt.backward('linear_5.1', (d_linear_5,))
+    grad_add_3 = d_add_3[0:4, 0:32, 0:64]
+    del d_add_3
+    # backward of 2 pieces in one call
+    d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_add_2, d_linear_5 = rt.backward({'layer_norm_3.1': (grad_layer_norm_3,), 'add_3.1': (grad_add_3,)}, ('layer_norm_3.1', 'add_3.1'))
+    del grad_layer_norm_3, grad_add_3
+    # backward of 17 pieces in one call
+    d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_layer_norm_2, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_layer_norm_2_1, d_h_1_attn_c_attn_weight_1, d_h_1_attn_c_attn_bias_1, d_layer_norm_2_2, d_h_1_attn_c_attn_weight_2, d_h_1_attn_c_attn_bias_2 = rt.backward({'linear_5.1': (d_linear_5,)}, ('linear_5.1', 'view_7.1', 'contiguous_1.1', 'transpose_7.1', 'scaled_dot_product_attention_1.1', 'transpose_6.1', 'view_6.1', 'transpose_5.1', 'view_5.1', 'transpose_4.1', 'view_4.1', 'chunk_1_v2.1', 'chunk_1_v1.1', 'chunk_1.1', 'linear_4.0.1', 'linear_4.1.1', 'linear_4.2.1'))
     del d_linear_5
-    d_contiguous_1, = rt.backward('view_7.1', (d_view_7,))
-    del d_view_7
-    d_transpose_7, = rt.backward('contiguous_1.1', (d_contiguous_1,))
-    del d_contiguous_1
-    d_scaled_dot_product_attention_1, = rt.backward('transpose_7.1', (d_transpose_7,))
-    del d_transpose_7
-    d_transpose_4, d_transpose_5, d_transpose_6 = rt.backward('scaled_dot_product_attention_1.1', (d_scaled_dot_product_attention_1,))
-    del d_scaled_dot_product_attention_1
-    d_view_6, = rt.backward('transpose_6.1', (d_transpose_6,))
-    del d_transpose_6
-    d_chunk_1_v2, = rt.backward('view_6.1', (d_view_6,))
-    del d_view_6
-    d_view_5, = rt.backward('transpose_5.1', (d_transpose_5,))
-    del d_transpose_5
-    d_chunk_1_v1, = rt.backward('view_5.1', (d_view_5,))
-    del d_view_5
-    d_view_4, = rt.backward('transpose_4.1', (d_transpose_4,))
-    del d_transpose_4
-    d_chunk_1, = rt.backward('view_4.1', (d_view_4,))
-    del d_view_4
-    d_linear_4, = rt.backward('chunk_1_v2.1', (d_chunk_1_v2,))
-    del d_chunk_1_v2
-    d_linear_4_1, = rt.backward('chunk_1_v1.1', (d_chunk_1_v1,))
-    del d_chunk_1_v1
-    d_linear_4_2, = rt.backward('chunk_1.1', (d_chunk_1,))
-    del d_chunk_1
-    d_layer_norm_2, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias = rt.backward('linear_4.0.1', (d_linear_4_2,))
-    del d_linear_4_2
-    d_layer_norm_2_1, d_h_1_attn_c_attn_weight_1, d_h_1_attn_c_attn_bias_1 = rt.backward('linear_4.1.1', (d_linear_4_1,))
-    del d_linear_4_1
-    d_layer_norm_2_2, d_h_1_attn_c_attn_weight_2, d_h_1_attn_c_attn_bias_2 = rt.backward('linear_4.2.1', (d_linear_4,))
-    del d_linear_4
     grad_layer_norm_2, = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2)], ranks=(0, 1))
     del d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2
-    d_add_2_1, d_h_1_ln_1_weight, d_h_1_ln_1_bias = rt.backward('layer_norm_2.1', (grad_layer_norm_2,))
-    del grad_layer_norm_2
-    grad_add_2 = rt.assemble((4, 32, 64), torch.float32, [(d_add_2[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_2_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_2, d_add_2_1
-    d_add_1, d_linear_3 = rt.backward('add_2.1', (grad_add_2,))
-    del grad_add_2
-    d_gelu, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias = rt.backward('linear_3.1', (d_linear_3,))
+    grad_add_2 = d_add_2[0:4, 0:32, 0:64]
+    del d_add_2
+    # backward of 2 pieces in one call
+    d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3 = rt.backward({'layer_norm_2.1': (grad_layer_norm_2,), 'add_2.1': (grad_add_2,)}, ('layer_norm_2.1', 'add_2.1'))
+    del grad_layer_norm_2, grad_add_2
+    # backward of 3 pieces in one call
+    d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias = rt.backward({'linear_3.1': (d_linear_3,)}, ('linear_3.1', 'gelu.1', 'linear_2.1'))
     del d_linear_3
-    d_linear_2, = rt.backward('gelu.1', (d_gelu,))
-    del d_gelu
-    d_layer_norm_1, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias = rt.backward('linear_2.1', (d_linear_2,))
-    del d_linear_2
     grad_layer_norm_1, = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1))
     del d_layer_norm_1
-    d_add_1_1, d_h_0_ln_2_weight, d_h_0_ln_2_bias = rt.backward('layer_norm_1.1', (grad_layer_norm_1,))
-    del grad_layer_norm_1
-    grad_add_1 = rt.assemble((4, 32, 64), torch.float32, [(d_add_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_1_1[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add_1, d_add_1_1
-    d_add, d_linear_1 = rt.backward('add_1.1', (grad_add_1,))
-    del grad_add_1
-    d_view_3, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias = rt.backward('linear_1.1', (d_linear_1,))
+    grad_add_1 = d_add_1[0:4, 0:32, 0:64]
+    del d_add_1
+    # backward of 2 pieces in one call
+    d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_add, d_linear_1 = rt.backward({'layer_norm_1.1': (grad_layer_norm_1,), 'add_1.1': (grad_add_1,)}, ('layer_norm_1.1', 'add_1.1'))
+    del grad_layer_norm_1, grad_add_1
+    # backward of 17 pieces in one call
+    d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_layer_norm, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_layer_norm_9, d_h_0_attn_c_attn_weight_1, d_h_0_attn_c_attn_bias_1, d_layer_norm_10, d_h_0_attn_c_attn_weight_2, d_h_0_attn_c_attn_bias_2 = rt.backward({'linear_1.1': (d_linear_1,)}, ('linear_1.1', 'view_3.1', 'contiguous.1', 'transpose_3.1', 'scaled_dot_product_attention.1', 'transpose_2.1', 'view_2.1', 'transpose_1.1', 'view_1.1', 'transpose.1', 'view.1', 'chunk_v2.1', 'chunk_v1.1', 'chunk.1', 'linear.0.1', 'linear.1.1', 'linear.2.1'))
     del d_linear_1
-    d_contiguous, = rt.backward('view_3.1', (d_view_3,))
-    del d_view_3
-    d_transpose_3, = rt.backward('contiguous.1', (d_contiguous,))
-    del d_contiguous
-    d_scaled_dot_product_attention, = rt.backward('transpose_3.1', (d_transpose_3,))
-    del d_transpose_3
-    d_transpose, d_transpose_1, d_transpose_2 = rt.backward('scaled_dot_product_attention.1', (d_scaled_dot_product_attention,))
-    del d_scaled_dot_product_attention
-    d_view_2, = rt.backward('transpose_2.1', (d_transpose_2,))
-    del d_transpose_2
-    d_chunk_v2, = rt.backward('view_2.1', (d_view_2,))
-    del d_view_2
-    d_view_1, = rt.backward('transpose_1.1', (d_transpose_1,))
-    del d_transpose_1
-    d_chunk_v1, = rt.backward('view_1.1', (d_view_1,))
-    del d_view_1
-    d_view, = rt.backward('transpose.1', (d_transpose,))
-    del d_transpose
-    d_chunk, = rt.backward('view.1', (d_view,))
-    del d_view
-    d_linear, = rt.backward('chunk_v2.1', (d_chunk_v2,))
-    del d_chunk_v2
-    d_linear_17, = rt.backward('chunk_v1.1', (d_chunk_v1,))
-    del d_chunk_v1
-    d_linear_18, = rt.backward('chunk.1', (d_chunk,))
-    del d_chunk
-    d_layer_norm, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias = rt.backward('linear.0.1', (d_linear_18,))
-    del d_linear_18
-    d_layer_norm_9, d_h_0_attn_c_attn_weight_1, d_h_0_attn_c_attn_bias_1 = rt.backward('linear.1.1', (d_linear_17,))
-    del d_linear_17
-    d_layer_norm_10, d_h_0_attn_c_attn_weight_2, d_h_0_attn_c_attn_bias_2 = rt.backward('linear.2.1', (d_linear,))
-    del d_linear
     grad_layer_norm, = rt.all_reduce([(d_layer_norm, d_layer_norm_9, d_layer_norm_10)], ranks=(0, 1))
     del d_layer_norm, d_layer_norm_9, d_layer_norm_10
-    d_add_9, d_h_0_ln_1_weight, d_h_0_ln_1_bias = rt.backward('layer_norm.1', (grad_layer_norm,))
-    del grad_layer_norm
-    grad_add = rt.assemble((4, 32, 64), torch.float32, [(d_add[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0), (d_add_9[0:4, 0:32, 0:64], (slice(0, 4), slice(0, 32), slice(0, 64)), 1.0)])
-    del d_add, d_add_9
-    d_embedding, d_embedding_1 = rt.backward('add.1', (grad_add,))
-    del grad_add
-    d_wpe_weight, = rt.backward('embedding_1.1', (d_embedding_1,))
-    del d_embedding_1
-    d_wte_weight_1, = rt.backward('embedding.1', (d_embedding,))
-    del d_embedding
+    grad_add = d_add[0:4, 0:32, 0:64]
+    del d_add
+    # backward of 4 pieces in one call
+    d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_1 = rt.backward({'layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)}, ('layer_norm.1', 'add.1', 'embedding_1.1', 'embedding.1'))
+    del grad_layer_norm, grad_add
     grad_wte_weight__from0 = rt.recv((256, 64), torch.float32, src=0, tag=62)
     grad_wte_weight = rt.assemble((512, 64), torch.float32, [(grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0), (d_wte_weight_1[0:512, 0:64], (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)), 1.0)])
     del d_wte_weight, grad_wte_weight__from0, d_wte_weight_1

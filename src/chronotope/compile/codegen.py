@@ -74,8 +74,7 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Forward):
         return _forward(ins)
     if isinstance(ins, Backward):
-        outs = _targets(ins.outs)
-        return [f"{outs} = rt.backward({ins.op.forward.name!r}, ({_names(ins.grad_outputs)}))"]
+        return _backward(ins)
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Recv):
@@ -117,6 +116,20 @@ def _render(ins: Instruction) -> list[str]:
     raise TypeError(f"cannot render {ins!r}")
 
 
+def _backward(ins: Backward) -> list[str]:
+    """One autograd call: gradients arriving for the pieces' outputs in, their leaves'
+    gradients out (those flowing between the pieces stay inside autograd)."""
+    pieces = [op.forward.name for op in ins.ops]
+    arriving = ", ".join(f"{name!r}: ({_names([g or 'None' for g in grads])})"
+                         for name, grads in zip(pieces, ins.grad_outputs)
+                         if any(g is not None for g in grads))
+    outs = [v for vs in ins.outs for v in vs if v is not None]
+    call = f"rt.backward({{{arriving}}}, ({_names([repr(p) for p in pieces])}))"
+    if len(pieces) > 1:
+        return [f"# backward of {len(pieces)} pieces in one call", f"{_targets(outs)} = {call}"]
+    return [f"{_targets(outs)} = {call}"]
+
+
 def _is_slice(ins: Assemble) -> bool:
     """An Assemble that only cuts a box out of one local tensor: a view will do."""
     return len(ins.parts) == 1 and ins.parts[0].scale == 1 and covers(ins.parts[0].dst_slices,
@@ -148,11 +161,14 @@ def _forward(ins: Forward) -> list[str]:
         (f", {src.module})" if src.module else ")") if src else ""
     lines = [f"# {op.name}: {op.op.kind}{where}"]
     ins_names = list(ins.ins)
-    if any(ins.grad):
-        leaves = [f"{n}_in" if g else n for n, g in zip(ins_names, ins.grad)]
-        lines.append(f"{_targets(leaves)} = rt.enter({op.name!r}, ({_names(ins_names)}), "
-                     f"{tuple(ins.grad)})")
-        ins_names = leaves
+    entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
+    if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
+        leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
+        lines.append(f"{_targets(leaves)} = rt.enter({op.name!r}, "
+                     f"({_names([ins_names[i] for i in entering])}), "
+                     f"{tuple(ins.grad[i] for i in entering)})")
+        for i, leaf in zip(entering, leaves):
+            ins_names[i] = leaf
     for i, share in enumerate(ins.input_shares):
         if share != 1:  # this piece's share of a value it reads whole (e.g. a bias)
             lines.append(f"{ins_names[i]} = {ins_names[i]} * {_number(share)}")

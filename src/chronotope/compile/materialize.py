@@ -16,6 +16,7 @@ from collections import defaultdict
 from fractions import Fraction
 
 from chronotope.compile.collectives import collectives
+from chronotope.compile.fuse import fuse
 from chronotope.compile.program import (
     Assemble,
     Backward,
@@ -125,7 +126,7 @@ class Materializer:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks, groups = collectives(ranks)
-        return Program(self.plan, [with_frees(code) for code in ranks], self.stored,
+        return Program(self.plan, [with_frees(fuse(code)) for code in ranks], self.stored,
                        groups, self.owned, self.refresh())
 
     def refresh(self) -> list[list[Instruction]]:
@@ -191,7 +192,7 @@ class Materializer:
         for v, var in zip(op.outputs, outs):
             self.local[rank].setdefault((v.ptensor, v.mask), var)
         if op.is_backward:
-            self.main[op] = Backward(op, ins, tuple(outs))
+            self.main[op] = Backward((op,), (ins,), (tuple(outs),))
             return
         rg = self.plan.requires_grad
         grad = tuple(v.ptensor in rg for v in op.inputs)

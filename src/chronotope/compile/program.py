@@ -44,13 +44,26 @@ class Forward:
     out_grad: tuple[bool, ...]  # which outputs pass a gradient back
     output_scale: Fraction = Fraction(1)  # a mean over part of a reduced dim: its share
     input_shares: tuple[Fraction, ...] = ()  # value share of each input this piece takes
+    # Inputs that stay connected to their local producer's autograd graph (see fuse.py).
+    linked: tuple[bool, ...] = ()
+
+    def leaf(self, i: int) -> bool:
+        """Whether input ``i`` enters as an autograd leaf of its own."""
+        return self.grad[i] and not (self.linked and self.linked[i])
 
 
 @dataclass
 class Backward:
-    op: PlanOp  # the backward piece; ``op.forward`` is what it differentiates
-    grad_outputs: tuple[str, ...]
-    outs: tuple[str, ...]
+    """One autograd call over backward pieces whose forwards ran on this rank.
+
+    ``grad_outputs[i]`` are the gradients arriving for the outputs of ``ops[i]``'s
+    forward that pass one back (None: it flows inside the call); ``outs[i]`` name the
+    gradients of its inputs that take one (None: a linked input, nothing leaves).
+    """
+
+    ops: tuple[PlanOp, ...]  # backward pieces; ``op.forward`` is what each differentiates
+    grad_outputs: tuple[tuple[str | None, ...], ...]
+    outs: tuple[tuple[str | None, ...], ...]
 
 
 @dataclass
@@ -216,7 +229,7 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, Forward):
         return ins.ins
     if isinstance(ins, Backward):
-        return ins.grad_outputs
+        return tuple(v for vs in ins.grad_outputs for v in vs if v is not None)
     if isinstance(ins, Assemble):
         return tuple(p.src for p in ins.parts)
     if isinstance(ins, AllReduce):
@@ -226,6 +239,19 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, ReduceScatter):
         return ins.srcs
     if isinstance(ins, (Send, Grad, Loss)):
+        return (ins.var,)
+    return ()
+
+
+def writes(ins: Instruction) -> tuple[str, ...]:
+    """The local tensors an instruction defines."""
+    if isinstance(ins, Forward):
+        return ins.outs
+    if isinstance(ins, Backward):
+        return tuple(v for vs in ins.outs for v in vs if v is not None)
+    if isinstance(ins, AllReduce):
+        return ins.vars
+    if isinstance(ins, (Load, Recv, Assemble, AllGather, ReduceScatter)):
         return (ins.var,)
     return ()
 

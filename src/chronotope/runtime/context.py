@@ -1,9 +1,11 @@
 """``rt``: what a generated rank program calls.
 
-Each forward piece runs on detached inputs that are autograd leaves
-(``enter``), so its backward (``backward``) is one ``torch.autograd.grad`` call
-that yields exactly that piece's share of its inputs' gradients, wherever the
-gradients are then sent.
+A forward piece's inputs enter as detached autograd leaves (``enter``) unless
+they stay linked to a local producer in the same backward region (see
+``compile/fuse.py``). A region's backward (``backward``) is one
+``torch.autograd.grad`` call from the gradients arriving at its pieces' outputs
+to its leaves: exactly those pieces' share of their inputs' gradients, wherever
+the gradients are then sent.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class StepContext:
         self.inputs = batch
         self.transport = transport
         self.targets = targets
-        self.saved: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self.leaves: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.outputs: dict[str, tuple[torch.Tensor, ...]] = {}
         self.losses: list[float] = []
 
     # ---- leaves ----------------------------------------------------------------------------
@@ -67,21 +70,28 @@ class StepContext:
               grad: Sequence[bool]) -> tuple[torch.Tensor, ...]:
         leaves = tuple(t.detach().requires_grad_() if g else t.detach()
                        for t, g in zip(tensors, grad))
-        self.saved[name] = (tuple(t for t, g in zip(leaves, grad) if g), ())
+        self.leaves[name] = tuple(t for t, g in zip(leaves, grad) if g)
         return leaves
 
     def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
-        self.saved[name] = (self.saved[name][0], tuple(outputs))
+        self.outputs[name] = tuple(outputs)
 
-    def backward(self, name: str, grad_outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """This piece's share of the gradients of its inputs (in ``enter`` order)."""
-        leaves, outputs = self.saved.pop(name)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-        grads: Sequence[torch.Tensor | None] = [None] * len(leaves)
-        if pairs:
-            grads = torch.autograd.grad([o for o, _ in pairs], leaves,
-                                        [g for _, g in pairs], allow_unused=True)
-        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
+    def backward(self, arriving: Mapping[str, Sequence[torch.Tensor | None]],
+                 pieces: Sequence[str]) -> tuple[torch.Tensor, ...]:
+        """The gradients of the leaves of ``pieces`` (in ``enter`` order), from the
+        gradients ``arriving`` at their outputs (None: it flows inside the call)."""
+        outputs, grads = [], []
+        for name in pieces:
+            given = arriving.get(name, ())
+            for o, g in zip(self.outputs.pop(name, ()), given):
+                if g is not None and o.requires_grad:
+                    outputs.append(o)
+                    grads.append(g)
+        leaves = [t for name in pieces for t in self.leaves.pop(name, ())]
+        found: Sequence[torch.Tensor | None] = [None] * len(leaves)
+        if outputs and leaves:
+            found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
 
     @staticmethod
     def tensors(result: Any) -> list[torch.Tensor]:

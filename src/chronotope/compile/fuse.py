@@ -1,0 +1,192 @@
+"""Autograd regions: backward pieces a rank runs back to back become one autograd call.
+
+As materialized, every forward piece starts from detached leaves and every
+backward piece is one ``torch.autograd.grad`` call: exact, but for small ops the
+Python cost per piece outweighs the arithmetic. Where backward pieces follow one
+another with only local gradient sums between them, a piece's input that is a
+local producer's output (or a view of it) stays connected to that producer, the
+gradient between them flows inside autograd, and the pieces share one call.
+What crosses the region's edge (gradients arriving from outside, gradients of
+its leaves) is computed exactly as before, so communication does not change.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+from chronotope.compile.program import (
+    Assemble,
+    Backward,
+    Forward,
+    Instruction,
+    Load,
+    Part,
+    Slices,
+    covers,
+    reads,
+    writes,
+)
+from chronotope.plan.plan import PlanOp
+
+_LOCAL = (Backward, Assemble, Load)  # what a region may span: no communication
+
+
+@dataclass
+class _Region:
+    members: list[Backward] = field(default_factory=list)
+    grads: list[list[str | None]] = field(default_factory=list)  # per member: arriving
+    outs: list[list[str | None]] = field(default_factory=list)  # per member: leaving
+    pending: set[str] = field(default_factory=set)  # known only once the call ran
+    deferred: list[Instruction] = field(default_factory=list)  # local steps that need them
+
+
+def fuse(code: list[Instruction]) -> list[Instruction]:
+    """One rank's code (before frees are placed) with runs of backward pieces fused."""
+    return _Fuser(code).run()
+
+
+class _Fuser:
+    def __init__(self, code: list[Instruction]) -> None:
+        self.code = code
+        self.readers: dict[str, list[Instruction]] = defaultdict(list)
+        self.defined: dict[str, Instruction] = {}
+        for ins in code:
+            for var in reads(ins):
+                self.readers[var].append(ins)
+            for var in writes(ins):
+                self.defined[var] = ins
+        self.forwards = {ins.op: ins for ins in code if isinstance(ins, Forward)}
+        # forward output var -> (piece, position among the outputs that pass a gradient)
+        self.output_of: dict[str, tuple[PlanOp, int]] = {}
+        for fwd in self.forwards.values():
+            graded = [o for o, g in zip(fwd.outs, fwd.out_grad) if g]
+            for k, var in enumerate(graded):
+                self.output_of[var] = (fwd.op, k)
+        self.linked: set[tuple[PlanOp, int]] = set()  # (forward piece, input position)
+        self.dropped: set[int] = set()  # ids of Assembles rewritten or emptied by links
+
+    def run(self) -> list[Instruction]:
+        out: list[Instruction] = []
+        region = _Region()
+        for ins in self.code:
+            if id(ins) in self.dropped:
+                continue
+            if not isinstance(ins, _LOCAL):
+                self.close(region, out)
+                region = _Region()
+                out.append(ins)
+            elif isinstance(ins, Backward):
+                if not self.join(region, ins, out):
+                    self.close(region, out)
+                    region = _Region()
+                    self.join(region, ins, out)
+            elif set(reads(ins)) & region.pending:
+                region.deferred.append(ins)
+                region.pending.update(writes(ins))
+            else:
+                out.append(ins)
+        self.close(region, out)
+        return [self.patched(ins) for ins in out]
+
+    def close(self, region: _Region, out: list[Instruction]) -> None:
+        if region.members:
+            out.append(Backward(tuple(m.ops[0] for m in region.members),
+                                tuple(map(tuple, region.grads)), tuple(map(tuple, region.outs))))
+        out += region.deferred
+
+    def join(self, region: _Region, b: Backward, out: list[Instruction]) -> bool:
+        """Add piece ``b`` to ``region`` if every gradient it reads is known before the
+        region's call or flows inside it (then the forward edge carrying it is linked)."""
+        (op,), (grads,), (outs,) = b.ops, b.grad_outputs, b.outs
+        producer = op.forward
+        arriving: list[str | None] = []
+        links: list[tuple[PlanOp, int]] = []
+        rewrites: list[tuple[Assemble, Assemble | None]] = []
+        for k, g in enumerate(grads):
+            if g is None or g not in region.pending:
+                arriving.append(g)
+                continue
+            source = self.defined[g]
+            edge = self.link(region, g, producer, k, None)
+            if edge is not None:
+                links.append(edge)
+                arriving.append(None)
+                continue
+            if not (isinstance(source, Assemble) and self.readers[g] == [b]
+                    and any(d is source for d in region.deferred)):
+                return False
+            kept = []
+            for part in source.parts:
+                if part.src not in region.pending:
+                    kept.append(part)
+                elif (edge := self.link(region, part.src, producer, k, part)) is not None:
+                    links.append(edge)
+                else:
+                    return False
+            rewrites.append((source, replace(source, parts=kept, pattern=None) if kept else None))
+            arriving.append(g if kept else None)
+        self.linked.update(links)
+        for consumer, i in links:  # its input's gradient now flows inside: nothing leaves
+            m = next(m for m, member in enumerate(region.members)
+                     if member.ops[0].forward is consumer)
+            j = [x for x, g in enumerate(self.forwards[consumer].grad) if g].index(i)
+            region.pending.discard(region.outs[m][j])
+            region.outs[m][j] = None
+        for source, kept in rewrites:  # now computable before the call: out of the deferred
+            region.deferred = [d for d in region.deferred if d is not source]
+            self.dropped.add(id(source))
+            if kept is not None:
+                out.append(kept)
+        region.members.append(b)
+        region.grads.append(arriving)
+        region.outs.append(list(outs))
+        region.pending.update(outs)
+        return True
+
+    def link(self, region: _Region, gx: str, producer: PlanOp, k: int,
+             part: Part | None) -> tuple[PlanOp, int] | None:
+        """The (consumer, input) edge whose input gradient ``gx`` is, when it may flow
+        inside autograd: a member's input that is output ``k`` of ``producer`` or a view of
+        it, ``gx`` read only where it adds into that output's gradient, at the view's box."""
+        if len(self.readers[gx]) != 1:
+            return None
+        for member, leaving in zip(region.members, region.outs):
+            if gx not in leaving:
+                continue
+            consumer = self.forwards[member.ops[0].forward]
+            i = [j for j, g in enumerate(consumer.grad) if g][leaving.index(gx)]
+            origin = self.origin(consumer.ins[i])
+            if origin is None or self.output_of.get(origin[0]) != (producer, k):
+                return None
+            box = origin[1]
+            shape = tuple(producer.outputs[self.graded_output(producer, k)].mask.shape)
+            if part is None:
+                fits = box is None or covers(box, shape)
+            else:
+                size = tuple(s.stop - s.start for s in part.dst_slices)
+                fits = covers(part.src_slices, size) and (
+                    part.dst_slices == box if box is not None else covers(part.dst_slices, shape))
+            return (consumer.op, i) if fits else None
+        return None
+
+    def origin(self, var: str) -> tuple[str, Slices | None] | None:
+        """The forward output ``var`` is, or is a view of (with the box it takes)."""
+        if var in self.output_of:
+            return var, None
+        source = self.defined.get(var)
+        if isinstance(source, Assemble) and len(source.parts) == 1:
+            p = source.parts[0]
+            if p.scale == 1 and covers(p.dst_slices, source.shape) and p.src in self.output_of:
+                return p.src, p.src_slices
+        return None
+
+    def graded_output(self, producer: PlanOp, k: int) -> int:
+        """Index among all outputs of ``producer`` of its ``k``-th gradient-passing one."""
+        return [j for j, g in enumerate(self.forwards[producer].out_grad) if g][k]
+
+    def patched(self, ins: Instruction) -> Instruction:
+        if not isinstance(ins, Forward):
+            return ins
+        linked = tuple((ins.op, i) in self.linked for i in range(len(ins.ins)))
+        return replace(ins, linked=linked) if any(linked) else ins

@@ -1,0 +1,46 @@
+"""Backward regions: pieces with no communication between them share one autograd call."""
+
+import warnings
+
+import pytest
+
+import chronotope as ct
+from chronotope.compile.program import AllReduce, Backward, Forward
+from chronotope.models import get_workload
+
+
+def _graph(name: str) -> ct.Graph:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(get_workload(name))
+
+
+def test_data_parallel_backward_is_one_call_between_its_all_reduces():
+    program = ct.compile(ct.policies.data_parallel(_graph("gpt"), 2))
+    code = program.ranks[0]
+    regions = [i for i in code if isinstance(i, Backward)]
+    pieces = sum(len(r.ops) for r in regions)
+    plan = program.plan
+    mine = {b for f in plan.forward_leaves() if f.device == 0
+            and (b := plan.backward_op(f)) is not None}
+    assert pieces == len(mine) and {op for r in regions for op in r.ops} == mine
+    # The loss's all-reduce (its mean over the batch) and the position embedding's
+    # gradient sum are the only communications inside the backward: three regions.
+    assert len(regions) == 3 and max(len(r.ops) for r in regions) > 0.9 * pieces
+    linked = sum(sum(f.linked) for f in code if isinstance(f, Forward) and f.linked)
+    assert linked > pieces  # most edges carry their gradient inside autograd
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_tensor_parallel_regions_end_where_an_all_reduce_needs_their_gradient(name):
+    program = ct.compile(ct.policies.tensor_parallel(_graph(name), 2))
+    code = program.ranks[0]
+    for i, ins in enumerate(code):
+        if isinstance(ins, Backward) and i + 1 < len(code):
+            # What follows a region is never another region: they would have merged.
+            assert not isinstance(code[i + 1], Backward)
+    backward = code[next(i for i, x in enumerate(code) if isinstance(x, Backward)):]
+    regions = sum(isinstance(x, Backward) for x in backward)
+    reduces = sum(isinstance(x, AllReduce) for x in backward)
+    assert regions <= reduces + 2
+
