@@ -138,13 +138,16 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
                           "ranks": ranks, "files": files}))
         return 0
-    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices")
-    for col in ("rank", "ops", "memory", "p2p received", "all-reduce"):
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices "
+                        "(bytes each rank receives per step, by kind)")
+    kinds = [k for k in ranks[0]["received_bytes"]
+             if k == "p2p" or any(r["received_bytes"][k] for r in ranks)]
+    for col in ("rank", "ops", "memory", *(k.replace("_", "-") for k in kinds)):
         table.add_column(col, justify="right")
     for r in ranks:
         traffic = r["received_bytes"]
         table.add_row(str(r["rank"]), str(r["ops"]), format_bytes(checked.memory[r["rank"]].total),
-                      format_bytes(traffic["p2p"]), format_bytes(traffic["all_reduce"]))
+                      *(format_bytes(traffic[k]) for k in kinds))
     out.print(table)
     if files:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "

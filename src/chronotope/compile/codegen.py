@@ -18,8 +18,10 @@ import torch
 from chronotope.compile.program import (
     AllGather,
     AllReduce,
+    AllToAll,
     Assemble,
     Backward,
+    Broadcast,
     Forward,
     Free,
     GatherParams,
@@ -95,6 +97,15 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, ReduceScatter):
         return [f"{ins.var} = rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, "
                 f"dim={ins.dim})"]
+    if isinstance(ins, AllToAll):
+        return [f"{ins.var} = rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
+                f"readers={ins.readers}, split={ins.split})"]
+    if isinstance(ins, Broadcast):
+        if ins.src is not None:
+            return [f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, "
+                    f"ranks={ins.ranks})"]
+        return [f"{ins.var} = rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, "
+                f"shape={tuple(ins.shape)}, dtype={ins.dtype})"]
     if isinstance(ins, Grad):
         return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)})"]
     if isinstance(ins, GatherParams):

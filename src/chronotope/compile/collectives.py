@@ -4,7 +4,9 @@ Materialization speaks only in sends and receives, and marks each assembly
 with its ``Pattern``. When every rank of a set sums the same region from one
 piece on each of them, those k·(k-1) messages are one all-reduce; when each
 joins the same region from one piece per member, an all-gather; when each sums
-its own run of a region all of them hold partials of, a reduce-scatter.
+its own run of a region all of them hold partials of, a reduce-scatter; when
+the members' pieces are runs along one dim and each reads its run along
+another, an all-to-all; and one piece sent to several ranks is a broadcast.
 A collective blocks every member until all arrive, where the messages it
 replaces did not, so the rewritten code is run symbolically: a collective that
 some rank would wait in forever (the members' orders disagree, or a member
@@ -14,11 +16,15 @@ first waits on a message sent after it) stays as messages.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from chronotope.compile.program import (
+    COLLECTIVES,
     AllGather,
     AllReduce,
+    AllToAll,
     Assemble,
+    Broadcast,
     Instruction,
     Load,
     Recv,
@@ -42,18 +48,52 @@ def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
             for _, ins in members:
                 chosen[id(ins)] = order
     keys = {id(ins): ins.pattern.key for code in ranks for ins in code if id(ins) in chosen}
-    while chosen:
+    refused: set[tuple] = set()  # broadcasts that would block
+    while True:
         out = [[_collective(ins, chosen[id(ins)]) if id(ins) in chosen else ins for ins in code]
                for code in ranks]
         out = _drop_unread_messages(out)
+        out, casts = _broadcasts(out, refused)
         stuck = _stuck(out)
         if not stuck:
             break
         # A collective blocks where the messages it replaced did not: keep those as messages.
         chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
-    else:
-        return ranks, []
-    return coalesce(out), sorted({tuple(sorted(m)) for m in chosen.values()})
+        refused |= stuck
+    groups = {tuple(sorted(m)) for m in chosen.values()} | set(casts)
+    return coalesce(out), sorted(groups)
+
+
+def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
+                ) -> tuple[list[list[Instruction]], set[tuple[int, ...]]]:
+    """One region a rank sends to two or more others becomes one broadcast."""
+    recvs = {(r, ins.src, ins.tag): ins for r, code in enumerate(ranks) for ins in code
+             if isinstance(ins, Recv)}
+    sends: dict[tuple, list[Send]] = defaultdict(list)
+    for rank, code in enumerate(ranks):
+        for ins in code:
+            if isinstance(ins, Send):
+                box = tuple((x.start, x.stop) for x in ins.slices)
+                sends[(rank, ins.var, box)].append(ins)
+    out = [list(code) for code in ranks]
+    groups = set()
+    for key, group in sends.items():
+        root = key[0]
+        dsts = [s.dst for s in group]
+        if len(dsts) < 2 or len(set(dsts)) != len(dsts) or ("broadcast", key) in refused:
+            continue
+        members = tuple(sorted({root, *dsts}))
+        first = recvs[(group[0].dst, root, group[0].tag)]
+        cast = Broadcast(None, group[0].var, group[0].slices, root, members, first.shape,
+                         first.dtype, ("broadcast", key))
+        out[root] = [cast if ins is group[0] else ins for ins in out[root]
+                     if not any(ins is s for s in group[1:])]
+        for send in group:
+            recv = recvs[(send.dst, root, send.tag)]
+            out[send.dst] = [replace(cast, var=recv.var, src=None, slices=()) if ins is recv
+                             else ins for ins in out[send.dst]]
+        groups.add(members)
+    return out, groups
 
 
 def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
@@ -72,17 +112,17 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
                     sent.add((r, ins.dst, ins.tag))
                 elif isinstance(ins, Recv) and (ins.src, r, ins.tag) not in sent:
                     break
-                elif isinstance(ins, (AllReduce, AllGather, ReduceScatter)):
+                elif isinstance(ins, COLLECTIVES):
                     arrived[_key(ins)].add(r)
                     if len(arrived[_key(ins)]) < len(ins.ranks):
                         break
                 pc[r] += 1
                 moved = True
     return {_key(code[pc[r]]) for r, code in enumerate(ranks)
-            if pc[r] < len(code) and isinstance(code[pc[r]], (AllReduce, AllGather, ReduceScatter))}
+            if pc[r] < len(code) and isinstance(code[pc[r]], COLLECTIVES)}
 
 
-def _key(ins: AllReduce | AllGather | ReduceScatter) -> tuple:
+def _key(ins: Instruction) -> tuple:
     return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
 
 
@@ -96,6 +136,8 @@ def _members(kind: str, key: tuple, members: list[tuple[int, Assemble]]) -> tupl
     if kind == "all_gather":
         orders = {tuple(ins.pattern.ranks) for _, ins in members}
         return orders.pop() if len(orders) == 1 else None
+    if kind == "all_to_all" and len({tuple(ins.pattern.ranks) for _, ins in members}) != 1:
+        return None
     by_chunk = sorted((ins.pattern.chunk, r) for r, ins in members)
     if [c for c, _ in by_chunk] != list(range(len(members))):
         return None
@@ -108,6 +150,9 @@ def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
         return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
     if p.kind == "all_gather":
         return AllGather(ins.var, p.local[0], members, ins.shape, ins.dtype, p.dim, p.key)
+    if p.kind == "all_to_all":
+        return AllToAll(ins.var, p.local[0], tuple(p.ranks), members, ins.shape, ins.dtype,
+                        p.dim, p.split, p.key)
     return ReduceScatter(ins.var, p.local, members, ins.shape, ins.dtype, p.dim, p.key)
 
 

@@ -312,7 +312,7 @@ class Materializer:
                 dim, order = chunks
                 return Pattern("all_gather", (t.name, v.mask.index, sources),
                                [devices[i] for i in order], local, dim)
-            return None
+            return _all_to_all(t.name, v.mask, masks, devices, sources, local)
         whole = Mask(masks[0].index)
         if any(m.index != whole.index for m in masks) or sum(m.value.width for m in masks) != 1:
             return None
@@ -342,6 +342,29 @@ class Materializer:
             pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)
+
+
+def _all_to_all(name: str, want: Mask, masks: list[Mask], devices: list[int],
+                sources: tuple, local: tuple[str, ...]) -> Pattern | None:
+    """Pieces that are equal runs of a region along one dim, read as equal runs of it
+    along another (this reader's among them): an all-to-all."""
+    whole = Mask(tuple((min(m.index[d][0] for m in masks), max(m.index[d][1] for m in masks))
+                       for d in range(want.ndim)))
+    runs = equal_runs(whole, masks)
+    if runs is None or len(local) != 1:
+        return None
+    dim, order = runs
+    n = len(masks)
+    splits = [d for d, (a, b) in enumerate(zip(want.index, whole.index)) if a != b]
+    if len(splits) != 1 or splits[0] == dim:
+        return None
+    split = splits[0]
+    size = want.shape[split]
+    lo, hi = whole.index[split]
+    if hi - lo != size * n or (want.index[split][0] - lo) % size:
+        return None
+    return Pattern("all_to_all", (name, whole.index, sources, split), [devices[i] for i in order],
+                   local, dim, (want.index[split][0] - lo) // size, split)
 
 
 def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: int,

@@ -99,7 +99,10 @@ class Pattern:
     * ``all_gather``: each member joins the same region from one piece per member, side
       by side along ``dim`` in ``ranks`` order;
     * ``reduce_scatter``: each member sums its own run ``chunk`` along ``dim`` of a
-      region every member holds a partial value of.
+      region every member holds a partial value of;
+    * ``all_to_all``: the members' pieces are equal runs of one region along ``dim``
+      (in ``ranks`` order) and each member reads its own run ``chunk`` of that region
+      along ``split``: every member sends each other one block.
 
     ``key`` (tensor, region, producing pieces) is the same on every member; ``local``
     names this rank's own pieces.
@@ -111,6 +114,7 @@ class Pattern:
     local: tuple[str, ...]
     dim: int = 0
     chunk: int = 0
+    split: int = 0
 
 
 @dataclass
@@ -160,6 +164,38 @@ class ReduceScatter:
     shape: tuple[int, ...]  # of the run this rank gets
     dtype: torch.dtype
     dim: int
+    key: tuple = ()
+
+
+@dataclass
+class AllToAll:
+    """Member ``readers[k]`` gets run ``k`` along ``split`` of what the members hold;
+    each member's run arrives from every member and is joined along ``dim`` in
+    ``ranks`` order (the order of their pieces)."""
+
+    var: str
+    src: str
+    ranks: tuple[int, ...]
+    readers: tuple[int, ...]
+    shape: tuple[int, ...]  # of the run this rank gets
+    dtype: torch.dtype
+    dim: int
+    split: int
+    key: tuple = ()
+
+
+@dataclass
+class Broadcast:
+    """``root`` sends ``src[slices]`` to every other member of ``ranks`` at once;
+    the others receive it as ``var``."""
+
+    var: str | None  # None on the root
+    src: str | None  # None on the receivers
+    slices: Slices
+    root: int
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
     key: tuple = ()
 
 
@@ -216,7 +252,9 @@ class Free:
 
 
 Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | AllGather
-               | ReduceScatter | Grad | Loss | Free | PushParam | PullParam | GatherParams)
+               | ReduceScatter | AllToAll | Broadcast | Grad | Loss | Free | PushParam
+               | PullParam | GatherParams)
+COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 
 
 def covers(slices: Slices, shape: tuple[int, ...]) -> bool:
@@ -234,8 +272,10 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return tuple(p.src for p in ins.parts)
     if isinstance(ins, AllReduce):
         return tuple(v for srcs in ins.srcs for v in srcs)
-    if isinstance(ins, AllGather):
+    if isinstance(ins, (AllGather, AllToAll)):
         return (ins.src,)
+    if isinstance(ins, Broadcast):
+        return (ins.src,) if ins.src is not None else ()
     if isinstance(ins, ReduceScatter):
         return ins.srcs
     if isinstance(ins, (Send, Grad, Loss)):
@@ -251,8 +291,10 @@ def writes(ins: Instruction) -> tuple[str, ...]:
         return tuple(v for vs in ins.outs for v in vs if v is not None)
     if isinstance(ins, AllReduce):
         return ins.vars
-    if isinstance(ins, (Load, Recv, Assemble, AllGather, ReduceScatter)):
+    if isinstance(ins, (Load, Recv, Assemble, AllGather, ReduceScatter, AllToAll)):
         return (ins.var,)
+    if isinstance(ins, Broadcast):
+        return (ins.var,) if ins.var is not None else ()
     return ()
 
 
@@ -285,13 +327,19 @@ class Program:
                        for i in self.ranks[rank] if isinstance(i, AllGather))
         scattered = sum((len(i.ranks) - 1) * math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, ReduceScatter))
+        # An all-to-all brings the (k - 1) blocks of this rank's run held by the others.
+        exchanged = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
+                        for i in self.ranks[rank] if isinstance(i, AllToAll))
+        broadcast = sum(math.prod(i.shape) * i.dtype.itemsize
+                        for i in self.ranks[rank] if isinstance(i, Broadcast) and i.var)
         params = self.plan.graph.params
         gathered += sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(params[name].shape)
                         * params[name].dtype.itemsize
                         for i in self.refresh[rank] if isinstance(i, GatherParams)
                         for name, _, _ in i.params)
         return {"p2p": received, "all_reduce": int(reduced), "all_gather": int(gathered),
-                "reduce_scatter": int(scattered)}
+                "reduce_scatter": int(scattered), "all_to_all": int(exchanged),
+                "broadcast": broadcast}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
         """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""

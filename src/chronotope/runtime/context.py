@@ -133,6 +133,24 @@ class StepContext:
         ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
         return self.transport.reduce_scatter(ordered, members, self.rank, dim)
 
+    def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
+                   readers: tuple[int, ...], split: int) -> torch.Tensor:
+        """Member ``readers[k]`` gets run ``k`` along ``split`` of the region the members'
+        pieces make side by side along ``dim`` (in ``ranks`` order); this is this rank's."""
+        members = tuple(sorted(ranks))
+        runs = t.detach().chunk(len(readers), split)
+        blocks = self.transport.all_to_all([runs[readers.index(m)].contiguous() for m in members],
+                                           members, self.rank)
+        return torch.cat([blocks[members.index(r)] for r in ranks], dim)
+
+    def broadcast(self, t: torch.Tensor | None, root: int, ranks: tuple[int, ...],
+                  shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                  ) -> torch.Tensor:
+        """``root``'s tensor on every member (the root passes it, the others its shape)."""
+        if t is None:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.transport.broadcast(t.detach().contiguous(), root, ranks, self.rank)
+
     def gather_params(self, ranks: tuple[int, ...], params: Sequence[tuple[str, tuple, int]],
                       ) -> None:
         """Refresh stored parameters from their owners: member ``ranks[k]`` updated run ``k``

@@ -55,14 +55,15 @@ class ThreadTransport:
                                  f"from rank {src}; rank {src} is dead or stuck")
             return self.box[key].popleft().to(device)
 
-    def _exchange(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
-                  what: str) -> list[torch.Tensor]:
-        """Every member's tensor, in ``ranks`` order, once all of them arrived."""
+    def _exchange(self, t, ranks: tuple[int, ...], rank: int, what: str) -> list:
+        """Every member's contribution (a tensor or list of them), in ``ranks`` order,
+        once all of them arrived."""
         with self.cond:
             seq = self.calls[(ranks, rank)]
             self.calls[(ranks, rank)] += 1
             key = (ranks, seq)
-            self.pending[key][rank] = t.detach().clone()
+            self.pending[key][rank] = [x.detach().clone() for x in t] \
+                if isinstance(t, list) else t.detach().clone()
             self.cond.notify_all()
             ok = self.cond.wait_for(
                 lambda: len(self.pending[key]) == len(ranks)
@@ -73,7 +74,7 @@ class ThreadTransport:
                 who = ", ".join(f"rank {r}" for r in missing)
                 raise RankFailed(f"rank {rank} waited in an {what} over ranks {list(ranks)} "
                                  f"for {who}, which failed or is stuck")
-            pieces = [self.pending[key][r].to(t.device) for r in ranks]
+            pieces = [self.pending[key][r] for r in ranks]
             self.taken[key] += 1
             if self.taken[key] == len(ranks):
                 del self.pending[key], self.taken[key]
@@ -89,6 +90,16 @@ class ThreadTransport:
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
         return _run_of(sum(self._exchange(t, ranks, rank, "reduce-scatter")), ranks, rank, dim)
+
+    def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
+                   rank: int) -> list[torch.Tensor]:
+        """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here."""
+        sent = self._exchange(blocks, ranks, rank, "all-to-all")
+        return [theirs[ranks.index(rank)] for theirs in sent]
+
+    def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
+                  rank: int) -> torch.Tensor:
+        return self._exchange(t, ranks, rank, "broadcast")[ranks.index(root)]
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -139,6 +150,24 @@ class DistTransport:
         self._wait(dist.reduce_scatter_tensor(out, rows, group=self.groups[ranks],
                                               async_op=True), what)
         return out.movedim(0, dim).contiguous()
+
+    def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
+                   rank: int) -> list[torch.Tensor]:
+        """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here
+        (every block of one call has the same shape)."""
+        flat = torch.cat([b.reshape(-1) for b in blocks])
+        out = torch.empty_like(flat)
+        work = dist.all_to_all_single(out, flat, group=self.groups[ranks], async_op=True)
+        self._wait(work, f"rank {rank} did not finish an all-to-all over ranks {list(ranks)}")
+        return [x.view_as(b) for x, b in zip(out.chunk(len(blocks)), blocks)]
+
+    def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
+                  rank: int) -> torch.Tensor:
+        out = t.clone() if rank == root else t
+        work = dist.broadcast(out, root, group=self.groups[ranks], async_op=True)
+        self._wait(work, f"rank {rank} did not finish a broadcast from rank {root} over ranks "
+                         f"{list(ranks)}")
+        return out
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))

@@ -1,0 +1,100 @@
+"""Layout changes that are all-to-alls and broadcasts become those collectives."""
+
+import pytest
+import torch
+from torch import nn
+
+import chronotope as ct
+from chronotope.compile.program import AllToAll, Broadcast, Recv, Send
+from chronotope.runtime.launch import run_processes
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).pow(2).mean()
+
+
+def workload(batch: int) -> ct.Workload:
+    torch.manual_seed(0)
+    return ct.Workload(TwoLinears(), (torch.randn(batch, 8, 16),), name="two-linears")
+
+
+def sequence_then_batch(w: ct.Workload) -> ct.Plan:
+    """The first linear split along the sequence, the rest along the batch, on 2 devices:
+    the relu reads its batch run of what both sequence halves made."""
+    graph = ct.capture(w)
+    plan = ct.Plan(graph, 2)
+    dims = {"linear": "b1", "relu": "d0", "linear_1": "b0", "pow_1": "d0", "mean": "d0"}
+    for op in graph:
+        for device, piece in enumerate(plan.trans(op, ct.Split(dims[op.name], 2))):
+            plan.assign(piece, device)
+    return plan
+
+
+def one_to_all(w: ct.Workload) -> ct.Plan:
+    """The first linear on device 0 alone; the relu replicated on all 3 devices, each
+    reading the whole of device 0's output; the rest split along the batch."""
+    graph = ct.capture(w)
+    plan = ct.Plan(graph, 3)
+    for op in graph:
+        if op.name == "linear":
+            plan.assign(plan.trans(op, ct.Replicate(1))[0], 0)
+            continue
+        algo = ct.Replicate(3) if op.name == "relu" else ct.Split(
+            "d0" if op.name != "linear_1" else "b0", 3)
+        for device, piece in enumerate(plan.trans(op, algo)):
+            plan.assign(piece, device)
+    return plan
+
+
+def kinds(program: ct.Program, rank: int) -> set[type]:
+    return {type(ins) for ins in program.ranks[rank]}
+
+
+def assert_trains_like_one_device(program: ct.Program, w: ct.Workload, processes: bool):
+    run = (run_processes if processes else run_in_threads)(program, w, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_a_change_of_split_dim_is_one_all_to_all_each_way():
+    w = workload(4)
+    program = ct.compile(sequence_then_batch(w))
+    for rank in range(2):
+        code = program.ranks[rank]
+        exchanges = [i for i in code if isinstance(i, AllToAll)]
+        assert len(exchanges) == 2  # the activation forward, its gradient backward
+        assert (exchanges[0].dim, exchanges[0].split) == (1, 0)  # join seq, keep own batch
+        assert "rt.all_to_all(" in program.code(rank)
+    # Only the loss's halves travel as a message (rank 0 reports the loss).
+    assert not any(isinstance(i, Send) for i in program.ranks[0])
+    assert [type(i) for i in program.ranks[1] if isinstance(i, (Send, Recv))] == [Send]
+    assert program.traffic(0)["all_to_all"] > 0 and program.traffic(0)["p2p"] == 4
+    assert_trains_like_one_device(program, w, processes=False)
+
+
+def test_one_piece_read_whole_by_many_is_a_broadcast():
+    w = workload(6)
+    program = ct.compile(one_to_all(w))
+    casts = [[i for i in program.ranks[r] if isinstance(i, Broadcast)] for r in range(3)]
+    assert all(len(c) == 1 for c in casts)
+    assert casts[0][0].src is not None and casts[1][0].var is not None  # root sends, others get
+    assert {c[0].ranks for c in casts} == {(0, 1, 2)}
+    assert "rt.broadcast(" in program.code(1)
+    assert_trains_like_one_device(program, w, processes=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build,batch", [(sequence_then_batch, 4), (one_to_all, 6)])
+def test_all_to_all_and_broadcast_on_gloo(build, batch):
+    w = workload(batch)
+    program = ct.compile(build(w))
+    assert kinds(program, 0) & {AllToAll, Broadcast}
+    assert_trains_like_one_device(program, w, processes=True)
