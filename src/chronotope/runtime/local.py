@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from chronotope.compile.program import Program
+from chronotope.errors import ChronotopeError
 from chronotope.graph.capture import Batch
 from chronotope.graph.mask import Mask
 from chronotope.models.workload import Workload
@@ -53,6 +54,12 @@ class RankSpec:
 
 
 def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
+    if program.plan.replicas > 1:
+        raise ChronotopeError(
+            f"this plan is scaled to {program.plan.replicas} replicas (plan.scale): it is "
+            f"checked and compiled at the size of one unit of {program.ndevices} devices, but "
+            "runs only with the data-parallel dimension written into the plan; use "
+            "ct.policies.mesh(graph, dp=..., tp=..., pp=...) to train it")
     graph = program.plan.graph
     full = {n: p.detach() for n, p in workload.model.named_parameters()}
     state = {n: b.detach() for n, b in workload.model.named_buffers()}
