@@ -16,7 +16,6 @@ first waits on a message sent after it) stays as messages.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 from chronotope.compile.program import (
     COLLECTIVES,
@@ -48,34 +47,43 @@ def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
             for _, ins in members:
                 chosen[id(ins)] = order
     keys = {id(ins): ins.pattern.key for code in ranks for ins in code if id(ins) in chosen}
-    refused: set[tuple] = set()  # broadcasts that would block
     while True:
         out = [[_collective(ins, chosen[id(ins)]) if id(ins) in chosen else ins for ins in code]
                for code in ranks]
         out = _drop_unread_messages(out)
-        out, casts = _broadcasts(out, refused)
         stuck = _stuck(out)
         if not stuck:
             break
         # A collective blocks where the messages it replaced did not: keep those as messages.
         chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
+    groups = {tuple(sorted(m)) for m in chosen.values()}
+    refused: set[tuple] = set()
+    for _ in range(_BROADCAST_TRIES):  # on top of code that runs through, as far as it still does
+        cast, members = _broadcasts(out, refused)
+        stuck = _stuck(cast)
+        if not stuck:
+            out, groups = cast, groups | members
+            break
         refused |= stuck
-    groups = {tuple(sorted(m)) for m in chosen.values()} | set(casts)
     return coalesce(out), sorted(groups)
+
+
+_BROADCAST_TRIES = 3  # a broadcast only saves the root's sends: not worth many symbolic runs
 
 
 def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
                 ) -> tuple[list[list[Instruction]], set[tuple[int, ...]]]:
     """One region a rank sends to two or more others becomes one broadcast."""
-    recvs = {(r, ins.src, ins.tag): ins for r, code in enumerate(ranks) for ins in code
-             if isinstance(ins, Recv)}
     sends: dict[tuple, list[Send]] = defaultdict(list)
+    recvs: dict[tuple[int, int], Recv] = {}
     for rank, code in enumerate(ranks):
         for ins in code:
             if isinstance(ins, Send):
                 box = tuple((x.start, x.stop) for x in ins.slices)
                 sends[(rank, ins.var, box)].append(ins)
-    out = [list(code) for code in ranks]
+            elif isinstance(ins, Recv):
+                recvs[(ins.src, ins.tag)] = ins
+    swap: list[dict[tuple, Broadcast | None]] = [{} for _ in ranks]  # per rank: what replaces
     groups = set()
     for key, group in sends.items():
         root = key[0]
@@ -83,16 +91,33 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
         if len(dsts) < 2 or len(set(dsts)) != len(dsts) or ("broadcast", key) in refused:
             continue
         members = tuple(sorted({root, *dsts}))
-        first = recvs[(group[0].dst, root, group[0].tag)]
-        cast = Broadcast(None, group[0].var, group[0].slices, root, members, first.shape,
-                         first.dtype, ("broadcast", key))
-        out[root] = [cast if ins is group[0] else ins for ins in out[root]
-                     if not any(ins is s for s in group[1:])]
+        swap[root][("send", group[0].tag)] = ("root", members, key, group[0])
+        for send in group[1:]:
+            swap[root][("send", send.tag)] = None
         for send in group:
-            recv = recvs[(send.dst, root, send.tag)]
-            out[send.dst] = [replace(cast, var=recv.var, src=None, slices=()) if ins is recv
-                             else ins for ins in out[send.dst]]
+            swap[send.dst][("recv", root, send.tag)] = ("member", members, key, group[0])
         groups.add(members)
+    out = []
+    for rank, code in enumerate(ranks):
+        if not swap[rank]:
+            out.append(code)
+            continue
+        new: list[Instruction] = []
+        for ins in code:
+            at = ("send", ins.tag) if isinstance(ins, Send) else \
+                ("recv", ins.src, ins.tag) if isinstance(ins, Recv) else None
+            if at is None or at not in swap[rank]:
+                new.append(ins)
+            elif (how := swap[rank][at]) is not None:
+                role, members, key, first = how
+                if role == "root":
+                    recv = recvs[(rank, first.tag)]
+                    new.append(Broadcast(None, first.var, first.slices, rank, members,
+                                         recv.shape, recv.dtype, ("broadcast", key)))
+                else:
+                    new.append(Broadcast(ins.var, None, (), key[0], members, ins.shape,
+                                         ins.dtype, ("broadcast", key)))
+        out.append(new)
     return out, groups
 
 

@@ -38,7 +38,8 @@ class _Region:
     grads: list[list[str | None]] = field(default_factory=list)  # per member: arriving
     outs: list[list[str | None]] = field(default_factory=list)  # per member: leaving
     pending: set[str] = field(default_factory=set)  # known only once the call ran
-    deferred: list[Instruction] = field(default_factory=list)  # local steps that need them
+    deferred: dict[int, Instruction] = field(default_factory=dict)  # id -> step that needs them
+    leaving_at: dict[str, tuple[int, int]] = field(default_factory=dict)  # var -> (member, j)
 
 
 def fuse(code: list[Instruction]) -> list[Instruction]:
@@ -64,14 +65,11 @@ class _Fuser:
             for k, var in enumerate(graded):
                 self.output_of[var] = (fwd.op, k)
         self.linked: set[tuple[PlanOp, int]] = set()  # (forward piece, input position)
-        self.dropped: set[int] = set()  # ids of Assembles rewritten or emptied by links
 
     def run(self) -> list[Instruction]:
         out: list[Instruction] = []
         region = _Region()
         for ins in self.code:
-            if id(ins) in self.dropped:
-                continue
             if not isinstance(ins, _LOCAL):
                 self.close(region, out)
                 region = _Region()
@@ -82,7 +80,7 @@ class _Fuser:
                     region = _Region()
                     self.join(region, ins, out)
             elif set(reads(ins)) & region.pending:
-                region.deferred.append(ins)
+                region.deferred[id(ins)] = ins
                 region.pending.update(writes(ins))
             else:
                 out.append(ins)
@@ -93,7 +91,7 @@ class _Fuser:
         if region.members:
             out.append(Backward(tuple(m.ops[0] for m in region.members),
                                 tuple(map(tuple, region.grads)), tuple(map(tuple, region.outs))))
-        out += region.deferred
+        out += region.deferred.values()
 
     def join(self, region: _Region, b: Backward, out: list[Instruction]) -> bool:
         """Add piece ``b`` to ``region`` if every gradient it reads is known before the
@@ -102,6 +100,7 @@ class _Fuser:
         producer = op.forward
         arriving: list[str | None] = []
         links: list[tuple[PlanOp, int]] = []
+        linked_grads: list[str] = []  # the gradients those edges carried
         rewrites: list[tuple[Assemble, Assemble | None]] = []
         for k, g in enumerate(grads):
             if g is None or g not in region.pending:
@@ -111,10 +110,11 @@ class _Fuser:
             edge = self.link(region, g, producer, k, None)
             if edge is not None:
                 links.append(edge)
+                linked_grads.append(g)
                 arriving.append(None)
                 continue
-            if not (isinstance(source, Assemble) and self.readers[g] == [b]
-                    and any(d is source for d in region.deferred)):
+            if not (isinstance(source, Assemble) and id(source) in region.deferred
+                    and len(self.readers[g]) == 1):
                 return False
             kept = []
             for part in source.parts:
@@ -122,26 +122,26 @@ class _Fuser:
                     kept.append(part)
                 elif (edge := self.link(region, part.src, producer, k, part)) is not None:
                     links.append(edge)
+                    linked_grads.append(part.src)
                 else:
                     return False
             rewrites.append((source, replace(source, parts=kept, pattern=None) if kept else None))
             arriving.append(g if kept else None)
         self.linked.update(links)
-        for consumer, i in links:  # its input's gradient now flows inside: nothing leaves
-            m = next(m for m, member in enumerate(region.members)
-                     if member.ops[0].forward is consumer)
-            j = [x for x, g in enumerate(self.forwards[consumer].grad) if g].index(i)
-            region.pending.discard(region.outs[m][j])
+        for gx in linked_grads:  # that input's gradient now flows inside: nothing leaves
+            m, j = region.leaving_at.pop(gx)
+            region.pending.discard(gx)
             region.outs[m][j] = None
         for source, kept in rewrites:  # now computable before the call: out of the deferred
-            region.deferred = [d for d in region.deferred if d is not source]
-            self.dropped.add(id(source))
+            del region.deferred[id(source)]
             if kept is not None:
                 out.append(kept)
         region.members.append(b)
         region.grads.append(arriving)
         region.outs.append(list(outs))
         region.pending.update(outs)
+        for j, var in enumerate(outs):
+            region.leaving_at[var] = (len(region.members) - 1, j)
         return True
 
     def link(self, region: _Region, gx: str, producer: PlanOp, k: int,
@@ -149,26 +149,23 @@ class _Fuser:
         """The (consumer, input) edge whose input gradient ``gx`` is, when it may flow
         inside autograd: a member's input that is output ``k`` of ``producer`` or a view of
         it, ``gx`` read only where it adds into that output's gradient, at the view's box."""
-        if len(self.readers[gx]) != 1:
+        if len(self.readers[gx]) != 1 or gx not in region.leaving_at:
             return None
-        for member, leaving in zip(region.members, region.outs):
-            if gx not in leaving:
-                continue
-            consumer = self.forwards[member.ops[0].forward]
-            i = [j for j, g in enumerate(consumer.grad) if g][leaving.index(gx)]
-            origin = self.origin(consumer.ins[i])
-            if origin is None or self.output_of.get(origin[0]) != (producer, k):
-                return None
-            box = origin[1]
-            shape = tuple(producer.outputs[self.graded_output(producer, k)].mask.shape)
-            if part is None:
-                fits = box is None or covers(box, shape)
-            else:
-                size = tuple(s.stop - s.start for s in part.dst_slices)
-                fits = covers(part.src_slices, size) and (
-                    part.dst_slices == box if box is not None else covers(part.dst_slices, shape))
-            return (consumer.op, i) if fits else None
-        return None
+        m, j = region.leaving_at[gx]
+        consumer = self.forwards[region.members[m].ops[0].forward]
+        i = [x for x, g in enumerate(consumer.grad) if g][j]
+        origin = self.origin(consumer.ins[i])
+        if origin is None or self.output_of.get(origin[0]) != (producer, k):
+            return None
+        box = origin[1]
+        shape = tuple(producer.outputs[self.graded_output(producer, k)].mask.shape)
+        if part is None:
+            fits = box is None or covers(box, shape)
+        else:
+            size = tuple(s.stop - s.start for s in part.dst_slices)
+            fits = covers(part.src_slices, size) and (
+                part.dst_slices == box if box is not None else covers(part.dst_slices, shape))
+        return (consumer.op, i) if fits else None
 
     def origin(self, var: str) -> tuple[str, Slices | None] | None:
         """The forward output ``var`` is, or is a view of (with the box it takes)."""
