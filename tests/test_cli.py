@@ -94,6 +94,7 @@ def test_run_check_matches_one_device(capsys):
     ("gpt", "tp", 4), ("llama", "sp", 2), ("bert", "dp-tp", 4), ("gpt", "dp-sp", 4),
     ("gpt", "zero-1", 2), ("llama", "zero-2", 4), ("bert", "zero-3", 2),
     ("gpt", "dp-tp --tp 1 --pp 2 --micro 2", 4),
+    ("gpt", "1f1b", 4), ("llama", "gpipe --micro 2", 2), ("bert", "1f1b --pp 2", 4),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
     policy, *options = policy.split()
@@ -106,6 +107,11 @@ def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devi
 def test_a_mesh_that_does_not_factor_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "dp-tp", "--devices", "6", "--tp", "4"]) == 2
     assert "--tp 4 x --pp 1 does not divide --devices 6" in capsys.readouterr().err
+
+
+def test_a_pipeline_that_does_not_divide_the_devices_exits_2(capsys):
+    assert main(["plan", "gpt", "--policy", "1f1b", "--devices", "4", "--pp", "3"]) == 2
+    assert "--pp 3 stages do not divide --devices 4" in capsys.readouterr().err
 
 
 def test_plan_of_a_large_preset_needs_no_weights(capsys):

@@ -24,7 +24,7 @@ from chronotope.graph import (
     register_op,
 )
 from chronotope.models.workload import Workload
-from chronotope.plan import Plan, Replicate, Split
+from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.local import Optim
 
@@ -34,5 +34,5 @@ __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
     "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
-    "register_op", "Optim", "Program", "compile", "policies", "run",
+    "register_op", "Optim", "Program", "ValueSplit", "compile", "policies", "run",
 ]

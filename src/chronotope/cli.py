@@ -23,7 +23,15 @@ from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
-from chronotope.policies import data_parallel, mesh, sequence_parallel, tensor_parallel, zero
+from chronotope.policies import (
+    SCHEDULES,
+    data_parallel,
+    mesh,
+    pipeline,
+    sequence_parallel,
+    tensor_parallel,
+    zero,
+)
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
@@ -100,6 +108,21 @@ def _mesh(sequence: bool) -> Callable[[Graph, argparse.Namespace], Plan]:
     return policy
 
 
+def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
+    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
+        stages = args.pp if args.pp > 1 else args.devices
+        if args.devices % stages:
+            raise PlanError(f"--pp {stages} stages do not divide --devices {args.devices}: "
+                            "a pipeline needs devices = dp * stages")
+        dp = args.devices // stages
+        micro = args.micro
+        if micro == 1:  # up to two per stage, as many as the batch allows
+            batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
+            micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
+        return pipeline(graph, stages, micro, schedule, dp=dp)
+    return policy
+
+
 POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "dp": lambda graph, args: data_parallel(graph, args.devices),
     "tp": lambda graph, args: tensor_parallel(graph, args.devices),
@@ -109,6 +132,7 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "zero-1": lambda graph, args: zero(graph, args.devices, 1),
     "zero-2": lambda graph, args: zero(graph, args.devices, 2),
     "zero-3": lambda graph, args: zero(graph, args.devices, 3),
+    **{name: _pipeline(name) for name in SCHEDULES},
 }
 
 
@@ -218,15 +242,16 @@ def parser() -> argparse.ArgumentParser:
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
-                              "+ gradients, + weights")
+                              "+ gradients, + weights; gpipe, 1f1b: pipeline schedules")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
         cmd.add_argument("--pp", type=int, default=1,
-                         help="pipeline stages of the dp-tp and dp-sp meshes (GPipe order)")
+                         help="pipeline stages (dp-tp, dp-sp: GPipe order; gpipe, 1f1b: "
+                              "default --devices, the rest data parallel)")
         cmd.add_argument("--micro", type=int, default=1,
-                         help="micro-batches per data-parallel group (gradient accumulation) "
-                              "in the dp-tp and dp-sp meshes")
+                         help="micro-batches per data-parallel group (gradient accumulation; "
+                              "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

@@ -63,6 +63,9 @@ class OpDef:
     # while all other inputs are needed whole by every partial.
     mean_reduction: bool = False
     additive_inputs: tuple[int, ...] = ()
+    # The op is linear in these inputs together: pieces taking value shares of them
+    # make value shares of the output (ct.ValueSplit), e.g. a sum divided by a count.
+    linear_inputs: tuple[int, ...] = ()
     user: bool = False
     region: RegionRule | None = None
 

@@ -2,7 +2,10 @@
 
 ``Split(dim, parts)`` cuts a named dim of the signature: every tensor that has
 it is sliced alike; when the dim is a reduction (``k+``) the outputs become
-value-split partial sums. ``Replicate(n)`` makes ``n`` identical copies whose
+value-split partial sums. ``ValueSplit(parts)`` cuts an op along the values
+of the inputs it is linear in (a loss's sum divided by its count): each piece
+takes a value share of them and makes that share of the output, so per
+micro-batch losses need no whole sum. ``Replicate(n)`` makes ``n`` identical copies whose
 backward pieces are replicas too: each yields the whole gradient, so a reader
 uses the one on its own device. Each piece also records which share of every
 input's gradient its backward produces: an input a split piece reads whole (it
@@ -33,7 +36,14 @@ class Replicate:
     n: int
 
 
-Algorithm = Split | Replicate
+@dataclass(frozen=True)
+class ValueSplit:
+    """Cut the op into ``parts`` along the values of the inputs it is linear in."""
+
+    parts: int
+
+
+Algorithm = Split | Replicate | ValueSplit
 
 
 @dataclass(frozen=True)
@@ -55,18 +65,22 @@ def _axis_of(sig_tensor: tuple, dim: str) -> int | None:
 
 
 def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
-              additive: tuple[int, ...] = ()) -> list[Piece]:
+              additive: tuple[int, ...] = (), linear: tuple[int, ...] = ()) -> list[Piece]:
     """The pieces ``algo`` cuts ``piece`` (a whole op or a sub-op named ``name``) into.
 
     ``additive`` lists inputs that enter the output as a sum (a linear's bias):
-    under a reduction split each partial takes a value share of them.
+    under a reduction split each partial takes a value share of them. ``linear``
+    lists the inputs the op is jointly linear in, for ``ValueSplit``.
     """
     if isinstance(algo, Replicate):
         if algo.n < 1:
             raise PlanError(f"{name}: Replicate needs n >= 1, got {algo.n}")
         return [piece] * algo.n
+    if isinstance(algo, ValueSplit):
+        return _value_split(name, piece, algo.parts, linear)
     if not isinstance(algo, Split):
-        raise PlanError(f"{name}: unknown algorithm {algo!r}; use ct.Split or ct.Replicate")
+        raise PlanError(f"{name}: unknown algorithm {algo!r}; use ct.Split, ct.ValueSplit or "
+                        "ct.Replicate")
     if sig is None:
         raise PlanError(f"{name} has no signature, so it can only be replicated (ct.Replicate); "
                         "register one with @chronotope.register_op to split it")
@@ -108,4 +122,29 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             else:
                 outputs.append(v)  # every piece computes this output whole
         pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes))
+    return pieces
+
+
+def _value_split(name: str, piece: Piece, parts: int, linear: tuple[int, ...]) -> list[Piece]:
+    """Piece k reads value share k of the ``linear`` inputs (the rest whole) and makes share
+    k of each output. Its backward yields the whole gradient of a linear input (as a
+    replica) and share k of the others'."""
+    if not linear:
+        raise PlanError(f"{name} is not registered as linear in any input, so it cannot be "
+                        "cut along values (ct.ValueSplit); use ct.Split or ct.Replicate")
+    if parts < 1:
+        raise PlanError(f"{name}: ValueSplit needs parts >= 1, got {parts}")
+    pieces = []
+    for k in range(parts):
+        inputs, shares = [], []
+        for j, (v, s) in enumerate(zip(piece.inputs, piece.grad_shares)):
+            if j in linear:
+                inputs.append(VTensor(v.ptensor, v.mask.split_value(parts)[k]))
+                shares.append(s)
+            else:
+                inputs.append(v)
+                shares.append(s.split(parts)[k])
+        outputs = tuple(VTensor(v.ptensor, Mask(v.mask.index, v.mask.value.split(parts)[k]))
+                        for v in piece.outputs)
+        pieces.append(Piece(tuple(inputs), outputs, tuple(shares), piece.sizes))
     return pieces

@@ -109,6 +109,9 @@ class Plan:
         self.graph = graph
         self.ndevices = ndevices
         self.optimizer = optimizer
+        # (data-parallel group, stage, micro-batch) -> its forward pieces, where a pipeline
+        # policy made them (for reading the order back as pipeline steps)
+        self.cells: dict[tuple[int, int, int], list[PlanOp]] = {}
         self.registry = registry or DEFAULT_REGISTRY
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         self.orders: list[OrderCall] = []
@@ -151,7 +154,8 @@ class Plan:
                             f"{len(target.children)} sub-ops; transform those instead")
         opdef = self.registry.of(target.op.target)
         additive = opdef.additive_inputs if opdef is not None else ()
-        pieces = partition(target.name, target.op.signature, target.piece, algo, additive)
+        linear = opdef.linear_inputs if opdef is not None else ()
+        pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
         target.children = [
             PlanOp(f"{target.name}.{i}", target.op, p, target.order, target.device)
             for i, p in enumerate(pieces)

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
-from chronotope.plan import Plan, Replicate, Split
+from chronotope.graph.registry import OpRegistry
+from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
+from chronotope.policies.pipeline import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -95,17 +97,21 @@ def stages(graph: Graph, pp: int) -> dict[Op, int]:
 
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
-         sequence: bool = False) -> Plan:
+         sequence: bool = False, schedule: str = "gpipe") -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
     ``micro`` cuts each group's batch into micro-batches whose gradients the
-    compiler sums (gradient accumulation); with stages, every device runs its
-    forwards in micro-batch order, then its backwards, as GPipe does.
+    compiler sums (gradient accumulation). With stages, each stage runs its
+    micro-batches' forwards and backwards in the order of ``schedule`` (see
+    ``policies.pipeline``), written as ``plan.order`` calls.
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
                         f"micro={micro}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
+                        f"{', '.join(SCHEDULES)}")
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
     if (dp > 1 or micro > 1) and batch % (dp * micro):
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
@@ -115,20 +121,77 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     batch_dim = batch_dims(graph)
     shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
+    tails = loss_tails(graph, batch_dim, plan.registry)
+    data = data_only(graph)
+    cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
         if dp > 1:
-            algo = Split(batch_dim[op], dp) if batch_dim[op] is not None else Replicate(dp)
-            groups = plan.trans(op, algo)
+            groups = plan.trans(op, _cut(op, batch_dim, tails, dp))
         else:
             groups = [plan.op(op.name)]
         for i, piece in enumerate(groups):
             first = (i * pp + stage[op]) * tp
             devices = range(first, first + tp)
-            micros = plan.trans(piece, Split(batch_dim[op], micro)) \
-                if micro > 1 and batch_dim[op] is not None else [piece]
-            for m in micros:
-                _tensor_parallel(plan, m, shards.get(op), seq.get(op), devices)
+            micros = [piece]
+            if micro > 1 and op not in data and (batch_dim[op] is not None or op in tails):
+                micros = plan.trans(piece, _cut(op, batch_dim, tails, micro))
+            for m, sub in enumerate(micros):
+                _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices)
+                if len(micros) > 1:
+                    cells[(i, stage[op], m)].append(sub)
+    plan.cells = dict(cells)
+    if pp > 1 and micro > 1:
+        _schedule(plan, cells, dp, pp, micro, SCHEDULES[schedule])
     return plan
+
+
+def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry) -> set[Op]:
+    """Ops without a batch dim that are linear in a batch reduction's partial sums (a mean
+    loss's sum divided by its count): cut along those values, one piece per micro-batch."""
+    made_by = {t: op for op in graph.ops for t in op.outputs}
+    tails = set()
+    for op in graph.ops:
+        opdef = registry.of(op.target)
+        if batch_dim[op] is not None or opdef is None or not opdef.linear_inputs:
+            continue
+        producers = [made_by.get(op.inputs[j]) for j in opdef.linear_inputs
+                     if j < len(op.inputs)]
+        if any(p is not None and (batch_dim[p] is not None or p in tails) for p in producers):
+            tails.add(op)
+    return tails
+
+
+def data_only(graph: Graph) -> set[Op]:
+    """Ops computed from the batch's inputs alone (label counts, masks): cheap, and needed
+    whole by every micro-batch's loss, so they are not cut into micro-batches."""
+    made_by = {t: op for op in graph.ops for t in op.outputs}
+    out: set[Op] = set()
+    for op in graph.ops:
+        if op.inputs and all(t.kind is TensorKind.INPUT or made_by.get(t) in out
+                             for t in op.inputs):
+            out.add(op)
+    return out
+
+
+def _cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
+    if op in tails:
+        return ValueSplit(n)
+    return Split(batch_dim[op], n) if batch_dim[op] is not None else Replicate(n)
+
+
+def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, pp: int,
+              micro: int, schedule) -> None:
+    """Order each stage's micro-batch groups as ``schedule`` says."""
+    for i in range(dp):
+        for s in range(pp):
+            forward = {m: plan.group(cells[(i, s, m)], f"F{s}.{m}") for m in range(micro)
+                       if cells[(i, s, m)]}
+            steps = {("F", m): g for m, g in forward.items()}
+            steps.update({("B", m): plan.backward(g) for m, g in forward.items()
+                          if plan.leaves(plan.backward(g))})
+            order = [steps[step] for step in schedule(s, pp, micro) if step in steps]
+            for before, after in zip(order, order[1:]):
+                plan.order(before, after)
 
 
 def _tensor_parallel(plan: Plan, piece: PlanOp, shard: Shard | None, seq: str | None,

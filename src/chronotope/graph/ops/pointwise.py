@@ -151,15 +151,21 @@ ACTIVATIONS = [
 ]
 
 
+# Inputs each op is (jointly) linear in: it may be cut along their values (ct.ValueSplit).
+LINEAR = {"add": (0, 1), "sub": (0, 1), "mul": (0,), "div": (0,), "true_divide": (0,),
+          "truediv": (0,), "neg": (0,)}
+
+
 def register(reg: OpRegistry) -> None:
     for name in sorted(set(UNARY + BINARY)):
         targets: list[object] = method(name)
         for ns in (torch, aten):
             if hasattr(ns, name):
                 targets.append(getattr(ns, name))
-        reg.add(targets, name.strip("_"), pointwise)
+        reg.add(targets, name.strip("_"), pointwise, linear_inputs=LINEAR.get(name, ()))
     for fn in OPERATORS:
-        reg.add([fn], fn.__name__.strip("_"), pointwise)
+        name = fn.__name__.strip("_")
+        reg.add([fn], name, pointwise, linear_inputs=LINEAR.get(name, ()))
     for name in ("__and__", "__or__", "__xor__", "__invert__", "__rsub__", "__radd__"):
         targets = [*method(name), *([getattr(aten, name)] if hasattr(aten, name) else [])]
         reg.add(targets, name.strip("_"), pointwise)

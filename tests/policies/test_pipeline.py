@@ -1,0 +1,98 @@
+"""Pipeline schedules written as op_order: torch's orders, one-device results, deadlocks."""
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+import chronotope as ct
+from chronotope.models import get_workload
+from chronotope.policies import actions, pipeline
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+
+TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def captured(name: str, **kw):
+    w = get_workload(name, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+def torch_order(schedule: str, stages: int, micro: int) -> dict[int, list[str]]:
+    """The order torch's own schedule runs each stage's micro-batches in: its
+    ``_step_microbatches`` loop driven with a stage that only records the calls.
+    (Its ``pipeline_order`` IR numbers the last stage's 1F1B forwards from 1, while the
+    loop runs micro-batch 0 first, so the loop is the reference.)"""
+    out = {}
+    for s in range(stages):
+        steps: list[str] = []
+        stage = SimpleNamespace(
+            stage_index=s, is_first=s == 0, is_last=s == stages - 1,
+            forward_one_chunk=lambda mb, *a, s=s, steps=steps, **k: steps.append(f"{s}F{mb}"),
+            backward_one_chunk=lambda mb, s=s, steps=steps, **k: steps.append(f"{s}B{mb}"),
+            get_fwd_recv_ops=lambda mb: [], get_fwd_send_ops=lambda mb: [],
+            get_bwd_recv_ops=lambda mb: [], get_bwd_send_ops=lambda mb: [],
+            perform_reduce_grad=lambda n: None)
+        fake = SimpleNamespace(
+            _stage=stage, _n_microbatches=micro, _num_stages=stages, scale_grads=True,
+            _has_backward=True,
+            _check_inputs=lambda a, k, t, losses: ([()] * micro, [{}] * micro),
+            _initialize_stage=lambda *a: None, _maybe_compute_loss=lambda *a: None,
+            _maybe_get_loss=lambda *a: None, _update_losses=lambda *a: None)
+        TORCH[schedule]._step_microbatches(fake)
+        out[s] = steps
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_orders_equal_torch_pipelining(schedule, stages, micro):
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    plan = pipeline(graph, stages, micro, schedule)
+    assert actions(plan) == torch_order(schedule, stages, micro)
+
+
+@pytest.mark.parametrize("name,schedule,stages,micro", [
+    ("gpt", "1f1b", 2, 4), ("llama", "1f1b", 2, 2), ("bert", "gpipe", 2, 2),
+    ("gpt", "1f1b", 4, 4),
+])
+def test_schedules_train_like_one_device(name, schedule, stages, micro):
+    w, graph = captured(name)
+    run = run_in_threads(ct.compile(pipeline(graph, stages, micro, schedule)), w, 3,
+                         Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_one_f_one_b_keeps_fewer_micro_batches_alive_than_gpipe():
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    peak = {s: pipeline(graph, 4, 8, s).check().memory[0].activations
+            for s in ("gpipe", "1f1b")}
+    assert peak["1f1b"] < peak["gpipe"]
+
+
+def test_data_parallel_pipelines_each_follow_the_schedule():
+    w, graph = captured("gpt")
+    plan = pipeline(graph, 2, 2, "1f1b", dp=2)
+    order = actions(plan)
+    assert order[0] == order[2] == ["0F0", "0F1", "0B0", "0B1"]
+    assert order[1] == order[3] == ["1F0", "1B0", "1F1", "1B1"]
+    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_an_order_that_waits_on_its_own_later_forward_is_rejected():
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    plan = pipeline(graph, 2, 2, "gpipe")
+    first = plan.group(plan.cells[(0, 0, 0)], "F0.0")
+    second = plan.group(plan.cells[(0, 0, 1)], "F0.1")
+    # Stage 0 would run micro-batch 0's backward before micro-batch 1's forward, but
+    # also micro-batch 1's forward before micro-batch 0's backward (from gpipe): a cycle.
+    plan.order(plan.backward(first), second)
+    with pytest.raises(ct.DeadlockError, match=r"F0\.1|backward\(F0\.0\)"):
+        plan.check()
