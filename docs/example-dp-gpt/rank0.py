@@ -497,19 +497,16 @@ def step(rt):
     # cross_entropy_count.0: loss_denominator  (gpt.py:120)
     cross_entropy_count = rt.target('cross_entropy_count')(view_17, None, -100, torch.float32)
     del view_17
-    cross_entropy_sum_1, cross_entropy_count_1 = rt.all_reduce([(cross_entropy_sum,), (cross_entropy_count,)], ranks=(0, 1))
-    del cross_entropy_sum, cross_entropy_count
+    cross_entropy_count_1, = rt.all_reduce([(cross_entropy_count,)], ranks=(0, 1))
+    del cross_entropy_count
     # cross_entropy.0: truediv  (gpt.py:120)
-    cross_entropy_sum_1_in, cross_entropy_count_1 = rt.enter('cross_entropy.0', (cross_entropy_sum_1, cross_entropy_count_1), (True, False))
-    cross_entropy = operator.truediv(cross_entropy_sum_1_in, cross_entropy_count_1)
+    cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count_1)
     rt.leave('cross_entropy.0', (cross_entropy,))
-    del cross_entropy_sum_1, cross_entropy_count_1
+    del cross_entropy_sum, cross_entropy_count_1
     d_loss = torch.ones((), dtype=torch.float32, device=rt.device)
-    d_cross_entropy_sum, = rt.backward({'cross_entropy.0': (d_loss,)}, ('cross_entropy.0',))
+    # backward of 94 pieces in one call
+    d_wte_weight, d_ln_f_weight, d_ln_f_bias, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias, d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias, d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_embedding, d_embedding_1 = rt.backward({'cross_entropy.0': (d_loss,)}, ('cross_entropy.0', 'cross_entropy_sum.0', 'view_16.0', 'linear_16.0', 'layer_norm_8.0', 'add_8.0', 'linear_15.0', 'gelu_3.0', 'linear_14.0', 'layer_norm_7.0', 'add_7.0', 'linear_13.0', 'view_15.0', 'contiguous_3.0', 'transpose_15.0', 'scaled_dot_product_attention_3.0', 'transpose_14.0', 'view_14.0', 'transpose_13.0', 'view_13.0', 'transpose_12.0', 'view_12.0', 'chunk_3_v2.0', 'chunk_3_v1.0', 'chunk_3.0', 'linear_12.0', 'layer_norm_6.0', 'add_6.0', 'linear_11.0', 'gelu_2.0', 'linear_10.0', 'layer_norm_5.0', 'add_5.0', 'linear_9.0', 'view_11.0', 'contiguous_2.0', 'transpose_11.0', 'scaled_dot_product_attention_2.0', 'transpose_10.0', 'view_10.0', 'transpose_9.0', 'view_9.0', 'transpose_8.0', 'view_8.0', 'chunk_2_v2.0', 'chunk_2_v1.0', 'chunk_2.0', 'linear_8.0', 'layer_norm_4.0', 'add_4.0', 'linear_7.0', 'gelu_1.0', 'linear_6.0', 'layer_norm_3.0', 'add_3.0', 'linear_5.0', 'view_7.0', 'contiguous_1.0', 'transpose_7.0', 'scaled_dot_product_attention_1.0', 'transpose_6.0', 'view_6.0', 'transpose_5.0', 'view_5.0', 'transpose_4.0', 'view_4.0', 'chunk_1_v2.0', 'chunk_1_v1.0', 'chunk_1.0', 'linear_4.0', 'layer_norm_2.0', 'add_2.0', 'linear_3.0', 'gelu.0', 'linear_2.0', 'layer_norm_1.0', 'add_1.0', 'linear_1.0', 'view_3.0', 'contiguous.0', 'transpose_3.0', 'scaled_dot_product_attention.0', 'transpose_2.0', 'view_2.0', 'transpose_1.0', 'view_1.0', 'transpose.0', 'view.0', 'chunk_v2.0', 'chunk_v1.0', 'chunk.0', 'linear.0', 'layer_norm.0', 'add.0'))
     del d_loss
-    # backward of 93 pieces in one call
-    d_wte_weight, d_ln_f_weight, d_ln_f_bias, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias, d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias, d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_embedding, d_embedding_1 = rt.backward({'cross_entropy_sum.0': (d_cross_entropy_sum,)}, ('cross_entropy_sum.0', 'view_16.0', 'linear_16.0', 'layer_norm_8.0', 'add_8.0', 'linear_15.0', 'gelu_3.0', 'linear_14.0', 'layer_norm_7.0', 'add_7.0', 'linear_13.0', 'view_15.0', 'contiguous_3.0', 'transpose_15.0', 'scaled_dot_product_attention_3.0', 'transpose_14.0', 'view_14.0', 'transpose_13.0', 'view_13.0', 'transpose_12.0', 'view_12.0', 'chunk_3_v2.0', 'chunk_3_v1.0', 'chunk_3.0', 'linear_12.0', 'layer_norm_6.0', 'add_6.0', 'linear_11.0', 'gelu_2.0', 'linear_10.0', 'layer_norm_5.0', 'add_5.0', 'linear_9.0', 'view_11.0', 'contiguous_2.0', 'transpose_11.0', 'scaled_dot_product_attention_2.0', 'transpose_10.0', 'view_10.0', 'transpose_9.0', 'view_9.0', 'transpose_8.0', 'view_8.0', 'chunk_2_v2.0', 'chunk_2_v1.0', 'chunk_2.0', 'linear_8.0', 'layer_norm_4.0', 'add_4.0', 'linear_7.0', 'gelu_1.0', 'linear_6.0', 'layer_norm_3.0', 'add_3.0', 'linear_5.0', 'view_7.0', 'contiguous_1.0', 'transpose_7.0', 'scaled_dot_product_attention_1.0', 'transpose_6.0', 'view_6.0', 'transpose_5.0', 'view_5.0', 'transpose_4.0', 'view_4.0', 'chunk_1_v2.0', 'chunk_1_v1.0', 'chunk_1.0', 'linear_4.0', 'layer_norm_2.0', 'add_2.0', 'linear_3.0', 'gelu.0', 'linear_2.0', 'layer_norm_1.0', 'add_1.0', 'linear_1.0', 'view_3.0', 'contiguous.0', 'transpose_3.0', 'scaled_dot_product_attention.0', 'transpose_2.0', 'view_2.0', 'transpose_1.0', 'view_1.0', 'transpose.0', 'view.0', 'chunk_v2.0', 'chunk_v1.0', 'chunk.0', 'linear.0', 'layer_norm.0', 'add.0'))
-    del d_cross_entropy_sum
     grad_embedding_1, = rt.all_reduce([(d_embedding_1,)], ranks=(0, 1))
     del d_embedding_1
     # backward of 2 pieces in one call
@@ -621,5 +618,8 @@ def step(rt):
     del grad_ln_f_weight
     rt.grad('ln_f.bias', ((0, 64),), grad_ln_f_bias[0:64])
     del grad_ln_f_bias
-    rt.loss(cross_entropy)
-    del cross_entropy
+    cross_entropy_from1 = rt.recv((), torch.float32, src=1, tag=109)
+    cross_entropy_1 = rt.assemble((), torch.float32, [(cross_entropy, (), 1.0), (cross_entropy_from1, (), 1.0)])
+    del cross_entropy, cross_entropy_from1
+    rt.loss(cross_entropy_1)
+    del cross_entropy_1
