@@ -95,6 +95,7 @@ def test_run_check_matches_one_device(capsys):
     ("gpt", "zero-1", 2), ("llama", "zero-2", 4), ("bert", "zero-3", 2),
     ("gpt", "dp-tp --tp 1 --pp 2 --micro 2", 4),
     ("gpt", "1f1b", 4), ("llama", "gpipe --micro 2", 2), ("bert", "1f1b --pp 2", 4),
+    ("gpt", "interleaved --chunks 2", 2),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
     policy, *options = policy.split()

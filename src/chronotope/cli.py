@@ -119,7 +119,8 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
         if micro == 1:  # up to two per stage, as many as the batch allows
             batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
             micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
-        return pipeline(graph, stages, micro, schedule, dp=dp)
+        chunks = args.chunks if schedule == "interleaved" else 1
+        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks)
     return policy
 
 
@@ -242,7 +243,8 @@ def parser() -> argparse.ArgumentParser:
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
-                              "+ gradients, + weights; gpipe, 1f1b: pipeline schedules")
+                              "+ gradients, + weights; gpipe, 1f1b, interleaved: pipeline "
+                              "schedules")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
@@ -252,6 +254,8 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--micro", type=int, default=1,
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
+        cmd.add_argument("--chunks", type=int, default=2,
+                         help="stages each pipeline rank holds (interleaved)")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

@@ -4,7 +4,7 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import chronotope as ct
 from chronotope.models import get_workload
@@ -96,3 +96,35 @@ def test_an_order_that_waits_on_its_own_later_forward_is_rejected():
     plan.order(plan.backward(first), second)
     with pytest.raises(ct.DeadlockError, match=r"F0\.1|backward\(F0\.0\)"):
         plan.check()
+
+
+def torch_interleaved(stages: int, micro: int, chunks: int) -> dict[int, list[str]]:
+    """torch's ScheduleInterleaved1F1B order (what its runtime executes), bubbles left out."""
+    rounds = max(1, micro // stages)
+    fake = SimpleNamespace(n_local_stages=chunks, pp_group_size=stages, _n_microbatches=micro,
+                           microbatches_per_round=micro // rounds)
+    return {r: [str(a) for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(
+        fake, r) if a is not None] for r in range(stages)}
+
+
+@pytest.mark.parametrize("stages,micro,chunks", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2),
+                                                 (2, 4, 3), (2, 8, 2)])
+def test_interleaved_orders_equal_torch_pipelining(stages, micro, chunks):
+    _, graph = captured("gpt", n_layer=8, batch_size=8)
+    plan = pipeline(graph, stages, micro, "interleaved", chunks=chunks)
+    assert actions(plan) == torch_interleaved(stages, micro, chunks)
+
+
+def test_interleaved_trains_like_one_device():
+    w, graph = captured("gpt", n_layer=4)
+    plan = pipeline(graph, 2, 4, "interleaved", chunks=2)
+    assert {d for op in plan.forward_leaves() for d in [op.device]} == {0, 1}
+    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_several_stages_per_rank_need_an_interleaved_schedule():
+    _, graph = captured("gpt", n_layer=4)
+    with pytest.raises(ct.PlanError, match="several stages per rank"):
+        pipeline(graph, 2, 4, "1f1b", chunks=2)

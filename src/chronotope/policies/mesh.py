@@ -27,7 +27,7 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
-from chronotope.policies.pipeline import SCHEDULES
+from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,16 @@ def stages(graph: Graph, pp: int) -> dict[Op, int]:
 
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
-         sequence: bool = False, schedule: str = "gpipe") -> Plan:
+         sequence: bool = False, schedule: str = "gpipe", chunks: int = 1) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
     ``micro`` cuts each group's batch into micro-batches whose gradients the
     compiler sums (gradient accumulation). With stages, each stage runs its
     micro-batches' forwards and backwards in the order of ``schedule`` (see
-    ``policies.pipeline``), written as ``plan.order`` calls.
+    ``policies.pipeline``), written as ``plan.order`` calls; with ``chunks`` > 1
+    the model is cut into ``pp * chunks`` stages and stage ``v`` runs on stage rank
+    ``v % pp`` (interleaved schedules).
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
@@ -112,12 +114,15 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
+    if chunks < 1 or (chunks > 1 and schedule not in MULTI_STAGE):
+        raise PlanError(f"{chunks} stages per rank need a schedule for several stages per "
+                        f"rank ({', '.join(sorted(MULTI_STAGE))}), not {schedule!r}")
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
     if (dp > 1 or micro > 1) and batch % (dp * micro):
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
-    stage = stages(graph, pp)
+    stage = stages(graph, pp * chunks)
     batch_dim = batch_dims(graph)
     shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
@@ -130,7 +135,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         else:
             groups = [plan.op(op.name)]
         for i, piece in enumerate(groups):
-            first = (i * pp + stage[op]) * tp
+            first = (i * pp + stage[op] % pp) * tp
             devices = range(first, first + tp)
             micros = [piece]
             if micro > 1 and op not in data and (batch_dim[op] is not None or op in tails):
@@ -141,7 +146,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                     cells[(i, stage[op], m)].append(sub)
     plan.cells = dict(cells)
     if pp > 1 and micro > 1:
-        _schedule(plan, cells, dp, pp, micro, SCHEDULES[schedule])
+        _schedule(plan, cells, dp, pp, micro, chunks, SCHEDULES[schedule])
     return plan
 
 
@@ -180,16 +185,19 @@ def _cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
 
 
 def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, pp: int,
-              micro: int, schedule) -> None:
-    """Order each stage's micro-batch groups as ``schedule`` says."""
+              micro: int, chunks: int, schedule) -> None:
+    """Order each stage rank's micro-batch groups as ``schedule`` says."""
     for i in range(dp):
-        for s in range(pp):
-            forward = {m: plan.group(cells[(i, s, m)], f"F{s}.{m}") for m in range(micro)
-                       if cells[(i, s, m)]}
-            steps = {("F", m): g for m, g in forward.items()}
-            steps.update({("B", m): plan.backward(g) for m, g in forward.items()
-                          if plan.leaves(plan.backward(g))})
-            order = [steps[step] for step in schedule(s, pp, micro) if step in steps]
+        for r in range(pp):
+            steps = {}
+            for s in range(r, pp * chunks, pp):
+                for m in range(micro):
+                    if cells[(i, s, m)]:
+                        forward = plan.group(cells[(i, s, m)], f"F{s}.{m}")
+                        steps[("F", s, m)] = forward
+                        if plan.leaves(plan.backward(forward)):
+                            steps[("B", s, m)] = plan.backward(forward)
+            order = [steps[step] for step in schedule(r, pp, micro, chunks) if step in steps]
             for before, after in zip(order, order[1:]):
                 plan.order(before, after)
 

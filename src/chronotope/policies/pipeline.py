@@ -1,10 +1,11 @@
 """Pipeline parallelism: stages, micro-batches and a schedule, all from the primitives.
 
 ``pipeline`` cuts the model into stages by parameter bytes and the batch into
-micro-batches (``mesh`` does the placing); a schedule is the list of
-``("F", m)`` / ``("B", m)`` steps of stage ``s``, and consecutive steps become
-``plan.order`` calls between that stage's forward and backward micro-batch
-groups. No schedule is known to the compiler or the runtime.
+micro-batches (``mesh`` does the placing; with ``chunks`` > 1 each rank holds
+that many stages, ``r, r + ranks, ...``). A schedule is the list of
+``("F" | "B", stage, micro-batch)`` steps of one rank, and consecutive steps
+become ``plan.order`` calls between the rank's forward and backward
+micro-batch groups. No schedule is known to the compiler or the runtime.
 
 ``actions`` reads a checked plan's per-device order back as
 ``torch.distributed.pipelining`` actions (``"1F0"``: stage 1, forward,
@@ -13,44 +14,79 @@ micro-batch 0), so orders compare step by step with torch's own schedules.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from chronotope.errors import PlanError
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph
     from chronotope.plan import Plan
 
-Step = tuple[str, int]
+Step = tuple[str, int, int]  # ("F" or "B", stage, micro-batch)
 
 
-def gpipe(stage: int, stages: int, micro: int) -> list[Step]:
+def gpipe(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     """All forwards, then all backwards, in micro-batch order."""
-    return [("F", m) for m in range(micro)] + [("B", m) for m in range(micro)]
+    return [("F", rank, m) for m in range(micro)] + [("B", rank, m) for m in range(micro)]
 
 
-def one_f_one_b(stage: int, stages: int, micro: int) -> list[Step]:
+def one_f_one_b(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     """Warm up with the forwards the later stages need, then alternate one forward and one
-    backward, then drain the backwards: at most ``stages - stage`` micro-batches live."""
-    warmup = min(stages - stage - 1, micro)
-    steps: list[Step] = [("F", m) for m in range(warmup)]
+    backward, then drain the backwards: at most ``ranks - rank`` micro-batches live."""
+    warmup = min(ranks - rank - 1, micro)
+    steps: list[Step] = [("F", rank, m) for m in range(warmup)]
     for m in range(micro - warmup):
-        steps += [("F", warmup + m), ("B", m)]
-    return steps + [("B", m) for m in range(micro - warmup, micro)]
+        steps += [("F", rank, warmup + m), ("B", rank, m)]
+    return steps + [("B", rank, m) for m in range(micro - warmup, micro)]
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Step]]] = {
+def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
+    """Interleaved 1F1B (Megatron's virtual pipeline): rank ``r`` holds the ``chunks``
+    stages ``r, r + ranks, ...``. Micro-batches pass through a rank's stages in rounds
+    of ``ranks``, depth first; the warmup covers the other chunks of a round and two
+    steps per rank still downstream, then one forward and one backward alternate."""
+    rounds = max(1, micro // ranks)
+    if micro % rounds:
+        raise PlanError(f"interleaved 1F1B runs micro-batches in rounds of {micro // rounds}: "
+                        f"{micro} micro-batches on {ranks} stages do not make whole rounds")
+    per_round = micro // rounds
+    total = chunks * micro
+    warmup = min((chunks - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    done: dict[tuple[str, int], int] = defaultdict(int)
+    steps: list[Step] = []
+
+    def step(kind: str, chunk: int) -> None:
+        stage = chunk * ranks + rank
+        steps.append((kind, stage, done[(kind, stage)]))
+        done[(kind, stage)] += 1
+
+    for i in range(total + warmup):
+        if i < total:
+            step("F", i // per_round % chunks)
+        if i >= warmup:
+            step("B", chunks - 1 - (i - warmup) // per_round % chunks)
+    return steps
+
+
+SCHEDULES: dict[str, Callable[[int, int, int, int], list[Step]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved,
 }
+MULTI_STAGE = {"interleaved"}  # schedules for ranks holding several stages (chunks)
 
 
 def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str = "1f1b", *,
-             dp: int = 1, tp: int = 1) -> Plan:
-    """``stages`` pipeline stages (times ``tp`` tensor-parallel devices each, times ``dp``
-    data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order."""
+             dp: int = 1, tp: int = 1, chunks: int = 1) -> Plan:
+    """``stages`` pipeline ranks (times ``tp`` tensor-parallel devices each, times ``dp``
+    data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order;
+    with ``chunks`` > 1 (interleaved), each rank holds that many stages."""
     from chronotope.policies.mesh import mesh
 
-    return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule)
+    return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
+                chunks=chunks)
 
 
 def actions(plan: Plan) -> dict[int, list[str]]:
