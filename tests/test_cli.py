@@ -110,6 +110,20 @@ def test_a_mesh_that_does_not_factor_exits_2(capsys):
     assert "--tp 4 x --pp 1 does not divide --devices 6" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_csv_schedule_trains_like_one_device_on_gloo(capsys, tmp_path):
+    csv = tmp_path / "mine.csv"
+    csv.write_text("0F0,0F1,0F2,0B0,0F3,0B1,0B2,0B3\n1F0,1F1,1B0,1B1,1F2,1F3,1B2,1B3\n")
+    report = run_json(capsys, "run", "gpt", "--policy", "csv", "--schedule", str(csv),
+                      "--devices", "2", "--batch-size", "8", "--steps", "2", "--check")
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+
+
+def test_csv_policy_without_a_file_exits_2(capsys):
+    assert main(["plan", "gpt", "--policy", "csv", "--devices", "2"]) == 2
+    assert "--policy csv needs --schedule FILE.csv" in capsys.readouterr().err
+
+
 def test_a_pipeline_that_does_not_divide_the_devices_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "1f1b", "--devices", "4", "--pp", "3"]) == 2
     assert "--pp 3 stages do not divide --devices 4" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from chronotope.policies import (
     data_parallel,
     mesh,
     pipeline,
+    read_schedule,
     sequence_parallel,
     tensor_parallel,
     zero,
@@ -124,6 +125,24 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
     return policy
 
 
+def _csv_pipeline(graph: Graph, args: argparse.Namespace) -> Plan:
+    """A pipeline in the order of a torch pipelining CSV: its rows are the stage ranks,
+    its stages and micro-batches size the plan."""
+    if not args.schedule:
+        raise PlanError("--policy csv needs --schedule FILE.csv (one row of actions such as "
+                        "0F1, 0B0 per pipeline rank)")
+    schedule, rows = read_schedule(args.schedule)
+    ranks = len(rows)
+    steps = [step for row in rows.values() for step in row]
+    if not steps or args.devices % ranks:
+        raise PlanError(f"{args.schedule}: {ranks} pipeline ranks do not divide --devices "
+                        f"{args.devices}" if steps else f"{args.schedule} has no F or B steps")
+    stages = max(s for _, s, _ in steps) + 1
+    micro = max(m for _, _, m in steps) + 1
+    return pipeline(graph, ranks, micro, schedule, dp=args.devices // ranks,
+                    chunks=max(1, stages // ranks))
+
+
 POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "dp": lambda graph, args: data_parallel(graph, args.devices),
     "tp": lambda graph, args: tensor_parallel(graph, args.devices),
@@ -134,6 +153,7 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "zero-2": lambda graph, args: zero(graph, args.devices, 2),
     "zero-3": lambda graph, args: zero(graph, args.devices, 3),
     **{name: _pipeline(name) for name in SCHEDULES},
+    "csv": _csv_pipeline,
 }
 
 
@@ -244,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
                               "+ gradients, + weights; gpipe, 1f1b, interleaved: pipeline "
-                              "schedules")
+                              "schedules; csv: a pipeline in the order of --schedule")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
@@ -256,6 +276,9 @@ def parser() -> argparse.ArgumentParser:
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
         cmd.add_argument("--chunks", type=int, default=2,
                          help="stages each pipeline rank holds (interleaved)")
+        cmd.add_argument("--schedule", metavar="FILE.csv",
+                         help="pipeline order for --policy csv, in torch pipelining's CSV "
+                              "format (a row of actions like 0F1, 0B0 per rank)")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

@@ -8,7 +8,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 import chronotope as ct
 from chronotope.models import get_workload
-from chronotope.policies import actions, pipeline
+from chronotope.policies import actions, pipeline, read_schedule
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
@@ -128,3 +128,54 @@ def test_several_stages_per_rank_need_an_interleaved_schedule():
     _, graph = captured("gpt", n_layer=4)
     with pytest.raises(ct.PlanError, match="several stages per rank"):
         pipeline(graph, 2, 4, "1f1b", chunks=2)
+
+
+def write_csv(path, rows: dict[int, list[str]]) -> str:
+    path.write_text("".join(",".join(steps) + "\n" for _, steps in sorted(rows.items())))
+    return str(path)
+
+
+def test_torch_schedule_csv_becomes_the_plan_order(tmp_path):
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    want = torch_order("1f1b", 2, 4)
+    # torch's CSV keeps idle steps as empty cells and may name gradient reductions
+    rows = {r: ["", *steps, f"{r}REDUCE_GRAD"] for r, steps in want.items()}
+    schedule, _ = read_schedule(write_csv(tmp_path / "1f1b.csv", rows))
+    assert actions(pipeline(graph, 2, 4, schedule)) == want
+
+
+def test_a_custom_csv_order_trains_like_one_device(tmp_path):
+    w, graph = captured("gpt", batch_size=8)
+    rows = {0: ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],  # eager warmup
+            1: ["1F0", "1F1", "1B0", "1B1", "1F2", "1F3", "1B2", "1B3"]}  # two at a time
+    schedule, _ = read_schedule(write_csv(tmp_path / "mine.csv", rows))
+    plan = pipeline(graph, 2, 4, schedule)
+    assert actions(plan) == rows
+    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_a_csv_backward_before_its_forward_is_a_named_deadlock(tmp_path):
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    rows = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1B0", "1F0", "1F1", "1B1"]}
+    schedule, _ = read_schedule(write_csv(tmp_path / "bad.csv", rows))
+    with pytest.raises(ct.DeadlockError, match="cycle"):
+        pipeline(graph, 2, 2, schedule).check()
+
+
+@pytest.mark.parametrize("rows,match", [
+    ({0: ["0F0", "0X"], 1: []}, r"rank 0: cannot read action '0X'"),
+    ({0: ["0F0", "0I0"], 1: []}, r"0I0 splits the backward"),
+])
+def test_unreadable_csv_cells_are_named(tmp_path, rows, match):
+    with pytest.raises(ct.PlanError, match=match):
+        read_schedule(write_csv(tmp_path / "x.csv", rows))
+
+
+def test_a_csv_that_leaves_out_a_step_is_named(tmp_path):
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    rows = {0: ["0F0", "0F1", "0B0"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+    schedule, _ = read_schedule(write_csv(tmp_path / "short.csv", rows))
+    with pytest.raises(ct.PlanError, match="pipeline rank 0 .* 0B1 missing"):
+        pipeline(graph, 2, 2, schedule)

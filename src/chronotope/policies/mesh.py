@@ -27,7 +27,7 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
-from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES
+from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, Schedule
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def stages(graph: Graph, pp: int) -> dict[Op, int]:
 
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
-         sequence: bool = False, schedule: str = "gpipe", chunks: int = 1) -> Plan:
+         sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -111,10 +111,10 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
                         f"micro={micro}")
-    if schedule not in SCHEDULES:
+    if isinstance(schedule, str) and schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
-    if chunks < 1 or (chunks > 1 and schedule not in MULTI_STAGE):
+    if chunks < 1 or (chunks > 1 and isinstance(schedule, str) and schedule not in MULTI_STAGE):
         raise PlanError(f"{chunks} stages per rank need a schedule for several stages per "
                         f"rank ({', '.join(sorted(MULTI_STAGE))}), not {schedule!r}")
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
@@ -146,7 +146,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                     cells[(i, stage[op], m)].append(sub)
     plan.cells = dict(cells)
     if pp > 1 and micro > 1:
-        _schedule(plan, cells, dp, pp, micro, chunks, SCHEDULES[schedule])
+        _schedule(plan, cells, dp, pp, micro, chunks,
+                  SCHEDULES[schedule] if isinstance(schedule, str) else schedule)
     return plan
 
 
@@ -184,6 +185,11 @@ def _cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
     return Split(batch_dim[op], n) if batch_dim[op] is not None else Replicate(n)
 
 
+def _steps(steps: list) -> str:
+    shown = ", ".join(f"{s}{k}{m}" for k, s, m in steps[:4])
+    return shown + (f" and {len(steps) - 4} more" if len(steps) > 4 else "")
+
+
 def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, pp: int,
               micro: int, chunks: int, schedule) -> None:
     """Order each stage rank's micro-batch groups as ``schedule`` says."""
@@ -197,7 +203,17 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
                         steps[("F", s, m)] = forward
                         if plan.leaves(plan.backward(forward)):
                             steps[("B", s, m)] = plan.backward(forward)
-            order = [steps[step] for step in schedule(r, pp, micro, chunks) if step in steps]
+            order = schedule(r, pp, micro, chunks)
+            unknown = [step for step in order if step not in steps]
+            missing = [step for step in steps if step not in order]
+            if unknown or missing:
+                what = _steps(unknown) + " not on this rank" if unknown else \
+                    _steps(missing) + " missing"
+                raise PlanError(f"the schedule of pipeline rank {r} does not fit the plan: "
+                                f"{what}; rank {r} runs stages "
+                                f"{list(range(r, pp * chunks, pp))} x micro-batches "
+                                f"0..{micro - 1}, forward (F) and backward (B)")
+            order = [steps[step] for step in order]
             for before, after in zip(order, order[1:]):
                 plan.order(before, after)
 

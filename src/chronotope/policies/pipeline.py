@@ -14,6 +14,8 @@ micro-batch 0), so orders compare step by step with torch's own schedules.
 
 from __future__ import annotations
 
+import csv
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -70,7 +72,9 @@ def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
     return steps
 
 
-SCHEDULES: dict[str, Callable[[int, int, int, int], list[Step]]] = {
+Schedule = Callable[[int, int, int, int], list[Step]]  # (rank, ranks, micro, chunks) -> steps
+
+SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
@@ -78,7 +82,47 @@ SCHEDULES: dict[str, Callable[[int, int, int, int], list[Step]]] = {
 MULTI_STAGE = {"interleaved"}  # schedules for ranks holding several stages (chunks)
 
 
-def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str = "1f1b", *,
+_ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
+# Actions torch lists that are communication or gradient reduction: the compiler's own.
+_DERIVED = {"REDUCE_GRAD", "UNSHARD", "RESHARD", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+
+
+def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
+    """A schedule from torch pipelining's CSV: one row per rank of compute actions
+    (``0F1``: stage 0, forward, micro-batch 1; ``1B0``: a backward). Empty cells are idle
+    steps; gradient reductions and communication are the compiler's, so they are skipped.
+    Returns the schedule and its steps per rank."""
+    rows: dict[int, list[Step]] = {}
+    with open(path, newline="") as f:
+        for rank, row in enumerate(csv.reader(f)):
+            rows[rank] = []
+            for cell in (c.strip() for c in row):
+                if not cell:
+                    continue
+                found = _ACTION.fullmatch(cell)
+                kind = found.group(2) if found else None
+                if kind in _DERIVED:
+                    continue
+                if kind in ("F", "B") and found.group(3):
+                    rows[rank].append((kind, int(found.group(1)), int(found.group(3))))
+                elif kind in ("I", "W"):
+                    raise PlanError(f"{path}: rank {rank}: {cell} splits the backward into "
+                                    "input and weight parts, which this schedule reader does "
+                                    "not take yet; write B for the whole backward")
+                else:
+                    raise PlanError(f"{path}: rank {rank}: cannot read action {cell!r}; "
+                                    "expected a stage, F or B, and a micro-batch, like 0F1")
+    if not rows:
+        raise PlanError(f"{path}: no ranks in this schedule file")
+
+    def schedule(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
+        if ranks != len(rows):
+            raise PlanError(f"{path} has {len(rows)} ranks, the pipeline {ranks}")
+        return rows[rank]
+    return schedule, rows
+
+
+def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *,
              dp: int = 1, tp: int = 1, chunks: int = 1) -> Plan:
     """``stages`` pipeline ranks (times ``tp`` tensor-parallel devices each, times ``dp``
     data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order;
