@@ -36,6 +36,7 @@ from chronotope.policies import (
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.viz import timeline
 
 EXIT_USAGE = 2
 
@@ -237,8 +238,27 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
+    workload = load_workload(args.model, device=default_device(args.model),
+                             batch_size=args.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(workload)
+    drawn = timeline(POLICIES[args.policy](graph, args), args.flops)
+    drawn.save(args.out, f"{args.model}: {args.policy} on {args.devices} devices")
+    if args.json:
+        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
+                          "bubble_ratio": drawn.bubble_ratio, "makespan_s": drawn.makespan,
+                          "file": args.out}))
+        return 0
+    out.print(f"{args.model}: {args.policy} on {args.devices} devices: step "
+              f"{drawn.makespan * 1e3:.3f} ms estimated at {args.flops:.0e} FLOP/s, bubble "
+              f"ratio {drawn.bubble_ratio:.1%}; wrote {args.out}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
-    "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run,
+    "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
 }
 
 
@@ -255,7 +275,8 @@ def parser() -> argparse.ArgumentParser:
     cap.add_argument("--print-graph", action="store_true", help="list every op")
 
     for name, help_ in (("plan", "compile a plan and write each rank's code"),
-                        ("run", "train with a plan on local gloo processes")):
+                        ("run", "train with a plan on local gloo processes"),
+                        ("timeline", "draw a pipeline plan's steps per rank, with its bubble")):
         cmd = sub.add_parser(name, help=help_)
         cmd.add_argument("model", nargs="?", default="gpt",
                          help="a built-in name or path/to/file.py:factory (default: gpt)")
@@ -282,6 +303,10 @@ def parser() -> argparse.ArgumentParser:
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
+        elif name == "timeline":
+            cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
+            cmd.add_argument("--flops", type=float, default=1e12,
+                             help="device speed for the durations, in FLOP/s (default 1e12)")
         else:
             cmd.add_argument("--steps", type=int, default=3)
             cmd.add_argument("--check", action="store_true",

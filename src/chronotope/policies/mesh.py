@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from chronotope.cost import op_flops
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
@@ -85,13 +86,13 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
 
 
 def stages(graph: Graph, pp: int) -> dict[Op, int]:
-    """Cut the ops, in program order, into ``pp`` runs holding equal parameter bytes."""
-    weight = {op: sum(t.meta.nbytes for t in op.inputs if t.kind is TensorKind.PARAM)
-              for op in graph.ops}
+    """Cut the ops, in program order, into ``pp`` runs of equal compute (forward FLOPs by
+    the signatures), so pipeline stages take equal time."""
+    weight = {op: op_flops(op) for op in graph.ops}
     total = sum(weight.values()) or 1
-    out, seen = {}, 0
+    out, seen = {}, 0.0
     for op in graph.ops:
-        out[op] = min(pp - 1, seen * pp // total)
+        out[op] = min(pp - 1, int(seen * pp // total))
         seen += weight[op]
     return out
 

@@ -24,7 +24,7 @@ from chronotope.errors import PlanError
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph
-    from chronotope.plan import Plan
+    from chronotope.plan import Plan, PlanOp
 
 Step = tuple[str, int, int]  # ("F" or "B", stage, micro-batch)
 
@@ -133,25 +133,30 @@ def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Sched
                 chunks=chunks)
 
 
+def step_of(plan: Plan) -> dict[PlanOp, str]:
+    """Each forward and backward piece a pipeline policy placed, as its action string."""
+    out = {}
+    for (_, s, m), pieces in plan.cells.items():
+        for piece in pieces:
+            for leaf in plan.leaves(piece):
+                out[leaf] = f"{s}F{m}"
+                back = plan.backward_op(leaf)
+                if back is not None:
+                    out[back] = f"{s}B{m}"
+    return out
+
+
 def actions(plan: Plan) -> dict[int, list[str]]:
     """Per rank, its stage's forward / backward micro-batch steps in the order it runs them,
     as torch pipelining action strings (``"0F1"``, ``"1B0"``); ranks without stages are
     left out. A run of pieces of one step is one action."""
-    cells = plan.cells
-    step_of = {}
-    for (_, s, m), pieces in cells.items():
-        for piece in pieces:
-            for leaf in plan.leaves(piece):
-                step_of[leaf] = f"{s}F{m}"
-                back = plan.backward_op(leaf)
-                if back is not None:
-                    step_of[back] = f"{s}B{m}"
+    steps_of = step_of(plan)
     checked = plan.check()
     out: dict[int, list[str]] = {}
     for rank in range(plan.ndevices):
         steps: list[str] = []
         for op in checked.sequence(rank):
-            step = step_of.get(op)
+            step = steps_of.get(op)
             if step is not None and (not steps or steps[-1] != step):
                 steps.append(step)
         if steps:

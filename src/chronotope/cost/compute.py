@@ -1,0 +1,44 @@
+"""Compute cost of a plan piece, from its signature alone.
+
+A piece touches every combination of its dims once: an op with a reduced dim
+(a matmul's ``k``) does a multiply and an add per combination, others one
+operation. A backward costs twice its forward (gradients of the inputs and of
+the weights). Coarse, but it ranks stages and micro-batches the way a
+profile does, without running anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+from chronotope.errors import SignatureError
+from chronotope.graph.ir import Op
+from chronotope.graph.signature import Signature
+from chronotope.plan.plan import PlanOp
+
+
+def piece_flops(op: PlanOp) -> float:
+    """Floating-point operations of one forward or backward piece."""
+    fwd = op.forward or op
+    sig = fwd.op.signature
+    flops = _flops(sig, fwd.piece.sizes) if sig is not None else \
+        float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
+    return 2 * flops if op.is_backward else flops
+
+
+def op_flops(op: Op) -> float:
+    """Floating-point operations of a whole graph op's forward."""
+    outputs = float(sum(math.prod(t.shape) for t in op.outputs))
+    if op.signature is None:
+        return outputs  # one operation per output element
+    try:
+        sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
+    except SignatureError:
+        return outputs
+    return _flops(op.signature, sizes)
+
+
+def _flops(sig: Signature, sizes: dict[str, int]) -> float:
+    """One operation per combination of the dims, two where a dim is reduced."""
+    reduced = any(d.reduce for d in sig.dims())
+    return float(math.prod(sizes.get(n, 1) for n in sig.names())) * (2 if reduced else 1)
