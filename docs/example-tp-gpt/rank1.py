@@ -672,8 +672,8 @@ def step(rt):
     d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_1 = rt.backward({'layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)}, ('layer_norm.1', 'add.1', 'embedding_1.1', 'embedding.1'))
     del grad_layer_norm, grad_add
     grad_wte_weight__from0 = rt.recv((256, 64), torch.float32, src=0, tag=62)
-    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0), (d_wte_weight_1[0:512, 0:64], (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)), 1.0)])
-    del d_wte_weight, grad_wte_weight__from0, d_wte_weight_1
+    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_1[0:512, 0:64], (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)), 1.0), (grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0)])
+    del d_wte_weight, d_wte_weight_1, grad_wte_weight__from0
     grad_h_0_attn_c_proj_bias, grad_h_0_mlp_c_proj_bias, grad_h_1_attn_c_proj_bias, grad_h_1_mlp_c_proj_bias, grad_h_2_attn_c_proj_bias, grad_h_2_mlp_c_proj_bias, grad_h_3_attn_c_proj_bias, grad_h_3_mlp_c_proj_bias = rt.all_reduce([(d_h_0_attn_c_proj_bias,), (d_h_0_mlp_c_proj_bias,), (d_h_1_attn_c_proj_bias,), (d_h_1_mlp_c_proj_bias,), (d_h_2_attn_c_proj_bias,), (d_h_2_mlp_c_proj_bias,), (d_h_3_attn_c_proj_bias,), (d_h_3_mlp_c_proj_bias,)], ranks=(0, 1))
     del d_h_0_attn_c_proj_bias, d_h_0_mlp_c_proj_bias, d_h_1_attn_c_proj_bias, d_h_1_mlp_c_proj_bias, d_h_2_attn_c_proj_bias, d_h_2_mlp_c_proj_bias, d_h_3_attn_c_proj_bias, d_h_3_mlp_c_proj_bias
     rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight[0:512, 0:64])

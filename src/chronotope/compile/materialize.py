@@ -38,7 +38,7 @@ from chronotope.compile.program import (
     reads,
 )
 from chronotope.graph.ir import PTensor, TensorKind
-from chronotope.graph.mask import Mask, VTensor, equal_runs
+from chronotope.graph.mask import Mask, ValueRange, VTensor, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
 
@@ -58,6 +58,8 @@ class Materializer:
         self.plan = checked.plan
         self.sequences = checked.sequences
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
+        self.position = {op: i for seq in checked.sequences.values() for i, op in enumerate(seq)}
+        self.combined: dict[tuple, tuple[PlanOp, Mask]] = {}  # partial sums made by a sender
         n = self.plan.ndevices
         self.pre: dict[PlanOp, list[Instruction]] = defaultdict(list)
         self.post: dict[PlanOp, list[Instruction]] = defaultdict(list)
@@ -270,6 +272,9 @@ class Materializer:
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                  pre: list[Instruction]) -> str:
+        pattern = self.pattern(rank, v, found)
+        if pattern is None:  # a collective takes every piece as it is
+            found = self.presum(rank, v.ptensor, found)
         parts = []
         for producer, m in found:
             region = _overlap(m, v.mask)
@@ -288,9 +293,37 @@ class Materializer:
         if len(common) == 1 and (share := common.pop()) != 1:
             self.share[rank][var] = share  # applied by the reader, see ``self.share``
             parts = [Part(p.src, p.src_slices, p.dst_slices, Fraction(1)) for p in parts]
-        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts,
-                            self.pattern(rank, v, found)))
+        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts, pattern))
         return var
+
+    def presum(self, rank: int, t: PTensor, found: list[tuple[PlanOp, Mask]],
+               ) -> list[tuple[PlanOp, Mask]]:
+        """Partial values of one region that another rank made several pieces of are summed
+        there, after the last of them, and sent once (a gradient with two readers)."""
+        by_rank: dict[tuple[int, tuple], list[tuple[PlanOp, Mask]]] = defaultdict(list)
+        for producer, m in found:
+            if producer.device != rank:
+                by_rank[(producer.device, m.index)].append((producer, m))
+        out = [(p, m) for p, m in found if p.device == rank]
+        for (device, index), group in by_rank.items():
+            group.sort(key=lambda pm: pm[1].value.lo)
+            joined = all(a.value.hi == b.value.lo for (_, a), (_, b) in zip(group, group[1:]))
+            if len(group) < 2 or not joined:
+                out += group
+                continue
+            key = (t, tuple((p.name, m) for p, m in group))
+            if key not in self.combined:
+                last = max((p for p, _ in group), key=lambda p: self.position[p])
+                value = ValueRange(group[0][1].value.lo, group[-1][1].value.hi)
+                mask = Mask(index, value)
+                var = self.name(device, f"{t.name}_sum", mask.shape)
+                whole = tuple(slice(0, n) for n in mask.shape)
+                self.post[last].append(Assemble(var, mask.shape, t.dtype, [
+                    Part(self.piece_var[(p, m, t)], whole, whole, Fraction(1)) for p, m in group]))
+                self.piece_var[(last, mask, t)] = var
+                self.combined[key] = (last, mask)
+            out.append(self.combined[key])
+        return out
 
     def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]]) -> Pattern | None:
         """What this read does in terms every rank involved can agree on (see ``Pattern``)."""

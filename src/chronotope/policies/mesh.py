@@ -86,14 +86,50 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
 
 
 def stages(graph: Graph, pp: int) -> dict[Op, int]:
-    """Cut the ops, in program order, into ``pp`` runs of equal compute (forward FLOPs by
-    the signatures), so pipeline stages take equal time."""
-    weight = {op: op_flops(op) for op in graph.ops}
-    total = sum(weight.values()) or 1
-    out, seen = {}, 0.0
-    for op in graph.ops:
-        out[op] = min(pp - 1, int(seen * pp // total))
-        seen += weight[op]
+    """Cut the ops, in program order, into ``pp`` runs of about equal compute (forward FLOPs
+    by the signatures), each cut where the fewest activations cross it: between two
+    transformer blocks only the residual stream does, so one message per micro-batch."""
+    ops = graph.ops
+    weight = [op_flops(op) for op in ops]
+    before = [0.0]
+    for w in weight:
+        before.append(before[-1] + w)  # FLOPs of the ops before each cut position
+    total = before[-1] or 1.0
+    cuts = _crossing(ops)
+    fewest = min((c for c in cuts[1:-1]), default=0)
+    good = [i for i in range(1, len(ops)) if cuts[i] == fewest]
+    bounds, last = [], 0
+    for k in range(1, pp):
+        target = k * total / pp
+        after = [i for i in good if i > last] or list(range(last + 1, len(ops)))
+        best = min(after, key=lambda i: abs(before[i] - target), default=len(ops))
+        bounds.append(best)
+        last = best
+    out, stage = {}, 0
+    for i, op in enumerate(ops):
+        while stage < len(bounds) and i >= bounds[stage]:
+            stage += 1
+        out[op] = stage
+    return out
+
+
+def _crossing(ops: Sequence[Op]) -> list[int]:
+    """For each cut position (before op i), how many activations made before it are read
+    after it."""
+    made = {t: i for i, op in enumerate(ops) for t in op.outputs}
+    last: dict[PTensor, int] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            if t in made:
+                last[t] = i
+    delta = [0] * (len(ops) + 1)
+    for t, end in last.items():
+        delta[made[t] + 1] += 1
+        delta[end + 1] -= 1
+    out, running = [], 0
+    for d in delta:
+        running += d
+        out.append(running)
     return out
 
 

@@ -1,0 +1,141 @@
+"""Pipeline step time: chronotope 1F1B vs torch.distributed.pipelining's Schedule1F1B.
+
+    python benchmarks/pipeline.py [--stages 4] [--micro 8] [--steps 6] [--layers 8]
+
+The same built-in GPT on ``--stages`` gloo processes (cores shared evenly), SGD,
+``--micro`` micro-batches. torch's stages hold equal runs of blocks (the first
+also the embeddings, the last the final norm and an untied copy of the output
+projection); chronotope cuts stages of equal FLOPs from the captured graph and
+orders them with op_order. Prints the median step time of each and the ratio
+(goal: <= 1.00).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+import chronotope as ct
+from chronotope.models import get_workload
+from chronotope.runtime.launch import free_port, launch
+from chronotope.runtime.local import Optim, rank_specs
+
+
+class Stage(nn.Module):
+    """Blocks ``lo:hi`` of the GPT, with the embeddings first and the head last."""
+
+    def __init__(self, gpt: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.blocks = nn.ModuleList(gpt.h[lo:hi])
+        if first:
+            self.wte, self.wpe = gpt.wte, gpt.wpe
+        if last:
+            self.ln_f = gpt.ln_f
+            self.head = nn.Linear(gpt.wte.weight.shape[1], gpt.wte.weight.shape[0], bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(gpt.wte.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _torch_worker(rank: int, world: int, micro: int, overrides: dict, steps: int, port: int,
+                  out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    w = get_workload("gpt", **overrides)
+    layers = len(w.model.h)
+    lo, hi = rank * layers // world, (rank + 1) * layers // world
+    module = Stage(w.model, lo, hi, rank == 0, rank == world - 1)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, micro, loss_fn=_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    idx, targets = w.inputs
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(idx)
+        elif rank == world - 1:
+            schedule.step(target=targets)
+        else:
+            schedule.step()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, times)
+    if rank == 0:  # a step ends when its slowest stage does
+        torch.save([max(ts) for ts in zip(*gathered)], out)
+    dist.destroy_process_group()
+
+
+def torch_step_time(world: int, micro: int, steps: int, overrides: dict) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "times.pt")
+        mp.start_processes(_torch_worker, args=(world, micro, overrides, steps, free_port(), out),
+                           nprocs=world, join=True, start_method="spawn")
+        return statistics.median(torch.load(out)[1:])
+
+
+def chronotope_step_time(world: int, micro: int, steps: int, overrides: dict) -> float:
+    w = get_workload("gpt", **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    program = ct.compile(ct.policies.pipeline(graph, world, micro, "1f1b"))
+    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=300)
+    per_step = [max(ts) for ts in zip(*(r[2] for r in results))]
+    return statistics.median(per_step[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    args = p.parse_args()
+    overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
+                 "batch_size": args.batch}
+    base = torch_step_time(args.stages, args.micro, args.steps, overrides)
+    ours = chronotope_step_time(args.stages, args.micro, args.steps, overrides)
+    table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} "
+                        f"x {args.seq} tokens, {args.micro} micro-batches, on {args.stages} gloo "
+                        f"processes (median of {args.steps - 1} steps, slowest rank)")
+    for col in ("schedule", "torch Schedule1F1B ms", "chronotope 1f1b ms", "ratio"):
+        table.add_column(col, justify="right" if col != "schedule" else "left")
+    table.add_row("1F1B", f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{ours / base:.2f}")
+    Console(width=120).print(table)
+
+
+if __name__ == "__main__":
+    main()
