@@ -95,7 +95,8 @@ def test_run_check_matches_one_device(capsys):
     ("gpt", "zero-1", 2), ("llama", "zero-2", 4), ("bert", "zero-3", 2),
     ("gpt", "dp-tp --tp 1 --pp 2 --micro 2", 4),
     ("gpt", "1f1b", 4), ("llama", "gpipe --micro 2", 2), ("bert", "1f1b --pp 2", 4),
-    ("gpt", "interleaved --chunks 2", 2),
+    ("gpt", "interleaved --chunks 2", 2), ("llama", "1f1b --recompute full", 2),
+    ("gpt", "dp --recompute selective", 2),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
     policy, *options = policy.split()
@@ -117,6 +118,12 @@ def test_a_csv_schedule_trains_like_one_device_on_gloo(capsys, tmp_path):
     report = run_json(capsys, "run", "gpt", "--policy", "csv", "--schedule", str(csv),
                       "--devices", "2", "--batch-size", "8", "--steps", "2", "--check")
     assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+
+
+def test_recompute_with_zero_exits_2(capsys):
+    assert main(["plan", "gpt", "--policy", "zero-2", "--devices", "2", "--recompute",
+                 "full"]) == 2
+    assert "--recompute is not available with zero-2" in capsys.readouterr().err
 
 
 def test_csv_policy_without_a_file_exits_2(capsys):

@@ -25,12 +25,9 @@ from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
 from chronotope.policies import (
     SCHEDULES,
-    data_parallel,
     mesh,
     pipeline,
     read_schedule,
-    sequence_parallel,
-    tensor_parallel,
     zero,
 )
 from chronotope.runtime.launch import run_processes
@@ -106,7 +103,7 @@ def _mesh(sequence: bool) -> Callable[[Graph, argparse.Namespace], Plan]:
             raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
         return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
-                    sequence=sequence)
+                    sequence=sequence, recompute=args.recompute)
     return policy
 
 
@@ -122,7 +119,17 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
             batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
             micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
         chunks = args.chunks if schedule == "interleaved" else 1
-        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks)
+        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks,
+                        recompute=args.recompute)
+    return policy
+
+
+def _zero(stage: int) -> Callable[[Graph, argparse.Namespace], Plan]:
+    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
+        if args.recompute:
+            raise PlanError(f"--recompute is not available with zero-{stage} yet; use it with "
+                            "dp, tp, sp, the meshes or the pipelines")
+        return zero(graph, args.devices, stage)
     return policy
 
 
@@ -141,18 +148,17 @@ def _csv_pipeline(graph: Graph, args: argparse.Namespace) -> Plan:
     stages = max(s for _, s, _ in steps) + 1
     micro = max(m for _, _, m in steps) + 1
     return pipeline(graph, ranks, micro, schedule, dp=args.devices // ranks,
-                    chunks=max(1, stages // ranks))
+                    chunks=max(1, stages // ranks), recompute=args.recompute)
 
 
 POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
-    "dp": lambda graph, args: data_parallel(graph, args.devices),
-    "tp": lambda graph, args: tensor_parallel(graph, args.devices),
-    "sp": lambda graph, args: sequence_parallel(graph, args.devices),
+    "dp": lambda graph, args: mesh(graph, dp=args.devices, recompute=args.recompute),
+    "tp": lambda graph, args: mesh(graph, tp=args.devices, recompute=args.recompute),
+    "sp": lambda graph, args: mesh(graph, tp=args.devices, sequence=True,
+                                   recompute=args.recompute),
     "dp-tp": _mesh(sequence=False),
     "dp-sp": _mesh(sequence=True),
-    "zero-1": lambda graph, args: zero(graph, args.devices, 1),
-    "zero-2": lambda graph, args: zero(graph, args.devices, 2),
-    "zero-3": lambda graph, args: zero(graph, args.devices, 3),
+    **{f"zero-{stage}": _zero(stage) for stage in (1, 2, 3)},
     **{name: _pipeline(name) for name in SCHEDULES},
     "csv": _csv_pipeline,
 }
@@ -297,6 +303,10 @@ def parser() -> argparse.ArgumentParser:
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
         cmd.add_argument("--chunks", type=int, default=2,
                          help="stages each pipeline rank holds (interleaved)")
+        cmd.add_argument("--recompute", choices=("full", "selective"),
+                         help="make activations again in backward instead of keeping them: "
+                              "full (all but each block's output) or selective (attention); "
+                              "not with zero-*")
         cmd.add_argument("--schedule", metavar="FILE.csv",
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
                               "format (a row of actions like 0F1, 0B0 per rank)")

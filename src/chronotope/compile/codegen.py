@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import math
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -74,7 +75,7 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Load):
         return [f"{ins.var} = {_load(ins)}"]
     if isinstance(ins, Forward):
-        return _forward(ins)
+        return _no_grad(ins) if ins.recompute else _forward(ins)
     if isinstance(ins, Backward):
         return _backward(ins)
     if isinstance(ins, Send):
@@ -127,9 +128,34 @@ def _render(ins: Instruction) -> list[str]:
     raise TypeError(f"cannot render {ins!r}")
 
 
+def _no_grad(ins: Forward) -> list[str]:
+    """A piece recomputed in its backward: now without a graph, nothing kept."""
+    plain = replace(ins, grad=tuple(False for _ in ins.grad), out_grad=(), linked=(),
+                    input_shares=tuple(1 for _ in ins.input_shares))
+    names = list(ins.ins)
+    lines = []
+    for i, share in enumerate(ins.input_shares):
+        if share != 1:  # a scaled copy: the name itself stays the whole value for others
+            lines.append(f"{names[i]}_share = {names[i]} * {_number(share)}")
+            names[i] = f"{names[i]}_share"
+    body = _forward(replace(plain, ins=tuple(names)))
+    return [body[0].replace(f": {ins.op.op.kind}", f": {ins.op.op.kind}, recomputed in backward",
+                            1),
+            "with torch.no_grad():", *("    " + line for line in lines + body[1:])]
+
+
 def _backward(ins: Backward) -> list[str]:
     """One autograd call: gradients arriving for the pieces' outputs in, their leaves'
     gradients out (those flowing between the pieces stay inside autograd)."""
+    lines = []
+    if ins.recompute:
+        lines.append(f"# recompute {len(ins.recompute)} forward pieces, with their graph")
+        for f in ins.recompute:
+            lines += _forward(f)[1:] if isinstance(f, Forward) else _render(f)
+    return lines + _backward_call(ins)
+
+
+def _backward_call(ins: Backward) -> list[str]:
     pieces = [op.forward.name for op in ins.ops]
     arriving = ", ".join(f"{name!r}: ({_names([g or 'None' for g in grads])})"
                          for name, grads in zip(pieces, ins.grad_outputs)
@@ -199,6 +225,9 @@ def _forward(ins: Forward) -> list[str]:
     if any(ins.grad):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
         lines.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
+    leaves = [n for n in ins_names if n.endswith("_in") and n not in ins.ins]
+    if leaves:  # autograd keeps what the backward needs
+        lines.append(f"del {', '.join(dict.fromkeys(leaves))}")
     return lines
 
 

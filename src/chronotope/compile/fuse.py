@@ -58,6 +58,7 @@ class _Fuser:
             for var in writes(ins):
                 self.defined[var] = ins
         self.forwards = {ins.op: ins for ins in code if isinstance(ins, Forward)}
+        self.position = {id(ins): i for i, ins in enumerate(code)}
         # forward output var -> (piece, position among the outputs that pass a gradient)
         self.output_of: dict[str, tuple[PlanOp, int]] = {}
         for fwd in self.forwards.values():
@@ -89,8 +90,17 @@ class _Fuser:
 
     def close(self, region: _Region, out: list[Instruction]) -> None:
         if region.members:
+            remade: list[Instruction] = [self.forwards[m.ops[0].forward]
+                                         for m in region.members
+                                         if self.forwards[m.ops[0].forward].recompute]
+            made = {v for f in remade for v in writes(f)}
+            views = {id(a): a for f in remade for v in reads(f)  # views between them, again
+                     if isinstance(a := self.defined.get(v), Assemble)
+                     and all(p.src in made for p in a.parts)}
+            remade = sorted([*remade, *views.values()], key=lambda i: self.position[id(i)])
             out.append(Backward(tuple(m.ops[0] for m in region.members),
-                                tuple(map(tuple, region.grads)), tuple(map(tuple, region.outs))))
+                                tuple(map(tuple, region.grads)), tuple(map(tuple, region.outs)),
+                                tuple(remade)))
         out += region.deferred.values()
 
     def join(self, region: _Region, b: Backward, out: list[Instruction]) -> bool:
@@ -157,6 +167,8 @@ class _Fuser:
         origin = self.origin(consumer.ins[i])
         if origin is None or self.output_of.get(origin[0]) != (producer, k):
             return None
+        if consumer.recompute != self.forwards[producer].recompute:
+            return None  # one side's graph is made again in backward, the other's is not
         box = origin[1]
         shape = tuple(producer.outputs[self.graded_output(producer, k)].mask.shape)
         if part is None:
@@ -183,6 +195,8 @@ class _Fuser:
         return [j for j, g in enumerate(self.forwards[producer].out_grad) if g][k]
 
     def patched(self, ins: Instruction) -> Instruction:
+        if isinstance(ins, Backward) and ins.recompute:
+            return replace(ins, recompute=tuple(self.patched(f) for f in ins.recompute))
         if not isinstance(ins, Forward):
             return ins
         linked = tuple((ins.op, i) in self.linked for i in range(len(ins.ins)))

@@ -36,6 +36,7 @@ from chronotope.compile.program import (
     Send,
     covers,
     reads,
+    writes,
 )
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, equal_runs
@@ -205,7 +206,8 @@ class Materializer:
         reduction = op.op.kwargs.get("reduction", "mean")
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
-        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares)
+        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
+                                recompute=op in self.plan.recomputed)
 
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""
@@ -422,6 +424,10 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
     frees: dict[int, list[str]] = defaultdict(list)
     for var, i in last.items():
         frees[i].append(var)
+    for i, ins in enumerate(code):  # made again inside a backward: gone after it, if unread
+        if isinstance(ins, Backward):
+            frees[i] += [v for f in ins.recompute for v in writes(f) if last.get(v, -1) <= i
+                         and v not in frees[i]]
     out: list[Instruction] = []
     for i, ins in enumerate(code):
         out.append(ins)

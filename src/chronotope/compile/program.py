@@ -46,6 +46,7 @@ class Forward:
     input_shares: tuple[Fraction, ...] = ()  # value share of each input this piece takes
     # Inputs that stay connected to their local producer's autograd graph (see fuse.py).
     linked: tuple[bool, ...] = ()
+    recompute: bool = False  # run without a graph now, again in its backward
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""
@@ -64,6 +65,14 @@ class Backward:
     ops: tuple[PlanOp, ...]  # backward pieces; ``op.forward`` is what each differentiates
     grad_outputs: tuple[tuple[str | None, ...], ...]
     outs: tuple[tuple[str | None, ...], ...]
+    # forward pieces (and the views between them) to run again first, in order
+    recompute: tuple[Forward | Assemble, ...] = ()
+
+    def remade_inputs(self) -> tuple[str, ...]:
+        """What the steps run again read from outside them (kept alive until here)."""
+        made = {v for f in self.recompute for v in writes(f)}
+        return tuple(dict.fromkeys(v for f in self.recompute for v in reads(f)
+                                   if v not in made))
 
 
 @dataclass
@@ -267,7 +276,8 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, Forward):
         return ins.ins
     if isinstance(ins, Backward):
-        return tuple(v for vs in ins.grad_outputs for v in vs if v is not None)
+        return (*(v for vs in ins.grad_outputs for v in vs if v is not None),
+                *ins.remade_inputs())
     if isinstance(ins, Assemble):
         return tuple(p.src for p in ins.parts)
     if isinstance(ins, AllReduce):

@@ -113,6 +113,7 @@ class Plan:
         # policy made them (for reading the order back as pipeline steps)
         self.cells: dict[tuple[int, int, int], list[PlanOp]] = {}
         self.registry = registry or DEFAULT_REGISTRY
+        self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         self.orders: list[OrderCall] = []
         self.grads: dict[PTensor, PTensor] = {}
@@ -214,6 +215,15 @@ class Plan:
         self.updates[param] = root
         self.checked = None
         return root
+
+    def recompute(self, ref: Ref) -> None:
+        """Keep none of these forward pieces' activations: their backward runs them again
+        first (activation checkpointing). Only their inputs from outside stay alive."""
+        for leaf in self.leaves(ref):
+            if leaf.is_backward:
+                raise PlanError(f"{leaf.name} is a backward op: recompute its forward op")
+            self.recomputed.add(leaf)
+        self.checked = None
 
     def group(self, ops: Iterable[Ref], name: str) -> Group:
         return Group(name, tuple(ops))

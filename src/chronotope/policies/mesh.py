@@ -134,7 +134,8 @@ def _crossing(ops: Sequence[Op]) -> list[int]:
 
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
-         sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1) -> Plan:
+         sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
+         recompute: str | None = None) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -143,7 +144,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     micro-batches' forwards and backwards in the order of ``schedule`` (see
     ``policies.pipeline``), written as ``plan.order`` calls; with ``chunks`` > 1
     the model is cut into ``pp * chunks`` stages and stage ``v`` runs on stage rank
-    ``v % pp`` (interleaved schedules).
+    ``v % pp`` (interleaved schedules). ``recompute`` is ``"full"`` (keep only each
+    block's output: every other activation is made again in the backward) or
+    ``"selective"`` (make the attention again, keep the rest).
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
@@ -182,10 +185,27 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                 if len(micros) > 1:
                     cells[(i, stage[op], m)].append(sub)
     plan.cells = dict(cells)
+    for op in recomputed(graph, recompute, batch_dim, data | tails):
+        plan.recompute(op.name)
     if pp > 1 and micro > 1:
         _schedule(plan, cells, dp, pp, micro, chunks,
                   SCHEDULES[schedule] if isinstance(schedule, str) else schedule)
     return plan
+
+
+def recomputed(graph: Graph, how: str | None, batch_dim: dict[Op, str | None],
+               keep: set[Op]) -> list[Op]:
+    """The ops a recompute policy makes again in backward (``keep``: never these)."""
+    if how is None:
+        return []
+    if how == "selective":
+        return [op for op in graph.ops if op.kind == "attention"]
+    if how != "full":
+        raise PlanError(f"unknown recompute policy {how!r}: use 'full' or 'selective'")
+    cuts = _crossing(graph.ops)
+    fewest = min(cuts[1:-1], default=0)
+    return [op for i, op in enumerate(graph.ops)
+            if batch_dim[op] is not None and op not in keep and cuts[i + 1] != fewest]
 
 
 def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry) -> set[Op]:

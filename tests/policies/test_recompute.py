@@ -1,0 +1,59 @@
+"""Recompute: activations made again in backward, same training, less kept."""
+
+import warnings
+
+import pytest
+
+import chronotope as ct
+from chronotope.models import get_workload
+from chronotope.policies import mesh, pipeline
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+
+
+def captured(name: str, **kw):
+    w = get_workload(name, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+@pytest.mark.parametrize("name,build", [
+    ("gpt", lambda g: mesh(g, dp=2, recompute="full")),
+    ("llama", lambda g: pipeline(g, 2, 2, "1f1b", recompute="full")),
+    ("bert", lambda g: mesh(g, tp=2, recompute="selective")),
+    ("gpt", lambda g: pipeline(g, 2, 4, "interleaved", chunks=2, recompute="selective")),
+])
+def test_recompute_trains_like_one_device(name, build):
+    w, graph = captured(name)
+    plan = build(graph)
+    assert plan.recomputed
+    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_full_recompute_keeps_fewer_activations():
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    kept = {how: pipeline(graph, 2, 4, "1f1b", recompute=how).check().memory[0].activations
+            for how in (None, "full")}
+    assert kept["full"] < kept[None] / 2
+
+
+def test_recomputed_pieces_run_without_a_graph_then_again_in_backward():
+    _, graph = captured("gpt")
+    code = ct.compile(mesh(graph, dp=2, recompute="selective")).code(0)
+    layers = sum(op.kind == "attention" for op in graph)
+    assert code.count("attention, recomputed in backward") == layers
+    assert code.count("with torch.no_grad():") == layers
+    assert code.count("forward pieces, with their graph") == layers
+    assert code.count("scaled_dot_product_attention(") == 2 * layers  # forward, backward
+
+
+def test_recompute_names_forward_ops_only():
+    _, graph = captured("gpt")
+    plan = mesh(graph, dp=2)
+    with pytest.raises(ct.PlanError, match="backward op: recompute its forward"):
+        plan.recompute(plan.backward("linear"))
+    with pytest.raises(ct.PlanError, match="unknown recompute policy 'some'"):
+        mesh(graph, dp=2, recompute="some")
