@@ -18,17 +18,20 @@ def step(rt):
     idx, wte_weight_in = rt.enter('embedding.0', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding.0', (embedding,))
+    del wte_weight_in
     del idx
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     # embedding_1.0: embedding  (gpt.py:116, wpe)
     arange, wpe_weight_in = rt.enter('embedding_1.0', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding_1.0', (embedding_1,))
+    del wpe_weight_in
     del arange, wpe_weight
     # add.0: add  (gpt.py:116)
     embedding_in, embedding_1_in = rt.enter('add.0', (embedding, embedding_1), (True, True))
     add = operator.add(embedding_in, embedding_1_in)
     rt.leave('add.0', (add,))
+    del embedding_in, embedding_1_in
     del embedding, embedding_1
     h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
@@ -36,6 +39,7 @@ def step(rt):
     h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.0', (h_0_ln_1_weight, h_0_ln_1_bias), (True, True))
     layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm.0', (layer_norm,))
+    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
     del h_0_ln_1_weight, h_0_ln_1_bias
     h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((0, 192),))
@@ -43,6 +47,7 @@ def step(rt):
     h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in = rt.enter('linear.0', (h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True))
     linear = torch._C._nn.linear(layer_norm, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in)
     rt.leave('linear.0', (linear,))
+    del h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
     del layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
     linear_17 = linear[0:2, 0:32, 0:64]
     # chunk.0: narrow  (gpt.py:54, h.0.attn)
@@ -106,6 +111,7 @@ def step(rt):
     h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.0', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
     linear_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
     rt.leave('linear_1.0', (linear_1,))
+    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     # add_1.0: add  (gpt.py:88, h.0)
     add_1 = operator.add(add, linear_1)
@@ -117,6 +123,7 @@ def step(rt):
     h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.0', (h_0_ln_2_weight, h_0_ln_2_bias), (True, True))
     layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_1.0', (layer_norm_1,))
+    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
     del h_0_ln_2_weight, h_0_ln_2_bias
     h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((0, 256),))
@@ -124,6 +131,7 @@ def step(rt):
     h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in = rt.enter('linear_2.0', (h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True))
     linear_2 = torch._C._nn.linear(layer_norm_1, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in)
     rt.leave('linear_2.0', (linear_2,))
+    del h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
     del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
     # gelu.0: gelu  (gpt.py:74, h.0.mlp)
     gelu = torch._C._nn.gelu(linear_2)
@@ -135,6 +143,7 @@ def step(rt):
     h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.0', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
     linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
     rt.leave('linear_3.0', (linear_3,))
+    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     # add_2.0: add  (gpt.py:89, h.0)
     add_2 = operator.add(add_1, linear_3)
@@ -146,6 +155,7 @@ def step(rt):
     h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.0', (h_1_ln_1_weight, h_1_ln_1_bias), (True, True))
     layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_2.0', (layer_norm_2,))
+    del h_1_ln_1_weight_in, h_1_ln_1_bias_in
     del h_1_ln_1_weight, h_1_ln_1_bias
     h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((0, 192),))
@@ -153,6 +163,7 @@ def step(rt):
     h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in = rt.enter('linear_4.0', (h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True))
     linear_4 = torch._C._nn.linear(layer_norm_2, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in)
     rt.leave('linear_4.0', (linear_4,))
+    del h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in
     del layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
     linear_4_1 = linear_4[0:2, 0:32, 0:64]
     # chunk_1.0: narrow  (gpt.py:54, h.1.attn)
@@ -216,6 +227,7 @@ def step(rt):
     h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.0', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True))
     linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
     rt.leave('linear_5.0', (linear_5,))
+    del h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     # add_3.0: add  (gpt.py:88, h.1)
     add_3 = operator.add(add_2, linear_5)
@@ -227,6 +239,7 @@ def step(rt):
     h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.0', (h_1_ln_2_weight, h_1_ln_2_bias), (True, True))
     layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_3.0', (layer_norm_3,))
+    del h_1_ln_2_weight_in, h_1_ln_2_bias_in
     del h_1_ln_2_weight, h_1_ln_2_bias
     h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((0, 256),))
@@ -234,6 +247,7 @@ def step(rt):
     h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in = rt.enter('linear_6.0', (h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True))
     linear_6 = torch._C._nn.linear(layer_norm_3, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in)
     rt.leave('linear_6.0', (linear_6,))
+    del h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in
     del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
     # gelu_1.0: gelu  (gpt.py:74, h.1.mlp)
     gelu_1 = torch._C._nn.gelu(linear_6)
@@ -245,6 +259,7 @@ def step(rt):
     h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.0', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True))
     linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
     rt.leave('linear_7.0', (linear_7,))
+    del h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     # add_4.0: add  (gpt.py:89, h.1)
     add_4 = operator.add(add_3, linear_7)
@@ -256,6 +271,7 @@ def step(rt):
     h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.0', (h_2_ln_1_weight, h_2_ln_1_bias), (True, True))
     layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_4.0', (layer_norm_4,))
+    del h_2_ln_1_weight_in, h_2_ln_1_bias_in
     del h_2_ln_1_weight, h_2_ln_1_bias
     h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((0, 192),))
@@ -263,6 +279,7 @@ def step(rt):
     h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in = rt.enter('linear_8.0', (h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True))
     linear_8 = torch._C._nn.linear(layer_norm_4, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in)
     rt.leave('linear_8.0', (linear_8,))
+    del h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in
     del layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
     linear_8_1 = linear_8[0:2, 0:32, 0:64]
     # chunk_2.0: narrow  (gpt.py:54, h.2.attn)
@@ -326,6 +343,7 @@ def step(rt):
     h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.0', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True))
     linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
     rt.leave('linear_9.0', (linear_9,))
+    del h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     # add_5.0: add  (gpt.py:88, h.2)
     add_5 = operator.add(add_4, linear_9)
@@ -337,6 +355,7 @@ def step(rt):
     h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.0', (h_2_ln_2_weight, h_2_ln_2_bias), (True, True))
     layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_5.0', (layer_norm_5,))
+    del h_2_ln_2_weight_in, h_2_ln_2_bias_in
     del h_2_ln_2_weight, h_2_ln_2_bias
     h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((0, 256),))
@@ -344,6 +363,7 @@ def step(rt):
     h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in = rt.enter('linear_10.0', (h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True))
     linear_10 = torch._C._nn.linear(layer_norm_5, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in)
     rt.leave('linear_10.0', (linear_10,))
+    del h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in
     del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
     # gelu_2.0: gelu  (gpt.py:74, h.2.mlp)
     gelu_2 = torch._C._nn.gelu(linear_10)
@@ -355,6 +375,7 @@ def step(rt):
     h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.0', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True))
     linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
     rt.leave('linear_11.0', (linear_11,))
+    del h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     # add_6.0: add  (gpt.py:89, h.2)
     add_6 = operator.add(add_5, linear_11)
@@ -366,6 +387,7 @@ def step(rt):
     h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.0', (h_3_ln_1_weight, h_3_ln_1_bias), (True, True))
     layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.0', (layer_norm_6,))
+    del h_3_ln_1_weight_in, h_3_ln_1_bias_in
     del h_3_ln_1_weight, h_3_ln_1_bias
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((0, 192),))
@@ -373,6 +395,7 @@ def step(rt):
     h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in = rt.enter('linear_12.0', (h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True))
     linear_12 = torch._C._nn.linear(layer_norm_6, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in)
     rt.leave('linear_12.0', (linear_12,))
+    del h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
     del layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
     linear_12_1 = linear_12[0:2, 0:32, 0:64]
     # chunk_3.0: narrow  (gpt.py:54, h.3.attn)
@@ -436,6 +459,7 @@ def step(rt):
     h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.0', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True))
     linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
     rt.leave('linear_13.0', (linear_13,))
+    del h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     # add_7.0: add  (gpt.py:88, h.3)
     add_7 = operator.add(add_6, linear_13)
@@ -447,6 +471,7 @@ def step(rt):
     h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.0', (h_3_ln_2_weight, h_3_ln_2_bias), (True, True))
     layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.0', (layer_norm_7,))
+    del h_3_ln_2_weight_in, h_3_ln_2_bias_in
     del h_3_ln_2_weight, h_3_ln_2_bias
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((0, 256),))
@@ -454,6 +479,7 @@ def step(rt):
     h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in = rt.enter('linear_14.0', (h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True))
     linear_14 = torch._C._nn.linear(layer_norm_7, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in)
     rt.leave('linear_14.0', (linear_14,))
+    del h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
     del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
     # gelu_3.0: gelu  (gpt.py:74, h.3.mlp)
     gelu_3 = torch._C._nn.gelu(linear_14)
@@ -465,6 +491,7 @@ def step(rt):
     h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.0', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True))
     linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
     rt.leave('linear_15.0', (linear_15,))
+    del h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     # add_8.0: add  (gpt.py:89, h.3)
     add_8 = operator.add(add_7, linear_15)
@@ -476,11 +503,13 @@ def step(rt):
     ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.0', (ln_f_weight, ln_f_bias), (True, True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.0', (layer_norm_8,))
+    del ln_f_weight_in, ln_f_bias_in
     del add_8, ln_f_weight, ln_f_bias
     # linear_16.0: linear  (gpt.py:119, lm_head)
     wte_weight_in, = rt.enter('linear_16.0', (wte_weight,), (True,))
     linear_16 = torch._C._nn.linear(layer_norm_8, wte_weight_in, None)
     rt.leave('linear_16.0', (linear_16,))
+    del wte_weight_in
     del wte_weight, layer_norm_8
     # view_16.0: reshape  (gpt.py:120)
     view_16 = linear_16.reshape((64, 512))

@@ -18,12 +18,14 @@ def step(rt):
     idx, wte_weight_in = rt.enter('embedding.1', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding.1', (embedding,))
+    del wte_weight_in
     del idx, wte_weight
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     # embedding_1.1: embedding  (gpt.py:116, wpe)
     arange, wpe_weight_in = rt.enter('embedding_1.1', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding_1.1', (embedding_1,))
+    del wpe_weight_in
     del arange, wpe_weight
     # add.1: add  (gpt.py:116)
     add = operator.add(embedding, embedding_1)
@@ -35,6 +37,7 @@ def step(rt):
     h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.1', (h_0_ln_1_weight, h_0_ln_1_bias), (True, True))
     layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm.1', (layer_norm,))
+    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
     del h_0_ln_1_weight, h_0_ln_1_bias
     h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((32, 64),))
@@ -42,6 +45,7 @@ def step(rt):
     layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in = rt.enter('linear.0.1', (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
     linear = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in)
     rt.leave('linear.0.1', (linear,))
+    del layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
     del h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
     h_0_attn_c_attn_weight_1 = rt.param('h.0.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_0_attn_c_attn_bias_1 = rt.param('h.0.attn.c_attn.bias', ((96, 128),))
@@ -49,6 +53,7 @@ def step(rt):
     layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in = rt.enter('linear.1.1', (layer_norm, h_0_attn_c_attn_weight_1, h_0_attn_c_attn_bias_1), (True, True, True))
     linear_1 = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in)
     rt.leave('linear.1.1', (linear_1,))
+    del layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in
     del h_0_attn_c_attn_weight_1, h_0_attn_c_attn_bias_1
     h_0_attn_c_attn_weight_2 = rt.param('h.0.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_0_attn_c_attn_bias_2 = rt.param('h.0.attn.c_attn.bias', ((160, 192),))
@@ -56,6 +61,7 @@ def step(rt):
     layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in = rt.enter('linear.2.1', (layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2), (True, True, True))
     linear_2 = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in)
     rt.leave('linear.2.1', (linear_2,))
+    del layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in
     del layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2
     # chunk.1: narrow  (gpt.py:54, h.0.attn)
     chunk = linear.reshape((4, 32, 32))
@@ -116,6 +122,7 @@ def step(rt):
     h_0_attn_c_proj_bias_in = h_0_attn_c_proj_bias_in * 0.5
     linear_1_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
     rt.leave('linear_1.1', (linear_1_1,))
+    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     linear_1_2, = rt.all_reduce([(linear_1_1,)], ranks=(0, 1))
     del linear_1_1
@@ -123,6 +130,7 @@ def step(rt):
     add_in, linear_1_2_in = rt.enter('add_1.1', (add, linear_1_2), (True, True))
     add_1 = operator.add(add_in, linear_1_2_in)
     rt.leave('add_1.1', (add_1,))
+    del add_in, linear_1_2_in
     del add, linear_1_2
     h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
@@ -130,6 +138,7 @@ def step(rt):
     h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.1', (h_0_ln_2_weight, h_0_ln_2_bias), (True, True))
     layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_1.1', (layer_norm_1,))
+    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
     del h_0_ln_2_weight, h_0_ln_2_bias
     h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((128, 256),))
@@ -137,6 +146,7 @@ def step(rt):
     layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in = rt.enter('linear_2.1', (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
     linear_2_1 = torch._C._nn.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in)
     rt.leave('linear_2.1', (linear_2_1,))
+    del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
     del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
     # gelu.1: gelu  (gpt.py:74, h.0.mlp)
     gelu = torch._C._nn.gelu(linear_2_1)
@@ -149,6 +159,7 @@ def step(rt):
     h_0_mlp_c_proj_bias_in = h_0_mlp_c_proj_bias_in * 0.5
     linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
     rt.leave('linear_3.1', (linear_3,))
+    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     linear_3_1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
     del linear_3
@@ -156,6 +167,7 @@ def step(rt):
     add_1_in, linear_3_1_in = rt.enter('add_2.1', (add_1, linear_3_1), (True, True))
     add_2 = operator.add(add_1_in, linear_3_1_in)
     rt.leave('add_2.1', (add_2,))
+    del add_1_in, linear_3_1_in
     del add_1, linear_3_1
     h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
     h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
@@ -163,6 +175,7 @@ def step(rt):
     h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.1', (h_1_ln_1_weight, h_1_ln_1_bias), (True, True))
     layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_2.1', (layer_norm_2,))
+    del h_1_ln_1_weight_in, h_1_ln_1_bias_in
     del h_1_ln_1_weight, h_1_ln_1_bias
     h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((32, 64),))
@@ -170,6 +183,7 @@ def step(rt):
     layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in = rt.enter('linear_4.0.1', (layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True, True))
     linear_4 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in)
     rt.leave('linear_4.0.1', (linear_4,))
+    del layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in
     del h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
     h_1_attn_c_attn_weight_1 = rt.param('h.1.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_1_attn_c_attn_bias_1 = rt.param('h.1.attn.c_attn.bias', ((96, 128),))
@@ -177,6 +191,7 @@ def step(rt):
     layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in = rt.enter('linear_4.1.1', (layer_norm_2, h_1_attn_c_attn_weight_1, h_1_attn_c_attn_bias_1), (True, True, True))
     linear_4_1 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in)
     rt.leave('linear_4.1.1', (linear_4_1,))
+    del layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in
     del h_1_attn_c_attn_weight_1, h_1_attn_c_attn_bias_1
     h_1_attn_c_attn_weight_2 = rt.param('h.1.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_1_attn_c_attn_bias_2 = rt.param('h.1.attn.c_attn.bias', ((160, 192),))
@@ -184,6 +199,7 @@ def step(rt):
     layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in = rt.enter('linear_4.2.1', (layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2), (True, True, True))
     linear_4_2 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in)
     rt.leave('linear_4.2.1', (linear_4_2,))
+    del layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in
     del layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2
     # chunk_1.1: narrow  (gpt.py:54, h.1.attn)
     chunk_1 = linear_4.reshape((4, 32, 32))
@@ -244,6 +260,7 @@ def step(rt):
     h_1_attn_c_proj_bias_in = h_1_attn_c_proj_bias_in * 0.5
     linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
     rt.leave('linear_5.1', (linear_5,))
+    del h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     linear_5_1, = rt.all_reduce([(linear_5,)], ranks=(0, 1))
     del linear_5
@@ -251,6 +268,7 @@ def step(rt):
     add_2_in, linear_5_1_in = rt.enter('add_3.1', (add_2, linear_5_1), (True, True))
     add_3 = operator.add(add_2_in, linear_5_1_in)
     rt.leave('add_3.1', (add_3,))
+    del add_2_in, linear_5_1_in
     del add_2, linear_5_1
     h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
     h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
@@ -258,6 +276,7 @@ def step(rt):
     h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.1', (h_1_ln_2_weight, h_1_ln_2_bias), (True, True))
     layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_3.1', (layer_norm_3,))
+    del h_1_ln_2_weight_in, h_1_ln_2_bias_in
     del h_1_ln_2_weight, h_1_ln_2_bias
     h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((128, 256),))
@@ -265,6 +284,7 @@ def step(rt):
     layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in = rt.enter('linear_6.1', (layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True, True))
     linear_6 = torch._C._nn.linear(layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in)
     rt.leave('linear_6.1', (linear_6,))
+    del layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in
     del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
     # gelu_1.1: gelu  (gpt.py:74, h.1.mlp)
     gelu_1 = torch._C._nn.gelu(linear_6)
@@ -277,6 +297,7 @@ def step(rt):
     h_1_mlp_c_proj_bias_in = h_1_mlp_c_proj_bias_in * 0.5
     linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
     rt.leave('linear_7.1', (linear_7,))
+    del h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     linear_7_1, = rt.all_reduce([(linear_7,)], ranks=(0, 1))
     del linear_7
@@ -284,6 +305,7 @@ def step(rt):
     add_3_in, linear_7_1_in = rt.enter('add_4.1', (add_3, linear_7_1), (True, True))
     add_4 = operator.add(add_3_in, linear_7_1_in)
     rt.leave('add_4.1', (add_4,))
+    del add_3_in, linear_7_1_in
     del add_3, linear_7_1
     h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
     h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
@@ -291,6 +313,7 @@ def step(rt):
     h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.1', (h_2_ln_1_weight, h_2_ln_1_bias), (True, True))
     layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_4.1', (layer_norm_4,))
+    del h_2_ln_1_weight_in, h_2_ln_1_bias_in
     del h_2_ln_1_weight, h_2_ln_1_bias
     h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((32, 64),))
@@ -298,6 +321,7 @@ def step(rt):
     layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in = rt.enter('linear_8.0.1', (layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True, True))
     linear_8 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in)
     rt.leave('linear_8.0.1', (linear_8,))
+    del layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in
     del h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
     h_2_attn_c_attn_weight_1 = rt.param('h.2.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_2_attn_c_attn_bias_1 = rt.param('h.2.attn.c_attn.bias', ((96, 128),))
@@ -305,6 +329,7 @@ def step(rt):
     layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in = rt.enter('linear_8.1.1', (layer_norm_4, h_2_attn_c_attn_weight_1, h_2_attn_c_attn_bias_1), (True, True, True))
     linear_8_1 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in)
     rt.leave('linear_8.1.1', (linear_8_1,))
+    del layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in
     del h_2_attn_c_attn_weight_1, h_2_attn_c_attn_bias_1
     h_2_attn_c_attn_weight_2 = rt.param('h.2.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_2_attn_c_attn_bias_2 = rt.param('h.2.attn.c_attn.bias', ((160, 192),))
@@ -312,6 +337,7 @@ def step(rt):
     layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in = rt.enter('linear_8.2.1', (layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2), (True, True, True))
     linear_8_2 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in)
     rt.leave('linear_8.2.1', (linear_8_2,))
+    del layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in
     del layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2
     # chunk_2.1: narrow  (gpt.py:54, h.2.attn)
     chunk_2 = linear_8.reshape((4, 32, 32))
@@ -372,6 +398,7 @@ def step(rt):
     h_2_attn_c_proj_bias_in = h_2_attn_c_proj_bias_in * 0.5
     linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
     rt.leave('linear_9.1', (linear_9,))
+    del h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     linear_9_1, = rt.all_reduce([(linear_9,)], ranks=(0, 1))
     del linear_9
@@ -379,6 +406,7 @@ def step(rt):
     add_4_in, linear_9_1_in = rt.enter('add_5.1', (add_4, linear_9_1), (True, True))
     add_5 = operator.add(add_4_in, linear_9_1_in)
     rt.leave('add_5.1', (add_5,))
+    del add_4_in, linear_9_1_in
     del add_4, linear_9_1
     h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
     h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
@@ -386,6 +414,7 @@ def step(rt):
     h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.1', (h_2_ln_2_weight, h_2_ln_2_bias), (True, True))
     layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_5.1', (layer_norm_5,))
+    del h_2_ln_2_weight_in, h_2_ln_2_bias_in
     del h_2_ln_2_weight, h_2_ln_2_bias
     h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((128, 256),))
@@ -393,6 +422,7 @@ def step(rt):
     layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in = rt.enter('linear_10.1', (layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True, True))
     linear_10 = torch._C._nn.linear(layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in)
     rt.leave('linear_10.1', (linear_10,))
+    del layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in
     del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
     # gelu_2.1: gelu  (gpt.py:74, h.2.mlp)
     gelu_2 = torch._C._nn.gelu(linear_10)
@@ -405,6 +435,7 @@ def step(rt):
     h_2_mlp_c_proj_bias_in = h_2_mlp_c_proj_bias_in * 0.5
     linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
     rt.leave('linear_11.1', (linear_11,))
+    del h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     linear_11_1, = rt.all_reduce([(linear_11,)], ranks=(0, 1))
     del linear_11
@@ -412,6 +443,7 @@ def step(rt):
     add_5_in, linear_11_1_in = rt.enter('add_6.1', (add_5, linear_11_1), (True, True))
     add_6 = operator.add(add_5_in, linear_11_1_in)
     rt.leave('add_6.1', (add_6,))
+    del add_5_in, linear_11_1_in
     del add_5, linear_11_1
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
@@ -419,6 +451,7 @@ def step(rt):
     h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.1', (h_3_ln_1_weight, h_3_ln_1_bias), (True, True))
     layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.1', (layer_norm_6,))
+    del h_3_ln_1_weight_in, h_3_ln_1_bias_in
     del h_3_ln_1_weight, h_3_ln_1_bias
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((32, 64),))
@@ -426,6 +459,7 @@ def step(rt):
     layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in = rt.enter('linear_12.0.1', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True, True))
     linear_12 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in)
     rt.leave('linear_12.0.1', (linear_12,))
+    del layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
     del h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
     h_3_attn_c_attn_weight_1 = rt.param('h.3.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_3_attn_c_attn_bias_1 = rt.param('h.3.attn.c_attn.bias', ((96, 128),))
@@ -433,6 +467,7 @@ def step(rt):
     layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in = rt.enter('linear_12.1.1', (layer_norm_6, h_3_attn_c_attn_weight_1, h_3_attn_c_attn_bias_1), (True, True, True))
     linear_12_1 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in)
     rt.leave('linear_12.1.1', (linear_12_1,))
+    del layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in
     del h_3_attn_c_attn_weight_1, h_3_attn_c_attn_bias_1
     h_3_attn_c_attn_weight_2 = rt.param('h.3.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_3_attn_c_attn_bias_2 = rt.param('h.3.attn.c_attn.bias', ((160, 192),))
@@ -440,6 +475,7 @@ def step(rt):
     layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in = rt.enter('linear_12.2.1', (layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2), (True, True, True))
     linear_12_2 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in)
     rt.leave('linear_12.2.1', (linear_12_2,))
+    del layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in
     del layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2
     # chunk_3.1: narrow  (gpt.py:54, h.3.attn)
     chunk_3 = linear_12.reshape((4, 32, 32))
@@ -500,6 +536,7 @@ def step(rt):
     h_3_attn_c_proj_bias_in = h_3_attn_c_proj_bias_in * 0.5
     linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
     rt.leave('linear_13.1', (linear_13,))
+    del h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     linear_13_1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
@@ -507,6 +544,7 @@ def step(rt):
     add_6_in, linear_13_1_in = rt.enter('add_7.1', (add_6, linear_13_1), (True, True))
     add_7 = operator.add(add_6_in, linear_13_1_in)
     rt.leave('add_7.1', (add_7,))
+    del add_6_in, linear_13_1_in
     del add_6, linear_13_1
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
@@ -514,6 +552,7 @@ def step(rt):
     h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.1', (h_3_ln_2_weight, h_3_ln_2_bias), (True, True))
     layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.1', (layer_norm_7,))
+    del h_3_ln_2_weight_in, h_3_ln_2_bias_in
     del h_3_ln_2_weight, h_3_ln_2_bias
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((128, 256),))
@@ -521,6 +560,7 @@ def step(rt):
     layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in = rt.enter('linear_14.1', (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
     linear_14 = torch._C._nn.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in)
     rt.leave('linear_14.1', (linear_14,))
+    del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
     del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
     # gelu_3.1: gelu  (gpt.py:74, h.3.mlp)
     gelu_3 = torch._C._nn.gelu(linear_14)
@@ -533,6 +573,7 @@ def step(rt):
     h_3_mlp_c_proj_bias_in = h_3_mlp_c_proj_bias_in * 0.5
     linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
     rt.leave('linear_15.1', (linear_15,))
+    del h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     linear_15_1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
@@ -540,6 +581,7 @@ def step(rt):
     add_7_in, linear_15_1_in = rt.enter('add_8.1', (add_7, linear_15_1), (True, True))
     add_8 = operator.add(add_7_in, linear_15_1_in)
     rt.leave('add_8.1', (add_8,))
+    del add_7_in, linear_15_1_in
     del add_7, linear_15_1
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
@@ -547,12 +589,14 @@ def step(rt):
     ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.1', (ln_f_weight, ln_f_bias), (True, True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.1', (layer_norm_8,))
+    del ln_f_weight_in, ln_f_bias_in
     del add_8, ln_f_weight, ln_f_bias
     wte_weight_1 = rt.param('wte.weight', ((0, 512), (0, 64)))[256:512, 0:64]
     # linear_16.1: linear  (gpt.py:119, lm_head)
     layer_norm_8_in, wte_weight_1_in = rt.enter('linear_16.1', (layer_norm_8, wte_weight_1), (True, True))
     linear_16 = torch._C._nn.linear(layer_norm_8_in, wte_weight_1_in, None)
     rt.leave('linear_16.1', (linear_16,))
+    del layer_norm_8_in, wte_weight_1_in
     del layer_norm_8, wte_weight_1
     # view_16.1: reshape  (gpt.py:120)
     view_16 = linear_16.reshape((128, 256))
@@ -568,6 +612,7 @@ def step(rt):
     view_16_1_in, view_17 = rt.enter('cross_entropy_sum.1', (view_16_1, view_17), (True, False))
     cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_1_in, target=view_17, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum', label_smoothing=0.0)
     rt.leave('cross_entropy_sum.1', (cross_entropy_sum,))
+    del view_16_1_in
     del view_16_1
     # cross_entropy_count.1: loss_denominator  (gpt.py:120)
     cross_entropy_count = rt.target('cross_entropy_count')(view_17, None, -100, torch.float32)
