@@ -96,7 +96,7 @@ def test_run_check_matches_one_device(capsys):
     ("gpt", "dp-tp --tp 1 --pp 2 --micro 2", 4),
     ("gpt", "1f1b", 4), ("llama", "gpipe --micro 2", 2), ("bert", "1f1b --pp 2", 4),
     ("gpt", "interleaved --chunks 2", 2), ("llama", "1f1b --recompute full", 2),
-    ("gpt", "dp --recompute selective", 2),
+    ("gpt", "dp --recompute selective", 2), ("gpt", "1f1b --swap full", 2),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
     policy, *options = policy.split()
@@ -123,7 +123,7 @@ def test_a_csv_schedule_trains_like_one_device_on_gloo(capsys, tmp_path):
 def test_recompute_with_zero_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "zero-2", "--devices", "2", "--recompute",
                  "full"]) == 2
-    assert "--recompute is not available with zero-2" in capsys.readouterr().err
+    assert "--recompute and --swap are not available with zero-2" in capsys.readouterr().err
 
 
 def test_csv_policy_without_a_file_exits_2(capsys):

@@ -103,7 +103,7 @@ def _mesh(sequence: bool) -> Callable[[Graph, argparse.Namespace], Plan]:
             raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
         return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
-                    sequence=sequence, recompute=args.recompute)
+                    sequence=sequence, **_activations(args))
     return policy
 
 
@@ -120,15 +120,20 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
             micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
         chunks = args.chunks if schedule == "interleaved" else 1
         return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks,
-                        recompute=args.recompute)
+                        **_activations(args))
     return policy
+
+
+def _activations(args: argparse.Namespace) -> dict[str, str | None]:
+    """What the policy does with activations: keep, recompute or swap (--recompute, --swap)."""
+    return {"recompute": args.recompute, "swap": args.swap}
 
 
 def _zero(stage: int) -> Callable[[Graph, argparse.Namespace], Plan]:
     def policy(graph: Graph, args: argparse.Namespace) -> Plan:
-        if args.recompute:
-            raise PlanError(f"--recompute is not available with zero-{stage} yet; use it with "
-                            "dp, tp, sp, the meshes or the pipelines")
+        if args.recompute or args.swap:
+            raise PlanError(f"--recompute and --swap are not available with zero-{stage} yet; "
+                            "use them with dp, tp, sp, the meshes or the pipelines")
         return zero(graph, args.devices, stage)
     return policy
 
@@ -148,14 +153,13 @@ def _csv_pipeline(graph: Graph, args: argparse.Namespace) -> Plan:
     stages = max(s for _, s, _ in steps) + 1
     micro = max(m for _, _, m in steps) + 1
     return pipeline(graph, ranks, micro, schedule, dp=args.devices // ranks,
-                    chunks=max(1, stages // ranks), recompute=args.recompute)
+                    chunks=max(1, stages // ranks), **_activations(args))
 
 
 POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
-    "dp": lambda graph, args: mesh(graph, dp=args.devices, recompute=args.recompute),
-    "tp": lambda graph, args: mesh(graph, tp=args.devices, recompute=args.recompute),
-    "sp": lambda graph, args: mesh(graph, tp=args.devices, sequence=True,
-                                   recompute=args.recompute),
+    "dp": lambda graph, args: mesh(graph, dp=args.devices, **_activations(args)),
+    "tp": lambda graph, args: mesh(graph, tp=args.devices, **_activations(args)),
+    "sp": lambda graph, args: mesh(graph, tp=args.devices, sequence=True, **_activations(args)),
     "dp-tp": _mesh(sequence=False),
     "dp-sp": _mesh(sequence=True),
     **{f"zero-{stage}": _zero(stage) for stage in (1, 2, 3)},
@@ -307,6 +311,9 @@ def parser() -> argparse.ArgumentParser:
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "
                               "not with zero-*")
+        cmd.add_argument("--swap", choices=("full", "selective"),
+                         help="keep what the same ops save for backward in CPU memory "
+                              "instead (activation swap); not with zero-*")
         cmd.add_argument("--schedule", metavar="FILE.csv",
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
                               "format (a row of actions like 0F1, 0B0 per rank)")

@@ -1,4 +1,4 @@
-"""Recompute: activations made again in backward, same training, less kept."""
+"""Recompute and swap: activations made again in backward or kept in CPU memory."""
 
 import warnings
 
@@ -57,3 +57,32 @@ def test_recompute_names_forward_ops_only():
         plan.recompute(plan.backward("linear"))
     with pytest.raises(ct.PlanError, match="unknown recompute policy 'some'"):
         mesh(graph, dp=2, recompute="some")
+
+
+@pytest.mark.parametrize("name,build", [
+    ("gpt", lambda g: mesh(g, dp=2, swap="full")),
+    ("llama", lambda g: pipeline(g, 2, 2, "1f1b", swap="selective")),
+])
+def test_swapped_activations_train_like_one_device(name, build):
+    w, graph = captured(name)
+    plan = build(graph)
+    assert plan.swapped and not plan.recomputed
+    code = ct.compile(plan).code(0)
+    assert "torch.autograd.graph.save_on_cpu(" in code
+    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_swap_keeps_fewer_activations_on_the_device():
+    _, graph = captured("gpt", n_layer=4, batch_size=8)
+    kept = {how: pipeline(graph, 2, 4, "1f1b", swap=how).check().memory[0].activations
+            for how in (None, "full")}
+    assert kept["full"] < kept[None] / 2
+
+
+def test_an_op_is_recomputed_or_swapped_not_both():
+    _, graph = captured("gpt")
+    plan = mesh(graph, dp=2, recompute="selective")
+    with pytest.raises(ct.PlanError, match="already recomputed or swapped"):
+        plan.swap("scaled_dot_product_attention")

@@ -216,10 +216,13 @@ def _forward(ins: Forward) -> list[str]:
         call = f"{ins_names[0]}.reshape({tuple(op.outputs[0].mask.shape)})"
     else:
         call = _local_shape_call(ins, args) or _call(op.op.target, op.op.name, args, kwargs)
-    if len(ins.outs) == 1:
-        lines.append(f"{ins.outs[0]} = {call}")
+    assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
+        f"{_targets(ins.outs)} = rt.tensors({call})"
+    if ins.swap:  # saved tensors go to CPU memory now and come back for the backward
+        lines += ["with torch.autograd.graph.save_on_cpu(pin_memory=rt.device.type == 'cuda'):",
+                  "    " + assign]
     else:
-        lines.append(f"{_targets(ins.outs)} = rt.tensors({call})")
+        lines.append(assign)
     if ins.output_scale != 1:
         lines.append(f"{ins.outs[0]} = {ins.outs[0]} * {_number(ins.output_scale)}")
     if any(ins.grad):

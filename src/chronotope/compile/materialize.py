@@ -207,7 +207,8 @@ class Materializer:
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
         self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
-                                recompute=op in self.plan.recomputed)
+                                recompute=op in self.plan.recomputed,
+                                swap=op in self.plan.swapped)
 
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""

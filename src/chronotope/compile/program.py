@@ -47,6 +47,7 @@ class Forward:
     # Inputs that stay connected to their local producer's autograd graph (see fuse.py).
     linked: tuple[bool, ...] = ()
     recompute: bool = False  # run without a graph now, again in its backward
+    swap: bool = False  # what it saves for its backward waits in CPU memory
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""

@@ -284,10 +284,11 @@ def _nbytes(v: VTensor) -> int:
     return v.mask.numel * v.ptensor.dtype.itemsize
 
 
-def _reads(op: PlanOp, remade: set[tuple]) -> tuple[VTensor, ...]:
+def _reads(op: PlanOp, remade: set[tuple], swapped: set[PlanOp]) -> tuple[VTensor, ...]:
     """A backward piece also reads what its forward saved: the forward's inputs and outputs;
-    a recomputed one only the inputs it does not make again (``remade``)."""
-    if op.forward is None:
+    a recomputed one only the inputs it does not make again (``remade``), a swapped one
+    nothing (its saved tensors wait in CPU memory)."""
+    if op.forward is None or op.forward in swapped:
         return op.inputs
     if (op.forward.device, op.forward) in remade:
         return (*op.inputs, *(v for v in op.forward.inputs
@@ -303,7 +304,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
     remade = {(op.device, op) for op in plan.recomputed} | {
         (op.device, v.ptensor, v.mask) for op in plan.recomputed for v in op.outputs}
     for i, op in enumerate(seq):
-        for v in (*_reads(op, remade), *op.outputs):
+        for v in (*_reads(op, remade, plan.swapped), *op.outputs):
             if v.ptensor.kind is TensorKind.PARAM or v.ptensor in param_grads:
                 continue  # counted with the parameters
             key = (v.ptensor, v.mask)

@@ -114,6 +114,7 @@ class Plan:
         self.cells: dict[tuple[int, int, int], list[PlanOp]] = {}
         self.registry = registry or DEFAULT_REGISTRY
         self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
+        self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         self.orders: list[OrderCall] = []
         self.grads: dict[PTensor, PTensor] = {}
@@ -219,10 +220,20 @@ class Plan:
     def recompute(self, ref: Ref) -> None:
         """Keep none of these forward pieces' activations: their backward runs them again
         first (activation checkpointing). Only their inputs from outside stay alive."""
+        self._mark(ref, self.recomputed, "recompute", self.swapped)
+
+    def swap(self, ref: Ref) -> None:
+        """Keep what these forward pieces save for their backward in CPU memory: out after
+        the forward, back when the backward needs it (activation swap)."""
+        self._mark(ref, self.swapped, "swap", self.recomputed)
+
+    def _mark(self, ref: Ref, into: set[PlanOp], what: str, other: set[PlanOp]) -> None:
         for leaf in self.leaves(ref):
             if leaf.is_backward:
-                raise PlanError(f"{leaf.name} is a backward op: recompute its forward op")
-            self.recomputed.add(leaf)
+                raise PlanError(f"{leaf.name} is a backward op: {what} its forward op")
+            if leaf in other:
+                raise PlanError(f"{leaf.name} is already recomputed or swapped: choose one")
+            into.add(leaf)
         self.checked = None
 
     def group(self, ops: Iterable[Ref], name: str) -> Group:

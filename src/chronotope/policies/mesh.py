@@ -135,7 +135,7 @@ def _crossing(ops: Sequence[Op]) -> list[int]:
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
-         recompute: str | None = None) -> Plan:
+         recompute: str | None = None, swap: str | None = None) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -146,7 +146,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     the model is cut into ``pp * chunks`` stages and stage ``v`` runs on stage rank
     ``v % pp`` (interleaved schedules). ``recompute`` is ``"full"`` (keep only each
     block's output: every other activation is made again in the backward) or
-    ``"selective"`` (make the attention again, keep the rest).
+    ``"selective"`` (make the attention again, keep the rest); ``swap`` picks ops the
+    same way and keeps what they save for backward in CPU memory instead.
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
@@ -185,23 +186,26 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                 if len(micros) > 1:
                     cells[(i, stage[op], m)].append(sub)
     plan.cells = dict(cells)
-    for op in recomputed(graph, recompute, batch_dim, data | tails):
+    for op in checkpointed(graph, recompute, "recompute", batch_dim, data | tails):
         plan.recompute(op.name)
+    for op in checkpointed(graph, swap, "swap", batch_dim, data | tails):
+        plan.swap(op.name)
     if pp > 1 and micro > 1:
         _schedule(plan, cells, dp, pp, micro, chunks,
                   SCHEDULES[schedule] if isinstance(schedule, str) else schedule)
     return plan
 
 
-def recomputed(graph: Graph, how: str | None, batch_dim: dict[Op, str | None],
-               keep: set[Op]) -> list[Op]:
-    """The ops a recompute policy makes again in backward (``keep``: never these)."""
+def checkpointed(graph: Graph, how: str | None, what: str, batch_dim: dict[Op, str | None],
+                 keep: set[Op]) -> list[Op]:
+    """The ops whose activations a recompute or swap policy does not keep on the device:
+    ``"full"`` all but each block's output, ``"selective"`` the attention (never ``keep``)."""
     if how is None:
         return []
     if how == "selective":
         return [op for op in graph.ops if op.kind == "attention"]
     if how != "full":
-        raise PlanError(f"unknown recompute policy {how!r}: use 'full' or 'selective'")
+        raise PlanError(f"unknown {what} policy {how!r}: use 'full' or 'selective'")
     cuts = _crossing(graph.ops)
     fewest = min(cuts[1:-1], default=0)
     return [op for i, op in enumerate(graph.ops)

@@ -123,15 +123,16 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
 
 
 def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *,
-             dp: int = 1, tp: int = 1, chunks: int = 1, recompute: str | None = None) -> Plan:
+             dp: int = 1, tp: int = 1, chunks: int = 1, recompute: str | None = None,
+             swap: str | None = None) -> Plan:
     """``stages`` pipeline ranks (times ``tp`` tensor-parallel devices each, times ``dp``
     data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order;
     with ``chunks`` > 1 (interleaved), each rank holds that many stages; ``recompute``
-    as in ``mesh``."""
+    and ``swap`` as in ``mesh``."""
     from chronotope.policies.mesh import mesh
 
     return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
-                chunks=chunks, recompute=recompute)
+                chunks=chunks, recompute=recompute, swap=swap)
 
 
 def step_of(plan: Plan) -> dict[PlanOp, str]:
