@@ -44,6 +44,7 @@ from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
 
 _RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
+_DERIVED = ("_in", "_share")  # suffixes codegen adds to a name
 _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
             TensorKind.CONSTANT: "constant", TensorKind.INPUT: "input"}
 
@@ -89,8 +90,8 @@ class Materializer:
         base = re.sub(r"\W", "_", hint).strip("_") or "t"
         if base[0].isdigit():
             base = "t_" + base
-        if keyword.iskeyword(base) or base in _RESERVED:
-            base += "_"
+        if keyword.iskeyword(base) or base in _RESERVED or base.endswith(_DERIVED):
+            base += "_"  # codegen derives ``x_in`` (a leaf) and ``x_share`` from names
         name, i = base, 1
         while name in self.shapes[rank]:
             name, i = f"{base}_{i}", i + 1
