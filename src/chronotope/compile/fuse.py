@@ -8,6 +8,8 @@ local producer's output (or a view of it) stays connected to that producer, the
 gradient between them flows inside autograd, and the pieces share one call.
 What crosses the region's edge (gradients arriving from outside, gradients of
 its leaves) is computed exactly as before, so communication does not change.
+A region also runs its recomputed forward pieces again first (``plan.recompute``);
+an edge between a recomputed piece and a kept one is never linked.
 """
 
 from __future__ import annotations
