@@ -24,6 +24,7 @@ from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
 from chronotope.policies import (
+    MULTI_STAGE,
     SCHEDULES,
     mesh,
     pipeline,
@@ -118,7 +119,7 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
         if micro == 1:  # up to two per stage, as many as the batch allows
             batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
             micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
-        chunks = args.chunks if schedule == "interleaved" else 1
+        chunks = args.chunks if schedule in MULTI_STAGE else 1
         return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks,
                         **_activations(args))
     return policy
@@ -294,8 +295,10 @@ def parser() -> argparse.ArgumentParser:
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
-                              "+ gradients, + weights; gpipe, 1f1b, interleaved: pipeline "
-                              "schedules; csv: a pipeline in the order of --schedule")
+                              "+ gradients, + weights; gpipe, 1f1b, interleaved, zb1, zbv: "
+                              "pipeline schedules (zb*: zero bubble, backward split into "
+                              "input and weight gradients); csv: a pipeline in the order of "
+                              "--schedule")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
@@ -306,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
         cmd.add_argument("--chunks", type=int, default=2,
-                         help="stages each pipeline rank holds (interleaved)")
+                         help="stages each pipeline rank holds (interleaved; zbv: 2)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "
@@ -316,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
                               "instead (activation swap); not with zero-*")
         cmd.add_argument("--schedule", metavar="FILE.csv",
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
-                              "format (a row of actions like 0F1, 0B0 per rank)")
+                              "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")

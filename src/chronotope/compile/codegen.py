@@ -36,6 +36,7 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Send,
+    WeightGrad,
     covers,
 )
 from chronotope.graph.ir import DEVICE, PTensor
@@ -78,6 +79,9 @@ def _render(ins: Instruction) -> list[str]:
         return _no_grad(ins) if ins.recompute else _forward(ins)
     if isinstance(ins, Backward):
         return _backward(ins)
+    if isinstance(ins, WeightGrad):
+        return [f"# {ins.op.name}: weight gradients of {ins.op.forward.name}",
+                f"{_targets(ins.outs)} = rt.weight({ins.op.forward.name!r})"]
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Recv):
@@ -201,9 +205,10 @@ def _forward(ins: Forward) -> list[str]:
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
         leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
+        later = f", later={tuple(ins.later[i] for i in entering)}" if ins.later else ""
         lines.append(f"{_targets(leaves)} = rt.enter({op.name!r}, "
                      f"({_names([ins_names[i] for i in entering])}), "
-                     f"{tuple(ins.grad[i] for i in entering)})")
+                     f"{tuple(ins.grad[i] for i in entering)}{later})")
         for i, leaf in zip(entering, leaves):
             ins_names[i] = leaf
     for i, share in enumerate(ins.input_shares):

@@ -8,6 +8,7 @@ local producer's output (or a view of it) stays connected to that producer, the
 gradient between them flows inside autograd, and the pieces share one call.
 What crosses the region's edge (gradients arriving from outside, gradients of
 its leaves) is computed exactly as before, so communication does not change.
+The weight-gradient part of a split backward runs after its region's call.
 A region also runs its recomputed forward pieces again first (``plan.recompute``);
 an edge between a recomputed piece and a kept one is never linked.
 """
@@ -25,13 +26,14 @@ from chronotope.compile.program import (
     Load,
     Part,
     Slices,
+    WeightGrad,
     covers,
     reads,
     writes,
 )
 from chronotope.plan.plan import PlanOp
 
-_LOCAL = (Backward, Assemble, Load)  # what a region may span: no communication
+_LOCAL = (Backward, Assemble, Load, WeightGrad)  # what a region may span: no communication
 
 
 @dataclass
@@ -82,7 +84,9 @@ class _Fuser:
                     self.close(region, out)
                     region = _Region()
                     self.join(region, ins, out)
-            elif set(reads(ins)) & region.pending:
+            elif set(reads(ins)) & region.pending or (  # needs the region's call first
+                    isinstance(ins, WeightGrad)
+                    and any(m.ops[0].forward is ins.op.forward for m in region.members)):
                 region.deferred[id(ins)] = ins
                 region.pending.update(writes(ins))
             else:
@@ -165,7 +169,7 @@ class _Fuser:
             return None
         m, j = region.leaving_at[gx]
         consumer = self.forwards[region.members[m].ops[0].forward]
-        i = [x for x, g in enumerate(consumer.grad) if g][j]
+        i = consumer.input_grads()[j]
         origin = self.origin(consumer.ins[i])
         if origin is None or self.output_of.get(origin[0]) != (producer, k):
             return None

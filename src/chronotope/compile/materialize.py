@@ -34,6 +34,7 @@ from chronotope.compile.program import (
     PushParam,
     Recv,
     Send,
+    WeightGrad,
     covers,
     reads,
     writes,
@@ -191,10 +192,13 @@ class Materializer:
 
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
-        ins = tuple(self.read(rank, v, pre) for v in op.inputs)
         outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
         for v, var in zip(op.outputs, outs):
             self.local[rank].setdefault((v.ptensor, v.mask), var)
+        if op.weight:  # reads nothing: its input part's call kept what it needs
+            self.main[op] = WeightGrad(op, tuple(outs))
+            return
+        ins = tuple(self.read(rank, v, pre) for v in op.inputs)
         if op.is_backward:
             self.main[op] = Backward((op,), (ins,), (tuple(outs),))
             return
@@ -207,9 +211,13 @@ class Materializer:
         reduction = op.op.kwargs.get("reduction", "mean")
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
+        later = ()
+        if op in self.plan.split and self.plan.weight_op(op) is not None:
+            later = tuple(g and v.ptensor.kind is TensorKind.PARAM
+                          for v, g in zip(op.inputs, grad))
         self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
                                 recompute=op in self.plan.recomputed,
-                                swap=op in self.plan.swapped)
+                                swap=op in self.plan.swapped, later=later)
 
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""

@@ -48,10 +48,16 @@ class Forward:
     linked: tuple[bool, ...] = ()
     recompute: bool = False  # run without a graph now, again in its backward
     swap: bool = False  # what it saves for its backward waits in CPU memory
+    later: tuple[bool, ...] = ()  # inputs whose gradient a WeightGrad computes (split backward)
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""
         return self.grad[i] and not (self.linked and self.linked[i])
+
+    def input_grads(self) -> list[int]:
+        """The inputs whose gradients its backward call gives (in order): not those a
+        ``WeightGrad`` gives later."""
+        return [i for i, g in enumerate(self.grad) if g and not (self.later and self.later[i])]
 
 
 @dataclass
@@ -74,6 +80,15 @@ class Backward:
         made = {v for f in self.recompute for v in writes(f)}
         return tuple(dict.fromkeys(v for f in self.recompute for v in reads(f)
                                    if v not in made))
+
+
+@dataclass
+class WeightGrad:
+    """The weight-gradient part of a split backward: what the input part's autograd call
+    kept (the gradients at the piece's outputs, its graph) gives its parameters' gradients."""
+
+    op: PlanOp  # the weight-gradient piece; ``op.forward`` is what it differentiates
+    outs: tuple[str, ...]
 
 
 @dataclass
@@ -261,9 +276,9 @@ class Free:
     vars: tuple[str, ...]
 
 
-Instruction = (Load | Forward | Backward | Send | Recv | Assemble | AllReduce | AllGather
-               | ReduceScatter | AllToAll | Broadcast | Grad | Loss | Free | PushParam
-               | PullParam | GatherParams)
+Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
+               | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | Free
+               | PushParam | PullParam | GatherParams)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 
 
@@ -300,6 +315,8 @@ def writes(ins: Instruction) -> tuple[str, ...]:
         return ins.outs
     if isinstance(ins, Backward):
         return tuple(v for vs in ins.outs for v in vs if v is not None)
+    if isinstance(ins, WeightGrad):
+        return ins.outs
     if isinstance(ins, AllReduce):
         return ins.vars
     if isinstance(ins, (Load, Recv, Assemble, AllGather, ReduceScatter, AllToAll)):

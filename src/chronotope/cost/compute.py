@@ -3,8 +3,9 @@
 A piece touches every combination of its dims once: an op with a reduced dim
 (a matmul's ``k``) does a multiply and an add per combination, others one
 operation. A backward costs twice its forward (gradients of the inputs and of
-the weights). Coarse, but it ranks stages and micro-batches the way a
-profile does, without running anything.
+the weights); split in two (zero bubble), each part costs one forward. Coarse,
+but it ranks stages and micro-batches the way a profile does, without running
+anything.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def piece_flops(op: PlanOp) -> float:
     sig = fwd.op.signature
     flops = _flops(sig, fwd.piece.sizes) if sig is not None else \
         float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
-    return 2 * flops if op.is_backward else flops
+    return 2 * flops if op.is_backward and not op.split else flops
 
 
 def op_flops(op: Op) -> float:

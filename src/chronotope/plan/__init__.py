@@ -2,7 +2,7 @@
 
 from chronotope.plan.algo import Replicate, Split, ValueSplit
 from chronotope.plan.check import CheckedPlan, Memory
-from chronotope.plan.plan import BackwardOf, Group, Plan, PlanOp
+from chronotope.plan.plan import BackwardOf, Group, Plan, PlanOp, WeightOf
 
 __all__ = ["BackwardOf", "CheckedPlan", "Group", "Memory", "Plan", "PlanOp", "Replicate", "Split",
-           "ValueSplit"]
+           "ValueSplit", "WeightOf"]

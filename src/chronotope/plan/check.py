@@ -108,9 +108,12 @@ def check(plan: Plan) -> CheckedPlan:
     if unassigned:
         raise UnassignedOpError(_unassigned_message(unassigned))
     backward = [b for f in forward if (b := plan.backward_op(f)) is not None]
-    ops: list[PlanOp] = forward + backward
+    weight = [w for f in forward if (w := plan.weight_op(f)) is not None]
+    ops: list[PlanOp] = forward + backward + weight
     edges = data_edges(ops)
     edges += [Edge(b.forward, b, "its backward") for b in backward]
+    # a weight part uses what its input part's autograd call kept
+    edges += [Edge(plan.backward_op(w.forward), w, "its input gradients") for w in weight]
     barriers, order_edges = _order_edges(plan)
     edges += order_edges
     order = _topological(ops + barriers, edges)

@@ -4,6 +4,9 @@
 ``order`` makes one op (or group) run before another on the devices they share.
 Backward ops are not written: each forward piece gets one, partitioned and
 placed like it, and ``backward(x)`` names them so they can be ordered too.
+``split_backward(x)`` cuts a piece's backward in two (zero-bubble schedules): the
+input gradients (``backward(x)``), and the weight gradients (``weight(x)``), which
+may wait to fill a pipeline's idle time.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class PlanOp:
     order: int  # position in program order, to break ties between independent ops
     device: int | None = None
     forward: PlanOp | None = None  # set on backward ops
+    split: bool = False  # a backward op that is one of the two parts of a split backward
+    weight: bool = False  # the part computing the parameters' gradients
     children: list[PlanOp] = field(default_factory=list)
 
     @property
@@ -80,7 +85,18 @@ class BackwardOf:
         return f"BackwardOf({self.name})"
 
 
-Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
+@dataclass(eq=False)
+class WeightOf:
+    """The weight-gradient ops of a forward op or group whose backward is split."""
+
+    of: Ref
+    name: str
+
+    def __repr__(self) -> str:
+        return f"WeightOf({self.name})"
+
+
+Ref = Union[PlanOp, Group, BackwardOf, WeightOf, Op, str]  # noqa: UP007  (a forward reference)
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,7 @@ class Plan:
         self.registry = registry or DEFAULT_REGISTRY
         self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
         self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU
+        self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         self.orders: list[OrderCall] = []
         self.grads: dict[PTensor, PTensor] = {}
@@ -127,7 +144,8 @@ class Plan:
         self.updates: dict[str, PlanOp] = {}
         self.param_storage = "read"
         self._by_name: dict[str, PlanOp] = {}
-        self._backward: dict[PlanOp, PlanOp] = {}
+        self._backward: dict[PlanOp, PlanOp | None] = {}
+        self._weight: dict[PlanOp, PlanOp | None] = {}
         shares = _gradient_shares(graph)
         for i, op in enumerate(graph.ops):
             sizes = op.signature.bind(op.input_shapes,
@@ -227,6 +245,20 @@ class Plan:
         the forward, back when the backward needs it (activation swap)."""
         self._mark(ref, self.swapped, "swap", self.recomputed)
 
+    def split_backward(self, ref: Ref) -> None:
+        """Cut these forward pieces' backward in two: the input gradients, which the
+        previous stage waits for, and the weight gradients (``weight(ref)``), which
+        nothing waits for until the optimizer step. Pieces without both kinds of
+        gradient keep one backward."""
+        for leaf in self.leaves(ref):
+            if leaf.is_backward:
+                raise PlanError(f"{leaf.name} is a backward op: split its forward op")
+            if leaf in self._backward:
+                raise PlanError(f"the backward of {leaf.name} is already made (the plan was "
+                                "checked or ordered by it): split it before that")
+            self.split.add(leaf)
+        self.checked = None
+
     def _mark(self, ref: Ref, into: set[PlanOp], what: str, other: set[PlanOp]) -> None:
         for leaf in self.leaves(ref):
             if leaf.is_backward:
@@ -242,6 +274,10 @@ class Plan:
     def backward(self, ref: Ref) -> BackwardOf:
         """The backward ops of a forward op or group, to order them (1F1B needs it)."""
         return BackwardOf(ref, f"backward({_label(ref)})")
+
+    def weight(self, ref: Ref) -> WeightOf:
+        """The weight-gradient ops of a forward op or group (see ``split_backward``)."""
+        return WeightOf(ref, f"weight({_label(ref)})")
 
     def scale(self, replicas: int) -> Plan:
         """Run this plan on ``replicas`` device groups, data parallel (a scale unit).
@@ -281,6 +317,8 @@ class Plan:
             return [leaf for m in ref.members for leaf in self.leaves(m)]
         if isinstance(ref, BackwardOf):
             return [b for f in self.leaves(ref.of) if (b := self.backward_op(f)) is not None]
+        if isinstance(ref, WeightOf):
+            return [w for f in self.leaves(ref.of) if (w := self.weight_op(f)) is not None]
         if isinstance(ref, Sequence):
             return [leaf for r in ref for leaf in self.leaves(r)]
         raise PlanError(f"expected an op, sub-op, group or op name, got {ref!r}")
@@ -289,26 +327,40 @@ class Plan:
         return [leaf for root in self.roots.values() for leaf in self.leaves(root)]
 
     def backward_op(self, fwd: PlanOp) -> PlanOp | None:
-        """The backward of a forward leaf (None when it has no gradient to pass on)."""
-        if fwd in self._backward:
-            return self._backward[fwd]
+        """The backward of a forward leaf (None when it has no gradient to pass on); for a
+        split one, its input-gradient part."""
+        if fwd not in self._backward:
+            self._make_backward(fwd)
+        return self._backward[fwd]
+
+    def weight_op(self, fwd: PlanOp) -> PlanOp | None:
+        """The weight-gradient part of a split backward (None when it is not split)."""
+        if fwd not in self._weight:
+            self._make_backward(fwd)
+        return self._weight[fwd]
+
+    def _make_backward(self, fwd: PlanOp) -> None:
         if fwd.is_backward or fwd.children:
             raise PlanError(f"{fwd.name} is not a forward leaf op")
         rg = self.requires_grad
-        grad_in = [VTensor(self.grad(v.ptensor), Mask(v.mask.index))
-                   for v in fwd.outputs if v.ptensor in rg]
-        grad_out = [VTensor(self.grad(v.ptensor), Mask(v.mask.index, share))
+        grad_in = tuple(VTensor(self.grad(v.ptensor), Mask(v.mask.index))
+                        for v in fwd.outputs if v.ptensor in rg)
+        grad_out = [(v.ptensor.kind is TensorKind.PARAM,
+                     VTensor(self.grad(v.ptensor), Mask(v.mask.index, share)))
                     for v, share in zip(fwd.inputs, fwd.piece.grad_shares) if v.ptensor in rg]
-        bwd = None
-        if grad_in and grad_out:
-            piece = Piece(tuple(grad_in), tuple(grad_out), (), fwd.piece.sizes)
-            # Backward runs after every forward, in reverse program order.
-            order = 4 * len(self.graph.ops) - fwd.order
-            bwd = PlanOp(f"{fwd.name}.bw", fwd.op, piece, order=order,
-                         device=fwd.device, forward=fwd)
-            self._by_name[bwd.name] = bwd
-        self._backward[fwd] = bwd
-        return bwd
+        parts = [tuple(g for _, g in grad_out)]
+        if fwd in self.split and len({w for w, _ in grad_out}) == 2:
+            parts = [tuple(g for w, g in grad_out if w is part) for part in (False, True)]
+        # Backward runs after every forward, in reverse program order.
+        order = 4 * len(self.graph.ops) - fwd.order
+        made = [PlanOp(f"{fwd.name}.{'w' if k else 'bw'}", fwd.op,
+                       Piece(grad_in, outs, (), fwd.piece.sizes), order=order + k,
+                       device=fwd.device, forward=fwd, split=len(parts) > 1, weight=k > 0)
+                for k, outs in enumerate(parts) if grad_in and outs]
+        for op in made:
+            self._by_name[op.name] = op
+        self._backward[fwd] = made[0] if made else None
+        self._weight[fwd] = made[1] if len(made) > 1 else None
 
     def grad(self, t: PTensor) -> PTensor:
         """The gradient tensor of ``t``: one per forward tensor, produced piecewise."""

@@ -2,8 +2,14 @@
 
 from chronotope.policies.axes import batch_dims, sequence_dims
 from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
-from chronotope.policies.pipeline import SCHEDULES, actions, pipeline, read_schedule
+from chronotope.policies.pipeline import (
+    MULTI_STAGE,
+    SCHEDULES,
+    actions,
+    pipeline,
+    read_schedule,
+)
 from chronotope.policies.zero import zero
 
-__all__ = ["SCHEDULES", "actions", "batch_dims", "data_parallel", "mesh", "pipeline",
+__all__ = ["MULTI_STAGE", "SCHEDULES", "actions", "batch_dims", "data_parallel", "mesh", "pipeline",
            "read_schedule", "sequence_parallel", "sequence_dims", "tensor_parallel", "zero"]

@@ -28,7 +28,7 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
-from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, Schedule
+from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, Schedule, Step
 
 
 @dataclass(frozen=True)
@@ -87,22 +87,24 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
 
 def stages(graph: Graph, pp: int) -> dict[Op, int]:
     """Cut the ops, in program order, into ``pp`` runs of about equal compute (forward FLOPs
-    by the signatures), each cut where the fewest activations cross it: between two
-    transformer blocks only the residual stream does, so one message per micro-batch."""
+    by the signatures): each cut within half a stage of its share, where the fewest
+    activations of the batch cross it. Between two transformer blocks only the residual
+    stream does, so one message per micro-batch (tables made from weights alone, like
+    rotary angles, do not count)."""
     ops = graph.ops
+    batch_dim = batch_dims(graph)
     weight = [op_flops(op) for op in ops]
     before = [0.0]
     for w in weight:
         before.append(before[-1] + w)  # FLOPs of the ops before each cut position
     total = before[-1] or 1.0
-    cuts = _crossing(ops)
-    fewest = min((c for c in cuts[1:-1]), default=0)
-    good = [i for i in range(1, len(ops)) if cuts[i] == fewest]
+    cuts = _crossing(ops, {t for op in ops if batch_dim[op] is not None for t in op.outputs})
     bounds, last = [], 0
     for k in range(1, pp):
         target = k * total / pp
-        after = [i for i in good if i > last] or list(range(last + 1, len(ops)))
-        best = min(after, key=lambda i: abs(before[i] - target), default=len(ops))
+        after = range(last + 1, len(ops) - (pp - 1 - k))  # each later stage keeps an op
+        near = [i for i in after if abs(before[i] - target) <= total / (2 * pp)] or after
+        best = min(near, key=lambda i: (cuts[i], abs(before[i] - target)), default=len(ops))
         bounds.append(best)
         last = best
     out, stage = {}, 0
@@ -113,10 +115,11 @@ def stages(graph: Graph, pp: int) -> dict[Op, int]:
     return out
 
 
-def _crossing(ops: Sequence[Op]) -> list[int]:
+def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[int]:
     """For each cut position (before op i), how many activations made before it are read
-    after it."""
-    made = {t: i for i, op in enumerate(ops) for t in op.outputs}
+    after it (of ``counted`` only, where given)."""
+    made = {t: i for i, op in enumerate(ops) for t in op.outputs
+            if counted is None or t in counted}
     last: dict[PTensor, int] = {}
     for i, op in enumerate(ops):
         for t in op.inputs:
@@ -143,11 +146,12 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     compiler sums (gradient accumulation). With stages, each stage runs its
     micro-batches' forwards and backwards in the order of ``schedule`` (see
     ``policies.pipeline``), written as ``plan.order`` calls; with ``chunks`` > 1
-    the model is cut into ``pp * chunks`` stages and stage ``v`` runs on stage rank
-    ``v % pp`` (interleaved schedules). ``recompute`` is ``"full"`` (keep only each
-    block's output: every other activation is made again in the backward) or
-    ``"selective"`` (make the attention again, keep the rest); ``swap`` picks ops the
-    same way and keeps what they save for backward in CPU memory instead.
+    the model is cut into ``pp * chunks`` stages, and each runs on the stage rank
+    whose schedule lists it (``v % pp`` for interleaved, down and back up for zbv).
+    ``recompute`` is ``"full"`` (keep only each block's output: every other
+    activation is made again in the backward) or ``"selective"`` (make the attention
+    again, keep the rest); ``swap`` picks ops the same way and keeps what they save
+    for backward in CPU memory instead.
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
@@ -164,6 +168,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
     stage = stages(graph, pp * chunks)
+    run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    orders = {r: run(r, pp, micro, chunks) for r in range(pp)} if pp > 1 and micro > 1 else {}
+    rank_of = _placement(orders, pp, chunks)
     batch_dim = batch_dims(graph)
     shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
@@ -176,7 +183,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         else:
             groups = [plan.op(op.name)]
         for i, piece in enumerate(groups):
-            first = (i * pp + stage[op] % pp) * tp
+            first = (i * pp + rank_of[stage[op]]) * tp
             devices = range(first, first + tp)
             micros = [piece]
             if micro > 1 and op not in data and (batch_dim[op] is not None or op in tails):
@@ -190,9 +197,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         plan.recompute(op.name)
     for op in checkpointed(graph, swap, "swap", batch_dim, data | tails):
         plan.swap(op.name)
-    if pp > 1 and micro > 1:
-        _schedule(plan, cells, dp, pp, micro, chunks,
-                  SCHEDULES[schedule] if isinstance(schedule, str) else schedule)
+    if orders:
+        _schedule(plan, cells, dp, micro, orders, rank_of)
     return plan
 
 
@@ -251,29 +257,57 @@ def _steps(steps: list) -> str:
     return shown + (f" and {len(steps) - 4} more" if len(steps) > 4 else "")
 
 
-def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, pp: int,
-              micro: int, chunks: int, schedule) -> None:
-    """Order each stage rank's micro-batch groups as ``schedule`` says."""
+def _placement(orders: dict[int, list[Step]], pp: int, chunks: int) -> list[int]:
+    """Each stage's rank: the one whose schedule runs it (round the ranks without one)."""
+    if not orders:
+        return [s % pp for s in range(pp * chunks)]
+    found: dict[int, set[int]] = defaultdict(set)
+    for r, order in orders.items():
+        for _, s, _ in order:
+            found[s].add(r)
+    bad = [s for s in range(pp * chunks) if len(found[s]) != 1] + \
+        [s for s in found if not 0 <= s < pp * chunks]
+    if bad:
+        s = bad[0]
+        where = f"ranks {sorted(found[s])}" if found[s] else "no rank"
+        raise PlanError(f"the schedule runs stage {s} on {where}: each of the {pp * chunks} "
+                        f"stages ({pp} ranks x {chunks} per rank) needs exactly one rank")
+    return [found[s].pop() for s in range(pp * chunks)]
+
+
+def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, micro: int,
+              orders: dict[int, list[Step]], rank_of: list[int]) -> None:
+    """Order each stage rank's micro-batch groups as its schedule says; a schedule with
+    weight-gradient steps (W) splits every backward first."""
+    pp = len(orders)
+    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
+    if split:
+        plan.split_backward([p for pieces in cells.values() for p in pieces])
     for i in range(dp):
         for r in range(pp):
+            held = [s for s, rank in enumerate(rank_of) if rank == r]
             steps = {}
-            for s in range(r, pp * chunks, pp):
+            for s in held:
                 for m in range(micro):
                     if cells[(i, s, m)]:
                         forward = plan.group(cells[(i, s, m)], f"F{s}.{m}")
                         steps[("F", s, m)] = forward
                         if plan.leaves(plan.backward(forward)):
                             steps[("B", s, m)] = plan.backward(forward)
-            order = schedule(r, pp, micro, chunks)
+                        if split and plan.leaves(plan.weight(forward)):
+                            steps[("W", s, m)] = plan.weight(forward)
+            # a stage without parameters has no weight gradients to place
+            order = [step for step in orders[r] if step in steps or step[0] != "W"]
             unknown = [step for step in order if step not in steps]
             missing = [step for step in steps if step not in order]
             if unknown or missing:
                 what = _steps(unknown) + " not on this rank" if unknown else \
                     _steps(missing) + " missing"
+                kinds = "forward (F), backward (B) and weight gradient (W)" if split else \
+                    "forward (F) and backward (B)"
                 raise PlanError(f"the schedule of pipeline rank {r} does not fit the plan: "
-                                f"{what}; rank {r} runs stages "
-                                f"{list(range(r, pp * chunks, pp))} x micro-batches "
-                                f"0..{micro - 1}, forward (F) and backward (B)")
+                                f"{what}; rank {r} runs stages {held} x micro-batches "
+                                f"0..{micro - 1}, {kinds}")
             order = [steps[step] for step in order]
             for before, after in zip(order, order[1:]):
                 plan.order(before, after)

@@ -1,15 +1,20 @@
 """Pipeline parallelism: stages, micro-batches and a schedule, all from the primitives.
 
-``pipeline`` cuts the model into stages by parameter bytes and the batch into
+``pipeline`` cuts the model into stages by compute and the batch into
 micro-batches (``mesh`` does the placing; with ``chunks`` > 1 each rank holds
-that many stages, ``r, r + ranks, ...``). A schedule is the list of
-``("F" | "B", stage, micro-batch)`` steps of one rank, and consecutive steps
-become ``plan.order`` calls between the rank's forward and backward
-micro-batch groups. No schedule is known to the compiler or the runtime.
+that many stages: ``r, r + ranks, ...``, or for V-shaped schedules ``r`` and
+``2 * ranks - 1 - r``). A schedule is the list of ``("F" | "B" | "W", stage,
+micro-batch)`` steps of one rank (which also says which stages the rank holds),
+and consecutive steps become ``plan.order`` calls between the rank's forward and
+backward micro-batch groups. A schedule
+with ``W`` steps splits every backward into its input-gradient part (``B``)
+and its weight-gradient part (``W``, see ``Plan.split_backward``). No schedule
+is known to the compiler or the runtime.
 
 ``actions`` reads a checked plan's per-device order back as
 ``torch.distributed.pipelining`` actions (``"1F0"``: stage 1, forward,
-micro-batch 0), so orders compare step by step with torch's own schedules.
+micro-batch 0; ``I`` and ``W`` for split backwards), so orders compare step by
+step with torch's own schedules.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import csv
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from chronotope.errors import PlanError
@@ -26,7 +32,7 @@ if TYPE_CHECKING:
     from chronotope.graph.ir import Graph
     from chronotope.plan import Plan, PlanOp
 
-Step = tuple[str, int, int]  # ("F" or "B", stage, micro-batch)
+Step = tuple[str, int, int]  # ("F", "B" or "W", stage, micro-batch)
 
 
 def gpipe(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
@@ -72,14 +78,89 @@ def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
     return steps
 
 
+def v_shape(stage: int, ranks: int) -> int:
+    """The rank of ``stage`` when stages go down the ranks and back up: rank 0 holds the
+    first and the last stage, so a micro-batch's loss is next to its input."""
+    return stage % ranks if stage % (2 * ranks) < ranks else ranks - 1 - stage % ranks
+
+
+def zb1(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
+    """Zero bubble (ZB-H1): 1F1B with each backward split in two, the weight gradients
+    (W) left for the times a rank would wait. With equal F, B and W times the step
+    takes ``3 * micro + ranks - 1`` of them (1F1B: ``3 * (micro + ranks - 1)``)."""
+    if chunks != 1:
+        raise PlanError(f"zb1 runs one stage per rank, not chunks={chunks}; zbv runs two")
+    return _zero_bubble(ranks, micro, 1, v_shape)[rank]
+
+
+def zbv(rank: int, ranks: int, micro: int, chunks: int = 2) -> list[Step]:
+    """Zero bubble, V-shaped (ZBV): two stages per rank, down the ranks and back up
+    (``v_shape``), backwards split in input and weight parts, idle time filled with W."""
+    if chunks != 2:
+        raise PlanError(f"zbv runs two stages per rank (chunks=2), not chunks={chunks}")
+    return _zero_bubble(ranks, micro, 2, v_shape)[rank]
+
+
+@lru_cache(maxsize=64)
+def _zero_bubble(ranks: int, micro: int, chunks: int,
+                 where: Callable[[int, int], int]) -> dict[int, list[Step]]:
+    """Every rank's steps, by playing the pipeline with equal step times: a free rank runs
+    a backward if one is ready (later stages first), else a forward if it keeps fewer than
+    ``chunks * (ranks + 1)`` micro-batches whose weight gradients are still to come (what
+    bounds memory, about 1F1B's), else its oldest waiting weight gradient."""
+    last = ranks * chunks - 1
+    held = {r: [s for s in range(last, -1, -1) if where(s, ranks) == r] for r in range(ranks)}
+    limit = chunks * (ranks + 1)
+    ended: dict[Step, int] = {}
+    forwards = [0] * (last + 1)  # next micro-batch of each stage, forward and backward
+    backwards = [0] * (last + 1)
+    waiting: dict[int, list[Step]] = {r: [] for r in range(ranks)}  # W steps, oldest first
+    kept = [0] * ranks
+    steps: dict[int, list[Step]] = {r: [] for r in range(ranks)}
+    t = 0
+
+    def ready(step: Step) -> bool:
+        return step in ended and ended[step] <= t
+
+    while len(ended) < 3 * (last + 1) * micro:
+        for r in range(ranks):
+            if steps[r] and ended[steps[r][-1]] > t:
+                continue  # busy
+            step = next((("B", s, backwards[s]) for s in held[r] if backwards[s] < micro
+                         and ready(("F", s, backwards[s]))
+                         and (s == last or ready(("B", s + 1, backwards[s])))), None)
+            if step is None and kept[r] < limit:
+                step = next((("F", s, forwards[s]) for s in held[r] if forwards[s] < micro
+                             and (s == 0 or ready(("F", s - 1, forwards[s])))), None)
+            if step is None and waiting[r]:
+                step = waiting[r].pop(0)
+            if step is None:
+                continue
+            kind, s, m = step
+            if kind == "F":
+                forwards[s] += 1
+                kept[r] += 1
+            elif kind == "B":
+                backwards[s] += 1
+                waiting[r].append(("W", s, m))
+            else:
+                kept[r] -= 1
+            steps[r].append(step)
+            ended[step] = t + 1
+        t += 1
+    return steps
+
+
 Schedule = Callable[[int, int, int, int], list[Step]]  # (rank, ranks, micro, chunks) -> steps
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
+    "zb1": zb1,
+    "zbv": zbv,
 }
-MULTI_STAGE = {"interleaved"}  # schedules for ranks holding several stages (chunks)
+MULTI_STAGE = {"interleaved", "zbv"}  # schedules for ranks holding several stages (chunks)
 
 
 _ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
@@ -89,9 +170,10 @@ _DERIVED = {"REDUCE_GRAD", "UNSHARD", "RESHARD", "SEND_F", "RECV_F", "SEND_B", "
 
 def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
     """A schedule from torch pipelining's CSV: one row per rank of compute actions
-    (``0F1``: stage 0, forward, micro-batch 1; ``1B0``: a backward). Empty cells are idle
-    steps; gradient reductions and communication are the compiler's, so they are skipped.
-    Returns the schedule and its steps per rank."""
+    (``0F1``: stage 0, forward, micro-batch 1; ``1B0``: a backward; ``1I0`` and ``1W0``:
+    its input and weight parts). Empty cells are idle steps; gradient reductions and
+    communication are the compiler's, so they are skipped. Returns the schedule and its
+    steps per rank."""
     rows: dict[int, list[Step]] = {}
     with open(path, newline="") as f:
         for rank, row in enumerate(csv.reader(f)):
@@ -103,15 +185,13 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
                 kind = found.group(2) if found else None
                 if kind in _DERIVED:
                     continue
-                if kind in ("F", "B") and found.group(3):
+                if kind in ("F", "B", "I", "W") and found.group(3):
+                    kind = "B" if kind == "I" else kind  # the input part of a split backward
                     rows[rank].append((kind, int(found.group(1)), int(found.group(3))))
-                elif kind in ("I", "W"):
-                    raise PlanError(f"{path}: rank {rank}: {cell} splits the backward into "
-                                    "input and weight parts, which this schedule reader does "
-                                    "not take yet; write B for the whole backward")
                 else:
                     raise PlanError(f"{path}: rank {rank}: cannot read action {cell!r}; "
-                                    "expected a stage, F or B, and a micro-batch, like 0F1")
+                                    "expected a stage, F, B, I or W, and a micro-batch, "
+                                    "like 0F1")
     if not rows:
         raise PlanError(f"{path}: no ranks in this schedule file")
 
@@ -136,15 +216,19 @@ def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Sched
 
 
 def step_of(plan: Plan) -> dict[PlanOp, str]:
-    """Each forward and backward piece a pipeline policy placed, as its action string."""
+    """Each forward and backward piece a pipeline policy placed, as its action string
+    (a split backward's parts: ``I`` and ``W``)."""
     out = {}
     for (_, s, m), pieces in plan.cells.items():
+        split = any(plan.weight_op(leaf) for piece in pieces for leaf in plan.leaves(piece))
         for piece in pieces:
             for leaf in plan.leaves(piece):
                 out[leaf] = f"{s}F{m}"
-                back = plan.backward_op(leaf)
+                back, weight = plan.backward_op(leaf), plan.weight_op(leaf)
                 if back is not None:
-                    out[back] = f"{s}B{m}"
+                    out[back] = f"{s}{'I' if split else 'B'}{m}"
+                if weight is not None:
+                    out[weight] = f"{s}W{m}"
     return out
 
 

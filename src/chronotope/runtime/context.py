@@ -41,6 +41,9 @@ class StepContext:
         self.targets = targets
         self.leaves: dict[str, tuple[torch.Tensor, ...]] = {}
         self.outputs: dict[str, tuple[torch.Tensor, ...]] = {}
+        # split backward: leaves whose gradients ``weight`` computes, and what it starts from
+        self.later: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self.losses: list[float] = []
 
     # ---- leaves ----------------------------------------------------------------------------
@@ -66,11 +69,16 @@ class StepContext:
 
     # ---- autograd per piece --------------------------------------------------------------
 
-    def enter(self, name: str, tensors: Sequence[torch.Tensor],
-              grad: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    def enter(self, name: str, tensors: Sequence[torch.Tensor], grad: Sequence[bool],
+              later: Sequence[bool] = ()) -> tuple[torch.Tensor, ...]:
+        """Detached leaves for a piece's inputs; those ``later`` (its parameters, when its
+        backward is split) get their gradients from ``weight``, not ``backward``."""
         leaves = tuple(t.detach().requires_grad_() if g else t.detach()
                        for t, g in zip(tensors, grad))
-        self.leaves[name] = tuple(t for t, g in zip(leaves, grad) if g)
+        later = tuple(later) or (False,) * len(leaves)
+        self.leaves[name] = tuple(t for t, g, w in zip(leaves, grad, later) if g and not w)
+        if any(later):
+            self.later[name] = tuple(t for t, w in zip(leaves, later) if w)
         return leaves
 
     def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
@@ -79,18 +87,41 @@ class StepContext:
     def backward(self, arriving: Mapping[str, Sequence[torch.Tensor | None]],
                  pieces: Sequence[str]) -> tuple[torch.Tensor, ...]:
         """The gradients of the leaves of ``pieces`` (in ``enter`` order), from the
-        gradients ``arriving`` at their outputs (None: it flows inside the call)."""
-        outputs, grads = [], []
+        gradients ``arriving`` at their outputs (None: it flows inside the call). For a
+        piece whose weight gradients come later, the gradients at its outputs and the
+        graph are kept for ``weight``."""
+        outputs, grads, kept = [], [], []
         for name in pieces:
             given = arriving.get(name, ())
-            for o, g in zip(self.outputs.pop(name, ()), given):
+            made = self.outputs.pop(name, ())
+            for o, g in zip(made, given):
                 if g is not None and o.requires_grad:
                     outputs.append(o)
                     grads.append(g)
+            if name in self.later:
+                kept.append((name, [o for o in made if o.requires_grad]))
         leaves = [t for name in pieces for t in self.leaves.pop(name, ())]
+        at = [o for _, outs in kept for o in outs]  # their total gradient, captured
+        found: Sequence[torch.Tensor | None] = [None] * (len(leaves) + len(at))
+        if outputs and (leaves or at):
+            found = torch.autograd.grad(outputs, leaves + at, grads, allow_unused=True,
+                                        retain_graph=bool(at))
+        captured = iter(found[len(leaves):])
+        for name, outs in kept:
+            self.kept[name] = (outs, [next(captured) for _ in outs])
+        return tuple(torch.zeros_like(x) if g is None else g
+                     for x, g in zip(leaves, found[:len(leaves)]))
+
+    def weight(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The gradients of piece ``name``'s parameters, from what its ``backward`` kept:
+        only that piece's part of the graph runs again, not what fed its inputs."""
+        outs, grads = self.kept.pop(name, ([], []))
+        leaves = self.later.pop(name)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
         found: Sequence[torch.Tensor | None] = [None] * len(leaves)
-        if outputs and leaves:
-            found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        if pairs:
+            found = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                        allow_unused=True)
         return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
 
     @staticmethod

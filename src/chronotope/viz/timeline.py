@@ -1,4 +1,5 @@
-"""Pipeline timelines: each rank's forward and backward steps, in the plan's order.
+"""Pipeline timelines: each rank's forward, backward and weight-gradient steps, in the
+plan's order.
 
 A step (``1F0``: stage 1's forward of micro-batch 0) lasts what its pieces cost
 (``cost.piece_flops`` at ``flops_per_s``) and starts when its rank is free and
@@ -20,19 +21,20 @@ from chronotope.plan import Plan
 from chronotope.plan.check import data_edges
 from chronotope.policies.pipeline import actions, step_of
 
-COLORS = {"F": "#4c72b0", "B": "#55a868"}
+# forward, backward, a split backward's input part and its weight part
+COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452"}
 
 
 @dataclass(frozen=True)
 class Bar:
     rank: int
-    step: str  # "1F0"
+    step: str  # "1F0", "1B0", "1I0", "1W0"
     start: float  # seconds
     end: float
 
     @property
     def kind(self) -> str:
-        return "B" if "B" in self.step else "F"
+        return self.step.strip("0123456789")
 
 
 @dataclass
