@@ -97,14 +97,16 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
     out.print("Give them one with @chronotope.register_op('<signature>').")
 
 
-def _mesh(sequence: bool) -> Callable[[Graph, argparse.Namespace], Plan]:
+def _mesh(sequence: bool = False, coshard: bool = False
+          ) -> Callable[[Graph, argparse.Namespace], Plan]:
     def policy(graph: Graph, args: argparse.Namespace) -> Plan:
         group = args.tp * args.pp
         if args.tp < 1 or args.pp < 1 or args.devices % group:
             raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
         return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
-                    sequence=sequence, **_activations(args))
+                    sequence=sequence, coshard=args.coshard if coshard else 1,
+                    **_activations(args))
     return policy
 
 
@@ -161,8 +163,9 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "dp": lambda graph, args: mesh(graph, dp=args.devices, **_activations(args)),
     "tp": lambda graph, args: mesh(graph, tp=args.devices, **_activations(args)),
     "sp": lambda graph, args: mesh(graph, tp=args.devices, sequence=True, **_activations(args)),
-    "dp-tp": _mesh(sequence=False),
+    "dp-tp": _mesh(),
     "dp-sp": _mesh(sequence=True),
+    "coshard": _mesh(coshard=True),
     **{f"zero-{stage}": _zero(stage) for stage in (1, 2, 3)},
     **{name: _pipeline(name) for name in SCHEDULES},
     "csv": _csv_pipeline,
@@ -298,7 +301,8 @@ def parser() -> argparse.ArgumentParser:
                               "+ gradients, + weights; gpipe, 1f1b, interleaved, zb1, zbv: "
                               "pipeline schedules (zb*: zero bubble, backward split into "
                               "input and weight gradients); csv: a pipeline in the order of "
-                              "--schedule")
+                              "--schedule; coshard: dp-tp with --coshard pieces of each attention "
+                              "and MLP per device, run one at a time")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
@@ -310,6 +314,8 @@ def parser() -> argparse.ArgumentParser:
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
         cmd.add_argument("--chunks", type=int, default=2,
                          help="stages each pipeline rank holds (interleaved; zbv: 2)")
+        cmd.add_argument("--coshard", type=int, default=2,
+                         help="pieces per device of each attention and MLP (coshard)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "

@@ -10,7 +10,9 @@ What crosses the region's edge (gradients arriving from outside, gradients of
 its leaves) is computed exactly as before, so communication does not change.
 The weight-gradient part of a split backward runs after its region's call.
 A region also runs its recomputed forward pieces again first (``plan.recompute``);
-an edge between a recomputed piece and a kept one is never linked.
+an edge between a recomputed piece and a kept one is never linked, and a recomputed
+piece that links to none of a region starts its own (co-shard parts then each
+make their activations again only when their own backward runs).
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ class _Fuser:
                     return False
             rewrites.append((source, replace(source, parts=kept, pattern=None) if kept else None))
             arriving.append(g if kept else None)
+        if region.members and not links and self.forwards[producer].recompute:
+            return False  # an independent piece made again: its own region, its own peak
         self.linked.update(links)
         for gx in linked_grads:  # that input's gradient now flows inside: nothing leaves
             m, j = region.leaving_at.pop(gx)

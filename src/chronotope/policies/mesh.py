@@ -138,7 +138,7 @@ def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[in
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
-         recompute: str | None = None, swap: str | None = None) -> Plan:
+         recompute: str | None = None, swap: str | None = None, coshard: int = 1) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -152,10 +152,15 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     activation is made again in the backward) or ``"selective"`` (make the attention
     again, keep the rest); ``swap`` picks ops the same way and keeps what they save
     for backward in CPU memory instead.
+
+    ``coshard`` = C > 1 (co-shard): what tensor parallelism splits is cut into
+    ``C * tp`` pieces, C on each device, run one after another and made again in
+    their backward, so a device holds one piece's activations at a time (attention
+    heads, MLP columns); with ``tp`` = 1 that is on one device.
     """
-    if dp < 1 or tp < 1 or pp < 1 or micro < 1:
-        raise PlanError(f"a mesh needs dp, tp, pp, micro >= 1, got dp={dp}, tp={tp}, pp={pp}, "
-                        f"micro={micro}")
+    if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1:
+        raise PlanError(f"a mesh needs dp, tp, pp, micro, coshard >= 1, got dp={dp}, tp={tp}, "
+                        f"pp={pp}, micro={micro}, coshard={coshard}")
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
@@ -172,7 +177,13 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     orders = {r: run(r, pp, micro, chunks) for r in range(pp)} if pp > 1 and micro > 1 else {}
     rank_of = _placement(orders, pp, chunks)
     batch_dim = batch_dims(graph)
-    shards = tensor_parallel_dims(graph, tp) if tp > 1 else {}
+    shards = tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {}
+    spans = _spans(graph, shards) if coshard > 1 else {}
+    if coshard > 1 and not spans:
+        raise PlanError(f"nothing in {graph.name} splits {tp * coshard} ways (tp {tp} x "
+                        f"coshard {coshard}): heads and features must divide by it")
+    sharded: dict[tuple[int, int, int], list[list[PlanOp]]] = defaultdict(
+        lambda: [[] for _ in range(coshard)])  # (span, group, micro) -> pieces per part
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
     tails = loss_tails(graph, batch_dim, plan.registry)
     data = data_only(graph)
@@ -189,7 +200,11 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             if micro > 1 and op not in data and (batch_dim[op] is not None or op in tails):
                 micros = plan.trans(piece, _cut(op, batch_dim, tails, micro))
             for m, sub in enumerate(micros):
-                _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices)
+                parts = _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices,
+                                         coshard if op in spans else 1)
+                if op in spans:
+                    for c, pieces in enumerate(parts):
+                        sharded[(spans[op], i, m)][c] += pieces
                 if len(micros) > 1:
                     cells[(i, stage[op], m)].append(sub)
     plan.cells = dict(cells)
@@ -199,7 +214,53 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         plan.swap(op.name)
     if orders:
         _schedule(plan, cells, dp, micro, orders, rank_of)
+    for key, parts in sharded.items():
+        _coshard(plan, parts, f"coshard{key[0]}.{key[1]}.{key[2]}")
     return plan
+
+
+def _spans(graph: Graph, shards: dict[Op, Shard | None]) -> dict[Op, int]:
+    """Split ops connected through what they read from each other, numbered: the runs a
+    co-shard part goes through before the next part starts. Only runs that end in a sum
+    (an attention, an MLP: a split reduced dim) are kept; a run whose pieces are read
+    whole (a vocabulary projection) would only move its activations around."""
+    made_by = {t: op for op in graph.ops for t in op.outputs}
+    root: dict[Op, Op] = {}
+
+    def find(op: Op) -> Op:
+        while root[op] is not op:
+            root[op] = root[root[op]]
+            op = root[op]
+        return op
+
+    for op in graph.ops:
+        if shards.get(op) is None:
+            continue
+        root[op] = op
+        for t in op.inputs:
+            other = made_by.get(t)
+            if other in root:
+                root[find(other)] = find(op)
+    summed = {find(op) for op in root if _reduces(op, shards[op].dim)}
+    ids: dict[Op, int] = {}
+    return {op: ids.setdefault(find(op), len(ids)) for op in root if find(op) in summed}
+
+
+def _reduces(op: Op, dim: str) -> bool:
+    return any(d.name == dim and d.reduce for d in op.signature.dims())
+
+
+def _coshard(plan: Plan, parts: list[list[PlanOp]], name: str) -> None:
+    """Co-shard parts run one after another, forward and backward, each made again right
+    before its backward: one part's activations are alive at a time."""
+    groups = [plan.group(pieces, f"{name}.{c}") for c, pieces in enumerate(parts)]
+    for pieces in parts:
+        for piece in pieces:
+            if piece not in plan.swapped:
+                plan.recompute(piece)
+    for a, b in zip(groups, groups[1:]):
+        plan.order(a, b)
+        plan.order(plan.backward(a), plan.backward(b))
 
 
 def checkpointed(graph: Graph, how: str | None, what: str, batch_dim: dict[Op, str | None],
@@ -314,24 +375,29 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
 
 
 def _tensor_parallel(plan: Plan, piece: PlanOp, shard: Shard | None, seq: str | None,
-                     devices: Sequence[int]) -> None:
+                     devices: Sequence[int], coshard: int = 1) -> list[list[PlanOp]]:
+    """Split and place one piece over the tensor-parallel ``devices``; a sharded op is cut
+    ``coshard`` times as many ways, consecutive pieces on one device. Returns the sharded
+    pieces by co-shard part (empty when the op is not sharded)."""
+    if shard is not None:
+        n = len(devices) * coshard
+        chunks = plan.trans(piece, Split(shard.dim, shard.chunks)) if shard.chunks > 1 else [piece]
+        cut = [plan.trans(c, Split(shard.dim, n)) for c in chunks]
+        for subs in cut:
+            for k, sub in enumerate(subs):
+                plan.assign(sub, devices[k // coshard])
+        return [[subs[k] for subs in cut for k in range(c, n, coshard)] for c in range(coshard)]
     if len(devices) == 1:
         plan.assign(piece, devices[0])
-        return
+        return []
     n = len(devices)
-    if shard is not None:
-        chunks = plan.trans(piece, Split(shard.dim, shard.chunks)) if shard.chunks > 1 else [piece]
-        parts = [plan.trans(c, Split(shard.dim, n)) for c in chunks]
-        for subs in parts:
-            for device, sub in zip(devices, subs):
-                plan.assign(sub, device)
-        return
     if seq is not None and piece.piece.sizes.get(seq, 0) % n == 0:
         subs = plan.trans(piece, Split(seq, n))
     else:
         subs = plan.trans(piece, Replicate(n))
     for device, sub in zip(devices, subs):
         plan.assign(sub, device)
+    return []
 
 
 def data_parallel(graph: Graph, ndevices: int) -> Plan:

@@ -16,6 +16,7 @@ from chronotope.graph.capture import Batch
 from chronotope.graph.mask import Mask
 from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
+from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.transport import RankFailed, ThreadTransport
 
 
@@ -111,6 +112,7 @@ class Rank:
         self.clip = optim.clip
         # A rank may hold no weights at all (it only runs activations).
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
+        self.peak_memory: int | None = None  # measured, when ``step(measure=True)``
 
     def _view(self, name: str, index: tuple) -> torch.Tensor:
         region = Mask(index)
@@ -120,13 +122,20 @@ class Rank:
                 return t[region.local_slices(within)]
         raise ValueError(f"rank {self.rank} updates {name}{list(index)} but does not store it")
 
-    def step(self) -> list[float]:
+    def step(self, measure: bool = False) -> list[float]:
+        """One training step; with ``measure``, also the peak bytes of what the step made
+        (``PeakMemory``), kept as the largest seen in ``peak_memory``."""
         rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
                          self.batch, self.transport, self.targets)
         if self.optimizer:
             self.optimizer.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            self.step_fn(rt)
+        if measure:
+            with torch.enable_grad(), PeakMemory() as watch:
+                self.step_fn(rt)
+            self.peak_memory = max(self.peak_memory or 0, watch.peak)
+        else:
+            with torch.enable_grad():
+                self.step_fn(rt)
         self.transport.flush()
         if self.clip is not None:
             self.clip_gradients(self.clip)
@@ -168,11 +177,14 @@ class RunResult:
     losses: list[float]  # per step, as rank 0 assembled them
     params: dict[str, torch.Tensor]  # final parameters, reassembled from the ranks' regions
     step_times: list[float] = field(default_factory=list)  # rank 0's seconds per step
+    peak_memory: list[int] = field(default_factory=list)  # per rank, bytes (measure_memory)
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,
-                   optim: Optim | None = None, timeout: float = 60.0) -> RunResult:
-    """Every rank as a thread of this process: the same generated code, messages in memory."""
+                   optim: Optim | None = None, timeout: float = 60.0,
+                   measure_memory: bool = False) -> RunResult:
+    """Every rank as a thread of this process: the same generated code, messages in memory.
+    With ``measure_memory``, each rank's peak of what its steps made (``PeakMemory``)."""
     transport = ThreadTransport(timeout)
     ranks = [Rank(spec, transport, optim or Optim()) for spec in rank_specs(program, workload)]
     losses: list[float] = []
@@ -181,7 +193,7 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
     def work(rank: Rank) -> None:
         try:
             for _ in range(steps):
-                out = rank.step()
+                out = rank.step(measure_memory)
                 if rank.rank == 0:
                     losses.extend(out)
         except BaseException as e:  # noqa: BLE001  (re-raised below, once every thread ended)
@@ -197,7 +209,8 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
         cause = next((e for _, e in sorted(errors.items()) if not isinstance(e, RankFailed)),
                      errors[min(errors)])
         raise cause
-    return RunResult(losses, gather_params([r.regions() for r in ranks], workload))
+    return RunResult(losses, gather_params([r.regions() for r in ranks], workload),
+                     peak_memory=[r.peak_memory or 0 for r in ranks] if measure_memory else [])
 
 
 def gather_params(regions: list[dict[tuple[str, tuple], torch.Tensor]],

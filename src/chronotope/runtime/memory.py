@@ -1,0 +1,49 @@
+"""Measured memory: the most bytes of tensors made during a step alive at once.
+
+``PeakMemory`` watches every op that runs inside it (a ``TorchDispatchMode``):
+each new storage counts from when an op makes it until it is freed. Views and
+in-place results reuse a storage their inputs have, so they add nothing.
+Parameters and optimizer state made before the step are not counted, which
+leaves activations, what autograd saves, gradients and temporaries: the part
+of memory a plan's schedule, recompute and co-shard change. It works on any
+device (on CUDA, ``torch.cuda.max_memory_allocated`` counts the same and more).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class PeakMemory(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}  # storage address -> its storage, weakly
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), given)
+        return out
+
+    def _count(self, storage: torch.UntypedStorage, given: set[int]) -> None:
+        where, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or where in given or where in self._alive:
+            return
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        self._alive[where] = weakref.ref(storage, lambda _: self._freed(where, size))
+
+    def _freed(self, where: int, size: int) -> None:
+        self.live -= size
+        self._alive.pop(where, None)
