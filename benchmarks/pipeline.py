@@ -1,13 +1,20 @@
-"""Pipeline step time: chronotope 1F1B vs torch.distributed.pipelining's Schedule1F1B.
+"""Pipeline step time: chronotope 1F1B vs torch.distributed.pipelining's Schedule1F1B;
+peak memory: co-shard vs recompute.
 
     python benchmarks/pipeline.py [--stages 4] [--micro 8] [--steps 6] [--layers 8]
+                                  [--only time|memory]
 
-The same built-in GPT on ``--stages`` gloo processes (cores shared evenly), SGD,
-``--micro`` micro-batches. torch's stages hold equal runs of blocks (the first
-also the embeddings, the last the final norm and an untied copy of the output
-projection); chronotope cuts stages of equal FLOPs from the captured graph and
-orders them with op_order. Prints the median step time of each and the ratio
-(goal: <= 1.00).
+Time: the same built-in GPT on ``--stages`` gloo processes (cores shared evenly),
+SGD, ``--micro`` micro-batches. torch's stages hold equal runs of blocks (the
+first also the embeddings, the last the final norm and an untied copy of the
+output projection); chronotope cuts stages of equal FLOPs from the captured
+graph and orders them with op_order. Prints the median step time of each and
+the ratio (goal: <= 1.00), and chronotope's zero-bubble zb1 beside them.
+
+Memory: one device, a GPT with long sequences (``--mem-seq``), one training
+step under each activation policy: the plan's estimate and the measured peak of
+what the step made (``PeakMemory``), as a ratio to full recompute (goal: co-shard
+lower).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from torch import nn
 import chronotope as ct
 from chronotope.models import get_workload
 from chronotope.runtime.launch import free_port, launch
-from chronotope.runtime.local import Optim, rank_specs
+from chronotope.runtime.local import Optim, rank_specs, run_in_threads
 
 
 class Stage(nn.Module):
@@ -103,15 +110,47 @@ def torch_step_time(world: int, micro: int, steps: int, overrides: dict) -> floa
         return statistics.median(torch.load(out)[1:])
 
 
-def chronotope_step_time(world: int, micro: int, steps: int, overrides: dict) -> float:
+def chronotope_step_time(world: int, micro: int, steps: int, overrides: dict,
+                         schedule: str = "1f1b") -> float:
     w = get_workload("gpt", **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
-    program = ct.compile(ct.policies.pipeline(graph, world, micro, "1f1b"))
+    program = ct.compile(ct.policies.pipeline(graph, world, micro, schedule))
     results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=300)
     per_step = [max(ts) for ts in zip(*(r[2] for r in results))]
     return statistics.median(per_step[1:])
+
+
+MEMORY_PLANS = {
+    "keep all": {},
+    "recompute full": {"recompute": "full"},
+    "recompute selective": {"recompute": "selective"},
+    "co-shard 2": {"coshard": 2},
+    "co-shard 4": {"coshard": 4},
+    "co-shard 2 + recompute full": {"coshard": 2, "recompute": "full"},
+}
+
+
+def memory_table(seq: int, d_model: int) -> Table:
+    w = get_workload("gpt", block_size=seq, d_model=d_model, n_head=8, n_layer=2, batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    rows = {}
+    for name, kw in MEMORY_PLANS.items():
+        plan = ct.policies.mesh(graph, **kw)
+        run = run_in_threads(ct.compile(plan), w, 1, Optim("sgd", 0.1), measure_memory=True)
+        rows[name] = (plan.check().memory[0].activations, run.peak_memory[0])
+    base = rows["recompute full"]
+    table = Table(title=f"GPT d_model={d_model}, 8 heads, 2 layers, batch 2 x {seq} tokens, "
+                        "one device: peak memory of one training step")
+    for col in ("activations", "estimated MiB", "measured MiB", "measured / recompute full"):
+        table.add_column(col, justify="right" if col != "activations" else "left")
+    for name, (estimated, measured) in rows.items():
+        table.add_row(name, f"{estimated / 2**20:.1f}", f"{measured / 2**20:.1f}",
+                      f"{measured / base[1]:.2f}")
+    return table
 
 
 def main() -> None:
@@ -123,18 +162,28 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mem-seq", type=int, default=1024)
+    p.add_argument("--mem-d-model", type=int, default=512)
+    p.add_argument("--only", choices=("time", "memory"))
     args = p.parse_args()
-    overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
-                 "batch_size": args.batch}
-    base = torch_step_time(args.stages, args.micro, args.steps, overrides)
-    ours = chronotope_step_time(args.stages, args.micro, args.steps, overrides)
-    table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} "
-                        f"x {args.seq} tokens, {args.micro} micro-batches, on {args.stages} gloo "
-                        f"processes (median of {args.steps - 1} steps, slowest rank)")
-    for col in ("schedule", "torch Schedule1F1B ms", "chronotope 1f1b ms", "ratio"):
-        table.add_column(col, justify="right" if col != "schedule" else "left")
-    table.add_row("1F1B", f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{ours / base:.2f}")
-    Console(width=120).print(table)
+    console = Console(width=120)
+    if args.only != "memory":
+        overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
+                     "batch_size": args.batch}
+        base = torch_step_time(args.stages, args.micro, args.steps, overrides)
+        ours = {s: chronotope_step_time(args.stages, args.micro, args.steps, overrides, s)
+                for s in ("1f1b", "zb1")}
+        table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch "
+                            f"{args.batch} x {args.seq} tokens, {args.micro} micro-batches, on "
+                            f"{args.stages} gloo processes (median of {args.steps - 1} steps, "
+                            "slowest rank)")
+        for col in ("chronotope schedule", "torch Schedule1F1B ms", "chronotope ms", "ratio"):
+            table.add_column(col, justify="right" if col != "chronotope schedule" else "left")
+        for name, t in ours.items():
+            table.add_row(name, f"{base * 1e3:.1f}", f"{t * 1e3:.1f}", f"{t / base:.2f}")
+        console.print(table)
+    if args.only != "time":
+        console.print(memory_table(args.mem_seq, args.mem_d_model))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import keyword
 import re
 from collections import defaultdict
+from dataclasses import replace
 from fractions import Fraction
 
 from chronotope.compile.collectives import collectives
@@ -131,8 +132,38 @@ class Materializer:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks, groups = collectives(ranks)
-        return Program(self.plan, [with_frees(fuse(code)) for code in ranks], self.stored,
-                       groups, self.owned, self.refresh())
+        return Program(self.plan, [with_frees(self.running_sums(rank, fuse(code)))
+                                   for rank, code in enumerate(ranks)],
+                       self.stored, groups, self.owned, self.refresh())
+
+    def running_sums(self, rank: int, code: list[Instruction]) -> list[Instruction]:
+        """A sum of three or more pieces this rank computes is added up as they are made, so
+        only the running total and the newest part are alive (co-shard's partial sums,
+        forward and backward)."""
+        made_at = {var: i for i, ins in enumerate(code) if isinstance(ins, (Forward, Backward))
+                   for var in writes(ins)}
+        readers: dict[str, int] = defaultdict(int)
+        for ins in code:
+            for var in reads(ins):
+                readers[var] += 1
+        after: dict[int, list[Instruction]] = defaultdict(list)
+        out = list(code)
+        for i, ins in enumerate(code):
+            if not (isinstance(ins, Assemble) and ins.pattern is None and len(ins.parts) > 2
+                    and all(p.scale == 1 and p.src in made_at and readers[p.src] == 1
+                            and covers(p.src_slices, ins.shape)
+                            and covers(p.dst_slices, ins.shape) for p in ins.parts)):
+                continue
+            parts = sorted(ins.parts, key=lambda p: made_at[p.src])
+            if len({made_at[p.src] for p in parts}) < 3:
+                continue  # made together (one backward region): nothing to gain
+            total = parts[0]
+            for p in parts[1:-1]:
+                var = self.name(rank, f"{ins.var}_partial", ins.shape)
+                after[made_at[p.src]].append(Assemble(var, ins.shape, ins.dtype, [total, p]))
+                total = replace(total, src=var)
+            out[i] = replace(ins, parts=[total, parts[-1]])
+        return [x for i, ins in enumerate(out) for x in (ins, *after.get(i, ()))]
 
     def refresh(self) -> list[list[Instruction]]:
         """After the optimizer step: stored regions that others own, copied from the owners."""
