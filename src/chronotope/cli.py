@@ -298,10 +298,11 @@ def parser() -> argparse.ArgumentParser:
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
-                              "+ gradients, + weights; gpipe, 1f1b, interleaved, zb1, zbv: "
-                              "pipeline schedules (zb*: zero bubble, backward split into "
-                              "input and weight gradients); csv: a pipeline in the order of "
-                              "--schedule; coshard: dp-tp with --coshard pieces of each attention "
+                              "+ gradients, + weights; gpipe, 1f1b, interleaved, zb1, zbv, "
+                              "chimera: pipeline schedules (zb*: zero bubble, backward split "
+                              "into input and weight gradients; chimera: a down and an up "
+                              "pipeline, each with half the micro-batches); csv: a pipeline in "
+                              "the order of --schedule; coshard: dp-tp with --coshard pieces of each attention "
                               "and MLP per device, run one at a time")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,

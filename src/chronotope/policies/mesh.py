@@ -28,7 +28,7 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
-from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, Schedule, Step
+from chronotope.policies.pipeline import DIRECTIONS, MULTI_STAGE, SCHEDULES, Schedule, Step
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,10 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     stage = stages(graph, pp * chunks)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     orders = {r: run(r, pp, micro, chunks) for r in range(pp)} if pp > 1 and micro > 1 else {}
-    rank_of = _placement(orders, pp, chunks)
+    # several pipelines over the same ranks (chimera): each its own copy of the stages,
+    # numbered after the previous one's, and its share of the batch and micro-batches
+    ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1
+    rank_of = _placement(orders, pp, chunks * ways)
     batch_dim = batch_dims(graph)
     shards = tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {}
     spans = _spans(graph, shards) if coshard > 1 else {}
@@ -189,31 +192,33 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     data = data_only(graph)
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
-        if dp > 1:
-            groups = plan.trans(op, _cut(op, batch_dim, tails, dp))
+        if dp * ways > 1:
+            groups = plan.trans(op, _cut(op, batch_dim, tails, dp * ways))
         else:
             groups = [plan.op(op.name)]
-        for i, piece in enumerate(groups):
-            first = (i * pp + rank_of[stage[op]]) * tp
+        for g, piece in enumerate(groups):
+            i, v = g // ways, g % ways * pp * chunks + stage[op]  # group, (virtual) stage
+            first = (i * pp + rank_of[v]) * tp
             devices = range(first, first + tp)
             micros = [piece]
-            if micro > 1 and op not in data and (batch_dim[op] is not None or op in tails):
-                micros = plan.trans(piece, _cut(op, batch_dim, tails, micro))
+            batched = op not in data and (batch_dim[op] is not None or op in tails)
+            if micro > ways and batched:
+                micros = plan.trans(piece, _cut(op, batch_dim, tails, micro // ways))
             for m, sub in enumerate(micros):
                 parts = _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices,
                                          coshard if op in spans else 1)
                 if op in spans:
                     for c, pieces in enumerate(parts):
-                        sharded[(spans[op], i, m)][c] += pieces
-                if len(micros) > 1:
-                    cells[(i, stage[op], m)].append(sub)
+                        sharded[(spans[op], g, m)][c] += pieces
+                if orders and batched:
+                    cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
     for op in checkpointed(graph, recompute, "recompute", batch_dim, data | tails):
         plan.recompute(op.name)
     for op in checkpointed(graph, swap, "swap", batch_dim, data | tails):
         plan.swap(op.name)
     if orders:
-        _schedule(plan, cells, dp, micro, orders, rank_of)
+        _schedule(plan, cells, dp, micro // ways, orders, rank_of)
     for key, parts in sharded.items():
         _coshard(plan, parts, f"coshard{key[0]}.{key[1]}.{key[2]}")
     return plan
@@ -319,7 +324,8 @@ def _steps(steps: list) -> str:
 
 
 def _placement(orders: dict[int, list[Step]], pp: int, chunks: int) -> list[int]:
-    """Each stage's rank: the one whose schedule runs it (round the ranks without one)."""
+    """Each stage's rank: the one whose schedule runs it (round the ranks without one);
+    ``chunks`` stages per rank."""
     if not orders:
         return [s % pp for s in range(pp * chunks)]
     found: dict[int, set[int]] = defaultdict(set)

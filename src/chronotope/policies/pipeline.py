@@ -78,77 +78,117 @@ def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
     return steps
 
 
-def v_shape(stage: int, ranks: int) -> int:
-    """The rank of ``stage`` when stages go down the ranks and back up: rank 0 holds the
-    first and the last stage, so a micro-batch's loss is next to its input."""
-    return stage % ranks if stage % (2 * ranks) < ranks else ranks - 1 - stage % ranks
-
-
 def zb1(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     """Zero bubble (ZB-H1): 1F1B with each backward split in two, the weight gradients
     (W) left for the times a rank would wait. With equal F, B and W times the step
     takes ``3 * micro + ranks - 1`` of them (1F1B: ``3 * (micro + ranks - 1)``)."""
     if chunks != 1:
         raise PlanError(f"zb1 runs one stage per rank, not chunks={chunks}; zbv runs two")
-    return _zero_bubble(ranks, micro, 1, v_shape)[rank]
+    return _greedy(ranks, micro, (tuple(range(ranks)),), True, ranks + 1)[rank]
 
 
 def zbv(rank: int, ranks: int, micro: int, chunks: int = 2) -> list[Step]:
     """Zero bubble, V-shaped (ZBV): two stages per rank, down the ranks and back up
-    (``v_shape``), backwards split in input and weight parts, idle time filled with W."""
+    (rank 0 holds the first and the last), backwards split in input and weight parts,
+    idle time filled with W."""
     if chunks != 2:
         raise PlanError(f"zbv runs two stages per rank (chunks=2), not chunks={chunks}")
-    return _zero_bubble(ranks, micro, 2, v_shape)[rank]
+    down = tuple(range(ranks))
+    return _greedy(ranks, micro, (down + down[::-1],), True, 2 * (ranks + 1))[rank]
+
+
+def chimera(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
+    """Chimera: two pipelines over the same ranks, one down and one up, each with its own
+    copy of the weights and half the micro-batches; rank ``r`` holds stage ``r`` of the
+    down pipeline (steps' stage ``r``) and stage ``ranks - 1 - r`` of the up one (stage
+    ``2 * ranks - 1 - r``). The two fill each other's bubbles."""
+    if chunks != 1 or micro % 2:
+        raise PlanError(f"chimera runs one stage of each direction per rank and an even "
+                        f"number of micro-batches, not chunks={chunks}, micro={micro}")
+    down = tuple(range(ranks))
+    return _greedy(ranks, micro // 2, (down, down[::-1]), False, 2 * ranks)[rank]
 
 
 @lru_cache(maxsize=64)
-def _zero_bubble(ranks: int, micro: int, chunks: int,
-                 where: Callable[[int, int], int]) -> dict[int, list[Step]]:
-    """Every rank's steps, by playing the pipeline with equal step times: a free rank runs
-    a backward if one is ready (later stages first), else a forward if it keeps fewer than
-    ``chunks * (ranks + 1)`` micro-batches whose weight gradients are still to come (what
-    bounds memory, about 1F1B's), else its oldest waiting weight gradient."""
-    last = ranks * chunks - 1
-    held = {r: [s for s in range(last, -1, -1) if where(s, ranks) == r] for r in range(ranks)}
-    limit = chunks * (ranks + 1)
+def _greedy(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
+            limit: int) -> dict[int, list[Step]]:
+    """Every rank's steps, by playing the pipeline with a forward's time as the unit (a
+    whole backward takes two, each part of a split one takes one). Chain ``c`` runs
+    ``micro`` micro-batches through its stages (``c * len(chain) + k`` on rank
+    ``chain[k]``). A free rank runs a backward if one is ready (the latest in its chain
+    first), else a forward if it keeps fewer than ``limit`` micro-batches' activations
+    (until their W with ``split``, else their B), else its oldest waiting W. Forwards
+    are tried latest first, earliest first and oldest micro-batch first: the shortest
+    play wins."""
+    played = [_play(ranks, micro, chains, split, limit, first) for first in _FORWARD_FIRST]
+    done = [p for p in played if p is not None]
+    if not done:
+        raise PlanError(f"no schedule keeps at most {limit} micro-batches alive on each of "
+                        f"{ranks} ranks with {micro} micro-batches")
+    return min(done, key=lambda p: p[0])[1]
+
+
+_FORWARD_FIRST = (lambda k, m: -k, lambda k, m: k, lambda k, m: (m, k))  # which ready forward
+
+
+def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
+          limit: int, first: Callable[[int, int], object]
+          ) -> tuple[int, dict[int, list[Step]]] | None:
+    """One play of ``_greedy``: its length and steps, or None when it gets stuck."""
+    rank_of, position, nxt, prev = {}, {}, {}, {}
+    for c, chain in enumerate(chains):
+        for k, r in enumerate(chain):
+            v = c * len(chain) + k
+            rank_of[v], position[v] = r, k
+            prev[v] = v - 1 if k else None
+            nxt[v] = v + 1 if k + 1 < len(chain) else None
+    held = {r: sorted((v for v in rank_of if rank_of[v] == r), key=lambda v: -position[v])
+            for r in range(ranks)}
     ended: dict[Step, int] = {}
-    forwards = [0] * (last + 1)  # next micro-batch of each stage, forward and backward
-    backwards = [0] * (last + 1)
+    forwards = dict.fromkeys(rank_of, 0)  # next micro-batch of each stage, F and B
+    backwards = dict.fromkeys(rank_of, 0)
     waiting: dict[int, list[Step]] = {r: [] for r in range(ranks)}  # W steps, oldest first
     kept = [0] * ranks
     steps: dict[int, list[Step]] = {r: [] for r in range(ranks)}
+    total = (3 if split else 2) * len(rank_of) * micro
     t = 0
 
     def ready(step: Step) -> bool:
         return step in ended and ended[step] <= t
 
-    while len(ended) < 3 * (last + 1) * micro:
+    while len(ended) < total:
+        if t > 4 * total:
+            return None
         for r in range(ranks):
             if steps[r] and ended[steps[r][-1]] > t:
                 continue  # busy
-            step = next((("B", s, backwards[s]) for s in held[r] if backwards[s] < micro
-                         and ready(("F", s, backwards[s]))
-                         and (s == last or ready(("B", s + 1, backwards[s])))), None)
+            step = next((("B", v, backwards[v]) for v in held[r] if backwards[v] < micro
+                         and ready(("F", v, backwards[v]))
+                         and (nxt[v] is None or ready(("B", nxt[v], backwards[v])))), None)
             if step is None and kept[r] < limit:
-                step = next((("F", s, forwards[s]) for s in held[r] if forwards[s] < micro
-                             and (s == 0 or ready(("F", s - 1, forwards[s])))), None)
+                step = min((("F", v, forwards[v]) for v in held[r] if forwards[v] < micro
+                            and (prev[v] is None or ready(("F", prev[v], forwards[v])))),
+                           key=lambda s: first(position[s[1]], s[2]), default=None)
             if step is None and waiting[r]:
                 step = waiting[r].pop(0)
             if step is None:
                 continue
-            kind, s, m = step
+            kind, v, m = step
             if kind == "F":
-                forwards[s] += 1
+                forwards[v] += 1
                 kept[r] += 1
             elif kind == "B":
-                backwards[s] += 1
-                waiting[r].append(("W", s, m))
+                backwards[v] += 1
+                if split:
+                    waiting[r].append(("W", v, m))
+                else:
+                    kept[r] -= 1
             else:
                 kept[r] -= 1
             steps[r].append(step)
-            ended[step] = t + 1
+            ended[step] = t + (2 if kind == "B" and not split else 1)
         t += 1
-    return steps
+    return max(ended.values()), steps
 
 
 Schedule = Callable[[int, int, int, int], list[Step]]  # (rank, ranks, micro, chunks) -> steps
@@ -159,8 +199,10 @@ SCHEDULES: dict[str, Schedule] = {
     "interleaved": interleaved,
     "zb1": zb1,
     "zbv": zbv,
+    "chimera": chimera,
 }
 MULTI_STAGE = {"interleaved", "zbv"}  # schedules for ranks holding several stages (chunks)
+DIRECTIONS = {"chimera": 2}  # schedules running the model in several pipelines at once
 
 
 _ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
