@@ -302,8 +302,8 @@ def parser() -> argparse.ArgumentParser:
                               "chimera: pipeline schedules (zb*: zero bubble, backward split "
                               "into input and weight gradients; chimera: a down and an up "
                               "pipeline, each with half the micro-batches); csv: a pipeline in "
-                              "the order of --schedule; coshard: dp-tp with --coshard pieces of each attention "
-                              "and MLP per device, run one at a time")
+                              "the order of --schedule; coshard: dp-tp with --coshard pieces "
+                              "of each attention and MLP per device, run one at a time")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
