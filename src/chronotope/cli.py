@@ -18,6 +18,7 @@ from rich.text import Text
 
 from chronotope.compile import Program
 from chronotope.compile import compile as compile_plan
+from chronotope.cost import measure_ops
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
@@ -258,16 +259,19 @@ def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
-    drawn = timeline(POLICIES[args.policy](graph, args), args.flops)
+    measured = measure_ops(graph, workload) if args.measure else None
+    drawn = timeline(POLICIES[args.policy](graph, args), args.flops, measured=measured)
     drawn.save(args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
                           "bubble_ratio": drawn.bubble_ratio, "makespan_s": drawn.makespan,
-                          "file": args.out}))
+                          "measured": bool(args.measure), "file": args.out}))
         return 0
+    how = "from each op's time measured here" if args.measure else \
+        f"estimated at {args.flops:.0e} FLOP/s"
     out.print(f"{args.model}: {args.policy} on {args.devices} devices: step "
-              f"{drawn.makespan * 1e3:.3f} ms estimated at {args.flops:.0e} FLOP/s, bubble "
-              f"ratio {drawn.bubble_ratio:.1%}; wrote {args.out}")
+              f"{drawn.makespan * 1e3:.3f} ms {how}, bubble ratio {drawn.bubble_ratio:.1%}; "
+              f"wrote {args.out}")
     return 0
 
 
@@ -334,6 +338,9 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
             cmd.add_argument("--flops", type=float, default=1e12,
                              help="device speed for the durations, in FLOP/s (default 1e12)")
+            cmd.add_argument("--measure", action="store_true",
+                             help="durations from each op's forward and backward time measured "
+                                  "on this machine (on the model's device), by FLOP share")
         else:
             cmd.add_argument("--steps", type=int, default=3)
             cmd.add_argument("--check", action="store_true",

@@ -7,6 +7,7 @@ import pytest
 
 import chronotope as ct
 from chronotope.cli import main
+from chronotope.cost import measure_ops, piece_seconds
 from chronotope.models import get_workload
 from chronotope.policies import pipeline
 from chronotope.viz import timeline
@@ -67,3 +68,29 @@ def test_timeline_command(capsys, tmp_path):
     assert main(["timeline", "gpt", "--policy", "dp", "--devices", "2",
                  "--out", str(out)]) == 2
     assert "no pipeline steps" in capsys.readouterr().err
+
+
+def test_measured_op_times_give_the_pieces_their_share():
+    w = get_workload("gpt", n_layer=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = ct.capture(w)
+    times = measure_ops(g, w, repeats=1)
+    assert set(times) == {op.name for op in g}
+    assert all(t.forward > 0 for t in times.values())
+    linear = next(op for op in g if op.kind == "linear")
+    assert times[linear.name].backward > 0
+    plan = pipeline(g, 2, 4, "1f1b")
+    pieces = [p for p in plan.leaves(linear.name)]  # one per micro-batch
+    assert sum(piece_seconds(p, times) for p in pieces) == pytest.approx(
+        times[linear.name].forward)
+    drawn = timeline(plan, measured=times)
+    assert 0 < drawn.bubble_ratio < 1
+
+
+def test_timeline_command_measures(capsys, tmp_path):
+    out = tmp_path / "t.html"
+    assert main(["timeline", "gpt", "--policy", "zb1", "--devices", "2", "--out", str(out),
+                 "--measure", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured"] and 0 < report["bubble_ratio"] < 1 and "W" in out.read_text()

@@ -1,5 +1,6 @@
-"""Cost estimates: compute from op signatures (communication and profiles to come)."""
+"""Cost estimates: compute from op signatures, or measured per op on this machine."""
 
 from chronotope.cost.compute import op_flops, piece_flops
+from chronotope.cost.measure import OpTime, measure_ops, piece_seconds
 
-__all__ = ["op_flops", "piece_flops"]
+__all__ = ["OpTime", "measure_ops", "op_flops", "piece_flops", "piece_seconds"]

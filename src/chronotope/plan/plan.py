@@ -135,7 +135,7 @@ class Plan:
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         self.orders: list[OrderCall] = []
         self.grads: dict[PTensor, PTensor] = {}
-        self.requires_grad = _requires_grad(graph)
+        self.requires_grad = differentiable(graph)
         self.roots: dict[str, PlanOp] = {}
         # Optimizer steps made ops (see ``update``), and where parameters are kept:
         # "read": a device stores every region its pieces read, refreshed from the
@@ -412,7 +412,7 @@ class Plan:
         return self.summary()
 
 
-def _requires_grad(graph: Graph) -> set[PTensor]:
+def differentiable(graph: Graph) -> set[PTensor]:
     """Tensors the loss is differentiated through: parameters and what is computed from them."""
     rg = {t for t in graph.params.values() if t.dtype.is_floating_point}
     for op in graph.ops:

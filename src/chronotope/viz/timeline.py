@@ -2,7 +2,8 @@
 plan's order.
 
 A step (``1F0``: stage 1's forward of micro-batch 0) lasts what its pieces cost
-(``cost.piece_flops`` at ``flops_per_s``) and starts when its rank is free and
+(``cost.piece_flops`` at ``flops_per_s``, or their share of each op's measured
+time, ``cost.measure_ops``) and starts when its rank is free and
 the steps it reads from have ended (data edges between the pieces; steps of the
 same name on other ranks of a tensor-parallel group run alongside it). The
 bubble ratio is the idle share of all ranks' time until the last step ends.
@@ -15,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chronotope.cost import piece_flops
+from chronotope.cost import OpTime, piece_flops, piece_seconds
 from chronotope.errors import PlanError
 from chronotope.plan import Plan
 from chronotope.plan.check import data_edges
@@ -111,11 +112,13 @@ class Timeline:
 
 
 def timeline(plan: Plan, flops_per_s: float = 1e12,
-             step_cost: Callable[[int, str], float] | None = None) -> Timeline:
+             step_cost: Callable[[int, str], float] | None = None,
+             measured: dict[str, OpTime] | None = None) -> Timeline:
     """The timeline of a pipeline plan (one made by ``policies.pipeline`` or ``mesh``).
 
-    Durations are the pieces' FLOPs at ``flops_per_s``, or ``step_cost(rank, step)``
-    seconds where given (a profile, or equal steps to check a schedule's shape)."""
+    Durations are the pieces' FLOPs at ``flops_per_s``, their share of ``measured`` op
+    times where given, or ``step_cost(rank, step)`` seconds where given (equal steps,
+    to check a schedule's shape)."""
     order = actions(plan)
     if not order:
         raise PlanError("this plan has no pipeline steps to draw: make it with "
@@ -126,7 +129,8 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
     cost: dict[tuple[int, str], float] = defaultdict(float)
     for op in ops:
         if op in steps:
-            cost[(op.device, steps[op])] += piece_flops(op) / flops_per_s
+            cost[(op.device, steps[op])] += piece_seconds(op, measured) if measured else \
+                piece_flops(op) / flops_per_s
     if step_cost is not None:
         cost = defaultdict(float, {key: step_cost(*key) for key in cost})
     deps: dict[tuple[int, str], set[tuple[int, str]]] = defaultdict(set)

@@ -1,0 +1,86 @@
+"""Measured compute cost: each op's forward and backward seconds on this machine.
+
+``measure_ops`` runs the captured graph on the workload's real tensors one op at
+a time, as the reference executor does, timing each op's forward and the
+autograd call that gives its inputs' gradients (the median of ``repeats``). A
+plan's piece then costs its op's time times its share of the op's FLOPs, so
+timelines and schedules can use the machine's numbers instead of a peak rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from chronotope.cost.compute import op_flops, piece_flops
+from chronotope.graph.capture import Batch
+from chronotope.graph.execute import last_uses, run_op
+from chronotope.graph.ir import Graph
+from chronotope.models.workload import Workload
+from chronotope.plan.plan import PlanOp, differentiable
+
+
+@dataclass(frozen=True)
+class OpTime:
+    forward: float  # seconds
+    backward: float  # seconds; 0 for an op without gradients to pass
+
+
+def measure_ops(graph: Graph, workload: Workload, repeats: int = 3) -> dict[str, OpTime]:
+    """Each op's forward and backward seconds, by op name."""
+    grads = differentiable(graph)
+    batch = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
+    named = {**dict(workload.model.named_parameters()), **dict(workload.model.named_buffers()),
+             **graph.constants}
+    values = {t: v for t, v in zip(graph.inputs, batch)}
+    for op in graph.ops:
+        for t in op.inputs:
+            if t not in values and t.name in named:
+                values[t] = named[t.name]
+    device = next((v.device for v in values.values()), torch.device("cpu"))
+    free = last_uses(graph)
+    out: dict[str, OpTime] = {}
+    with torch.device(device):
+        for i, op in enumerate(graph.ops):
+            ins = {t: values[t].detach().requires_grad_(t in grads) for t in op.inputs}
+            outs = run_op(op, ins, device)
+            forward = _median(partial(run_op, op, ins, device), repeats, device)
+            made = [o for o in outs if o.requires_grad]
+            leaves = [v for t, v in ins.items() if t in grads]
+            backward = 0.0
+            if made and leaves:
+                backward = _median(partial(torch.autograd.grad, made, leaves,
+                                           [torch.ones_like(o) for o in made],
+                                           retain_graph=True, allow_unused=True),
+                                   repeats, device)
+            out[op.name] = OpTime(forward, backward)
+            for t, v in zip(op.outputs, outs):
+                values[t] = v.detach()
+            for t in free.get(i, ()):
+                values.pop(t, None)
+    return out
+
+
+def _median(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def piece_seconds(piece: PlanOp, times: dict[str, OpTime]) -> float:
+    """A forward or backward piece's share of its op's measured time, by FLOPs."""
+    op = (piece.forward or piece).op
+    measured = times[op.name]
+    whole = op_flops(op) * (2 if piece.is_backward else 1)
+    share = piece_flops(piece) / whole if whole else 1.0
+    return (measured.backward if piece.is_backward else measured.forward) * share
