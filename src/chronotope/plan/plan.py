@@ -413,13 +413,19 @@ class Plan:
 
 
 def differentiable(graph: Graph) -> set[PTensor]:
-    """Tensors the loss is differentiated through: parameters and what is computed from them."""
-    rg = {t for t in graph.params.values() if t.dtype.is_floating_point}
+    """Tensors the loss is differentiated through: parameters, and what is computed from
+    them that the loss is computed from (not a detached pass, like recycling's)."""
+    params = {t for t in graph.params.values() if t.dtype.is_floating_point}
+    rg = set(params)
     for op in graph.ops:
         if op.kind in _NO_GRAD_KINDS or not any(t in rg for t in op.inputs):
             continue
         rg.update(t for t in op.outputs if t.dtype.is_floating_point)
-    return rg
+    reaches = {graph.loss}
+    for op in reversed(graph.ops):
+        if op.kind not in _NO_GRAD_KINDS and any(t in reaches for t in op.outputs):
+            reaches.update(op.inputs)
+    return params | (rg & reaches)
 
 
 def _gradient_shares(graph: Graph) -> dict[Op, tuple[ValueRange, ...]]:
