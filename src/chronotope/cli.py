@@ -303,10 +303,11 @@ def parser() -> argparse.ArgumentParser:
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
                               "zero-1/2/3: data parallel with sharded optimizer state, "
                               "+ gradients, + weights; gpipe, 1f1b, interleaved, zb1, zbv, "
-                              "chimera: pipeline schedules (zb*: zero bubble, backward split "
+                              "chimera, 3f1b: pipeline schedules (zb*: zero bubble, backward split "
                               "into input and weight gradients; chimera: a down and an up "
-                              "pipeline, each with half the micro-batches); csv: a pipeline in "
-                              "the order of --schedule; coshard: dp-tp with --coshard pieces "
+                              "pipeline, each with half the micro-batches; 3f1b: a model "
+                              "that runs itself again, recycling passes without gradients); "
+                              "csv: a pipeline in the order of --schedule; coshard: dp-tp with --coshard pieces "
                               "of each attention and MLP per device, run one at a time")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,

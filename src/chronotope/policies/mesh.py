@@ -28,7 +28,14 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
-from chronotope.policies.pipeline import DIRECTIONS, MULTI_STAGE, SCHEDULES, Schedule, Step
+from chronotope.policies.pipeline import (
+    DIRECTIONS,
+    MULTI_STAGE,
+    RECYCLING,
+    SCHEDULES,
+    Schedule,
+    Step,
+)
 
 
 @dataclass(frozen=True)
@@ -85,13 +92,40 @@ def _chunks(t: PTensor, readers: list[Op]) -> int:
     return len(runs)
 
 
-def stages(graph: Graph, pp: int) -> dict[Op, int]:
+def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
+    """For a model that runs itself again (recycling), each op's stage ``k * pp + s``:
+    pass ``k`` (counted each time its first module runs again), and the stage ``s``
+    its module has in the last pass, which is cut as ``stages`` cuts a model. Ops of no
+    module go with the op before them. Returns the stages and the number of passes."""
+    mods = [op.source.module if op.source else "" for op in graph.ops]
+    first = next((m for m in mods if m), "")
+    pass_of, k = {}, -1
+    for i, (op, mod) in enumerate(zip(graph.ops, mods)):
+        if first and mod == first and (i == 0 or mods[i - 1] != first):
+            k += 1
+        pass_of[op] = max(k, 0)
+    passes = max(pass_of.values()) + 1
+    last = [op for op in graph.ops if pass_of[op] == passes - 1]
+    cut = stages(graph, pp, last)
+    of_module: dict[str, int] = {}
+    for op, mod in zip(graph.ops, mods):
+        if op in cut and mod:
+            of_module.setdefault(mod, cut[op])
+    out, previous = {}, 0
+    for op, mod in zip(graph.ops, mods):
+        s = cut[op] if op in cut else of_module.get(mod, previous) if mod else previous
+        out[op] = pass_of[op] * pp + s
+        previous = s
+    return out, passes
+
+
+def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None) -> dict[Op, int]:
     """Cut the ops, in program order, into ``pp`` runs of about equal compute (forward FLOPs
     by the signatures): each cut within half a stage of its share, where the fewest
     activations of the batch cross it. Between two transformer blocks only the residual
     stream does, so one message per micro-batch (tables made from weights alone, like
-    rotary angles, do not count)."""
-    ops = graph.ops
+    rotary angles, do not count). ``ops``: cut only these (default: all)."""
+    ops = graph.ops if ops is None else list(ops)
     batch_dim = batch_dims(graph)
     weight = [op_flops(op) for op in ops]
     before = [0.0]
@@ -172,7 +206,10 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
-    stage = stages(graph, pp * chunks)
+    if schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
+        stage, chunks = recycled_stages(graph, pp)
+    else:
+        stage = stages(graph, pp * chunks)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     orders = {r: run(r, pp, micro, chunks) for r in range(pp)} if pp > 1 and micro > 1 else {}
     # several pipelines over the same ranks (chimera): each its own copy of the stages,

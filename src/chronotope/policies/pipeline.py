@@ -109,18 +109,33 @@ def chimera(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     return _greedy(ranks, micro // 2, (down, down[::-1]), False, 2 * ranks)[rank]
 
 
+def three_f_one_b(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
+    """3F1B (AlphaFold2 recycling): every micro-batch goes through the model ``chunks``
+    times, the passes before the last without gradients (nothing kept, no backward),
+    then the last with its backward. Pass ``k`` of stage ``s`` is step stage
+    ``k * ranks + s``, on rank ``s``; the passes of other micro-batches fill the waits."""
+    if chunks < 2:
+        raise PlanError("3f1b needs a model that runs itself several times (recycling "
+                        f"passes); this one runs {chunks} pass")
+    down = tuple(range(ranks))
+    return _greedy(ranks, micro, (down * chunks,), False, ranks,
+                   (chunks - 1) * ranks)[rank]
+
+
 @lru_cache(maxsize=64)
 def _greedy(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
-            limit: int) -> dict[int, list[Step]]:
+            limit: int, backward_from: int = 0) -> dict[int, list[Step]]:
     """Every rank's steps, by playing the pipeline with a forward's time as the unit (a
     whole backward takes two, each part of a split one takes one). Chain ``c`` runs
     ``micro`` micro-batches through its stages (``c * len(chain) + k`` on rank
     ``chain[k]``). A free rank runs a backward if one is ready (the latest in its chain
     first), else a forward if it keeps fewer than ``limit`` micro-batches' activations
-    (until their W with ``split``, else their B), else its oldest waiting W. Forwards
-    are tried latest first, earliest first and oldest micro-batch first: the shortest
-    play wins."""
-    played = [_play(ranks, micro, chains, split, limit, first) for first in _FORWARD_FIRST]
+    (until their W with ``split``, else their B), else its oldest waiting W. Stages
+    before position ``backward_from`` of a chain run without gradients (no backward,
+    nothing kept). Forwards are tried latest first, earliest first and oldest
+    micro-batch first: the shortest play wins."""
+    played = [_play(ranks, micro, chains, split, limit, first, backward_from)
+              for first in _FORWARD_FIRST]
     done = [p for p in played if p is not None]
     if not done:
         raise PlanError(f"no schedule keeps at most {limit} micro-batches alive on each of "
@@ -132,7 +147,7 @@ _FORWARD_FIRST = (lambda k, m: -k, lambda k, m: k, lambda k, m: (m, k))  # which
 
 
 def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
-          limit: int, first: Callable[[int, int], object]
+          limit: int, first: Callable[[int, int], object], backward_from: int
           ) -> tuple[int, dict[int, list[Step]]] | None:
     """One play of ``_greedy``: its length and steps, or None when it gets stuck."""
     rank_of, position, nxt, prev = {}, {}, {}, {}
@@ -150,7 +165,8 @@ def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bo
     waiting: dict[int, list[Step]] = {r: [] for r in range(ranks)}  # W steps, oldest first
     kept = [0] * ranks
     steps: dict[int, list[Step]] = {r: [] for r in range(ranks)}
-    total = (3 if split else 2) * len(rank_of) * micro
+    graded = {v for v in rank_of if position[v] >= backward_from}
+    total = (len(rank_of) + (2 if split else 1) * len(graded)) * micro
     t = 0
 
     def ready(step: Step) -> bool:
@@ -162,8 +178,8 @@ def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bo
         for r in range(ranks):
             if steps[r] and ended[steps[r][-1]] > t:
                 continue  # busy
-            step = next((("B", v, backwards[v]) for v in held[r] if backwards[v] < micro
-                         and ready(("F", v, backwards[v]))
+            step = next((("B", v, backwards[v]) for v in held[r] if v in graded
+                         and backwards[v] < micro and ready(("F", v, backwards[v]))
                          and (nxt[v] is None or ready(("B", nxt[v], backwards[v])))), None)
             if step is None and kept[r] < limit:
                 step = min((("F", v, forwards[v]) for v in held[r] if forwards[v] < micro
@@ -176,7 +192,7 @@ def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bo
             kind, v, m = step
             if kind == "F":
                 forwards[v] += 1
-                kept[r] += 1
+                kept[r] += v in graded
             elif kind == "B":
                 backwards[v] += 1
                 if split:
@@ -200,9 +216,11 @@ SCHEDULES: dict[str, Schedule] = {
     "zb1": zb1,
     "zbv": zbv,
     "chimera": chimera,
+    "3f1b": three_f_one_b,
 }
 MULTI_STAGE = {"interleaved", "zbv"}  # schedules for ranks holding several stages (chunks)
 DIRECTIONS = {"chimera": 2}  # schedules running the model in several pipelines at once
+RECYCLING = {"3f1b"}  # schedules whose stages are the passes of a model that runs itself again
 
 
 _ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
