@@ -307,8 +307,9 @@ def parser() -> argparse.ArgumentParser:
                               "into input and weight gradients; chimera: a down and an up "
                               "pipeline, each with half the micro-batches; 3f1b: a model "
                               "that runs itself again, recycling passes without gradients); "
-                              "csv: a pipeline in the order of --schedule; coshard: dp-tp with --coshard pieces "
-                              "of each attention and MLP per device, run one at a time")
+                              "csv: a pipeline in the order of --schedule; coshard: dp-tp "
+                              "with --coshard pieces of each attention and MLP per device, "
+                              "run one at a time")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
