@@ -22,7 +22,7 @@ def piece_flops(op: PlanOp) -> float:
     """Floating-point operations of one forward or backward piece."""
     fwd = op.forward or op
     sig = fwd.op.signature
-    flops = _flops(sig, fwd.piece.sizes) if sig is not None else \
+    flops = _flops(sig, fwd.piece.sizes, fwd.op.kind) if sig is not None else \
         float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
     return 2 * flops if op.is_backward and not op.split else flops
 
@@ -36,10 +36,14 @@ def op_flops(op: Op) -> float:
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
     except SignatureError:
         return outputs
-    return _flops(op.signature, sizes)
+    return _flops(op.signature, sizes, op.kind)
 
 
-def _flops(sig: Signature, sizes: dict[str, int]) -> float:
-    """One operation per combination of the dims, two where a dim is reduced."""
+def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
+    """One operation per combination of the dims, two where a dim is reduced; attention
+    is two contractions (scores over ``E``, then values over ``S``), not one over all."""
+    if kind == "attention" and {"L", "S", "E", "Ev"} <= set(sizes):
+        rows = math.prod(v for n, v in sizes.items() if n not in ("L", "S", "E", "Ev"))
+        return 2.0 * rows * sizes["L"] * sizes["S"] * (sizes["E"] + sizes["Ev"])
     reduced = any(d.reduce for d in sig.dims())
     return float(math.prod(sizes.get(n, 1) for n in sig.names())) * (2 if reduced else 1)

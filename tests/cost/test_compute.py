@@ -1,0 +1,23 @@
+"""Compute cost from signatures: FLOPs of the ops that dominate a transformer."""
+
+import warnings
+
+import chronotope as ct
+from chronotope.cost import op_flops, piece_flops
+from chronotope.models import get_workload
+from chronotope.policies import mesh
+
+
+def test_linear_and_attention_flops():
+    b, s, d = 2, 32, 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", block_size=s, d_model=d, batch_size=b))
+    qkv = next(op for op in graph if op.kind == "linear")
+    assert op_flops(qkv) == 2 * b * s * d * 3 * d  # a multiply and an add per weight use
+    attention = next(op for op in graph if op.kind == "attention")
+    assert op_flops(attention) == 4 * b * s * s * d  # scores, then values, over all heads
+    plan = mesh(graph, dp=2)
+    halves = plan.leaves(attention.name)
+    assert sum(piece_flops(p) for p in halves) == op_flops(attention)
+    assert piece_flops(plan.backward_op(halves[0])) == op_flops(attention)  # 2x a half
