@@ -98,7 +98,7 @@ def test_run_check_matches_one_device(capsys):
     ("gpt", "interleaved --chunks 2", 2), ("llama", "1f1b --recompute full", 2),
     ("gpt", "dp --recompute selective", 2), ("gpt", "1f1b --swap full", 2),
     ("gpt", "zb1", 4), ("llama", "zbv", 2), ("gpt", "coshard --tp 2 --coshard 2", 4),
-    ("gpt", "chimera", 4), ("evoformer", "3f1b", 2),
+    ("gpt", "chimera", 4), ("evoformer", "3f1b", 2), ("t5", "interlaced", 4),
 ])
 def test_every_policy_trains_like_one_device_on_gloo(capsys, model, policy, devices):
     policy, *options = policy.split()

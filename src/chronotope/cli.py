@@ -27,6 +27,7 @@ from chronotope.plan.check import format_bytes
 from chronotope.policies import (
     MULTI_STAGE,
     SCHEDULES,
+    interlaced,
     mesh,
     pipeline,
     read_schedule,
@@ -118,14 +119,26 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
             raise PlanError(f"--pp {stages} stages do not divide --devices {args.devices}: "
                             "a pipeline needs devices = dp * stages")
         dp = args.devices // stages
-        micro = args.micro
-        if micro == 1:  # up to two per stage, as many as the batch allows
-            batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
-            micro = max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
+        micro = _micro(graph, args, stages, dp)
         chunks = args.chunks if schedule in MULTI_STAGE else 1
         return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks,
                         **_activations(args))
     return policy
+
+
+def _interlaced(graph: Graph, args: argparse.Namespace) -> Plan:
+    """The shared embedding on every rank, the rest in 1F1B stages over all devices."""
+    if args.recompute or args.swap:
+        raise PlanError("--recompute and --swap are not available with interlaced yet")
+    return interlaced(graph, args.devices, _micro(graph, args, args.devices, 1))
+
+
+def _micro(graph: Graph, args: argparse.Namespace, stages: int, dp: int) -> int:
+    """--micro, or up to two per stage, as many as each group's batch allows."""
+    if args.micro > 1:
+        return args.micro
+    batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
+    return max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
 
 
 def _activations(args: argparse.Namespace) -> dict[str, str | None]:
@@ -167,6 +180,7 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
     "dp-tp": _mesh(),
     "dp-sp": _mesh(sequence=True),
     "coshard": _mesh(coshard=True),
+    "interlaced": _interlaced,
     **{f"zero-{stage}": _zero(stage) for stage in (1, 2, 3)},
     **{name: _pipeline(name) for name in SCHEDULES},
     "csv": _csv_pipeline,
@@ -309,7 +323,8 @@ def parser() -> argparse.ArgumentParser:
                               "that runs itself again, recycling passes without gradients); "
                               "csv: a pipeline in the order of --schedule; coshard: dp-tp "
                               "with --coshard pieces of each attention and MLP per device, "
-                              "run one at a time")
+                              "run one at a time; interlaced: 1F1B with the shared embedding "
+                              "(lookups and output head) on every device")
         cmd.add_argument("--devices", type=int, default=4)
         cmd.add_argument("--tp", type=int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")

@@ -21,3 +21,11 @@ def test_linear_and_attention_flops():
     halves = plan.leaves(attention.name)
     assert sum(piece_flops(p) for p in halves) == op_flops(attention)
     assert piece_flops(plan.backward_op(halves[0])) == op_flops(attention)  # 2x a half
+
+
+def test_a_lookup_costs_one_row_per_index():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", block_size=32, d_model=64, batch_size=2))
+    lookup = next(op for op in graph if op.kind == "embedding")
+    assert op_flops(lookup) == 2 * 32 * 64

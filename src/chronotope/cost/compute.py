@@ -41,9 +41,12 @@ def op_flops(op: Op) -> float:
 
 def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
     """One operation per combination of the dims, two where a dim is reduced; attention
-    is two contractions (scores over ``E``, then values over ``S``), not one over all."""
+    is two contractions (scores over ``E``, then values over ``S``), not one over all,
+    and a lookup copies one row per index, whatever the table's length ``v``."""
     if kind == "attention" and {"L", "S", "E", "Ev"} <= set(sizes):
         rows = math.prod(v for n, v in sizes.items() if n not in ("L", "S", "E", "Ev"))
         return 2.0 * rows * sizes["L"] * sizes["S"] * (sizes["E"] + sizes["Ev"])
+    if kind == "embedding":
+        return float(math.prod(v for n, v in sizes.items() if n != "v"))
     reduced = any(d.reduce for d in sig.dims())
     return float(math.prod(sizes.get(n, 1) for n in sig.names())) * (2 if reduced else 1)

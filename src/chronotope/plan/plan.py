@@ -126,8 +126,9 @@ class Plan:
         self.ndevices = ndevices
         self.optimizer = optimizer
         # (data-parallel group, stage, micro-batch) -> its forward pieces, where a pipeline
-        # policy made them (for reading the order back as pipeline steps)
-        self.cells: dict[tuple[int, int, int], list[PlanOp]] = {}
+        # policy made them (for reading the order back as pipeline steps); a stage may be
+        # a name, for groups on several ranks (the interlaced pipeline's embedding)
+        self.cells: dict[tuple[int, int | str, int], list[PlanOp]] = {}
         self.registry = registry or DEFAULT_REGISTRY
         self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
         self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU

@@ -1,6 +1,7 @@
 """Ready-made plans, each written only with the plan primitives."""
 
 from chronotope.policies.axes import batch_dims, sequence_dims
+from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
 from chronotope.policies.pipeline import (
     MULTI_STAGE,
@@ -11,5 +12,6 @@ from chronotope.policies.pipeline import (
 )
 from chronotope.policies.zero import zero
 
-__all__ = ["MULTI_STAGE", "SCHEDULES", "actions", "batch_dims", "data_parallel", "mesh", "pipeline",
-           "read_schedule", "sequence_parallel", "sequence_dims", "tensor_parallel", "zero"]
+__all__ = ["MULTI_STAGE", "SCHEDULES", "actions", "batch_dims", "data_parallel", "interlaced",
+           "mesh", "pipeline", "read_schedule", "sequence_parallel", "sequence_dims",
+           "tensor_parallel", "zero"]

@@ -29,13 +29,13 @@ COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452"}
 @dataclass(frozen=True)
 class Bar:
     rank: int
-    step: str  # "1F0", "1B0", "1I0", "1W0"
+    step: str  # "1F0", "1B0", "1I0", "1W0"; "HF0": a step of a group that is not one stage
     start: float  # seconds
     end: float
 
     @property
     def kind(self) -> str:
-        return self.step.strip("0123456789")
+        return [c for c in self.step if c in COLORS][-1]
 
 
 @dataclass
