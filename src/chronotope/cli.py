@@ -274,7 +274,8 @@ def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
         warnings.simplefilter("ignore")
         graph = capture(workload)
     measured = measure_ops(graph, workload) if args.measure else None
-    drawn = timeline(POLICIES[args.policy](graph, args), args.flops, measured=measured)
+    drawn = timeline(POLICIES[args.policy](graph, args), args.flops, measured=measured,
+                     bytes_per_s=args.bandwidth or None)
     drawn.save(args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
@@ -355,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
             cmd.add_argument("--flops", type=float, default=1e12,
                              help="device speed for the durations, in FLOP/s (default 1e12)")
+            cmd.add_argument("--bandwidth", type=float, default=1e11, metavar="BYTES_PER_S",
+                             help="link speed of the messages between ranks (default 1e11, "
+                                  "about one NVLink; 0: messages take no time)")
             cmd.add_argument("--measure", action="store_true",
                              help="durations from each op's forward and backward time measured "
                                   "on this machine (on the model's device), by FLOP share")

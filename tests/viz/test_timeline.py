@@ -94,3 +94,14 @@ def test_timeline_command_measures(capsys, tmp_path):
                  "--measure", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["measured"] and 0 < report["bubble_ratio"] < 1 and "W" in out.read_text()
+
+
+def test_messages_between_ranks_take_link_time(graph):
+    plan = pipeline(graph, 2, 4, "1f1b")
+    free = timeline(plan, step_cost=equal_steps)
+    slow = timeline(plan, step_cost=equal_steps, bytes_per_s=1e6)
+    messages = [b for b in slow.bars if b.message]
+    assert not any(b.message for b in free.bars) and messages
+    assert {b.kind for b in messages} == {"C"} and slow.makespan > free.makespan
+    residual = graph.inputs[0].shape[0] // 4 * 32 * 64 * 4  # a micro-batch's, in bytes
+    assert all(b.end - b.start >= residual / 1e6 * 0.999 for b in messages)

@@ -5,8 +5,10 @@ A step (``1F0``: stage 1's forward of micro-batch 0) lasts what its pieces cost
 (``cost.piece_flops`` at ``flops_per_s``, or their share of each op's measured
 time, ``cost.measure_ops``) and starts when its rank is free and
 the steps it reads from have ended (data edges between the pieces; steps of the
-same name on other ranks of a tensor-parallel group run alongside it). The
-bubble ratio is the idle share of all ranks' time until the last step ends.
+same name on other ranks of a tensor-parallel group run alongside it), plus,
+with ``bytes_per_s``, the time the bytes it reads from another rank take on
+the link (drawn under the rank's steps, in grey). The bubble ratio is the idle
+share of all ranks' compute time until the last step ends.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from dataclasses import dataclass
 from chronotope.cost import OpTime, piece_flops, piece_seconds
 from chronotope.errors import PlanError
 from chronotope.plan import Plan
-from chronotope.plan.check import data_edges
+from chronotope.plan.check import Sources, data_edges
 from chronotope.policies.pipeline import actions, step_of
 
-# forward, backward, a split backward's input part and its weight part
-COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452"}
+# forward, backward, a split backward's input part and its weight part, communication
+COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452", "C": "#999999"}
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,11 @@ class Bar:
     step: str  # "1F0", "1B0", "1I0", "1W0"; "HF0": a step of a group that is not one stage
     start: float  # seconds
     end: float
+    message: bool = False  # bytes arriving for ``step`` (it names the step that sent them)
 
     @property
     def kind(self) -> str:
-        return [c for c in self.step if c in COLORS][-1]
+        return "C" if self.message else [c for c in self.step if c in COLORS][-1]
 
 
 @dataclass
@@ -49,8 +52,9 @@ class Timeline:
 
     @property
     def bubble_ratio(self) -> float:
-        """Idle share of the ranks' time up to the last step's end."""
-        busy = sum(b.end - b.start for b in self.bars)
+        """Idle share of the ranks' time up to the last step's end (messages do not count:
+        they travel while the rank computes)."""
+        busy = sum(b.end - b.start for b in self.bars if not b.message)
         total = self.makespan * len(self.ranks)
         return 1 - busy / total if total else 0.0
 
@@ -75,10 +79,11 @@ class Timeline:
         lane = {r: i for i, r in enumerate(self.ranks)}
         for b in self.bars:
             y = len(self.ranks) - 1 - lane[b.rank]
-            ax.broken_barh([(b.start * scale, (b.end - b.start) * scale)], (y + 0.1, 0.8),
+            box = (y + 0.05, 0.2) if b.message else (y + 0.3, 0.65)
+            ax.broken_barh([(b.start * scale, (b.end - b.start) * scale)], box,
                            facecolors=COLORS[b.kind], edgecolor="white", linewidth=0.5)
-            if b.end - b.start > self.makespan / 40:  # labels only where they fit
-                ax.text((b.start + b.end) / 2 * scale, y + 0.5, b.step, ha="center",
+            if not b.message and b.end - b.start > self.makespan / 40:  # labels that fit
+                ax.text((b.start + b.end) / 2 * scale, y + 0.62, b.step, ha="center",
                         va="center", fontsize=7, color="white")
         ax.set_yticks([len(self.ranks) - 1 - i + 0.5 for i in range(len(self.ranks))],
                       [f"rank {r}" for r in self.ranks])
@@ -96,11 +101,15 @@ class Timeline:
         rects = []
         for b in self.bars:
             x, w, y = 70 + b.start * scale, (b.end - b.start) * scale, 10 + lane[b.rank] * lane_h
-            tip = f"rank {b.rank} {b.step}: {b.start * 1e3:.3f}-{b.end * 1e3:.3f} ms"
-            rects.append(f'<rect x="{x:.1f}" y="{y}" width="{max(w - 1, 0.5):.1f}" '
-                         f'height="{lane_h - 4}" fill="{COLORS[b.kind]}"><title>{tip}</title>'
-                         f'</rect><text x="{x + w / 2:.1f}" y="{y + lane_h / 2 + 2}" '
-                         f'font-size="10" fill="white" text-anchor="middle">{b.step}</text>')
+            what = f"message to {b.step}" if b.message else b.step
+            tip = f"rank {b.rank} {what}: {b.start * 1e3:.3f}-{b.end * 1e3:.3f} ms"
+            top, high = (y + lane_h - 8, 5) if b.message else (y, lane_h - 10)
+            label = "" if b.message else (
+                f'<text x="{x + w / 2:.1f}" y="{y + lane_h / 2 - 1}" font-size="10" '
+                f'fill="white" text-anchor="middle">{b.step}</text>')
+            rects.append(f'<rect x="{x:.1f}" y="{top}" width="{max(w - 1, 0.5):.1f}" '
+                         f'height="{high}" fill="{COLORS[b.kind]}"><title>{tip}</title>'
+                         f'</rect>{label}')
         labels = [f'<text x="0" y="{10 + i * lane_h + lane_h / 2 + 2}" font-size="12">rank {r}'
                   f'</text>' for r, i in lane.items()]
         height = 20 + len(self.ranks) * lane_h
@@ -113,12 +122,14 @@ class Timeline:
 
 def timeline(plan: Plan, flops_per_s: float = 1e12,
              step_cost: Callable[[int, str], float] | None = None,
-             measured: dict[str, OpTime] | None = None) -> Timeline:
+             measured: dict[str, OpTime] | None = None,
+             bytes_per_s: float | None = None) -> Timeline:
     """The timeline of a pipeline plan (one made by ``policies.pipeline`` or ``mesh``).
 
     Durations are the pieces' FLOPs at ``flops_per_s``, their share of ``measured`` op
     times where given, or ``step_cost(rank, step)`` seconds where given (equal steps,
-    to check a schedule's shape)."""
+    to check a schedule's shape). ``bytes_per_s``: the link speed messages between
+    ranks take (None: they take no time)."""
     order = actions(plan)
     if not order:
         raise PlanError("this plan has no pipeline steps to draw: make it with "
@@ -138,11 +149,24 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
         a, b = steps.get(e.src), steps.get(e.dst)
         if a is not None and b is not None and a != b:
             deps[(e.dst.device, b)].add((e.src.device, a))
-    return Timeline(_simulate(order, cost, deps), sorted(order))
+    wire: dict[tuple, float] = defaultdict(float)  # (reader step, sender step) -> seconds
+    if bytes_per_s:
+        sources = Sources(ops)
+        for op in ops:
+            b = steps.get(op)
+            for v in op.inputs:
+                for p, held in sources.find(v, op.device):
+                    a = steps.get(p)
+                    common = held.intersect(v.mask)
+                    if a is not None and b is not None and p.device != op.device and common:
+                        wire[((op.device, b), (p.device, a))] += \
+                            common.numel * v.ptensor.dtype.itemsize / bytes_per_s
+    return Timeline(_simulate(order, cost, deps, wire), sorted(order))
 
 
-def _simulate(order: dict[int, list[str]], cost: dict, deps: dict) -> list[Bar]:
-    """Each rank runs its steps in order, each as soon as what it reads has ended."""
+def _simulate(order: dict[int, list[str]], cost: dict, deps: dict, wire: dict) -> list[Bar]:
+    """Each rank runs its steps in order, each as soon as what it reads has ended and
+    travelled (``wire``: seconds on the link per reader and sender step)."""
     todo = {r: list(steps) for r, steps in order.items()}
     free = dict.fromkeys(order, 0.0)
     ended: dict[tuple[int, str], float] = {}
@@ -152,9 +176,12 @@ def _simulate(order: dict[int, list[str]], cost: dict, deps: dict) -> list[Bar]:
         for r, steps in todo.items():
             while steps and all(d in ended for d in deps[(r, steps[0])]):
                 key = (r, steps.pop(0))
-                start = max([free[r], *(ended[d] for d in deps[key])])
+                arrive = {d: ended[d] + wire.get((key, d), 0.0) for d in deps[key]}
+                start = max([free[r], *arrive.values()])
                 ended[key] = free[r] = start + cost[key]
                 bars.append(Bar(r, key[1], start, ended[key]))
+                bars += [Bar(r, key[1], ended[d], t, message=True)
+                         for d, t in arrive.items() if t > ended[d]]
                 moved = True
         if not moved:
             stuck = {r: steps[0] for r, steps in todo.items() if steps}
