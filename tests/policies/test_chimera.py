@@ -1,32 +1,19 @@
 """Chimera: a down and an up pipeline over the same ranks fill each other's bubbles."""
 
-import warnings
-
 import pytest
+from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import actions, pipeline
 from chronotope.policies.pipeline import chimera
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
 from chronotope.viz import timeline
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
 
 
 @pytest.mark.parametrize("name,stages,micro", [("gpt", 2, 4), ("bert", 4, 4)])
 def test_chimera_trains_like_one_device(name, stages, micro):
     w, graph = captured(name, n_layer=4, batch_size=8)
     plan = pipeline(graph, stages, micro, "chimera")
-    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 2)
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 4), (4, 4), (4, 8)])

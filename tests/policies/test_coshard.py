@@ -1,23 +1,13 @@
 """Co-shard: an attention or MLP cut into pieces that one device runs one after another."""
 
-import warnings
-
 import pytest
 import torch
+from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import mesh
-from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.local import run_in_threads
 from chronotope.runtime.memory import PeakMemory
-from chronotope.runtime.reference import compare, train_reference
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -31,9 +21,7 @@ def test_coshard_trains_like_one_device(name, kw):
     program = ct.compile(plan)
     if kw["coshard"] > 2:  # the parts' sums are added up as they are made
         assert "_partial = rt.assemble(" in program.code(0)
-    run = run_in_threads(program, w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, program, 2)
 
 
 def test_coshard_parts_run_one_after_another_and_again_in_backward():

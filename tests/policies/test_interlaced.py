@@ -1,30 +1,17 @@
 """Interlaced pipeline: the shared embedding on every rank, time-shared with 1F1B stages."""
 
-import warnings
-
 import pytest
+from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import actions, interlaced, pipeline
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
 
 
 @pytest.mark.parametrize("name,stages,micro", [("t5", 2, 4), ("t5", 4, 4), ("gpt", 2, 4)])
 def test_interlaced_trains_like_one_device(name, stages, micro):
     w, graph = captured(name)
     plan = interlaced(graph, stages, micro)
-    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 2)
 
 
 def test_the_table_is_spread_over_every_rank_and_time_shared():

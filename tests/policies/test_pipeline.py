@@ -1,26 +1,15 @@
 """Pipeline schedules written as op_order: torch's orders, one-device results, deadlocks."""
 
-import warnings
 from types import SimpleNamespace
 
 import pytest
+from plan_testing import captured, trains_like_one_device
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import actions, pipeline, read_schedule
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
 
 TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
-
 
 def torch_order(schedule: str, stages: int, micro: int) -> dict[int, list[str]]:
     """The order torch's own schedule runs each stage's micro-batches in: its
@@ -62,10 +51,7 @@ def test_orders_equal_torch_pipelining(schedule, stages, micro):
 ])
 def test_schedules_train_like_one_device(name, schedule, stages, micro):
     w, graph = captured(name)
-    run = run_in_threads(ct.compile(pipeline(graph, stages, micro, schedule)), w, 3,
-                         Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(pipeline(graph, stages, micro, schedule)), 3)
 
 
 def test_one_f_one_b_keeps_fewer_micro_batches_alive_than_gpipe():
@@ -81,9 +67,7 @@ def test_data_parallel_pipelines_each_follow_the_schedule():
     order = actions(plan)
     assert order[0] == order[2] == ["0F0", "0F1", "0B0", "0B1"]
     assert order[1] == order[3] == ["1F0", "1B0", "1F1", "1B1"]
-    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 2)
 
 
 def test_an_order_that_waits_on_its_own_later_forward_is_rejected():
@@ -119,9 +103,7 @@ def test_interleaved_trains_like_one_device():
     w, graph = captured("gpt", n_layer=4)
     plan = pipeline(graph, 2, 4, "interleaved", chunks=2)
     assert {d for op in plan.forward_leaves() for d in [op.device]} == {0, 1}
-    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 3)
 
 
 def test_several_stages_per_rank_need_an_interleaved_schedule():
@@ -151,9 +133,7 @@ def test_a_custom_csv_order_trains_like_one_device(tmp_path):
     schedule, _ = read_schedule(write_csv(tmp_path / "mine.csv", rows))
     plan = pipeline(graph, 2, 4, schedule)
     assert actions(plan) == rows
-    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 2)
 
 
 def test_a_csv_backward_before_its_forward_is_a_named_deadlock(tmp_path):

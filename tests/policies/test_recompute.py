@@ -1,21 +1,10 @@
 """Recompute and swap: activations made again in backward or kept in CPU memory."""
 
-import warnings
-
 import pytest
+from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import mesh, pipeline
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
 
 
 @pytest.mark.parametrize("name,build", [
@@ -28,9 +17,7 @@ def test_recompute_trains_like_one_device(name, build):
     w, graph = captured(name)
     plan = build(graph)
     assert plan.recomputed
-    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 3)
 
 
 def test_full_recompute_keeps_fewer_activations():
@@ -69,9 +56,7 @@ def test_swapped_activations_train_like_one_device(name, build):
     assert plan.swapped and not plan.recomputed
     code = ct.compile(plan).code(0)
     assert "torch.autograd.graph.save_on_cpu(" in code
-    run = run_in_threads(ct.compile(plan), w, 3, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 3, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 3)
 
 
 def test_swap_keeps_fewer_activations_on_the_device():

@@ -1,30 +1,17 @@
 """3F1B: a model that runs itself again (AlphaFold2 recycling) as a pipeline of its passes."""
 
-import warnings
-
 import pytest
+from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import actions, pipeline
 from chronotope.policies.mesh import recycled_stages
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
 
 
 def test_3f1b_trains_the_evoformer_like_one_device():
     w, graph = captured("evoformer", batch_size=4)
     plan = pipeline(graph, 2, 4, "3f1b")
-    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+    trains_like_one_device(w, ct.compile(plan), 2)
 
 
 def test_three_passes_without_gradients_then_one_with():

@@ -1,31 +1,15 @@
 """Zero-bubble pipelines: backwards split into input and weight gradients, W fills idle time."""
 
-import warnings
 from types import SimpleNamespace
 
 import pytest
+from plan_testing import captured, trains_like_one_device
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 
 import chronotope as ct
-from chronotope.models import get_workload
 from chronotope.policies import actions, mesh, pipeline, read_schedule
 from chronotope.policies.pipeline import zb1, zbv
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
 from chronotope.viz import timeline
-
-
-def captured(name: str, **kw):
-    w = get_workload(name, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
-
-
-def trains_like_one_device(w, plan, steps=2):
-    run = run_in_threads(ct.compile(plan), w, steps, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, steps, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
 
 
 @pytest.mark.parametrize("name,schedule,stages,micro,chunks", [
@@ -36,7 +20,7 @@ def test_zero_bubble_trains_like_one_device(name, schedule, stages, micro, chunk
     w, graph = captured(name, n_layer=4)
     plan = pipeline(graph, stages, micro, schedule, chunks=chunks)
     assert any(plan.weight_op(op) for op in plan.forward_leaves())
-    trains_like_one_device(w, plan)
+    trains_like_one_device(w, ct.compile(plan))
 
 
 def test_split_backward_without_a_pipeline_trains_like_one_device():
@@ -45,10 +29,11 @@ def test_split_backward_without_a_pipeline_trains_like_one_device():
     for op in graph:
         plan.assign(op, 0 if op.name < "linear_3" else 1)
     plan.split_backward(plan.forward_leaves())
-    code = ct.compile(plan).code(0) + ct.compile(plan).code(1)
+    program = ct.compile(plan)
+    code = program.code(0) + program.code(1)
     assert code.count("rt.weight(") == sum(plan.weight_op(op) is not None
                                            for op in plan.forward_leaves())
-    trains_like_one_device(w, plan)
+    trains_like_one_device(w, program)
 
 
 @pytest.mark.parametrize("ranks,micro", [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 16)])
@@ -104,7 +89,7 @@ def test_torch_zbv_csv_becomes_the_plan_order_and_trains(tmp_path):
     schedule, _ = read_schedule(str(path))
     plan = pipeline(graph, 2, 4, schedule, chunks=2)
     assert actions(plan) == want
-    trains_like_one_device(w, plan)
+    trains_like_one_device(w, ct.compile(plan))
 
 
 def test_split_backward_errors_name_the_op():
