@@ -18,8 +18,7 @@ from functools import partial
 import torch
 
 from chronotope.cost.compute import op_flops, piece_flops
-from chronotope.graph.capture import Batch
-from chronotope.graph.execute import last_uses, run_op
+from chronotope.graph.execute import bind, last_uses, leaves_of, run_op
 from chronotope.graph.ir import Graph
 from chronotope.models.workload import Workload
 from chronotope.plan.plan import PlanOp, differentiable
@@ -34,15 +33,7 @@ class OpTime:
 def measure_ops(graph: Graph, workload: Workload, repeats: int = 3) -> dict[str, OpTime]:
     """Each op's forward and backward seconds, by op name."""
     grads = differentiable(graph)
-    batch = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
-    named = {**dict(workload.model.named_parameters()), **dict(workload.model.named_buffers()),
-             **graph.constants}
-    values = {t: v for t, v in zip(graph.inputs, batch)}
-    for op in graph.ops:
-        for t in op.inputs:
-            if t not in values and t.name in named:
-                values[t] = named[t.name]
-    device = next((v.device for v in values.values()), torch.device("cpu"))
+    values, device = bind(graph, leaves_of(graph, workload))
     free = last_uses(graph)
     out: dict[str, OpTime] = {}
     with torch.device(device):

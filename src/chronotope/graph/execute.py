@@ -49,8 +49,10 @@ def last_uses(graph: Graph) -> dict[int, list[PTensor]]:
     return free
 
 
-def run_graph(graph: Graph, leaves: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Run the graph given its inputs, parameters, buffers and constants by name."""
+def bind(graph: Graph, leaves: Mapping[str, torch.Tensor]
+         ) -> tuple[dict[PTensor, torch.Tensor], torch.device]:
+    """The graph's leaf tensors given by name (constants default to the captured ones),
+    and the device they are on."""
     named = {t.name: t for t in [*graph.inputs, *graph.params.values(), *graph.buffers.values()]}
     values: dict[PTensor, torch.Tensor] = {}
     for name, t in named.items():
@@ -60,7 +62,12 @@ def run_graph(graph: Graph, leaves: Mapping[str, torch.Tensor]) -> torch.Tensor:
     consts = {t.name: t for op in graph.ops for t in op.inputs if t.name in graph.constants}
     for name, t in consts.items():
         values[t] = leaves.get(name, graph.constants[name])
-    device = next((v.device for v in values.values()), torch.device("cpu"))
+    return values, next((v.device for v in values.values()), torch.device("cpu"))
+
+
+def run_graph(graph: Graph, leaves: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Run the graph given its inputs, parameters, buffers and constants by name."""
+    values, device = bind(graph, leaves)
     free = last_uses(graph)
     with torch.device(device):
         for i, op in enumerate(graph.ops):
@@ -80,6 +87,20 @@ def execute(
     targets: tuple[Any, ...] = (),
 ) -> torch.Tensor:
     """Run the graph with the model's own parameters, so ``loss.backward()`` fills their grads."""
+    return run_graph(graph, leaves_of(graph, model, example_inputs, kwargs=kwargs,
+                                      targets=targets))
+
+
+def leaves_of(
+    graph: Graph,
+    model: nn.Module | Workload,
+    example_inputs: Any = (),
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    targets: tuple[Any, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """The graph's inputs (checked against the captured shapes), parameters and buffers by
+    name, from a model and its example batch."""
     if isinstance(model, Workload):
         w = model
         model, example_inputs, kwargs, targets = w.model, w.inputs, w.kwargs, w.targets
@@ -100,4 +121,4 @@ def execute(
         leaves[t.name] = value
     leaves.update(model.named_parameters())
     leaves.update(model.named_buffers())
-    return run_graph(graph, leaves)
+    return leaves

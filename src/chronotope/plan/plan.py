@@ -76,27 +76,18 @@ class Group:
 
 @dataclass(eq=False)
 class BackwardOf:
-    """The backward ops of a forward op or group, whatever it is later cut into."""
+    """The backward ops of a forward op or group, whatever it is later cut into; with
+    ``weight``, the weight-gradient parts of split ones (``Plan.split_backward``)."""
 
     of: Ref
     name: str
+    weight: bool = False
 
     def __repr__(self) -> str:
         return f"BackwardOf({self.name})"
 
 
-@dataclass(eq=False)
-class WeightOf:
-    """The weight-gradient ops of a forward op or group whose backward is split."""
-
-    of: Ref
-    name: str
-
-    def __repr__(self) -> str:
-        return f"WeightOf({self.name})"
-
-
-Ref = Union[PlanOp, Group, BackwardOf, WeightOf, Op, str]  # noqa: UP007  (a forward reference)
+Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
 
 
 @dataclass(frozen=True)
@@ -276,9 +267,9 @@ class Plan:
         """The backward ops of a forward op or group, to order them (1F1B needs it)."""
         return BackwardOf(ref, f"backward({_label(ref)})")
 
-    def weight(self, ref: Ref) -> WeightOf:
+    def weight(self, ref: Ref) -> BackwardOf:
         """The weight-gradient ops of a forward op or group (see ``split_backward``)."""
-        return WeightOf(ref, f"weight({_label(ref)})")
+        return BackwardOf(ref, f"weight({_label(ref)})", weight=True)
 
     def scale(self, replicas: int) -> Plan:
         """Run this plan on ``replicas`` device groups, data parallel (a scale unit).
@@ -317,9 +308,8 @@ class Plan:
         if isinstance(ref, Group):
             return [leaf for m in ref.members for leaf in self.leaves(m)]
         if isinstance(ref, BackwardOf):
-            return [b for f in self.leaves(ref.of) if (b := self.backward_op(f)) is not None]
-        if isinstance(ref, WeightOf):
-            return [w for f in self.leaves(ref.of) if (w := self.weight_op(f)) is not None]
+            part = self.weight_op if ref.weight else self.backward_op
+            return [b for f in self.leaves(ref.of) if (b := part(f)) is not None]
         if isinstance(ref, Sequence):
             return [leaf for r in ref for leaf in self.leaves(r)]
         raise PlanError(f"expected an op, sub-op, group or op name, got {ref!r}")

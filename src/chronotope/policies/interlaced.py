@@ -23,7 +23,7 @@ from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan import Plan, Split
 from chronotope.plan.plan import PlanOp
 from chronotope.policies.axes import batch_dims
-from chronotope.policies.mesh import _cut, data_only, loss_tails
+from chronotope.policies.mesh import batch_cut, data_only, loss_tails
 from chronotope.policies.mesh import stages as cut_stages
 from chronotope.policies.pipeline import one_f_one_b
 
@@ -94,7 +94,7 @@ def _interlaced(graph: Graph, pp: int, micro: int, lead: int) -> Plan:
         batched = op not in data and (batch_dim[op] is not None or op in tails)
         micros = [plan.op(op.name)]
         if micro > 1 and batched:
-            micros = plan.trans(op.name, _cut(op, batch_dim, tails, micro))
+            micros = plan.trans(op.name, batch_cut(op, batch_dim, tails, micro))
         for m, piece in enumerate(micros):
             if op in lookups or op in vocab:
                 dim = _dim(op, 1 if op.kind == "embedding" else 0, 1) if op in lookups \

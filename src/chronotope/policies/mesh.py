@@ -230,7 +230,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
         if dp * ways > 1:
-            groups = plan.trans(op, _cut(op, batch_dim, tails, dp * ways))
+            groups = plan.trans(op, batch_cut(op, batch_dim, tails, dp * ways))
         else:
             groups = [plan.op(op.name)]
         for g, piece in enumerate(groups):
@@ -240,7 +240,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             micros = [piece]
             batched = op not in data and (batch_dim[op] is not None or op in tails)
             if micro > ways and batched:
-                micros = plan.trans(piece, _cut(op, batch_dim, tails, micro // ways))
+                micros = plan.trans(piece, batch_cut(op, batch_dim, tails, micro // ways))
             for m, sub in enumerate(micros):
                 parts = _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices,
                                          coshard if op in spans else 1)
@@ -349,7 +349,9 @@ def data_only(graph: Graph) -> set[Op]:
     return out
 
 
-def _cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
+def batch_cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
+    """How ``op`` splits ``n`` ways with the batch: along its batch dim, along the values
+    of a loss tail, or replicated when it never sees the batch."""
     if op in tails:
         return ValueSplit(n)
     return Split(batch_dim[op], n) if batch_dim[op] is not None else Replicate(n)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from chronotope.cost import OpTime, piece_flops, piece_seconds
 from chronotope.errors import PlanError
 from chronotope.plan import Plan
-from chronotope.plan.check import Sources, data_edges
+from chronotope.plan.check import Sources
 from chronotope.policies.pipeline import actions, step_of
 
 # forward, backward, a split backward's input part and its weight part, communication
@@ -145,22 +145,20 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
     if step_cost is not None:
         cost = defaultdict(float, {key: step_cost(*key) for key in cost})
     deps: dict[tuple[int, str], set[tuple[int, str]]] = defaultdict(set)
-    for e in data_edges(ops):
-        a, b = steps.get(e.src), steps.get(e.dst)
-        if a is not None and b is not None and a != b:
-            deps[(e.dst.device, b)].add((e.src.device, a))
     wire: dict[tuple, float] = defaultdict(float)  # (reader step, sender step) -> seconds
-    if bytes_per_s:
-        sources = Sources(ops)
-        for op in ops:
-            b = steps.get(op)
-            for v in op.inputs:
-                for p, held in sources.find(v, op.device):
-                    a = steps.get(p)
-                    common = held.intersect(v.mask)
-                    if a is not None and b is not None and p.device != op.device and common:
-                        wire[((op.device, b), (p.device, a))] += \
-                            common.numel * v.ptensor.dtype.itemsize / bytes_per_s
+    sources = Sources(ops)
+    for op in ops:  # the data edges between the pieces, as between steps
+        b = steps.get(op)
+        for v in op.inputs:
+            for p, held in sources.find(v, op.device):
+                a = steps.get(p)
+                if a is None or b is None or a == b:
+                    continue
+                deps[(op.device, b)].add((p.device, a))
+                common = held.intersect(v.mask)
+                if bytes_per_s and p.device != op.device and common:
+                    wire[((op.device, b), (p.device, a))] += \
+                        common.numel * v.ptensor.dtype.itemsize / bytes_per_s
     return Timeline(_simulate(order, cost, deps, wire), sorted(order))
 
 
