@@ -51,21 +51,45 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
     return losses, rank.regions(), times
 
 
-def _worker(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
-            port: int, timeout: float, out_dir: str) -> None:
+def _worker(index: int, fn, args: tuple, world: int, backend: str, port: int, timeout: float,
+            out_dir: str) -> None:
     if backend == "gloo":  # workers share this machine's cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(specs)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
-                            world_size=len(specs), timeout=timedelta(seconds=timeout))
+                            world_size=world, timeout=timedelta(seconds=timeout))
     try:
-        result = train_rank(specs[index], steps, optim, backend, timeout)
-        torch.save(result, os.path.join(out_dir, f"rank{index}.pt"))
+        torch.save(fn(index, *args), os.path.join(out_dir, f"rank{index}.pt"))
     except BaseException as e:
         with open(os.path.join(out_dir, f"rank{index}.error"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
         raise
     finally:
         dist.destroy_process_group()
+
+
+def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
+          timeout: float = 60.0) -> list:
+    """``fn(rank, *args)`` in ``world`` processes of one process group on this machine;
+    every rank's result. A failure names the rank that caused it."""
+    with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
+        try:
+            mp.start_processes(_worker, args=(fn, args, world, backend, free_port(), timeout,
+                                              out_dir),
+                               nprocs=world, join=True, start_method="spawn")
+        except mp.ProcessExitedException as e:
+            raise WorkerError(f"worker rank {e.error_index} died (exit code {e.exit_code}); "
+                              "the other workers were stopped") from None
+        except mp.ProcessRaisedException as e:
+            path = os.path.join(out_dir, f"rank{e.error_index}.error")
+            first = open(path).read() if os.path.exists(path) else str(e).strip().splitlines()[-1]
+            raise WorkerError(f"worker rank {e.error_index} failed: {first}") from None
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+
+
+def _train(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
+           timeout: float) -> tuple[list[float], dict, list[float]]:
+    return train_rank(specs[index], steps, optim, backend, timeout)
 
 
 def run_processes(program: Program, workload: Workload, steps: int, optim: Optim | None = None,
@@ -79,20 +103,8 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
 def launch(specs: list[RankSpec], steps: int, optim: Optim | None = None,
            backend: str = "gloo", timeout: float = 60.0) -> list[tuple[list[float], dict, list]]:
     """Spawn the ranks and wait for all of them; a failure names the rank that caused it."""
-    with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
-        try:
-            mp.start_processes(_worker, args=(specs, steps, optim or Optim(), backend,
-                                              free_port(), timeout, out_dir),
-                               nprocs=len(specs), join=True, start_method="spawn")
-        except mp.ProcessExitedException as e:
-            raise WorkerError(f"worker rank {e.error_index} died (exit code {e.exit_code}); "
-                              "the other workers were stopped") from None
-        except mp.ProcessRaisedException as e:
-            path = os.path.join(out_dir, f"rank{e.error_index}.error")
-            first = open(path).read() if os.path.exists(path) else str(e).strip().splitlines()[-1]
-            raise WorkerError(f"worker rank {e.error_index} failed: {first}") from None
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                for r in range(len(specs))]
+    return spawn(_train, len(specs), (specs, steps, optim or Optim(), backend, timeout),
+                 backend, timeout)
 
 
 def save(program: Program, workload: Workload, directory: str, steps: int = 10,

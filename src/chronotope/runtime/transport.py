@@ -24,6 +24,16 @@ def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) ->
     return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
 
 
+def _to_sorted(items: list, ranks: tuple[int, ...]) -> list:
+    """Items in ``ranks`` order, put in global rank order (a process group's order)."""
+    return [items[ranks.index(r)] for r in sorted(ranks)]
+
+
+def _from_sorted(items: list, ranks: tuple[int, ...]) -> list:
+    order = sorted(ranks)
+    return [items[order.index(r)] for r in ranks]
+
+
 class ThreadTransport:
     """Messages between ranks run as threads of one process (tests, debugging)."""
 
@@ -111,15 +121,26 @@ class ThreadTransport:
 
 
 class DistTransport:
-    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU), with timeouts."""
+    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU), with timeouts.
+
+    A collective's members come in the order the caller gives (its chunks, its
+    gathered pieces); torch.distributed orders a group by global rank, so blocks are
+    put in that order before and back after."""
 
     def __init__(self, timeout: float = 60.0, groups: list[tuple[int, ...]] = ()) -> None:
         self.timeout = timedelta(seconds=timeout)
         self.pending: list[dist.Work] = []
         world = dist.get_world_size()
         # Every rank creates every group, in the same order, as torch.distributed requires.
-        self.groups = {g: None if len(g) == world else dist.new_group(list(g)) for g in groups}
-        self.groups[tuple(range(world))] = None  # the default group: gradient norms
+        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world)): None}
+        for g in groups:
+            key = tuple(sorted(g))
+            if key not in made:
+                made[key] = dist.new_group(list(key))
+        self.made = made  # by sorted members; the default group: gradient norms
+
+    def _group(self, ranks: tuple[int, ...]):
+        return self.made[tuple(sorted(ranks))]
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -129,42 +150,43 @@ class DistTransport:
 
     def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
         out = t.detach().clone()
-        work = dist.all_reduce(out, group=self.groups[ranks], async_op=True)
+        work = dist.all_reduce(out, group=self._group(ranks), async_op=True)
         self._wait(work, f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}")
         return out
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in ranks]
-        work = dist.all_gather(out, t, group=self.groups[ranks], async_op=True)
+        work = dist.all_gather(out, t, group=self._group(ranks), async_op=True)
         self._wait(work, f"rank {rank} did not finish an all-gather over ranks {list(ranks)}")
-        return out
+        return _from_sorted(out, ranks)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
         what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
-        if dist.get_backend(self.groups[ranks]) == "gloo":  # gloo has no reduce-scatter
+        group = self._group(ranks)
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
             return _run_of(self.all_reduce(t, ranks, rank), ranks, rank, dim)
-        rows = t.movedim(dim, 0).contiguous()
+        rows = torch.cat(_to_sorted(list(t.chunk(len(ranks), dim)), ranks), dim)
+        rows = rows.movedim(dim, 0).contiguous()
         out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
                           device=t.device)
-        self._wait(dist.reduce_scatter_tensor(out, rows, group=self.groups[ranks],
-                                              async_op=True), what)
+        self._wait(dist.reduce_scatter_tensor(out, rows, group=group, async_op=True), what)
         return out.movedim(0, dim).contiguous()
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
                    rank: int) -> list[torch.Tensor]:
         """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here
         (every block of one call has the same shape)."""
-        flat = torch.cat([b.reshape(-1) for b in blocks])
+        flat = torch.cat([b.reshape(-1) for b in _to_sorted(blocks, ranks)])
         out = torch.empty_like(flat)
-        work = dist.all_to_all_single(out, flat, group=self.groups[ranks], async_op=True)
+        work = dist.all_to_all_single(out, flat, group=self._group(ranks), async_op=True)
         self._wait(work, f"rank {rank} did not finish an all-to-all over ranks {list(ranks)}")
-        return [x.view_as(b) for x, b in zip(out.chunk(len(blocks)), blocks)]
+        return _from_sorted([x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int) -> torch.Tensor:
         out = t.clone() if rank == root else t
-        work = dist.broadcast(out, root, group=self.groups[ranks], async_op=True)
+        work = dist.broadcast(out, root, group=self._group(ranks), async_op=True)
         self._wait(work, f"rank {rank} did not finish a broadcast from rank {root} over ranks "
                          f"{list(ranks)}")
         return out
