@@ -143,3 +143,18 @@ def test_plan_of_a_large_preset_needs_no_weights(capsys):
     model = get_workload("gpt3-1.3b", device="meta").model
     assert memory["params"] == 4 * sum(p.numel() for p in model.parameters())  # all, float32
     assert main(["plan", "gpt3-1.3b", "--devices", "2", "--out", "x"]) == 2
+
+
+def test_bench_rvd_prices_the_papers_18_cases(capsys):
+    cases = run_json(capsys, "bench", "rvd")
+    inter = [c for c in cases if "->" in c["case"]]
+    assert len(inter) == 18 and set(cases[0]) == {"case", "p2p_s", "rvd_s", "speedup", "path"}
+    assert all(c["rvd_s"] <= c["p2p_s"] * (1 + 1e-9) for c in inter)
+    assert sum(c["speedup"] > 1.001 for c in inter) == 12  # the paper's 12 of 18
+    by_case = {c["case"]: c for c in inter}
+    assert by_case["R(1)V(8)D(1)->R(8)V(1)D(1)"]["path"].startswith("reduce-scatter")
+
+
+def test_bench_rvd_needs_two_nodes(capsys):
+    assert main(["bench", "rvd", "--cluster", "dgx-a100"]) == 2
+    assert "dgx-a100x2" in capsys.readouterr().err

@@ -16,7 +16,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from chronotope import bench
 from chronotope.compile import Program
+from chronotope.compile.rvd_search import p2p, search
+from chronotope.cost.network import ClusterError, load_cluster
 from chronotope.compile import compile as compile_plan
 from chronotope.cost import measure_ops
 from chronotope.errors import ChronotopeError, PlanError
@@ -290,8 +293,58 @@ def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, out: Console) -> int:
+    cluster = load_cluster(args.cluster)
+    if cluster.nodes < 2 and cluster.per_node < 12:
+        raise ClusterError(f"the RVD cases put producers and consumers on two nodes; "
+                           f"{args.cluster} has one: use e.g. {args.cluster}x2")
+    cases = bench.rvd_cases(cluster, args.numel)
+    if args.measure:
+        cases += bench.rvd_cases(cluster, args.numel, same_devices=True)
+        small = [{**c, "paths": _resized(c["paths"], args.measure_numel, cluster)}
+                 for c in cases]
+        inter = [c for c in small if "->" in c["case"]]
+        intra = [c for c in small if "->" not in c["case"]]
+        with out.status("running the layout changes on gloo processes"):
+            bench.measure(inter, args.measure_numel, args.repeats)
+            bench.measure(intra, args.measure_numel, args.repeats, dtensor=True)
+        for case, measured in zip(cases, inter + intra):
+            case.update({k: v for k, v in measured.items() if k.endswith("measured_s")})
+    if args.json:
+        print(json.dumps([bench.public(c) for c in cases]))
+        return 0
+    table = Table(title=f"layout changes of {args.numel:,} float32 on {cluster.name}: "
+                        f"plain messages (P2P) vs the searched RVD path, cost model")
+    for col in ("case", "P2P ms", "RVD ms", "speedup", "path"):
+        table.add_column(col, justify="left" if col in ("case", "path") else "right")
+    if args.measure:
+        for col in ("P2P meas. ms", "RVD meas. ms", "DTensor meas. ms"):
+            table.add_column(col, justify="right")
+    for c in cases:
+        row = [c["case"], f"{c['p2p_s'] * 1e3:.2f}", f"{c['rvd_s'] * 1e3:.2f}",
+               f"{c['speedup']:.1f}x", c["path"]]
+        if args.measure:
+            row += [f"{c[k] * 1e3:.2f}" if k in c else "-" for k in
+                    ("p2p_measured_s", "rvd_measured_s", "dtensor_measured_s")]
+        table.add_row(*row)
+    out.print(table)
+    wins = [c for c in cases if "->" in c["case"] and c["speedup"] > 1.001]
+    best = max((c["speedup"] for c in wins), default=1.0)
+    out.print(f"RVD beats P2P in {len(wins)} of 18 cases, by up to {best:.0f}x "
+              f"(SuperScaler: {bench.PAPER_WINS})")
+    return 0
+
+
+def _resized(paths: tuple, numel: int, cluster) -> tuple:
+    """The same layout changes on a smaller tensor, searched again."""
+    naive, path = paths
+    return (p2p(naive.src, naive.dst, (numel,), 4, cluster),
+            search(path.src, path.dst, (numel,), 4, cluster))
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
+    "bench": cmd_bench,
 }
 
 
@@ -372,6 +425,22 @@ def parser() -> argparse.ArgumentParser:
                              help="clip gradients to this global norm across all ranks")
             cmd.add_argument("--timeout", type=float, default=60.0,
                              help="seconds a rank waits on another before giving up")
+
+    bench_ = sub.add_parser("bench", help="benchmarks: rvd (layout changes, SuperScaler "
+                                          "Table 3)")
+    bench_.add_argument("what", choices=("rvd",))
+    bench_.add_argument("--cluster", default="dgx1-v100x2",
+                        help="preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN for N nodes) or a "
+                             "profile file from `chronotope profile` (default dgx1-v100x2)")
+    bench_.add_argument("--numel", type=int, default=2 ** 26,
+                        help="float32 elements of the tensor (default 2**26: 256 MiB)")
+    bench_.add_argument("--measure", action="store_true",
+                        help="also run every case on gloo processes (up to 16), and DTensor's "
+                             "redistribute for the same changes within one device set")
+    bench_.add_argument("--measure-numel", type=int, default=2 ** 20,
+                        help="float32 elements of the measured tensor (default 2**20)")
+    bench_.add_argument("--repeats", type=int, default=5)
+    _common_args(bench_)
     return p
 
 

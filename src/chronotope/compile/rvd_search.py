@@ -60,8 +60,7 @@ class Step:
             return f"send({moved} messages)" if moved else "local"
         dims = f"dim {self.dims[0]}->{self.dims[1]}" if self.kind == "all_to_all" else \
             f"dim {self.dims[0]}" if self.dims else ""
-        size = len(self.groups[0])
-        what = f"{len(self.groups)}x{size}"
+        what = f"{len(self.groups)}x{len(self.groups[0])}"
         return f"{self.kind.replace('_', '-')}({', '.join(x for x in (dims, what) if x)})"
 
 
@@ -80,8 +79,11 @@ class Path:
         return sorted({g for s in self.steps if s.kind in COLLECTIVE_STEPS for g in s.groups})
 
     def __str__(self) -> str:
-        names = [str(self.src.rvd), *(f"{s} {s.after.rvd}" for s in self.steps)]
-        return " > ".join(names)
+        return " > ".join(map(str, self.steps)) or "nothing to do"
+
+    def describe(self) -> str:
+        """The steps with the layout after each."""
+        return " > ".join([str(self.src.rvd), *(f"{s} {s.after.rvd}" for s in self.steps)])
 
 
 def normal(layout: Layout) -> Layout:
