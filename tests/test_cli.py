@@ -158,3 +158,12 @@ def test_bench_rvd_prices_the_papers_18_cases(capsys):
 def test_bench_rvd_needs_two_nodes(capsys):
     assert main(["bench", "rvd", "--cluster", "dgx-a100"]) == 2
     assert "dgx-a100x2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_writes_a_file_bench_accepts(capsys, tmp_path):
+    out = tmp_path / "cluster.json"
+    report = run_json(capsys, "profile", "--devices", "2", "--repeats", "2", "--out", str(out))
+    assert report["per_node"] == 2 and out.exists()
+    assert main(["bench", "rvd", "--cluster", str(out)]) == 2  # one node of two devices
+    assert "two nodes" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from chronotope import bench
 from chronotope.compile import Program
 from chronotope.compile.rvd_search import p2p, search
 from chronotope.cost.network import ClusterError, load_cluster
+from chronotope.cost.profile import profile, save_profile
 from chronotope.compile import compile as compile_plan
 from chronotope.cost import measure_ops
 from chronotope.errors import ChronotopeError, PlanError
@@ -335,6 +336,26 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace, out: Console) -> int:
+    with out.status(f"timing collectives on {args.devices} {args.backend} processes"):
+        cluster = profile(args.devices, repeats=args.repeats, backend=args.backend)
+    save_profile(cluster, args.out)
+    if args.json:
+        print(json.dumps(cluster.to_json()))
+        return 0
+    table = Table(title=f"{cluster.name}: seconds = alpha x steps + bytes x share / bandwidth")
+    for col in ("collective", "alpha us", "bandwidth GB/s"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for kind, link in cluster.fitted.items():
+        table.add_row(kind.replace("_", "-"), f"{link.alpha * 1e6:.1f}",
+                      f"{link.bandwidth / 1e9:.3f}")
+    out.print(table)
+    out.print(f"matmul {cluster.peak() / 1e9:.1f} GFLOP/s per device, copies "
+              f"{cluster.copy_bandwidth / 1e9:.1f} GB/s; wrote {args.out} (use it as "
+              f"--cluster {args.out})")
+    return 0
+
+
 def _resized(paths: tuple, numel: int, cluster) -> tuple:
     """The same layout changes on a smaller tensor, searched again."""
     naive, path = paths
@@ -344,7 +365,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
-    "bench": cmd_bench,
+    "bench": cmd_bench, "profile": cmd_profile,
 }
 
 
@@ -441,6 +462,15 @@ def parser() -> argparse.ArgumentParser:
                         help="float32 elements of the measured tensor (default 2**20)")
     bench_.add_argument("--repeats", type=int, default=5)
     _common_args(bench_)
+
+    prof = sub.add_parser("profile", help="measure alpha and bandwidth of each collective "
+                                          "here and write a cluster profile")
+    prof.add_argument("--devices", type=int, default=2, help="processes to measure (default 2)")
+    prof.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    prof.add_argument("--out", default="cluster.json",
+                      help="profile file to write (default cluster.json)")
+    prof.add_argument("--repeats", type=int, default=5)
+    _common_args(prof)
     return p
 
 

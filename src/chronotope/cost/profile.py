@@ -1,0 +1,119 @@
+"""Measure this machine's devices and links: alpha and bandwidth per collective.
+
+``profile`` spawns one process per device (gloo on CPU, NCCL on GPU), times
+each collective the runtime uses (through the same transport) over a range of
+sizes, and fits ``seconds = alpha * steps + bytes * volume / bandwidth`` with
+the ring factors of ``cost.network``. It also times a matmul (peak FLOP/s) and
+a copy (memory bandwidth). The result is a ``Cluster`` that ``save_profile``
+writes as JSON for ``--cluster FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+import torch.distributed as dist
+
+from chronotope.cost.network import KINDS, Cluster, Link, steps_and_volume
+from chronotope.runtime.launch import spawn
+from chronotope.runtime.transport import DistTransport
+
+SIZES = tuple(2 ** k for k in range(12, 23, 2))  # bytes per member: 4 KiB .. 4 MiB
+
+
+def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
+            backend: str = "gloo", timeout: float = 120.0) -> Cluster:
+    """Measure ``devices`` local processes and fit the cost model to them."""
+    results = spawn(_measure, devices, (sizes, repeats, backend, timeout), backend, timeout)
+    times = {kind: [max(r["times"][kind][i] for r in results) for i in range(len(sizes))]
+             for kind in KINDS}
+    fitted = {kind: fit(kind, devices, sizes, times[kind]) for kind in KINDS}
+    first = results[0]
+    name = f"profile:{platform.node() or 'local'}:{backend}x{devices}"
+    return Cluster(name, 1, devices, {"float32": first["flops"]}, first["memory"],
+                   first["copy_bandwidth"], intra=fitted["send"], inter=fitted["send"],
+                   fitted=fitted)
+
+
+def fit(kind: str, k: int, sizes: tuple[int, ...], seconds: list[float]) -> Link:
+    """Least squares of ``seconds = alpha * steps + bytes * volume / bandwidth``."""
+    steps, volume = steps_and_volume(kind, 2 if kind == "send" else k)
+    xs = [n * volume for n in sizes]
+    mx, my = sum(xs) / len(xs), sum(seconds) / len(seconds)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sxx if sxx else 0.0
+    slope = max(slope, 1e-15)  # a link is never infinitely fast
+    intercept = max(my - slope * mx, 0.0)
+    return Link(intercept / steps if steps else 0.0, 1.0 / slope)
+
+
+def save_profile(cluster: Cluster, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(cluster.to_json(), f, indent=1)
+
+
+def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float) -> dict:
+    world = dist.get_world_size()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") \
+        if backend == "nccl" else torch.device("cpu")
+    members = tuple(range(world))
+    transport = DistTransport(timeout, [members])
+    times = {kind: [] for kind in KINDS}
+    for nbytes in sizes:
+        x = torch.randn(max(world, nbytes // 4) // world * world, device=device)
+        calls = {
+            "send": lambda: _ping(transport, x, rank),
+            "all_reduce": lambda: transport.all_reduce(x, members, rank),
+            "all_gather": lambda: transport.all_gather(x, members, rank),
+            "reduce_scatter": lambda: transport.reduce_scatter(x, members, rank, 0),
+            "all_to_all": lambda: transport.all_to_all(list(x.chunk(world)), members, rank),
+            "broadcast": lambda: transport.broadcast(x, 0, members, rank),
+        }
+        for kind, call in calls.items():
+            times[kind].append(_median(call, repeats, device))
+    return {"times": times, "flops": _matmul_flops(device), "copy_bandwidth": _copy(device),
+            "memory": _memory(device, world)}
+
+
+def _ping(transport: DistTransport, x: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends to rank 1 (the others wait at the barrier)."""
+    if rank == 0:
+        transport.send(x, 0, 1, 7)
+        transport.flush()
+    elif rank == 1:
+        transport.recv(tuple(x.shape), x.dtype, 0, 1, 7, x.device)
+
+
+def _median(call, repeats: int, device: torch.device) -> float:
+    call()  # warm up (and make any lazily made communicator)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _matmul_flops(device: torch.device, n: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    dist.barrier()  # every device busy at once, as in training
+    return 2 * n ** 3 / _median(lambda: a @ b, repeats, device)
+
+
+def _copy(device: torch.device, nbytes: int = 2 ** 26, repeats: int = 5) -> float:
+    x = torch.empty(nbytes // 4, device=device)
+    return 2 * nbytes / _median(lambda: x.clone(), repeats, device)  # read and write
+
+
+def _memory(device: torch.device, world: int) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(pages) / world  # the processes share this machine's memory
