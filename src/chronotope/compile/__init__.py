@@ -2,12 +2,29 @@
 
 from chronotope.compile.materialize import materialize
 from chronotope.compile.program import Program
+from chronotope.cost.network import Cluster, cluster_for
+from chronotope.errors import PlanError
 from chronotope.plan.plan import Plan
 
-
-def compile(plan: Plan) -> Program:  # noqa: A001  (the public name ``ct.compile``)
-    """Check ``plan`` and derive every rank's program, communication included."""
-    return materialize(plan.check())
+COMMS = ("rvd", "p2p")
 
 
-__all__ = ["Program", "compile", "materialize"]
+def compile(plan: Plan, comm: str = "rvd",  # noqa: A001  (the public name ``ct.compile``)
+            cluster: Cluster | str | None = None) -> Program:
+    """Check ``plan`` and derive every rank's program, communication included.
+
+    ``comm="rvd"`` makes a layout change that no single collective does by the
+    cheapest path of collectives and messages under ``cluster``'s cost model (a
+    preset name, a profile file, or a ``Cluster``; default: DGX A100 nodes);
+    ``"p2p"`` keeps per-reader messages (single collectives are found either way).
+    """
+    if comm not in COMMS:
+        raise PlanError(f"unknown comm {comm!r}: use one of {', '.join(COMMS)}")
+    if comm == "p2p":
+        return materialize(plan.check())
+    if not isinstance(cluster, Cluster):
+        cluster = cluster_for(plan.ndevices, cluster)
+    return materialize(plan.check(), cluster)
+
+
+__all__ = ["COMMS", "Program", "compile", "materialize"]

@@ -33,6 +33,14 @@ from chronotope.compile.program import (
 )
 
 
+class Stuck(Exception):
+    """The code waits forever in these collectives or receives (keys, ("recv", src, tag))."""
+
+    def __init__(self, keys: set[tuple]) -> None:
+        super().__init__(f"ranks wait forever in {sorted(map(str, keys))}")
+        self.keys = keys
+
+
 def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], list]:
     """Replace collective patterns; returns the new code and the rank sets they use."""
     found: dict[tuple, list[tuple[int, Assemble]]] = defaultdict(list)
@@ -54,6 +62,8 @@ def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
         stuck = _stuck(out)
         if not stuck:
             break
+        if not any(keys[i] in stuck for i in chosen):
+            raise Stuck(stuck)  # not a collective found here: the caller's to undo
         # A collective blocks where the messages it replaced did not: keep those as messages.
         chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
     groups = {tuple(sorted(m)) for m in chosen.values()}
@@ -123,7 +133,8 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
 
 def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
     """Run the ranks' code with blocking receives and collectives (sends do not block);
-    the keys of the collectives ranks wait in when none can move on (empty: it finishes)."""
+    the keys of the collectives (or receives) ranks wait in when none can move on
+    (empty: it finishes)."""
     pc = [0] * len(ranks)
     sent: set[tuple[int, int, int]] = set()
     arrived: dict[tuple, set[int]] = defaultdict(set)
@@ -143,8 +154,9 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
                         break
                 pc[r] += 1
                 moved = True
-    return {_key(code[pc[r]]) for r, code in enumerate(ranks)
-            if pc[r] < len(code) and isinstance(code[pc[r]], COLLECTIVES)}
+    return {_key(code[pc[r]]) if isinstance(code[pc[r]], COLLECTIVES)
+            else ("recv", code[pc[r]].src, code[pc[r]].tag)
+            for r, code in enumerate(ranks) if pc[r] < len(code)}
 
 
 def _key(ins: Instruction) -> tuple:

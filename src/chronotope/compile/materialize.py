@@ -16,7 +16,8 @@ from collections import defaultdict
 from dataclasses import replace
 from fractions import Fraction
 
-from chronotope.compile.collectives import collectives
+from chronotope.compile.collectives import Stuck, collectives
+from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.fuse import fuse
 from chronotope.compile.program import (
     Assemble,
@@ -40,6 +41,8 @@ from chronotope.compile.program import (
     reads,
     writes,
 )
+from chronotope.cost.network import Cluster
+from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
@@ -58,7 +61,12 @@ def _overlap(a: Mask, b: Mask) -> Mask | None:
 
 
 class Materializer:
-    def __init__(self, checked: CheckedPlan) -> None:
+    def __init__(self, checked: CheckedPlan, cluster: Cluster | None = None,
+                 skip: frozenset = frozenset()) -> None:
+        self.cluster = cluster  # None: no searched layout changes (plain messages)
+        self.skip = skip  # layout changes that deadlocked: per-reader messages instead
+        self.changes: list[Change] = []
+        self.change_tags: dict[tuple, tuple] = {}  # ("recv", src, tag) -> change key
         self.plan = checked.plan
         self.sequences = checked.sequences
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
@@ -109,6 +117,8 @@ class Materializer:
                     hint = f"d_{self.forward_of[v.ptensor].name}" \
                         if v.ptensor in self.forward_of else v.ptensor.name
                     self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint, v.mask.shape)
+        if self.cluster is not None:
+            self.layout_changes()
         for rank, seq in sorted(self.sequences.items()):
             for op in seq:
                 self.emit(rank, op)
@@ -134,7 +144,32 @@ class Materializer:
         ranks, groups = collectives(ranks)
         return Program(self.plan, [with_frees(self.running_sums(rank, fuse(code)))
                                    for rank, code in enumerate(ranks)],
-                       self.stored, groups, self.owned, self.refresh())
+                       self.stored, groups, self.owned, self.refresh(), self.changes)
+
+    def layout_changes(self) -> None:
+        """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""
+        emitter = Emitter(self.name, self._next_tag)
+        for change in find_changes(self.sequences, self.cluster, self.skip):
+            where = placement(change, self.position, self.sequences)
+            if where is None:
+                continue
+            start = self.tag
+            inputs = {op.device: self.piece_var[(op, m, change.tensor)]
+                      for op, m in change.producers}
+            code, held = emitter.emit(change, inputs)
+            for rank, (when, op) in where.items():
+                (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
+            for rank, mask in change.readers:
+                self.local[rank][(change.tensor, mask)] = held[rank]
+            for rank, instructions in code.items():
+                for ins in instructions:
+                    if isinstance(ins, Recv) and ins.tag > start:
+                        self.change_tags[("recv", ins.src, ins.tag)] = change.key
+            self.changes.append(change)
+
+    def _next_tag(self) -> int:
+        self.tag += 1
+        return self.tag
 
     def running_sums(self, rank: int, code: list[Instruction]) -> list[Instruction]:
         """A sum of three or more pieces this rank computes is added up as they are made, so
@@ -477,5 +512,17 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
     return out
 
 
-def materialize(checked: CheckedPlan) -> Program:
-    return Materializer(checked).run()
+def materialize(checked: CheckedPlan, cluster: Cluster | None = None) -> Program:
+    """Every rank's program; with a ``cluster``, layout changes by searched RVD paths
+    priced by its cost model where they beat plain messages."""
+    skip: frozenset = frozenset()
+    while True:
+        m = Materializer(checked, cluster, skip)
+        try:
+            return m.run()
+        except Stuck as e:
+            undo = {k[:3] if k[0] == "rvd" else m.change_tags.get(k) for k in e.keys} - {None}
+            if not undo:
+                raise PlanError(f"the compiled program would wait forever in {e}; this is a "
+                                f"bug in chronotope, please report it with the plan") from None
+            skip |= undo

@@ -336,6 +336,7 @@ class Program:
     groups: list[tuple[int, ...]] = field(default_factory=list)  # rank sets of collectives
     owned: list[dict[str, list[Owned]]] = field(default_factory=list)  # regions each updates
     refresh: list[list[Instruction]] = field(default_factory=list)  # after the optimizer step
+    changes: list = field(default_factory=list)  # layout changes by searched RVD paths
 
     @property
     def ndevices(self) -> int:

@@ -70,6 +70,10 @@ class Cluster:
     inter: Link  # one node's network to the others (all its NICs together)
     pairs: dict[tuple[int, int], Link] = field(default_factory=dict)  # local indices a < b
     fitted: dict[str, Link] = field(default_factory=dict)  # measured, per collective kind
+    call: float = 0.0  # seconds to start one collective, message batch or copy (a launch)
+
+    def __hash__(self) -> int:  # the dict fields aside: a cluster keys search caches
+        return hash((self.name, self.nodes, self.per_node, self.intra, self.inter))
 
     @property
     def ndevices(self) -> int:
@@ -117,7 +121,7 @@ class Cluster:
             if len({self.node(d) for d in g}) > 1:
                 for n in {self.node(d) for d in g}:
                     crossing[n] = crossing.get(n, 0) + 1
-        worst = 0.0
+        worst = None
         for g in groups:
             if len(g) < 2:
                 continue
@@ -127,8 +131,9 @@ class Cluster:
             else:
                 share = max((crossing.get(self.node(d), 1) for d in g), default=1)
                 link = self.ring(tuple(g), share)
-            worst = max(worst, steps * link.alpha + nbytes * volume / link.bandwidth)
-        return worst
+            seconds = steps * link.alpha + nbytes * volume / link.bandwidth
+            worst = seconds if worst is None else max(worst, seconds)
+        return 0.0 if worst is None else worst + self.call
 
     def _fits(self, group: tuple[int, ...]) -> bool:
         """Measured fits describe the profiled machine: groups within one of its nodes."""
@@ -156,11 +161,11 @@ class Cluster:
         if not busy:
             return 0.0
         alpha = max(self.inter.alpha, self.intra.alpha, *(x.alpha for x in self.fitted.values()))
-        return max(busy.values()) + alpha * max(count.values())
+        return max(busy.values()) + alpha * max(count.values()) + self.call
 
     def copy(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` within one device."""
-        return nbytes / self.copy_bandwidth
+        return nbytes / self.copy_bandwidth + self.call
 
     # ---- files ---------------------------------------------------------------------------------
 
@@ -178,7 +183,8 @@ class Cluster:
                 memory=float(data["memory"]), copy_bandwidth=float(data["copy_bandwidth"]),
                 intra=Link(**data["intra"]), inter=Link(**data["inter"]),
                 pairs={(int(a), int(b)): Link(al, bw) for a, b, al, bw in data.get("pairs", [])},
-                fitted={k: Link(**v) for k, v in data.get("fitted", {}).items()})
+                fitted={k: Link(**v) for k, v in data.get("fitted", {}).items()},
+                call=float(data.get("call", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"not a cluster profile: {e!r} (write one with "
                                f"`chronotope profile --out FILE`)") from e
@@ -198,14 +204,26 @@ PRESETS: dict[str, Cluster] = {
     "dgx1-v100": Cluster(
         "dgx1-v100", 1, 8, {"float32": 15.7e12, "float16": 125e12, "bfloat16": 125e12},
         32 * GiB, 900e9, intra=Link(10e-6, 10e9), inter=Link(12e-6, 12.5e9),  # 100 Gb/s IB
-        pairs=_nvlink_cube_mesh()),
+        pairs=_nvlink_cube_mesh(), call=10e-6),
     "dgx-a100": Cluster(
         "dgx-a100", 1, 8, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
-        80 * GiB, 2.0e12, intra=Link(5e-6, 300e9), inter=Link(10e-6, 200e9)),  # 8 x 200 Gb/s
+        80 * GiB, 2.0e12, intra=Link(5e-6, 300e9), inter=Link(10e-6, 200e9),
+        call=10e-6),  # 8 x 200 Gb/s
     "h100-sxm": Cluster(
         "h100-sxm", 1, 8, {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
-        80 * GiB, 3.35e12, intra=Link(4e-6, 450e9), inter=Link(8e-6, 400e9)),  # 8 x 400 Gb/s
+        80 * GiB, 3.35e12, intra=Link(4e-6, 450e9), inter=Link(8e-6, 400e9),
+        call=10e-6),  # 8 x 400 Gb/s
 }
+
+
+def cluster_for(ndevices: int, spec: str | None = None) -> Cluster:
+    """``spec`` (a preset or a profile file), or DGX A100 nodes enough for ``ndevices``;
+    a preset without a node count gets as many nodes as the devices need."""
+    cluster = load_cluster(spec or "dgx-a100")
+    if spec in PRESETS or spec is None:
+        cluster = replace(cluster, name=f"{cluster.name}x{-(-ndevices // cluster.per_node)}",
+                          nodes=-(-ndevices // cluster.per_node))
+    return cluster
 
 
 def load_cluster(spec: str) -> Cluster:
