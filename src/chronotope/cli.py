@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -11,16 +12,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from chronotope import bench
-from chronotope.compile import Program
+from chronotope.compile import COMMS, Program
 from chronotope.compile.rvd_search import p2p, search
-from chronotope.cost.network import ClusterError, load_cluster
+from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.cost.profile import profile, save_profile
+from chronotope.cost.simulate import simulate
 from chronotope.compile import compile as compile_plan
 from chronotope.cost import measure_ops
 from chronotope.errors import ChronotopeError, PlanError
@@ -197,7 +200,7 @@ def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, 
         warnings.simplefilter("ignore")
         graph = capture(workload)
     plan = POLICIES[args.policy](graph, args)
-    return workload, compile_plan(plan)
+    return workload, compile_plan(plan, args.comm, args.cluster)
 
 
 def cmd_plan(args: argparse.Namespace, out: Console) -> int:
@@ -213,9 +216,12 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
          "received_bytes": program.traffic(r)}
         for r in range(program.ndevices)
     ]
+    changes = [{"tensor": c.tensor.name, "region": [list(r) for r in c.box.index],
+                "from": str(c.path.src.rvd), "to": str(c.path.dst.rvd), "path": str(c.path)}
+               for c in program.changes]
     if args.json:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
-                          "ranks": ranks, "files": files}))
+                          "ranks": ranks, "layout_changes": changes, "files": files}))
         return 0
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices "
                         "(bytes each rank receives per step, by kind)")
@@ -228,6 +234,14 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
         table.add_row(str(r["rank"]), str(r["ops"]), format_bytes(checked.memory[r["rank"]].total),
                       *(format_bytes(traffic[k]) for k in kinds))
     out.print(table)
+    if changes:
+        paths: dict[str, int] = {}
+        for c in changes:
+            key = f"{c['from']} -> {c['to']}: {c['path']}"
+            paths[key] = paths.get(key, 0) + 1
+        out.print(f"{len(changes)} layout changes by searched paths (--comm rvd):")
+        for key, n in sorted(paths.items(), key=lambda kv: -kv[1]):
+            out.print(f"  {n} x {key}", markup=False, highlight=False)
     if files:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "
                   f"torchrun --nproc-per-node {args.devices} {args.out}/launch.py")
@@ -356,6 +370,41 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
+    workload, program = _compiled(args, default_device(args.model))
+    cluster = cluster_for(program.ndevices, args.cluster)
+    measured, slowdown = None, 1.0
+    if args.measure:
+        cores = os.cpu_count() or 1
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, cores // program.ndevices))  # as each worker gets
+        try:
+            with out.status("timing every op's forward and backward here"):
+                measured = measure_ops(program.plan.graph, workload)
+        finally:
+            torch.set_num_threads(threads)
+        slowdown = max(1.0, program.ndevices / cores)  # workers share the cores
+    sim = simulate(program, cluster, measured, slowdown=slowdown)
+    if args.json:
+        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
+                          "cluster": cluster.name, "step_time_s": sim.step_time,
+                          "bubble_ratio": sim.bubble_ratio,
+                          "ranks": [asdict(r) for r in sim.ranks]}))
+        return 0
+    how = "measured op times" if measured else f"FLOPs at {cluster.peak() / 1e12:g} TFLOP/s"
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices of "
+                        f"{cluster.name} ({how}), one step")
+    for col in ("rank", "compute ms", "comm ms", "bubble ms", "peak memory"):
+        table.add_column(col, justify="right")
+    for r in sim.ranks:
+        table.add_row(str(r.rank), f"{r.compute * 1e3:.3f}", f"{r.comm * 1e3:.3f}",
+                      f"{r.bubble * 1e3:.3f}", format_bytes(r.peak_memory))
+    out.print(table)
+    out.print(f"predicted step time {sim.step_time * 1e3:.3f} ms, bubble ratio "
+              f"{sim.bubble_ratio:.1%}")
+    return 0
+
+
 def _resized(paths: tuple, numel: int, cluster) -> tuple:
     """The same layout changes on a smaller tensor, searched again."""
     naive, path = paths
@@ -365,7 +414,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
-    "bench": cmd_bench, "profile": cmd_profile,
+    "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate,
 }
 
 
@@ -383,6 +432,8 @@ def parser() -> argparse.ArgumentParser:
 
     for name, help_ in (("plan", "compile a plan and write each rank's code"),
                         ("run", "train with a plan on local gloo processes"),
+                        ("simulate", "predict a plan's step time, communication, bubble and "
+                                     "memory per device on a cluster, without running it"),
                         ("timeline", "draw a pipeline plan's steps per rank, with its bubble")):
         cmd = sub.add_parser(name, help=help_)
         cmd.add_argument("model", nargs="?", default="gpt",
@@ -423,9 +474,23 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--schedule", metavar="FILE.csv",
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
                               "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
+        if name != "timeline":
+            cmd.add_argument("--comm", choices=COMMS, default="rvd",
+                             help="rvd: layout changes no single collective does take the "
+                                  "cheapest path of collectives under --cluster's cost model; "
+                                  "p2p: messages from each reader (default rvd)")
+            cmd.add_argument("--cluster", default=None,
+                             help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN "
+                                  "for N nodes) or a profile file from `chronotope profile` "
+                                  "(default: DGX A100 nodes enough for --devices)")
         _common_args(cmd)
         if name == "plan":
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
+        elif name == "simulate":
+            cmd.add_argument("--measure", action="store_true",
+                             help="compute from each op's time measured here (as --devices "
+                                  "processes sharing this machine's cores would run it) "
+                                  "instead of FLOPs at the cluster's peak")
         elif name == "timeline":
             cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
             cmd.add_argument("--flops", type=float, default=1e12,

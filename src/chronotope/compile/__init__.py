@@ -24,6 +24,10 @@ def compile(plan: Plan, comm: str = "rvd",  # noqa: A001  (the public name ``ct.
         return materialize(plan.check())
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(plan.ndevices, cluster)
+    if cluster.ndevices < plan.ndevices:
+        raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the plan "
+                        f"uses {plan.ndevices}: profile as many (`chronotope profile --devices "
+                        f"{plan.ndevices}`) or name a larger preset")
     return materialize(plan.check(), cluster)
 
 

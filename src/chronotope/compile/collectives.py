@@ -149,17 +149,18 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
                 elif isinstance(ins, Recv) and (ins.src, r, ins.tag) not in sent:
                     break
                 elif isinstance(ins, COLLECTIVES):
-                    arrived[_key(ins)].add(r)
-                    if len(arrived[_key(ins)]) < len(ins.ranks):
+                    arrived[collective_key(ins)].add(r)
+                    if len(arrived[collective_key(ins)]) < len(ins.ranks):
                         break
                 pc[r] += 1
                 moved = True
-    return {_key(code[pc[r]]) if isinstance(code[pc[r]], COLLECTIVES)
+    return {collective_key(code[pc[r]]) if isinstance(code[pc[r]], COLLECTIVES)
             else ("recv", code[pc[r]].src, code[pc[r]].tag)
             for r, code in enumerate(ranks) if pc[r] < len(code)}
 
 
-def _key(ins: Instruction) -> tuple:
+def collective_key(ins: Instruction) -> tuple:
+    """What names a collective call, the same on every member."""
     return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
 
 

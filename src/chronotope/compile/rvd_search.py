@@ -182,8 +182,9 @@ def send_step(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: i
         held.setdefault((mask.index, mask.value), []).append(device)
     sent: dict[int, float] = {}
     messages = []
-    for dst, need in _pieces(after, shape):
-        for (index, value), devices in held.items():
+    ordered = sorted(held.items(), key=lambda kv: (kv[0][0], kv[0][1].lo, kv[0][1].hi))
+    for dst, need in sorted(_pieces(after, shape), key=lambda p: p[0]):
+        for (index, value), devices in ordered:
             box = Mask(index, value).intersect(Mask(need.index))
             if box is None or value.intersect(need.value) is None:
                 continue

@@ -1,0 +1,84 @@
+"""Simulator error: predicted vs measured step time of built-in plans on gloo.
+
+    python benchmarks/simulator.py [--devices 2] [--steps 8] [--model gpt]
+
+Profiles this machine's collectives on ``--devices`` gloo processes (as
+``chronotope profile`` does), measures every op's forward and backward here with
+the threads each worker gets, then for each plan predicts one step
+(``cost.simulate``) and trains it on gloo processes (median step time of the
+steps after the first, slowest rank). Prints both and the error (goal: within
+15%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import warnings
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import chronotope as ct
+from chronotope.compile import compile
+from chronotope.cost import measure_ops
+from chronotope.cost.profile import profile
+from chronotope.cost.simulate import simulate
+from chronotope.models import get_workload
+from chronotope.policies import mesh, pipeline, zero
+from chronotope.runtime.launch import launch
+from chronotope.runtime.local import Optim, rank_specs
+
+
+def plans(graph, n: int) -> dict:
+    return {
+        f"dp {n}": lambda: mesh(graph, dp=n),
+        f"tp {n}": lambda: mesh(graph, tp=n),
+        f"zero-3 {n}": lambda: zero(graph, n, 3),
+        f"gpipe {n} x 4 micro": lambda: pipeline(graph, n, 4, "gpipe"),
+        f"1f1b {n} x 4 micro": lambda: pipeline(graph, n, 4, "1f1b"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--model", default="gpt")
+    args = p.parse_args()
+    out = Console()
+    with out.status("profiling collectives"):
+        cluster = profile(args.devices, repeats=7)
+    w = get_workload(args.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cores // args.devices))
+    measured = measure_ops(graph, w, repeats=7)
+    torch.set_num_threads(threads)
+    slowdown = max(1.0, args.devices / cores)
+    table = Table(title=f"{args.model} on {args.devices} gloo processes ({cores} cores): "
+                        "predicted vs measured step time")
+    for col in ("plan", "predicted ms", "measured ms", "error"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    errors = []
+    for name, make in plans(graph, args.devices).items():
+        program = compile(make(), cluster=cluster)
+        predicted = simulate(program, cluster, measured, slowdown=slowdown).step_time
+        results = launch(rank_specs(program, w), args.steps, Optim("sgd", 0.1))
+        slowest = [max(r[2][i] for r in results) for i in range(1, args.steps)]
+        actual = statistics.median(slowest)
+        errors.append(abs(predicted - actual) / actual)
+        table.add_row(name, f"{predicted * 1e3:.2f}", f"{actual * 1e3:.2f}",
+                      f"{(predicted - actual) / actual:+.0%}")
+    out.print(table)
+    out.print(f"mean absolute error {statistics.mean(errors):.0%}, worst {max(errors):.0%} "
+              "(goal: within 15%)")
+
+
+if __name__ == "__main__":
+    main()
