@@ -167,3 +167,17 @@ def test_profile_writes_a_file_bench_accepts(capsys, tmp_path):
     assert report["per_node"] == 2 and out.exists()
     assert main(["bench", "rvd", "--cluster", str(out)]) == 2  # one node of two devices
     assert "two nodes" in capsys.readouterr().err
+
+
+def test_simulate_predicts_each_device_on_a_preset(capsys):
+    report = run_json(capsys, "simulate", "gpt", "--policy", "1f1b", "--devices", "4",
+                      "--micro", "4", "--cluster", "h100-sxm")
+    assert report["cluster"] == "h100-sxmx1" and len(report["ranks"]) == 4
+    assert 0 < report["bubble_ratio"] < 1 and report["step_time_s"] > 0
+    assert all(r["peak_memory"] > 0 for r in report["ranks"])
+
+
+def test_simulate_measured_here(capsys):
+    report = run_json(capsys, "simulate", "gpt", "--policy", "dp", "--devices", "2",
+                      "--measure")
+    assert report["step_time_s"] > 0

@@ -25,7 +25,7 @@ from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.cost.profile import profile, save_profile
 from chronotope.cost.simulate import simulate
 from chronotope.compile import compile as compile_plan
-from chronotope.cost import measure_ops
+from chronotope.cost import measure_ops, measure_overhead
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
@@ -373,7 +373,7 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
 def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
     workload, program = _compiled(args, default_device(args.model))
     cluster = cluster_for(program.ndevices, args.cluster)
-    measured, slowdown = None, 1.0
+    measured, slowdown, overhead = None, 1.0, 0.0
     if args.measure:
         cores = os.cpu_count() or 1
         threads = torch.get_num_threads()
@@ -381,10 +381,11 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
         try:
             with out.status("timing every op's forward and backward here"):
                 measured = measure_ops(program.plan.graph, workload)
+                overhead = measure_overhead(program.plan.graph, workload, measured)
         finally:
             torch.set_num_threads(threads)
         slowdown = max(1.0, program.ndevices / cores)  # workers share the cores
-    sim = simulate(program, cluster, measured, slowdown=slowdown)
+    sim = simulate(program, cluster, measured, slowdown=slowdown, overhead=overhead)
     if args.json:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
                           "cluster": cluster.name, "step_time_s": sim.step_time,
@@ -488,9 +489,10 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
         elif name == "simulate":
             cmd.add_argument("--measure", action="store_true",
-                             help="compute from each op's time measured here (as --devices "
-                                  "processes sharing this machine's cores would run it) "
-                                  "instead of FLOPs at the cluster's peak")
+                             help="compute from each op's time measured here, and the "
+                                  "runtime's time per instruction (as --devices processes "
+                                  "sharing this machine's cores would run them) instead of "
+                                  "FLOPs at the cluster's peak")
         elif name == "timeline":
             cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
             cmd.add_argument("--flops", type=float, default=1e12,

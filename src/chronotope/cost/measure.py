@@ -75,3 +75,26 @@ def piece_seconds(piece: PlanOp, times: dict[str, OpTime]) -> float:
     whole = op_flops(op) * (2 if piece.is_backward else 1)
     share = piece_flops(piece) / whole if whole else 1.0
     return (measured.backward if piece.is_backward else measured.forward) * share
+
+
+def measure_overhead(graph: Graph, workload: Workload, times: dict[str, OpTime],
+                     steps: int = 5) -> float:
+    """Seconds the runtime spends per instruction beyond the ops themselves: one device's
+    training step, less its ops' measured times, over its instructions."""
+    from chronotope.compile import compile
+    from chronotope.compile.program import Backward, Forward, Free, WeightGrad
+    from chronotope.policies import mesh
+    from chronotope.runtime.local import Optim, Rank, rank_specs
+    from chronotope.runtime.transport import ThreadTransport
+
+    program = compile(mesh(graph, dp=1), comm="p2p")
+    rank = Rank(rank_specs(program, workload)[0], ThreadTransport(), Optim("sgd", 0.0))
+    rank.step()  # warm up
+    step = _median(rank.step, steps, torch.device(rank.device))
+    code = [ins for ins in program.ranks[0] if not isinstance(ins, Free)]
+    pieces = [op for ins in code if isinstance(ins, (Forward, WeightGrad)) for op in (ins.op,)]
+    pieces += [op for ins in code if isinstance(ins, Backward) for op in ins.ops]
+    pieces += [f.op for ins in code if isinstance(ins, Backward) for f in ins.recompute
+               if isinstance(f, Forward)]
+    ops = sum(piece_seconds(p, times) for p in pieces)
+    return max(0.0, (step - ops) / max(1, len(code)))

@@ -27,6 +27,7 @@ from chronotope.compile.program import (
     Backward,
     Broadcast,
     Forward,
+    Free,
     GatherParams,
     Program,
     PullParam,
@@ -70,14 +71,16 @@ class Simulation:
 
 
 def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | None = None,
-             dtype: str = "float32", slowdown: float = 1.0) -> Simulation:
-    """Predicted times of one training step of ``program`` on ``cluster``; ``slowdown``
-    scales compute (ranks sharing cores)."""
+             dtype: str = "float32", slowdown: float = 1.0, overhead: float = 0.0) -> Simulation:
+    """Predicted times of one training step of ``program`` on ``cluster``. ``overhead``:
+    seconds the runtime spends on each instruction (``cost.measure_overhead``);
+    ``slowdown`` scales compute and overhead (ranks sharing cores)."""
     if cluster.ndevices < program.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype), slowdown, params)
+    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype), slowdown, params,
+                    overhead * slowdown)
     state.run(program.ranks)
     for rank, owned in enumerate(program.owned):
         nbytes = sum(o.region.numel * params[name].dtype.itemsize
@@ -96,8 +99,8 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
 
 class _Replay:
     def __init__(self, n: int, cluster: Cluster, measured, peak: float, slowdown: float,
-                 params: dict):
-        self.params = params
+                 params: dict, overhead: float):
+        self.params, self.overhead = params, overhead
         self.cluster, self.measured, self.peak, self.slowdown = cluster, measured, peak, slowdown
         self.clock = [0.0] * n
         self.compute = [0.0] * n
@@ -113,6 +116,7 @@ class _Replay:
                 elif isinstance(ins, PullParam):
                     sizes[(ins.src, r, ins.tag)] = ins.region.numel * ins.dtype.itemsize
         pc = [0] * len(ranks)
+        started: list[set[int]] = [set() for _ in ranks]
         sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (arrival, duration)
         arrived: dict[tuple, dict[int, float]] = {}
         done: dict[tuple, tuple[float, float]] = {}  # collective -> (start, end)
@@ -122,6 +126,10 @@ class _Replay:
             for r, code in enumerate(ranks):
                 while pc[r] < len(code):
                     ins = code[pc[r]]
+                    if not isinstance(ins, Free) and pc[r] not in started[r]:
+                        started[r].add(pc[r])  # the runtime's own time, once per instruction
+                        self.clock[r] += self.overhead
+                        self.compute[r] += self.overhead
                     if isinstance(ins, (Send, PushParam)):
                         self._send(r, ins.dst, ins.tag, sizes.get((r, ins.dst, ins.tag), 0.0),
                                    sent)

@@ -1,0 +1,56 @@
+"""The simulator: a Program replayed on a cost model."""
+
+from dataclasses import replace
+
+import pytest
+
+from chronotope.compile import compile
+from chronotope.cost.network import Link, load_cluster
+from chronotope.cost.simulate import simulate
+from chronotope.errors import PlanError
+from chronotope.policies import mesh, pipeline
+from tests.policies.plan_testing import captured
+
+A100 = load_cluster("dgx-a100")
+FREE_LINKS = replace(A100, name="free", intra=Link(0.0, 1e30), inter=Link(0.0, 1e30), call=0.0,
+                     copy_bandwidth=1e30)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return captured("gpt")
+
+
+def test_with_free_communication_data_parallel_is_its_compute(gpt):
+    _, g = gpt
+    sim = simulate(compile(mesh(g, dp=4), comm="p2p"), FREE_LINKS)
+    assert sim.step_time == pytest.approx(max(r.compute for r in sim.ranks))
+    assert all(r.comm == pytest.approx(0.0, abs=1e-12) for r in sim.ranks)
+    one = simulate(compile(mesh(g, dp=1), comm="p2p"), FREE_LINKS)
+    assert sim.step_time == pytest.approx(one.step_time / 4, rel=0.05)
+
+
+def test_pipelines_wait_and_1f1b_keeps_less_memory(gpt):
+    _, g = gpt
+    gpipe = simulate(compile(pipeline(g, 4, 4, "gpipe")), A100)
+    f1b1 = simulate(compile(pipeline(g, 4, 4, "1f1b")), A100)
+    assert 0 < gpipe.bubble_ratio < 1 and 0 < f1b1.bubble_ratio < 1
+    assert max(r.peak_memory for r in f1b1.ranks) < max(r.peak_memory for r in gpipe.ranks)
+    for sim in (gpipe, f1b1):
+        for r in sim.ranks:
+            assert r.compute + r.comm + r.bubble == pytest.approx(sim.step_time)
+
+
+def test_slower_links_make_tensor_parallel_slower(gpt):
+    _, g = gpt
+    program = compile(mesh(g, tp=4))
+    slow = replace(A100, name="slow", intra=Link(5e-6, 1e9))
+    fast, slower = simulate(program, A100), simulate(program, slow)
+    assert slower.step_time > fast.step_time
+    assert max(r.comm for r in slower.ranks) > max(r.comm for r in fast.ranks)
+
+
+def test_a_cluster_too_small_is_named(gpt):
+    _, g = gpt
+    with pytest.raises(PlanError, match="has 2 devices"):
+        simulate(compile(mesh(g, dp=4), comm="p2p"), replace(A100, name="two", per_node=2))
