@@ -71,8 +71,9 @@ def find_changes(sequences: dict[int, list[PlanOp]], cluster: Cluster,
                     read[v.ptensor][(rank, v.mask)] = None
     out = []
     for t, readers in read.items():
-        if t not in made:
-            continue
+        local = {(op.device, m) for op, m in made.get(t, ())}
+        if all(r in local for r in readers):
+            continue  # every reader made its own piece: nothing moves
         for producers, group in _groups(made[t], list(readers)):
             change = _change(t, producers, group, cluster)
             if change is not None and change.key not in skip:

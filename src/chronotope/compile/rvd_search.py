@@ -9,7 +9,9 @@ digit. Between device sets (a pipeline boundary, another mesh), messages move
 the pieces onto the other set as they are, one piece to several devices
 (scatter) or several pieces to one (gather). From every layout, plain messages
 to the target are one more edge, so the search is never worse than sending
-point to point, and reaches any device order. Edge weights are seconds from
+point to point, and reaches any device order. (Messages to the target leave from the
+source, from layouts of the target's RVD in another device order, and from the
+other device set.) Edge weights are seconds from
 the cost model (``cost.network``).
 
 ``run_path`` carries a path out on one rank with the runtime's transports
@@ -136,13 +138,14 @@ def _piece_bytes(layout: Layout, shape: tuple[int, ...], itemsize: int) -> float
 
 
 def intra_steps(layout: Layout, shape: tuple[int, ...], itemsize: int,
-                cluster: Cluster) -> list[Step]:
-    """Every one-collective (or local) layout change over the same devices."""
+                cluster: Cluster, dims: frozenset[int] | None = None) -> list[Step]:
+    """Every one-collective (or local) layout change over the same devices (splitting
+    only ``dims``, if given)."""
     radix = layout.rvd.radix
     out = []
     for a, b in itertools.permutations(range(len(radix)), 2):
         kind = _KIND.get((_cls(a), _cls(b)))
-        if kind is None:
+        if kind is None or (dims is not None and b >= 2 and b - 2 not in dims):
             continue
         for f in _divisors(radix[a]):
             if b >= 2 and shape[b - 2] % (radix[b] * f):
@@ -151,11 +154,11 @@ def intra_steps(layout: Layout, shape: tuple[int, ...], itemsize: int,
                 for b_high in ((False, True) if b == R else (False,)):
                     rvd, devices, groups = _move(layout, a, b, f, a_high, b_high)
                     after = normal(Layout(rvd, devices))
-                    dims = (b - 2,) if kind in ("reduce_scatter", "chunk") else \
+                    moved = (b - 2,) if kind in ("reduce_scatter", "chunk") else \
                         (a - 2,) if kind == "all_gather" else \
                         (a - 2, b - 2) if kind == "all_to_all" else ()
                     seconds = _step_seconds(kind, layout, after, groups, shape, itemsize, cluster)
-                    out.append(Step(kind, layout, after, seconds, groups, dims))
+                    out.append(Step(kind, layout, after, seconds, groups, moved))
     return out
 
 
@@ -256,6 +259,10 @@ def search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int = 4,
     for layout in (src, dst):
         _check(layout, shape, cluster)
     start, goal = normal(src), normal(dst)
+    # Dims to split on the way: those either end splits, and the longest (to cut what is
+    # replicated into runs that travel once).
+    dims = frozenset(i for i in range(len(shape)) if src.rvd.d[i] > 1 or dst.rvd.d[i] > 1)
+    dims |= {max(range(len(shape)), key=lambda i: shape[i])} if shape else set()
     goal_set = frozenset(goal.devices)
     best = {start: 0.0}
     came: dict[Layout, tuple[Layout, Step]] = {}
@@ -275,7 +282,7 @@ def search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int = 4,
         done.add(state)
         if len(done) > max_states:
             break
-        for step in _edges(state, goal, goal_set, shape, itemsize, cluster):
+        for step in _edges(state, start, goal, goal_set, shape, itemsize, cluster, dims):
             new = cost + step.seconds + 1e-9  # fewer steps among equals
             if new < best.get(step.after, math.inf):
                 best[step.after] = new
@@ -284,17 +291,18 @@ def search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int = 4,
     return p2p(src, dst, shape, itemsize, cluster)
 
 
-def _edges(state: Layout, goal: Layout, goal_set: frozenset, shape, itemsize: int,
-           cluster: Cluster) -> list[Step]:
-    out = intra_steps(state, shape, itemsize, cluster)
+def _edges(state: Layout, start: Layout, goal: Layout, goal_set: frozenset, shape,
+           itemsize: int, cluster: Cluster, dims: frozenset[int]) -> list[Step]:
+    out = intra_steps(state, shape, itemsize, cluster, dims)
     if frozenset(state.devices) != goal_set:
         out += [send_step(state, nxt, shape, itemsize, cluster)
                 for nxt in cross_layouts(state, tuple(goal_set), goal, shape)
-                if nxt != goal]
-    try:
-        out.append(send_step(state, goal, shape, itemsize, cluster))
-    except PlanError:
-        pass  # value parts that do not nest: collectives must first change them
+                if nxt != goal and all(k == 1 or i in dims for i, k in enumerate(nxt.rvd.d))]
+    if state == start or state.rvd == goal.rvd or frozenset(state.devices) != goal_set:
+        try:  # plain messages: the whole way, the last move, or across device sets
+            out.append(send_step(state, goal, shape, itemsize, cluster))
+        except PlanError:
+            pass  # value parts that do not nest: collectives must first change them
     return out
 
 

@@ -196,22 +196,22 @@ def _nvlink_cube_mesh() -> dict[tuple[int, int], Link]:
     PCIe and the CPUs."""
     double = {(0, 3), (0, 4), (1, 2), (1, 5), (2, 3), (4, 7), (5, 6), (6, 7)}
     single = {(0, 1), (0, 2), (1, 3), (2, 6), (3, 7), (4, 5), (4, 6), (5, 7)}
-    return {p: Link(5e-6, 50e9 if p in double else 25e9) for p in double | single}
+    return {p: Link(3e-6, 50e9 if p in double else 25e9) for p in double | single}
 
 
 GiB = 1024.0 ** 3
 PRESETS: dict[str, Cluster] = {
     "dgx1-v100": Cluster(
         "dgx1-v100", 1, 8, {"float32": 15.7e12, "float16": 125e12, "bfloat16": 125e12},
-        32 * GiB, 900e9, intra=Link(10e-6, 10e9), inter=Link(12e-6, 12.5e9),  # 100 Gb/s IB
+        32 * GiB, 900e9, intra=Link(8e-6, 10e9), inter=Link(10e-6, 12.5e9),  # 100 Gb/s IB
         pairs=_nvlink_cube_mesh(), call=10e-6),
     "dgx-a100": Cluster(
         "dgx-a100", 1, 8, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
-        80 * GiB, 2.0e12, intra=Link(5e-6, 300e9), inter=Link(10e-6, 200e9),
+        80 * GiB, 2.0e12, intra=Link(1.5e-6, 300e9), inter=Link(8e-6, 200e9),
         call=10e-6),  # 8 x 200 Gb/s
     "h100-sxm": Cluster(
         "h100-sxm", 1, 8, {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
-        80 * GiB, 3.35e12, intra=Link(4e-6, 450e9), inter=Link(8e-6, 400e9),
+        80 * GiB, 3.35e12, intra=Link(1e-6, 450e9), inter=Link(6e-6, 400e9),
         call=10e-6),  # 8 x 400 Gb/s
 }
 
