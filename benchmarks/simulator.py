@@ -23,7 +23,7 @@ from rich.table import Table
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.cost import measure_ops, measure_overhead
+from chronotope.cost import calibrate, measure_ops
 from chronotope.cost.profile import profile
 from chronotope.cost.simulate import simulate
 from chronotope.models import get_workload
@@ -59,9 +59,8 @@ def main() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, cores // args.devices))
     measured = measure_ops(graph, w, repeats=7)
-    overhead = measure_overhead(graph, w, measured)
     torch.set_num_threads(threads)
-    slowdown = max(1.0, args.devices / cores)
+    calibration = calibrate(graph, w, measured, processes=args.devices)
     table = Table(title=f"{args.model} on {args.devices} gloo processes ({cores} cores): "
                         "predicted vs measured step time")
     for col in ("plan", "predicted ms", "measured ms", "error"):
@@ -69,8 +68,8 @@ def main() -> None:
     errors = []
     for name, make in plans(graph, args.devices).items():
         program = compile(make(), cluster=cluster)
-        predicted = simulate(program, cluster, measured, slowdown=slowdown,
-                             overhead=overhead).step_time
+        predicted = simulate(program, cluster, measured,
+                             calibration=calibration).step_time
         results = launch(rank_specs(program, w), args.steps, Optim("sgd", 0.1))
         slowest = [max(r[2][i] for r in results) for i in range(1, args.steps)]
         actual = statistics.median(slowest)

@@ -25,7 +25,7 @@ from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.cost.profile import profile, save_profile
 from chronotope.cost.simulate import simulate
 from chronotope.compile import compile as compile_plan
-from chronotope.cost import measure_ops, measure_overhead
+from chronotope.cost import calibrate, measure_ops
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload
@@ -373,19 +373,18 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
 def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
     workload, program = _compiled(args, default_device(args.model))
     cluster = cluster_for(program.ndevices, args.cluster)
-    measured, slowdown, overhead = None, 1.0, 0.0
-    if args.measure:
-        cores = os.cpu_count() or 1
+    measured, calibration = None, None
+    if args.measure:  # as --devices workers sharing this machine's cores run it
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, cores // program.ndevices))  # as each worker gets
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // program.ndevices))
         try:
-            with out.status("timing every op's forward and backward here"):
+            with out.status("timing every op, and the runtime on as many processes"):
                 measured = measure_ops(program.plan.graph, workload)
-                overhead = measure_overhead(program.plan.graph, workload, measured)
         finally:
             torch.set_num_threads(threads)
-        slowdown = max(1.0, program.ndevices / cores)  # workers share the cores
-    sim = simulate(program, cluster, measured, slowdown=slowdown, overhead=overhead)
+        calibration = calibrate(program.plan.graph, workload, measured,
+                                processes=program.ndevices)
+    sim = simulate(program, cluster, measured, calibration=calibration)
     if args.json:
         print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
                           "cluster": cluster.name, "step_time_s": sim.step_time,

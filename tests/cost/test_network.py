@@ -20,9 +20,9 @@ def test_collectives_follow_the_ring_formulas():
     a100 = load_cluster("dgx-a100")
     n = 2 ** 30
     assert a100.collective("all_reduce", n, [tuple(range(8))]) == pytest.approx(
-        14 * 5e-6 + 2 * 7 / 8 * n / 300e9 + a100.call)
+        14 * a100.intra.alpha + 2 * 7 / 8 * n / 300e9 + a100.call)
     assert a100.collective("all_gather", n, [(0, 1)]) == pytest.approx(
-        5e-6 + n / 2 / 300e9 + a100.call)
+        a100.intra.alpha + n / 2 / 300e9 + a100.call)
     assert steps_and_volume("all_to_all", 1) == (0.0, 0.0)
 
 

@@ -77,24 +77,63 @@ def piece_seconds(piece: PlanOp, times: dict[str, OpTime]) -> float:
     return (measured.backward if piece.is_backward else measured.forward) * share
 
 
-def measure_overhead(graph: Graph, workload: Workload, times: dict[str, OpTime],
-                     steps: int = 5) -> float:
-    """Seconds the runtime spends per instruction beyond the ops themselves: one device's
-    training step, less its ops' measured times, over its instructions."""
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a step's time splits on this machine: ``compute_scale`` times the ops'
+    measured times (one op at a time overstates a fused backward) plus
+    ``per_instruction`` seconds of the runtime's own work for each instruction."""
+
+    per_instruction: float
+    compute_scale: float
+
+
+
+def calibrate(graph: Graph, workload: Workload, times: dict[str, OpTime], steps: int = 5,
+              processes: int = 1) -> Calibration:
+    """Fit ``Calibration`` to one device's training step run whole and in micro-batches
+    (the same FLOPs in more instructions): two steps, two unknowns. With ``processes``,
+    that many run it at once on this machine, sharing its cores as workers do."""
     from chronotope.compile import compile
     from chronotope.compile.program import Backward, Forward, Free, WeightGrad
     from chronotope.policies import mesh
-    from chronotope.runtime.local import Optim, Rank, rank_specs
+    from chronotope.runtime.launch import spawn
+    from chronotope.runtime.local import rank_specs
+
+    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
+    specs, counts = [], []
+    for micro in dict.fromkeys((1, max(k for k in (1, 2, 4) if batch % k == 0))):
+        program = compile(mesh(graph, dp=1, micro=micro), comm="p2p")
+        specs.append(rank_specs(program, workload)[0])
+        code = [ins for ins in program.ranks[0] if not isinstance(ins, Free)]
+        pieces = [ins.op for ins in code if isinstance(ins, (Forward, WeightGrad))]
+        pieces += [op for ins in code if isinstance(ins, Backward) for op in ins.ops]
+        pieces += [f.op for ins in code if isinstance(ins, Backward) for f in ins.recompute
+                   if isinstance(f, Forward)]
+        counts.append((len(code), sum(piece_seconds(p, times) for p in pieces)))
+    if processes > 1:
+        runs = spawn(_step_times, processes, (specs, steps))
+        seconds = [statistics.mean(r[i] for r in runs) for i in range(len(specs))]
+    else:
+        seconds = _step_times(0, specs, steps)
+    (n1, ops1), (n2, _) = counts[0], counts[-1]
+    t1, t2 = seconds[0], seconds[-1]
+    per = max(0.0, (t2 - t1) / (n2 - n1)) if n2 != n1 else 0.0
+    return Calibration(per, max(0.0, t1 - per * n1) / ops1 if ops1 else 1.0)
+
+
+def _step_times(rank: int, specs: list, steps: int) -> list[float]:
+    """The median step time of each one-device program, run here."""
+    import torch.distributed as dist
+
+    from chronotope.runtime.local import Optim, Rank
     from chronotope.runtime.transport import ThreadTransport
 
-    program = compile(mesh(graph, dp=1), comm="p2p")
-    rank = Rank(rank_specs(program, workload)[0], ThreadTransport(), Optim("sgd", 0.0))
-    rank.step()  # warm up
-    step = _median(rank.step, steps, torch.device(rank.device))
-    code = [ins for ins in program.ranks[0] if not isinstance(ins, Free)]
-    pieces = [op for ins in code if isinstance(ins, (Forward, WeightGrad)) for op in (ins.op,)]
-    pieces += [op for ins in code if isinstance(ins, Backward) for op in ins.ops]
-    pieces += [f.op for ins in code if isinstance(ins, Backward) for f in ins.recompute
-               if isinstance(f, Forward)]
-    ops = sum(piece_seconds(p, times) for p in pieces)
-    return max(0.0, (step - ops) / max(1, len(code)))
+    out = []
+    for spec in specs:
+        worker = Rank(spec, ThreadTransport(), Optim("sgd", 0.0))
+        worker.step()  # warm up
+        if dist.is_initialized():
+            dist.barrier()  # every process busy at once
+        out.append(_median(worker.step, steps, torch.device(worker.device)))
+    return out

@@ -29,8 +29,10 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
             backend: str = "gloo", timeout: float = 120.0) -> Cluster:
     """Measure ``devices`` local processes and fit the cost model to them."""
     results = spawn(_measure, devices, (sizes, repeats, backend, timeout), backend, timeout)
-    times = {kind: [max(r["times"][kind][i] for r in results) for i in range(len(sizes))]
-             for kind in KINDS}
+    # The last member to arrive waits least: its time is the collective's own (the others'
+    # also hold the barrier's skew). A message is timed by its two ends.
+    times = {kind: [min(r["times"][kind][i] for r in (results[:2] if kind == "send" else results))
+                    for i in range(len(sizes))] for kind in KINDS}
     fitted = {kind: fit(kind, devices, sizes, times[kind]) for kind in KINDS}
     first = results[0]
     name = f"profile:{platform.node() or 'local'}:{backend}x{devices}"
@@ -75,7 +77,7 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float) -> di
         }
         for kind, call in calls.items():
             times[kind].append(_median(call, repeats, device))
-    return {"times": times, "flops": _matmul_flops(device), "copy_bandwidth": _copy(device),
+    return {"times": times, "flops": matmul_flops(device), "copy_bandwidth": _copy(device),
             "memory": _memory(device, world)}
 
 
@@ -92,7 +94,8 @@ def _median(call, repeats: int, device: torch.device) -> float:
     call()  # warm up (and make any lazily made communicator)
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         start = time.perf_counter()
         call()
         if device.type == "cuda":
@@ -101,9 +104,10 @@ def _median(call, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _matmul_flops(device: torch.device, n: int = 512, repeats: int = 5) -> float:
+def matmul_flops(device: torch.device | str = "cpu", n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of a square matmul here (in a profile: every device busy at once)."""
+    device = torch.device(device)
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    dist.barrier()  # every device busy at once, as in training
     return 2 * n ** 3 / _median(lambda: a @ b, repeats, device)
 
 
@@ -117,3 +121,4 @@ def _memory(device: torch.device, world: int) -> float:
         return float(torch.cuda.get_device_properties(device).total_memory)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return float(pages) / world  # the processes share this machine's memory
+

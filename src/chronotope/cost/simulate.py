@@ -38,7 +38,7 @@ from chronotope.compile.program import (
     WeightGrad,
 )
 from chronotope.cost.compute import piece_flops
-from chronotope.cost.measure import OpTime, piece_seconds
+from chronotope.cost.measure import Calibration, OpTime, piece_seconds
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 
@@ -71,16 +71,20 @@ class Simulation:
 
 
 def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | None = None,
-             dtype: str = "float32", slowdown: float = 1.0, overhead: float = 0.0) -> Simulation:
-    """Predicted times of one training step of ``program`` on ``cluster``. ``overhead``:
-    seconds the runtime spends on each instruction (``cost.measure_overhead``);
-    ``slowdown`` scales compute and overhead (ranks sharing cores)."""
+             dtype: str = "float32", slowdown: float = 1.0,
+             calibration: Calibration | None = None) -> Simulation:
+    """Predicted times of one training step of ``program`` on ``cluster``, pieces from
+    ``measured`` op times (scaled and with the runtime's time per instruction, as
+    ``cost.calibrate`` fits them) or FLOPs at the peak; ``slowdown`` scales both
+    (ranks sharing cores)."""
+    calibration = calibration or Calibration(0.0, 1.0)
     if cluster.ndevices < program.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype), slowdown, params,
-                    overhead * slowdown)
+    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype),
+                    slowdown * calibration.compute_scale, params,
+                    calibration.per_instruction * slowdown)
     state.run(program.ranks)
     for rank, owned in enumerate(program.owned):
         nbytes = sum(o.region.numel * params[name].dtype.itemsize
