@@ -155,10 +155,13 @@ class DistTransport:
         return out
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in ranks]
-        work = dist.all_gather(out, t, group=self._group(ranks), async_op=True)
+        if t.numel() == 0:
+            return [t.clone() for _ in ranks]
+        flat = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=t.device)
+        work = dist.all_gather_single(flat, t.contiguous().view(-1), group=self._group(ranks),
+                                      async_op=True)  # one buffer, not a list of them
         self._wait(work, f"rank {rank} did not finish an all-gather over ranks {list(ranks)}")
-        return _from_sorted(out, ranks)
+        return _from_sorted([x.view(t.shape) for x in flat.chunk(len(ranks))], ranks)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
