@@ -45,7 +45,7 @@ def plans(graph, n: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--model", default="gpt")
     args = p.parse_args()
     out = Console()

@@ -29,9 +29,9 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
             backend: str = "gloo", timeout: float = 120.0) -> Cluster:
     """Measure ``devices`` local processes and fit the cost model to them."""
     results = spawn(_measure, devices, (sizes, repeats, backend, timeout), backend, timeout)
-    # The last member to arrive waits least: its time is the collective's own (the others'
-    # also hold the barrier's skew). A message is timed by its two ends.
-    times = {kind: [min(r["times"][kind][i] for r in (results[:2] if kind == "send" else results))
+    # The slowest member's time: it holds the members' arrival skew (after a barrier), as
+    # collectives within a training step do. A message is timed by its two ends.
+    times = {kind: [max(r["times"][kind][i] for r in (results[:2] if kind == "send" else results))
                     for i in range(len(sizes))] for kind in KINDS}
     fitted = {kind: fit(kind, devices, sizes, times[kind]) for kind in KINDS}
     first = results[0]
