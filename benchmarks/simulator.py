@@ -45,12 +45,12 @@ def plans(graph, n: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--model", default="gpt")
     args = p.parse_args()
     out = Console()
     with out.status("profiling collectives"):
-        cluster = profile(args.devices, repeats=7)
+        cluster = profile(args.devices, repeats=15)
     w = get_workload(args.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(max(1, cores // args.devices))
     measured = measure_ops(graph, w, repeats=7)
     torch.set_num_threads(threads)
-    calibration = calibrate(graph, w, measured, processes=args.devices)
+    calibration = calibrate(graph, w, measured, steps=9, processes=args.devices)
     table = Table(title=f"{args.model} on {args.devices} gloo processes ({cores} cores): "
                         "predicted vs measured step time")
     for col in ("plan", "predicted ms", "measured ms", "error"):
