@@ -11,11 +11,11 @@ pytestmark = pytest.mark.slow
 
 def test_measured_cases_time_both_paths_and_dtensor():
     cases = []
-    for src, dst in ((RVD(1, 4, (1,)), RVD(4, 1, (1,))), (RVD(1, 1, (4,)), RVD(4, 1, (1,)))):
+    for src, dst in ((RVD(1, 4, (1,)), RVD(4, 1, (1,))),):
         a, b = Layout(src, (0, 1, 2, 3)), Layout(dst, (0, 1, 2, 3))
         cases.append({"case": f"{src}={dst}", "paths": (p2p(a, b, (4096,)),
                                                       search(a, b, (4096,)))})
-    bench.measure(cases, 4096, repeats=2, dtensor=True)
+    bench.measure(cases, 4096, repeats=1, dtensor=True)
     for case in cases:
         assert all(case[k] > 0 for k in ("p2p_measured_s", "rvd_measured_s",
                                          "dtensor_measured_s"))

@@ -91,9 +91,12 @@ def _groups(producers: list[tuple[PlanOp, Mask]], readers: list[tuple[int, Mask]
             i = parent[i]
         return i
 
+    boxes = [(r.index, float(r.value.lo), float(r.value.hi)) for _, r in readers]
     for i, (_, m) in enumerate(producers):
-        for j, (_, r) in enumerate(readers):
-            if m.overlaps(r):
+        lo, hi = float(m.value.lo), float(m.value.hi)
+        for j, (index, rlo, rhi) in enumerate(boxes):  # Mask.overlaps, without Fractions
+            if rlo < hi and lo < rhi and all(a < d and c < b for (a, b), (c, d)
+                                             in zip(m.index, index)):
                 parent[root(i)] = root(len(producers) + j)
     groups: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for i, p in enumerate(producers):

@@ -181,25 +181,28 @@ def send_step(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: i
     value parts finer than needed are summed, a coarser part goes whole to the first of
     the parts it is cut into (the others start from zeros)."""
     held: dict[tuple, list[int]] = {}
-    for device, mask in _pieces(before, shape):
-        held.setdefault((mask.index, mask.value), []).append(device)
+    for device, mask in _pieces(before, shape):  # value parts as floats: i/v compare exactly
+        held.setdefault((mask.index, float(mask.value.lo), float(mask.value.hi)),
+                        []).append(device)
     sent: dict[int, float] = {}
     messages = []
-    ordered = sorted(held.items(), key=lambda kv: (kv[0][0], kv[0][1].lo, kv[0][1].hi))
+    ordered = sorted(held.items())
     for dst, need in sorted(_pieces(after, shape), key=lambda p: p[0]):
-        for (index, value), devices in ordered:
-            box = Mask(index, value).intersect(Mask(need.index))
-            if box is None or value.intersect(need.value) is None:
+        nlo, nhi = float(need.value.lo), float(need.value.hi)
+        for (index, vlo, vhi), devices in ordered:
+            box = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, need.index))
+            if any(lo >= hi for lo, hi in box) or vhi <= nlo or nhi <= vlo:
                 continue
-            if not (value.contains(need.value) or need.value.contains(value)):
+            coarser = vlo <= nlo and nhi <= vhi
+            if not (coarser or (nlo <= vlo and vhi <= nhi)):
                 raise PlanError(f"value parts of {before.rvd} and {after.rvd} do not nest: "
-                                f"{value} against {need.value}")
-            if value.contains(need.value) and value.lo != need.value.lo:
+                                f"[{vlo:g}, {vhi:g}) against [{nlo:g}, {nhi:g})")
+            if coarser and vlo != nlo:
                 continue  # a later part of a whole value: zeros
             src = _nearest(dst, devices, sent, cluster)
-            nbytes = math.prod(box.shape) * itemsize
+            nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
             sent[src] = sent.get(src, 0.0) + (nbytes if src != dst else 0.0)
-            messages.append(Message(src, dst, box.index))
+            messages.append(Message(src, dst, box))
     seconds = cluster.transfer([(m.src, m.dst, math.prod(b - a for a, b in m.box) * itemsize)
                                 for m in messages])
     local = sum(math.prod(b - a for a, b in m.box) for m in messages if m.src == m.dst)
