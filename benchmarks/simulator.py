@@ -1,13 +1,19 @@
 """Simulator error: predicted vs measured step time of built-in plans on gloo.
 
-    python benchmarks/simulator.py [--devices 2] [--steps 8] [--model gpt]
+    python benchmarks/simulator.py [--devices 2] [--steps 16] [--config medium|builtin]
 
 Profiles this machine's collectives on ``--devices`` gloo processes (as
 ``chronotope profile`` does), measures every op's forward and backward here with
-the threads each worker gets, then for each plan predicts one step
+the threads each worker gets and calibrates the runtime's own work on as many
+processes (``cost.calibrate``), then for each plan predicts one step
 (``cost.simulate``) and trains it on gloo processes (median step time of the
 steps after the first, slowest rank). Prints both and the error (goal: within
 15%).
+
+``--config medium`` (the default) is the built-in GPT made large enough that
+compute and communication, not Python, take most of a step, as in real
+training: d_model 256, 8 heads, 4 layers, 128 tokens, batch 8. ``builtin`` is
+the tiny test model as it is, whose steps are mostly the runtime's own work.
 """
 
 from __future__ import annotations
@@ -42,16 +48,23 @@ def plans(graph, n: int) -> dict:
     }
 
 
+CONFIGS = {
+    "medium": {"d_model": 256, "n_head": 8, "n_layer": 4, "block_size": 128, "batch_size": 8},
+    "builtin": {},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--model", default="gpt")
+    p.add_argument("--config", choices=CONFIGS, default="medium")
     args = p.parse_args()
     out = Console()
     with out.status("profiling collectives"):
-        cluster = profile(args.devices, repeats=15)
-    w = get_workload(args.model)
+        cluster = profile(args.devices, repeats=30)
+    w = get_workload(args.model, **CONFIGS[args.config])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
@@ -61,8 +74,8 @@ def main() -> None:
     measured = measure_ops(graph, w, repeats=7)
     torch.set_num_threads(threads)
     calibration = calibrate(graph, w, measured, steps=9, processes=args.devices)
-    table = Table(title=f"{args.model} on {args.devices} gloo processes ({cores} cores): "
-                        "predicted vs measured step time")
+    table = Table(title=f"{args.model} ({args.config}) on {args.devices} gloo processes "
+                        f"({cores} cores): predicted vs measured step time")
     for col in ("plan", "predicted ms", "measured ms", "error"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     errors = []

@@ -1,10 +1,11 @@
 """The alpha-beta cost model: presets, rings, concurrent messages, profile files."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from chronotope.cost.network import ClusterError, load_cluster, steps_and_volume
+from chronotope.cost.network import Cluster, ClusterError, Link, load_cluster, steps_and_volume
 from chronotope.cost.profile import fit, profile, save_profile
 
 
@@ -71,6 +72,21 @@ def test_profile_measures_every_collective_and_loads_back(tmp_path):
     save_profile(cluster, str(path))
     assert load_cluster(str(path)) == cluster
     assert json.loads(path.read_text())["per_node"] == 2
-    seconds = cluster.collective("all_reduce", 2 ** 20, [(0, 1)])
-    link = cluster.fitted["all_reduce"]
-    assert seconds == pytest.approx(2 * link.alpha + 2 ** 20 / link.bandwidth)
+    assert set(cluster.fitted_busy) == set(cluster.fitted) and cluster.busy > 0
+    for fitted, busy in ((cluster.fitted, 0.0), (cluster.fitted_busy, cluster.busy)):
+        link = fitted["all_reduce"]
+        assert cluster.collective("all_reduce", 2 ** 20, [(0, 1)], busy) == pytest.approx(
+            2 * link.alpha + 2 ** 20 / link.bandwidth)
+
+
+def test_a_profiled_call_is_priced_by_the_compute_before_it():
+    base = load_cluster("dgx-a100")
+    cluster = replace(base, name="here", fitted={"all_gather": Link(1e-4, 1e9)},
+                      fitted_busy={"all_gather": Link(3e-4, 0.5e9)}, busy=2e-3)
+    back_to_back = 1e-4 + 2 ** 20 / 2 / 1e9
+    after = 3e-4 + 2 ** 20 / 2 / 0.5e9
+    assert cluster.measured("all_gather", 2 ** 20, 2) == pytest.approx(back_to_back)
+    assert cluster.measured("all_gather", 2 ** 20, 2, busy=1e-3) == pytest.approx(
+        (back_to_back + after) / 2)
+    assert cluster.measured("all_gather", 2 ** 20, 2, busy=1.0) == pytest.approx(after)
+    assert Cluster.from_json(cluster.to_json()) == cluster

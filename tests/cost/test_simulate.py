@@ -3,13 +3,13 @@
 from dataclasses import replace
 
 import pytest
+from tests.policies.plan_testing import captured
 
 from chronotope.compile import compile
 from chronotope.cost.network import Link, load_cluster
 from chronotope.cost.simulate import simulate
 from chronotope.errors import PlanError
 from chronotope.policies import mesh, pipeline
-from tests.policies.plan_testing import captured
 
 A100 = load_cluster("dgx-a100")
 FREE_LINKS = replace(A100, name="free", intra=Link(0.0, 1e30), inter=Link(0.0, 1e30), call=0.0,
@@ -54,3 +54,15 @@ def test_a_cluster_too_small_is_named(gpt):
     _, g = gpt
     with pytest.raises(PlanError, match="has 2 devices"):
         simulate(compile(mesh(g, dp=4), comm="p2p"), replace(A100, name="two", per_node=2))
+
+
+def test_profiled_calls_after_compute_cost_what_they_were_measured_at(gpt):
+    _, g = gpt
+    program = compile(mesh(g, tp=2))
+    measured = {kind: Link(1e-4, 1e9) for kind in ("send", "all_reduce", "all_gather")}
+    slower = {kind: Link(5e-4, 1e9) for kind in measured}
+    here = replace(FREE_LINKS, name="here", per_node=2, fitted=measured)
+    back_to_back = simulate(program, here)
+    after = simulate(program, replace(here, fitted_busy=slower, busy=1e-12))
+    assert max(r.comm for r in after.ranks) > max(r.comm for r in back_to_back.ranks)
+    assert after.step_time > back_to_back.step_time

@@ -77,9 +77,9 @@ def test_measured_op_times_give_the_pieces_their_share():
         g = ct.capture(w)
     times = measure_ops(g, w, repeats=1)
     assert set(times) == {op.name for op in g}
-    assert all(t.forward > 0 for t in times.values())
+    assert all(t.forward >= 0 and t.backward >= 0 for t in times.values())
     linear = next(op for op in g if op.kind == "linear")
-    assert times[linear.name].backward > 0
+    assert times[linear.name].forward > 0 and times[linear.name].backward > 0
     plan = pipeline(g, 2, 4, "1f1b")
     pieces = [p for p in plan.leaves(linear.name)]  # one per micro-batch
     assert sum(piece_seconds(p, times) for p in pieces) == pytest.approx(

@@ -37,14 +37,15 @@ from chronotope.compile.program import (
     ReduceScatter,
     Send,
     WeightGrad,
-    covers,
 )
 from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
 
 
-def render(program: Program, rank: int) -> str:
+def render(program: Program, rank: int, ticks: bool = False) -> str:
+    """Rank ``rank``'s module; with ``ticks``, ``rt.tick()`` after each instruction (how
+    ``cost.calibrate`` times the runtime's own work per instruction)."""
     plan = program.plan
     lines = [
         f'"""Rank {rank} of {plan.ndevices}: one training step of {plan.graph.name}.',
@@ -63,6 +64,8 @@ def render(program: Program, rank: int) -> str:
     body = []
     for ins in program.ranks[rank]:
         body += _render(ins)
+        if ticks and not isinstance(ins, Free):
+            body.append("rt.tick()")
     lines += ["    " + line for line in body] or ["    pass"]
     if program.refresh and program.refresh[rank]:
         lines += ["", "", "def refresh(rt):",
@@ -88,7 +91,7 @@ def _render(ins: Instruction) -> list[str]:
         return [f"{ins.var} = rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, "
                 f"tag={ins.tag})"]
     if isinstance(ins, Assemble):
-        if _is_slice(ins):
+        if ins.is_view:
             p = ins.parts[0]
             return [f"{ins.var} = {p.src}{_index(p.src_slices)}"]
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
@@ -169,12 +172,6 @@ def _backward_call(ins: Backward) -> list[str]:
     if len(pieces) > 1:
         return [f"# backward of {len(pieces)} pieces in one call", f"{_targets(outs)} = {call}"]
     return [f"{_targets(outs)} = {call}"]
-
-
-def _is_slice(ins: Assemble) -> bool:
-    """An Assemble that only cuts a box out of one local tensor: a view will do."""
-    return len(ins.parts) == 1 and ins.parts[0].scale == 1 and covers(ins.parts[0].dst_slices,
-                                                                       ins.shape)
 
 
 def _load(ins: Load) -> str:

@@ -150,6 +150,12 @@ class Assemble:
     parts: list[Part]
     pattern: Pattern | None = None
 
+    @property
+    def is_view(self) -> bool:
+        """Only a box cut out of one local tensor: a view, nothing copied."""
+        return len(self.parts) == 1 and self.parts[0].scale == 1 and \
+            covers(self.parts[0].dst_slices, self.shape)
+
 
 @dataclass
 class AllReduce:

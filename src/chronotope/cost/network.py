@@ -10,7 +10,9 @@ once, whose bandwidth the groups crossing it at the same time share.
 
 A cluster is a preset (``dgx1-v100``, ``dgx-a100``, ``h100-sxm``, with ``xN``
 for N nodes of it) or a profile file ``chronotope profile`` measured, whose
-fitted alpha and bandwidth per collective replace the link model.
+fitted alpha and bandwidth per collective replace the link model (fitted twice:
+calls back to back, and calls after a stretch of compute, between which a call
+is priced by the compute before it).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class Cluster:
     pairs: dict[tuple[int, int], Link] = field(default_factory=dict)  # local indices a < b
     fitted: dict[str, Link] = field(default_factory=dict)  # measured, per collective kind
     call: float = 0.0  # seconds to start one collective, message batch or copy (a launch)
+    # Measured again with ``busy`` seconds of compute before each call: on CPUs a call
+    # made after compute waits longer for cores and caches than one made back to back.
+    fitted_busy: dict[str, Link] = field(default_factory=dict)
+    busy: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields aside: a cluster keys search caches
         return hash((self.name, self.nodes, self.per_node, self.intra, self.inter))
@@ -114,8 +120,10 @@ class Cluster:
             for a in range(n))
         object.__setattr__(self, "_table", table)
 
-    def collective(self, kind: str, nbytes: float, groups: list[tuple[int, ...]]) -> float:
-        """Seconds for ``groups`` each running the collective at once on ``nbytes`` per member."""
+    def collective(self, kind: str, nbytes: float, groups: list[tuple[int, ...]],
+                   busy: float = 0.0) -> float:
+        """Seconds for ``groups`` each running the collective at once on ``nbytes`` per
+        member, after ``busy`` seconds of compute (for profiled clusters)."""
         crossing: dict[int, int] = {}
         for g in groups:
             if len({self.node(d) for d in g}) > 1:
@@ -125,15 +133,29 @@ class Cluster:
         for g in groups:
             if len(g) < 2:
                 continue
-            steps, volume = steps_and_volume(kind, len(g))
             if kind in self.fitted and self._fits(g):
-                link = self.fitted[kind]
+                seconds = self.measured(kind, nbytes, len(g), busy)
             else:
+                steps, volume = steps_and_volume(kind, len(g))
                 share = max((crossing.get(self.node(d), 1) for d in g), default=1)
                 link = self.ring(tuple(g), share)
-            seconds = steps * link.alpha + nbytes * volume / link.bandwidth
+                seconds = steps * link.alpha + nbytes * volume / link.bandwidth
             worst = seconds if worst is None else max(worst, seconds)
         return 0.0 if worst is None else worst + self.call
+
+    def measured(self, kind: str, nbytes: float, k: int, busy: float = 0.0) -> float:
+        """Seconds of a profiled call over ``k`` members, made after ``busy`` seconds of
+        compute: between the back-to-back and the after-compute fits."""
+        steps, volume = steps_and_volume(kind, k)
+
+        def seconds(link: Link) -> float:
+            return steps * link.alpha + nbytes * volume / link.bandwidth
+
+        back_to_back = seconds(self.fitted[kind])
+        if kind not in self.fitted_busy or self.busy <= 0:
+            return back_to_back
+        w = min(1.0, busy / self.busy)
+        return (1 - w) * back_to_back + w * seconds(self.fitted_busy[kind])
 
     def _fits(self, group: tuple[int, ...]) -> bool:
         """Measured fits describe the profiled machine: groups within one of its nodes."""
@@ -184,7 +206,9 @@ class Cluster:
                 intra=Link(**data["intra"]), inter=Link(**data["inter"]),
                 pairs={(int(a), int(b)): Link(al, bw) for a, b, al, bw in data.get("pairs", [])},
                 fitted={k: Link(**v) for k, v in data.get("fitted", {}).items()},
-                call=float(data.get("call", 0.0)))
+                call=float(data.get("call", 0.0)),
+                fitted_busy={k: Link(**v) for k, v in data.get("fitted_busy", {}).items()},
+                busy=float(data.get("busy", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"not a cluster profile: {e!r} (write one with "
                                f"`chronotope profile --out FILE`)") from e

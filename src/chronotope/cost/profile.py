@@ -3,8 +3,13 @@
 ``profile`` spawns one process per device (gloo on CPU, NCCL on GPU), times
 each collective the runtime uses (through the same transport) over a range of
 sizes, and fits ``seconds = alpha * steps + bytes * volume / bandwidth`` with
-the ring factors of ``cost.network``. It also times a matmul (peak FLOP/s) and
-a copy (memory bandwidth). The result is a ``Cluster`` that ``save_profile``
+the ring factors of ``cost.network``. Calls are made as a step makes them, with
+no barrier between them, so their time holds the members' arrival skew: once
+back to back, once each after ``busy`` seconds of compute on every member (a
+matmul over a few MB, as a layer's); on CPUs the second kind waits longer for
+cores and caches. A call's time is the mean of its repeats, not the median, as a
+step adds its calls up, rare slow ones included. It also times a matmul (peak
+FLOP/s) and a copy (memory bandwidth). The result is a ``Cluster`` that ``save_profile``
 writes as JSON for ``--cluster FILE``.
 """
 
@@ -13,7 +18,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -26,23 +33,30 @@ SIZES = tuple(2 ** k for k in range(12, 23, 2))  # bytes per member: 4 KiB .. 4 
 
 
 def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
-            backend: str = "gloo", timeout: float = 120.0) -> Cluster:
+            backend: str = "gloo", timeout: float = 120.0, busy: float = 3e-3) -> Cluster:
     """Measure ``devices`` local processes and fit the cost model to them."""
-    results = spawn(_measure, devices, (sizes, repeats, backend, timeout), backend, timeout)
-    # The slowest member's time: it holds the members' arrival skew (after a barrier), as
-    # collectives within a training step do. A message is timed by its two ends.
-    times = {kind: [max(r["times"][kind][i] for r in (results[:2] if kind == "send" else results))
-                    for i in range(len(sizes))] for kind in KINDS}
-    fitted = {kind: fit(kind, devices, sizes, times[kind]) for kind in KINDS}
+    results = spawn(_measure, devices, (sizes, repeats, backend, timeout, busy), backend,
+                    timeout)
+
+    def fitted(mode: str) -> dict[str, Link]:
+        # The slowest member's time: it holds the members' arrival skew, as collectives
+        # within a training step do. A message is timed by its two ends.
+        return {kind: fit(kind, devices, sizes, [
+            max(r[mode][kind][i] for r in (results[:2] if kind == "send" else results))
+            for i in range(len(sizes))]) for kind in KINDS}
+
+    back_to_back, after = fitted("back_to_back"), fitted("busy")
     first = results[0]
     name = f"profile:{platform.node() or 'local'}:{backend}x{devices}"
     return Cluster(name, 1, devices, {"float32": first["flops"]}, first["memory"],
-                   first["copy_bandwidth"], intra=fitted["send"], inter=fitted["send"],
-                   fitted=fitted)
+                   first["copy_bandwidth"], intra=back_to_back["send"],
+                   inter=back_to_back["send"], fitted=back_to_back, fitted_busy=after,
+                   busy=busy)
 
 
 def fit(kind: str, k: int, sizes: tuple[int, ...], seconds: list[float]) -> Link:
-    """Least squares of ``seconds = alpha * steps + bytes * volume / bandwidth``."""
+    """Least squares of ``seconds = alpha * steps + bytes * volume / bandwidth``: absolute
+    errors, as a step's time adds them up (a late wake-up costs the same at any size)."""
     steps, volume = steps_and_volume(kind, 2 if kind == "send" else k)
     xs = [n * volume for n in sizes]
     mx, my = sum(xs) / len(xs), sum(seconds) / len(seconds)
@@ -58,26 +72,38 @@ def save_profile(cluster: Cluster, path: str) -> None:
         json.dump(cluster.to_json(), f, indent=1)
 
 
-def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float) -> dict:
+def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
+             busy: float) -> dict:
     world = dist.get_world_size()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") \
         if backend == "nccl" else torch.device("cpu")
     members = tuple(range(world))
     transport = DistTransport(timeout, [members])
-    times = {kind: [] for kind in KINDS}
+    times: dict[str, dict[str, list[float]]] = {
+        mode: {kind: [] for kind in KINDS} for mode in ("back_to_back", "busy")}
+    acts, weight = torch.randn(1024, 256, device=device), torch.randn(1024, 256, device=device)
+    matmuls = max(1, round(busy / _median(lambda: acts @ weight.T, 3, device)))
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            acts @ weight.T
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for nbytes in sizes:
         x = torch.randn(max(world, nbytes // 4) // world * world, device=device)
         calls = {
-            "send": lambda: _ping(transport, x, rank),
-            "all_reduce": lambda: transport.all_reduce(x, members, rank),
-            "all_gather": lambda: transport.all_gather(x, members, rank),
-            "reduce_scatter": lambda: transport.reduce_scatter(x, members, rank, 0),
-            "all_to_all": lambda: transport.all_to_all(list(x.chunk(world)), members, rank),
-            "broadcast": lambda: transport.broadcast(x, 0, members, rank),
+            "send": partial(_ping, transport, x, rank),
+            "all_reduce": partial(transport.all_reduce, x, members, rank),
+            "all_gather": partial(transport.all_gather, x, members, rank),
+            "reduce_scatter": partial(transport.reduce_scatter, x, members, rank, 0),
+            "all_to_all": partial(transport.all_to_all, list(x.chunk(world)), members, rank),
+            "broadcast": partial(transport.broadcast, x, 0, members, rank),
         }
         for kind, call in calls.items():
-            times[kind].append(_median(call, repeats, device))
-    return {"times": times, "flops": matmul_flops(device), "copy_bandwidth": _copy(device),
+            times["back_to_back"][kind].append(_mean_after(None, call, repeats, device))
+            times["busy"][kind].append(_mean_after(compute, call, repeats, device))
+    return {**times, "flops": matmul_flops(device), "copy_bandwidth": _copy(device),
             "memory": _memory(device, world)}
 
 
@@ -90,18 +116,33 @@ def _ping(transport: DistTransport, x: torch.Tensor, rank: int) -> None:
         transport.recv(tuple(x.shape), x.dtype, 0, 1, 7, x.device)
 
 
-def _median(call, repeats: int, device: torch.device) -> float:
+def _mean_after(compute, call, repeats: int, device: torch.device) -> float:
+    """Mean seconds of ``call``, each made right after ``compute`` (if any)."""
     call()  # warm up (and make any lazily made communicator)
+    dist.barrier()
     times = []
     for _ in range(repeats):
-        if dist.is_initialized():
-            dist.barrier()
+        if compute is not None:
+            compute()
         start = time.perf_counter()
         call()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.mean(times)
+
+
+def _median(call, repeats: int, device: torch.device) -> float:
+    """The typical time of a call on this device alone (a matmul, a copy)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_flops(device: torch.device | str = "cpu", n: int = 512, repeats: int = 5) -> float:

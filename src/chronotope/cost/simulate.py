@@ -2,14 +2,16 @@
 bubble per device, without running it.
 
 Each rank's instructions run in order on its own clock. A piece costs its FLOPs
-at the device's peak (or its share of its op's measured time); a message leaves
+at the device's peak (or its share of its op's measured time, plus what the
+runtime adds per instruction as ``cost.calibrate`` fitted it); a message leaves
 when its sender reaches the ``Send`` and takes the link's alpha-beta time, one
 at a time per sending and receiving device and per node network; a receive
 waits for it; a collective starts when its last member arrives and takes what
 ``Cluster.collective`` says. Waiting on a message longer than it travels, or on
 a collective's late members, is bubble. After the step, the optimizer reads and
-writes each owned parameter a few times (memory bound), and the refresh of
-stored copies runs like the step.
+writes each owned parameter a few times (memory bound, or as calibrated), and
+the refresh of stored copies runs like the step. A profiled cluster prices each
+call by the compute its members did since they last communicated.
 """
 
 from __future__ import annotations
@@ -23,10 +25,7 @@ from chronotope.compile.program import (
     AllGather,
     AllReduce,
     AllToAll,
-    Assemble,
-    Backward,
     Broadcast,
-    Forward,
     Free,
     GatherParams,
     Program,
@@ -35,10 +34,8 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Send,
-    WeightGrad,
 )
-from chronotope.cost.compute import piece_flops
-from chronotope.cost.measure import Calibration, OpTime, piece_seconds
+from chronotope.cost.measure import Calibration, OpTime, instruction_compute
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 
@@ -71,25 +68,23 @@ class Simulation:
 
 
 def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | None = None,
-             dtype: str = "float32", slowdown: float = 1.0,
-             calibration: Calibration | None = None) -> Simulation:
+             dtype: str = "float32", calibration: Calibration | None = None) -> Simulation:
     """Predicted times of one training step of ``program`` on ``cluster``, pieces from
-    ``measured`` op times (scaled and with the runtime's time per instruction, as
-    ``cost.calibrate`` fits them) or FLOPs at the peak; ``slowdown`` scales both
-    (ranks sharing cores)."""
-    calibration = calibration or Calibration(0.0, 1.0)
+    ``measured`` op times (with what the runtime adds, as ``cost.calibrate`` fits it)
+    or FLOPs at the peak."""
+    calibration = calibration or Calibration()
     if cluster.ndevices < program.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype),
-                    slowdown * calibration.compute_scale, params,
-                    calibration.per_instruction * slowdown)
+    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype), params,
+                    calibration)
     state.run(program.ranks)
+    per_byte = calibration.optimizer_per_byte or OPTIMIZER_PASSES / cluster.copy_bandwidth
     for rank, owned in enumerate(program.owned):
         nbytes = sum(o.region.numel * params[name].dtype.itemsize
                      for name, regions in owned.items() for o in regions)
-        seconds = OPTIMIZER_PASSES * nbytes / cluster.copy_bandwidth * slowdown
+        seconds = per_byte * nbytes
         state.clock[rank] += seconds
         state.compute[rank] += seconds
     state.run(program.refresh)
@@ -102,13 +97,14 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
 
 
 class _Replay:
-    def __init__(self, n: int, cluster: Cluster, measured, peak: float, slowdown: float,
-                 params: dict, overhead: float):
-        self.params, self.overhead = params, overhead
-        self.cluster, self.measured, self.peak, self.slowdown = cluster, measured, peak, slowdown
+    def __init__(self, n: int, cluster: Cluster, measured, peak: float, params: dict,
+                 calibration: Calibration):
+        self.params, self.calibration = params, calibration
+        self.cluster, self.measured, self.peak = cluster, measured, peak
         self.clock = [0.0] * n
         self.compute = [0.0] * n
         self.comm = [0.0] * n
+        self.since = [0.0] * n  # compute since the rank last communicated (profiles price it)
         self.free: dict[tuple, float] = {}  # link resources: when each is free again
 
     def run(self, ranks: list[list]) -> None:
@@ -120,9 +116,8 @@ class _Replay:
                 elif isinstance(ins, PullParam):
                     sizes[(ins.src, r, ins.tag)] = ins.region.numel * ins.dtype.itemsize
         pc = [0] * len(ranks)
-        started: list[set[int]] = [set() for _ in ranks]
         sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (arrival, duration)
-        arrived: dict[tuple, dict[int, float]] = {}
+        arrived: dict[tuple, dict[int, tuple[float, float]]] = {}  # -> rank: (clock, since)
         done: dict[tuple, tuple[float, float]] = {}  # collective -> (start, end)
         moved = True
         while moved:
@@ -130,13 +125,10 @@ class _Replay:
             for r, code in enumerate(ranks):
                 while pc[r] < len(code):
                     ins = code[pc[r]]
-                    if not isinstance(ins, Free) and pc[r] not in started[r]:
-                        started[r].add(pc[r])  # the runtime's own time, once per instruction
-                        self.clock[r] += self.overhead
-                        self.compute[r] += self.overhead
                     if isinstance(ins, (Send, PushParam)):
                         self._send(r, ins.dst, ins.tag, sizes.get((r, ins.dst, ins.tag), 0.0),
                                    sent)
+                        self.since[r] = 0.0
                     elif isinstance(ins, (Recv, PullParam)):
                         got = sent.get((ins.src, r, ins.tag))
                         if got is None:
@@ -145,21 +137,26 @@ class _Replay:
                         wait = max(0.0, arrival - self.clock[r])
                         self.comm[r] += min(wait, duration)
                         self.clock[r] = max(self.clock[r], arrival)
+                        self.since[r] = 0.0
                     elif isinstance(ins, (*COLLECTIVES, GatherParams)):
                         key = _key(ins)
-                        arrived.setdefault(key, {}).setdefault(r, self.clock[r])
+                        arrived.setdefault(key, {}).setdefault(r, (self.clock[r],
+                                                                   self.since[r]))
                         if key not in done:
                             if len(arrived[key]) < len(ins.ranks):
                                 break
-                            start = max(arrived[key].values())
-                            done[key] = (start, start + self._collective(ins))
+                            start = max(clock for clock, _ in arrived[key].values())
+                            busy = max(since for _, since in arrived[key].values())
+                            done[key] = (start, start + self._collective(ins, busy))
                         start, end = done[key]
                         self.comm[r] += end - start
                         self.clock[r] = end
+                        self.since[r] = 0.0
                     else:
                         seconds = self._local(ins)
                         self.clock[r] += seconds
                         self.compute[r] += seconds
+                        self.since[r] += seconds
                     pc[r] += 1
                     moved = True
         stuck = [r for r, code in enumerate(ranks) if pc[r] < len(code)]
@@ -168,9 +165,11 @@ class _Replay:
                             f"{ranks[stuck[0]][pc[stuck[0]]]!r:.120})")
 
     def _send(self, r: int, dst: int, tag: int, nbytes: float, sent: dict) -> None:
-        link = self.cluster.fitted.get("send") if "send" in self.cluster.fitted and \
-            self.cluster.node(r) == self.cluster.node(dst) else self.cluster.link(r, dst)
-        duration = link.alpha + nbytes / link.bandwidth
+        if "send" in self.cluster.fitted and self.cluster.node(r) == self.cluster.node(dst):
+            duration = self.cluster.measured("send", nbytes, 2, self.since[r])
+        else:
+            link = self.cluster.link(r, dst)
+            duration = link.alpha + nbytes / link.bandwidth
         busy = [("out", r), ("in", dst)]
         if self.cluster.node(r) != self.cluster.node(dst):
             busy += [("net out", self.cluster.node(r)), ("net in", self.cluster.node(dst))]
@@ -179,26 +178,15 @@ class _Replay:
             self.free[x] = start + duration
         sent[(r, dst, tag)] = (start + duration, duration)
 
-    def _collective(self, ins) -> float:
+    def _collective(self, ins, busy: float) -> float:
         kind, nbytes = _priced(ins, self.params)
-        return self.cluster.collective(kind, nbytes, [tuple(ins.ranks)])
+        return self.cluster.collective(kind, nbytes, [tuple(ins.ranks)], busy)
 
     def _local(self, ins) -> float:
-        if isinstance(ins, Forward):
-            return self._piece(ins.op)
-        if isinstance(ins, Backward):
-            again = sum(self._piece(f.op) for f in ins.recompute if isinstance(f, Forward))
-            return again + sum(self._piece(op) for op in ins.ops)
-        if isinstance(ins, WeightGrad):
-            return self._piece(ins.op)
-        if isinstance(ins, Assemble) and ins.parts:
-            return math.prod(ins.shape) * ins.dtype.itemsize / self.cluster.copy_bandwidth
-        return 0.0
-
-    def _piece(self, op) -> float:
-        if self.measured is not None and (op.forward or op).op.name in self.measured:
-            return piece_seconds(op, self.measured) * self.slowdown
-        return piece_flops(op) / self.peak * self.slowdown
+        if isinstance(ins, Free):
+            return 0.0
+        compute = instruction_compute(ins, self.measured, self.peak)
+        return self.calibration.seconds(ins, compute, self.cluster.copy_bandwidth)
 
 
 def _key(ins) -> tuple:

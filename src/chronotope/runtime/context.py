@@ -10,6 +10,7 @@ the gradients are then sent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ class StepContext:
         batch: Mapping[str, torch.Tensor],
         transport: Any,
         targets: Mapping[str, Callable[..., Any]],
+        ticks: list[float] | None = None,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -45,6 +47,7 @@ class StepContext:
         self.later: dict[str, tuple[torch.Tensor, ...]] = {}
         self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self.losses: list[float] = []
+        self.ticks = ticks  # when each instruction ended, in code generated with ticks
 
     # ---- leaves ----------------------------------------------------------------------------
 
@@ -207,6 +210,12 @@ class StepContext:
             t = t.detach()
             out[where] += t * scale if scale != 1 else t
         return out
+
+    def tick(self) -> None:
+        """The instruction before this call has ended (its device work included)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ticks.append(time.perf_counter())
 
     # ---- results -------------------------------------------------------------------------
 

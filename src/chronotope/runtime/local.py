@@ -113,6 +113,7 @@ class Rank:
         # A rank may hold no weights at all (it only runs activations).
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
         self.peak_memory: int | None = None  # measured, when ``step(measure=True)``
+        self.ticks: list[float] | None = None  # a list: code with ticks appends to it
 
     def _view(self, name: str, index: tuple) -> torch.Tensor:
         region = Mask(index)
@@ -126,7 +127,7 @@ class Rank:
         """One training step; with ``measure``, also the peak bytes of what the step made
         (``PeakMemory``), kept as the largest seen in ``peak_memory``."""
         rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
-                         self.batch, self.transport, self.targets)
+                         self.batch, self.transport, self.targets, self.ticks)
         if self.optimizer:
             self.optimizer.zero_grad(set_to_none=True)
         if measure:
