@@ -20,12 +20,12 @@ from rich.text import Text
 
 from chronotope import bench
 from chronotope.compile import COMMS, Program
+from chronotope.compile import compile as compile_plan
 from chronotope.compile.rvd_search import p2p, search
+from chronotope.cost import calibrate, measure_ops
 from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.cost.profile import profile, save_profile
 from chronotope.cost.simulate import simulate
-from chronotope.compile import compile as compile_plan
-from chronotope.cost import calibrate, measure_ops
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.models import Workload, default_device, load_workload

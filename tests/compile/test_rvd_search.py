@@ -78,7 +78,8 @@ def test_the_paper_example_finds_a_cheaper_route_than_the_papers():
 def test_across_nodes_rvd_sends_each_byte_over_the_network_once():
     """Replicas on one node to replicas on another: cut, move the cuts, gather there."""
     cluster = load_cluster("dgx1-v100x2")
-    src, dst = Layout(RVD(8, 1, (1,)), tuple(range(8))), Layout(RVD(8, 1, (1,)), tuple(range(8, 16)))
+    src = Layout(RVD(8, 1, (1,)), tuple(range(8)))
+    dst = Layout(RVD(8, 1, (1,)), tuple(range(8, 16)))
     path = search(src, dst, (2 ** 26,), 4, cluster)
     assert [s.kind for s in path.steps] == ["chunk", "send", "all_gather"]
     assert path.seconds * 4 < p2p(src, dst, (2 ** 26,), 4, cluster).seconds

@@ -1,7 +1,6 @@
 """Measured compute: instruction timing in the runtime, and the calibration fit."""
 
 import pytest
-from tests.policies.plan_testing import captured
 
 from chronotope.compile import compile
 from chronotope.compile.codegen import render
@@ -10,6 +9,7 @@ from chronotope.cost.measure import Calibration, _nonnegative_least_squares, cal
 from chronotope.policies import mesh
 from chronotope.runtime.local import Optim, Rank, rank_specs
 from chronotope.runtime.transport import ThreadTransport
+from tests.policies.plan_testing import captured
 
 
 def test_ticks_time_every_instruction_of_a_step():

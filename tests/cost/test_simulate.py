@@ -3,13 +3,13 @@
 from dataclasses import replace
 
 import pytest
-from tests.policies.plan_testing import captured
 
 from chronotope.compile import compile
 from chronotope.cost.network import Link, load_cluster
 from chronotope.cost.simulate import simulate
 from chronotope.errors import PlanError
 from chronotope.policies import mesh, pipeline
+from tests.policies.plan_testing import captured
 
 A100 = load_cluster("dgx-a100")
 FREE_LINKS = replace(A100, name="free", intra=Link(0.0, 1e30), inter=Link(0.0, 1e30), call=0.0,

@@ -17,8 +17,8 @@ from dataclasses import replace
 from fractions import Fraction
 
 from chronotope.compile.collectives import Stuck, collectives
-from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.fuse import fuse
+from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.program import (
     Assemble,
     Backward,
@@ -161,7 +161,7 @@ class Materializer:
                 (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
             for rank, mask in change.readers:
                 self.local[rank][(change.tensor, mask)] = held[rank]
-            for rank, instructions in code.items():
+            for instructions in code.values():
                 for ins in instructions:
                     if isinstance(ins, Recv) and ins.tag > start:
                         self.change_tags[("recv", ins.src, ins.tag)] = change.key

@@ -238,7 +238,8 @@ def cross_layouts(layout: Layout, devices: tuple[int, ...], target: Layout,
                     and (axis == R or shape[axis - 2] % (radix[axis] * k) == 0)]
     elif n % m == 0:
         k = n // m
-        options += [_times(radix, axis, 1 / k) for axis in range(len(radix)) if radix[axis] % k == 0]
+        options += [_times(radix, axis, 1 / k) for axis in range(len(radix))
+                    if radix[axis] % k == 0]
     out = []
     for new in options:
         rvd = RVD(int(new[0]), int(new[1]), tuple(int(x) for x in new[2:]))
@@ -322,9 +323,10 @@ def _check(layout: Layout, shape: tuple[int, ...], cluster: Cluster) -> None:
                         f"on one device")
     outside = [d for d in layout.devices if not 0 <= d < cluster.ndevices]
     if outside:
+        nodes = 1 + max(outside) // cluster.per_node
         raise PlanError(f"devices {outside} of layout {layout.rvd} are not in cluster "
                         f"{cluster.name} ({cluster.ndevices} devices): pick a larger cluster "
-                        f"(e.g. {cluster.name.split('x')[0]}x{1 + max(outside) // cluster.per_node})")
+                        f"(e.g. {cluster.name.split('x')[0]}x{nodes})")
     layout.pieces(shape)  # dims that do not divide raise here
 
 
