@@ -63,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
     out = Console()
     with out.status("profiling collectives"):
-        cluster = profile(args.devices, repeats=30)
+        cluster = profile(args.devices, repeats=100)
     w = get_workload(args.model, **CONFIGS[args.config])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -357,12 +357,16 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
     if args.json:
         print(json.dumps(cluster.to_json()))
         return 0
-    table = Table(title=f"{cluster.name}: seconds = alpha x steps + bytes x share / bandwidth")
-    for col in ("collective", "alpha us", "bandwidth GB/s"):
+    table = Table(title=f"{cluster.name}: seconds = alpha x steps + bytes x share / bandwidth, "
+                        f"calls back to back and after {cluster.busy * 1e3:g} ms of compute")
+    for col in ("collective", "alpha us", "bandwidth GB/s", "after compute: alpha us",
+                "bandwidth GB/s "):
         table.add_column(col, justify="left" if col == "collective" else "right")
     for kind, link in cluster.fitted.items():
+        busy = cluster.fitted_busy.get(kind, link)
         table.add_row(kind.replace("_", "-"), f"{link.alpha * 1e6:.1f}",
-                      f"{link.bandwidth / 1e9:.3f}")
+                      f"{link.bandwidth / 1e9:.3f}", f"{busy.alpha * 1e6:.1f}",
+                      f"{busy.bandwidth / 1e9:.3f}")
     out.print(table)
     out.print(f"matmul {cluster.peak() / 1e9:.1f} GFLOP/s per device, copies "
               f"{cluster.copy_bandwidth / 1e9:.1f} GB/s; wrote {args.out} (use it as "
@@ -535,7 +539,8 @@ def parser() -> argparse.ArgumentParser:
     prof.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     prof.add_argument("--out", default="cluster.json",
                       help="profile file to write (default cluster.json)")
-    prof.add_argument("--repeats", type=int, default=5)
+    prof.add_argument("--repeats", type=int, default=20,
+                      help="calls per size up to 1 MiB, fewer above (default 20)")
     _common_args(prof)
     return p
 

@@ -29,7 +29,7 @@ from chronotope.cost.network import KINDS, Cluster, Link, steps_and_volume
 from chronotope.runtime.launch import spawn
 from chronotope.runtime.transport import DistTransport
 
-SIZES = tuple(2 ** k for k in range(12, 23, 2))  # bytes per member: 4 KiB .. 4 MiB
+SIZES = tuple(2 ** k for k in range(12, 25, 2))  # bytes per member: 4 KiB .. 16 MiB
 
 
 def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
@@ -38,12 +38,14 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
     results = spawn(_measure, devices, (sizes, repeats, backend, timeout, busy), backend,
                     timeout)
 
+    counts = [_repeats_at(n, repeats) for n in sizes]
+
     def fitted(mode: str) -> dict[str, Link]:
         # The slowest member's time: it holds the members' arrival skew, as collectives
         # within a training step do. A message is timed by its two ends.
         return {kind: fit(kind, devices, sizes, [
             max(r[mode][kind][i] for r in (results[:2] if kind == "send" else results))
-            for i in range(len(sizes))]) for kind in KINDS}
+            for i in range(len(sizes))], counts) for kind in KINDS}
 
     back_to_back, after = fitted("back_to_back"), fitted("busy")
     first = results[0]
@@ -54,17 +56,28 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
                    busy=busy)
 
 
-def fit(kind: str, k: int, sizes: tuple[int, ...], seconds: list[float]) -> Link:
-    """Least squares of ``seconds = alpha * steps + bytes * volume / bandwidth``: absolute
-    errors, as a step's time adds them up (a late wake-up costs the same at any size)."""
+def fit(kind: str, k: int, sizes: tuple[int, ...], seconds: list[float],
+        repeats: list[int] | None = None) -> Link:
+    """Least squares of ``seconds = alpha * steps + bytes * volume / bandwidth`` in
+    absolute errors, as a step's time adds them up: a late wake-up costs the same at any
+    size, so each mean weighs as many as the calls it averages."""
     steps, volume = steps_and_volume(kind, 2 if kind == "send" else k)
     xs = [n * volume for n in sizes]
-    mx, my = sum(xs) / len(xs), sum(seconds) / len(seconds)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sxx if sxx else 0.0
+    w = repeats or [1] * len(sizes)
+    total = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / total
+    my = sum(wi * y for wi, y in zip(w, seconds)) / total
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, seconds)) / sxx \
+        if sxx else 0.0
     slope = max(slope, 1e-15)  # a link is never infinitely fast
     intercept = max(my - slope * mx, 0.0)
     return Link(intercept / steps if steps else 0.0, 1.0 / slope)
+
+
+def _repeats_at(nbytes: int, repeats: int) -> int:
+    """Rare slow calls weigh less on long ones: fewer repeats above 1 MiB."""
+    return max(3, repeats * 2 ** 20 // max(nbytes, 2 ** 20))
 
 
 def save_profile(cluster: Cluster, path: str) -> None:
@@ -91,6 +104,7 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
             torch.cuda.synchronize(device)
 
     for nbytes in sizes:
+        times_each = _repeats_at(nbytes, repeats)
         x = torch.randn(max(world, nbytes // 4) // world * world, device=device)
         calls = {
             "send": partial(_ping, transport, x, rank),
@@ -101,8 +115,8 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
             "broadcast": partial(transport.broadcast, x, 0, members, rank),
         }
         for kind, call in calls.items():
-            times["back_to_back"][kind].append(_mean_after(None, call, repeats, device))
-            times["busy"][kind].append(_mean_after(compute, call, repeats, device))
+            times["back_to_back"][kind].append(_mean_after(None, call, times_each, device))
+            times["busy"][kind].append(_mean_after(compute, call, times_each, device))
     return {**times, "flops": matmul_flops(device), "copy_bandwidth": _copy(device),
             "memory": _memory(device, world)}
 
