@@ -1,16 +1,17 @@
 """Measure this machine's devices and links: alpha and bandwidth per collective.
 
 ``profile`` spawns one process per device (gloo on CPU, NCCL on GPU), times
-each collective the runtime uses (through the same transport) over a range of
-sizes, and fits ``seconds = alpha * steps + bytes * volume / bandwidth`` with
-the ring factors of ``cost.network``. Calls are made as a step makes them, with
-no barrier between them, so their time holds the members' arrival skew: once
-back to back, once each after ``busy`` seconds of compute on every member (a
-matmul over a few MB, as a layer's); on CPUs the second kind waits longer for
-cores and caches. A call's time is the mean of its repeats, not the median, as a
-step adds its calls up, rare slow ones included. It also times a matmul (peak
-FLOP/s) and a copy (memory bandwidth). The result is a ``Cluster`` that ``save_profile``
-writes as JSON for ``--cluster FILE``.
+each collective as generated code calls it (through the step context and the
+transport a rank uses) over a range of sizes, and fits
+``seconds = alpha * steps + bytes * volume / bandwidth`` with the ring factors
+of ``cost.network``. Calls are made as a step makes them, with no barrier
+between them, so their time holds the members' arrival skew: once back to
+back, once each after ``busy`` seconds of compute on every member (a matmul
+over a few MB, as a layer's); on CPUs the second kind waits longer for cores
+and caches. A call's time is the mean of its repeats, not the median, as a step
+adds its calls up, rare slow ones included. It also times a matmul (peak
+FLOP/s) and a copy (memory bandwidth). The result is a ``Cluster`` that
+``save_profile`` writes as JSON for ``--cluster FILE``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chronotope.cost.network import KINDS, Cluster, Link, steps_and_volume
+from chronotope.runtime.context import StepContext
 from chronotope.runtime.launch import spawn
 from chronotope.runtime.transport import DistTransport
 
@@ -42,8 +44,10 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
 
     def fitted(mode: str) -> dict[str, Link]:
         # The slowest member's time: it holds the members' arrival skew, as collectives
-        # within a training step do. A message is timed by its two ends.
-        return {kind: fit(kind, devices, sizes, [
+        # within a training step do. A message is timed by its two ends. An all-gather's
+        # bytes are what each member holds after it, as ``Cluster.collective`` counts them.
+        return {kind: fit(kind, devices, tuple(
+            n * devices if kind == "all_gather" else n for n in sizes), [
             max(r[mode][kind][i] for r in (results[:2] if kind == "send" else results))
             for i in range(len(sizes))], counts) for kind in KINDS}
 
@@ -92,6 +96,7 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
         if backend == "nccl" else torch.device("cpu")
     members = tuple(range(world))
     transport = DistTransport(timeout, [members])
+    rt = StepContext(rank, device, {}, {}, {}, {}, transport, {})
     times: dict[str, dict[str, list[float]]] = {
         mode: {kind: [] for kind in KINDS} for mode in ("back_to_back", "busy")}
     acts, weight = torch.randn(1024, 256, device=device), torch.randn(1024, 256, device=device)
@@ -106,13 +111,14 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
     for nbytes in sizes:
         times_each = _repeats_at(nbytes, repeats)
         x = torch.randn(max(world, nbytes // 4) // world * world, device=device)
-        calls = {
-            "send": partial(_ping, transport, x, rank),
-            "all_reduce": partial(transport.all_reduce, x, members, rank),
-            "all_gather": partial(transport.all_gather, x, members, rank),
-            "reduce_scatter": partial(transport.reduce_scatter, x, members, rank, 0),
-            "all_to_all": partial(transport.all_to_all, list(x.chunk(world)), members, rank),
-            "broadcast": partial(transport.broadcast, x, 0, members, rank),
+        calls = {  # as generated code calls them, the step context's copies included
+            "send": partial(_ping, rt, x),
+            "all_reduce": partial(rt.all_reduce, [(x,)], members),
+            "all_gather": partial(rt.all_gather, x, members, 0),
+            "reduce_scatter": partial(rt.reduce_scatter, (x,), members, 0),
+            "all_to_all": partial(rt.all_to_all, x, members, 0, members, 0),
+            "broadcast": partial(rt.broadcast, x if rank == 0 else None, 0, members,
+                                 tuple(x.shape), x.dtype),
         }
         for kind, call in calls.items():
             times["back_to_back"][kind].append(_mean_after(None, call, times_each, device))
@@ -121,13 +127,13 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
             "memory": _memory(device, world)}
 
 
-def _ping(transport: DistTransport, x: torch.Tensor, rank: int) -> None:
-    """Rank 0 sends to rank 1 (the others wait at the barrier)."""
-    if rank == 0:
-        transport.send(x, 0, 1, 7)
-        transport.flush()
-    elif rank == 1:
-        transport.recv(tuple(x.shape), x.dtype, 0, 1, 7, x.device)
+def _ping(rt: StepContext, x: torch.Tensor) -> None:
+    """Rank 0 sends to rank 1 (the others go on)."""
+    if rt.rank == 0:
+        rt.send(x, 1, 7)
+        rt.transport.flush()
+    elif rt.rank == 1:
+        rt.recv(tuple(x.shape), x.dtype, 0, 7)
 
 
 def _mean_after(compute, call, repeats: int, device: torch.device) -> float:

@@ -145,9 +145,10 @@ class StepContext:
 
         All entries travel in one flat buffer: one collective call per instruction.
         """
-        local = [sum(p.detach() for p in pieces) for pieces in tensors]
-        flat = self.transport.all_reduce(torch.cat([t.reshape(-1) for t in local]), ranks,
-                                         self.rank)
+        local = [_sum(pieces) for pieces in tensors]
+        flat = local[0].reshape(-1) if len(local) == 1 else \
+            torch.cat([t.reshape(-1) for t in local])
+        flat = self.transport.all_reduce(flat, ranks, self.rank)
         return tuple(part.view_as(t) for part, t in
                      zip(flat.split([t.numel() for t in local]), local))
 
@@ -160,11 +161,13 @@ class StepContext:
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                        dim: int) -> torch.Tensor:
         """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members."""
-        local = sum(t.detach() for t in tensors)
+        local = _sum(tensors)
         members = tuple(sorted(ranks))
-        runs = local.chunk(len(ranks), dim)
-        # The transport hands member i (in rank order) run i: put each member's run there.
-        ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
+        ordered = local
+        if tuple(ranks) != members:
+            # The transport hands member i (in rank order) run i: put each member's run there.
+            runs = local.chunk(len(ranks), dim)
+            ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
         return self.transport.reduce_scatter(ordered, members, self.rank, dim)
 
     def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
@@ -225,3 +228,11 @@ class StepContext:
 
     def loss(self, value: torch.Tensor) -> None:
         self.losses.append(float(value.detach()))
+
+
+def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pieces added up; one piece as it is (the transport copies what it changes)."""
+    total = pieces[0].detach()
+    for p in pieces[1:]:
+        total = total + p.detach()
+    return total
