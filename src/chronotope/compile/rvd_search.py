@@ -354,7 +354,8 @@ def _run_step(step: Step, rank: int, x, shape, transport, dtype, device, tag: in
     if step.kind == "all_reduce":
         return transport.all_reduce(x, group, rank)
     if step.kind == "all_gather":
-        return torch.cat(transport.all_gather(x.contiguous(), group, rank), step.dims[0])
+        return torch.cat(transport.all_gather(x.contiguous(), group, rank).unbind(0),
+                         step.dims[0])
     if step.kind == "reduce_scatter":
         return transport.reduce_scatter(x, group, rank, step.dims[0])
     if step.kind == "all_to_all":

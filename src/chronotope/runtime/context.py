@@ -156,6 +156,8 @@ class StepContext:
         """The members' pieces side by side along ``dim``, in ``ranks`` order."""
         members = tuple(sorted(ranks))
         pieces = self.transport.all_gather(t.detach().contiguous(), members, self.rank)
+        if dim == 0 and tuple(ranks) == members:  # already side by side: no copy
+            return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
         return torch.cat([pieces[members.index(r)] for r in ranks], dim)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],

@@ -94,8 +94,9 @@ class ThreadTransport:
         """Sum over ``ranks`` in rank order, so every member gets the same bits."""
         return sum(self._exchange(t, ranks, rank, "all-reduce"))
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
-        return self._exchange(t, ranks, rank, "all-gather")
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        """The members' tensors stacked along a new first dim, in ``ranks`` order."""
+        return torch.stack(self._exchange(t, ranks, rank, "all-gather"))
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
@@ -154,14 +155,18 @@ class DistTransport:
         self._wait(work, f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}")
         return out
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> list[torch.Tensor]:
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        """The members' tensors stacked along a new first dim, in ``ranks`` order (one
+        buffer, no copy, when ``ranks`` are in rank order)."""
+        out = torch.empty((len(ranks), *t.shape), dtype=t.dtype, device=t.device)
         if t.numel() == 0:
-            return [t.clone() for _ in ranks]
-        flat = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=t.device)
-        work = dist.all_gather_single(flat, t.contiguous().view(-1), group=self._group(ranks),
-                                      async_op=True)  # one buffer, not a list of them
+            return out
+        work = dist.all_gather_single(out.view(-1), t.contiguous().view(-1),
+                                      group=self._group(ranks), async_op=True)
         self._wait(work, f"rank {rank} did not finish an all-gather over ranks {list(ranks)}")
-        return _from_sorted([x.view(t.shape) for x in flat.chunk(len(ranks))], ranks)
+        if list(ranks) == sorted(ranks):
+            return out
+        return torch.stack(_from_sorted(list(out.unbind(0)), ranks))
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int) -> torch.Tensor:
