@@ -11,6 +11,9 @@ from chronotope.compile.program import AllGather, Recv
 from chronotope.cost.network import Link, load_cluster
 from chronotope.errors import PlanError
 from chronotope.policies import mesh
+from chronotope.runtime.launch import run_processes
+from chronotope.runtime.local import Optim
+from chronotope.runtime.reference import compare, train_reference
 from tests.policies.plan_testing import captured, trains_like_one_device
 
 # Two devices per node, a slow network and no latency: bytes across nodes decide.
@@ -47,6 +50,17 @@ def test_hierarchical_reductions_train_like_one_device(gpt):
     program = compile(mesh(g, tp=4), cluster=SLOW_NETWORK)
     assert any(len(c.path.steps) > 1 for c in program.changes)
     trains_like_one_device(w, program)
+
+
+@pytest.mark.slow
+def test_searched_changes_over_part_of_the_ranks_run_on_gloo(gpt):
+    """Each process makes the groups a searched path's collectives run over."""
+    w, g = gpt
+    program = compile(mesh(g, tp=4), cluster=SLOW_NETWORK)
+    assert {(0, 1), (2, 3)} <= set(program.groups)
+    run = run_processes(program, w, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
 
 
 def test_p2p_and_single_nodes_make_no_searched_changes(gpt):

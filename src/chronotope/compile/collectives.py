@@ -41,8 +41,8 @@ class Stuck(Exception):
         self.keys = keys
 
 
-def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], list]:
-    """Replace collective patterns; returns the new code and the rank sets they use."""
+def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Replace collective patterns."""
     found: dict[tuple, list[tuple[int, Assemble]]] = defaultdict(list)
     for rank, code in enumerate(ranks):
         for ins in code:
@@ -66,23 +66,22 @@ def collectives(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]]
             raise Stuck(stuck)  # not a collective found here: the caller's to undo
         # A collective blocks where the messages it replaced did not: keep those as messages.
         chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
-    groups = {tuple(sorted(m)) for m in chosen.values()}
     refused: set[tuple] = set()
     for _ in range(_BROADCAST_TRIES):  # on top of code that runs through, as far as it still does
-        cast, members = _broadcasts(out, refused)
+        cast = _broadcasts(out, refused)
         stuck = _stuck(cast)
         if not stuck:
-            out, groups = cast, groups | members
+            out = cast
             break
         refused |= stuck
-    return coalesce(out), sorted(groups)
+    return coalesce(out)
 
 
 _BROADCAST_TRIES = 3  # a broadcast only saves the root's sends: not worth many symbolic runs
 
 
 def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
-                ) -> tuple[list[list[Instruction]], set[tuple[int, ...]]]:
+                ) -> list[list[Instruction]]:
     """One region a rank sends to two or more others becomes one broadcast."""
     sends: dict[tuple, list[Send]] = defaultdict(list)
     recvs: dict[tuple[int, int], Recv] = {}
@@ -94,7 +93,6 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
             elif isinstance(ins, Recv):
                 recvs[(ins.src, ins.tag)] = ins
     swap: list[dict[tuple, Broadcast | None]] = [{} for _ in ranks]  # per rank: what replaces
-    groups = set()
     for key, group in sends.items():
         root = key[0]
         dsts = [s.dst for s in group]
@@ -106,7 +104,6 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
             swap[root][("send", send.tag)] = None
         for send in group:
             swap[send.dst][("recv", root, send.tag)] = ("member", members, key, group[0])
-        groups.add(members)
     out = []
     for rank, code in enumerate(ranks):
         if not swap[rank]:
@@ -128,7 +125,7 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
                     new.append(Broadcast(ins.var, None, (), key[0], members, ins.shape,
                                          ins.dtype, ("broadcast", key)))
         out.append(new)
-    return out, groups
+    return out
 
 
 def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:

@@ -38,6 +38,7 @@ from chronotope.compile.program import (
     Send,
     WeightGrad,
     covers,
+    groups_of,
     reads,
     writes,
 )
@@ -141,10 +142,11 @@ class Materializer:
             for op in seq:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks, groups = collectives(ranks)
-        return Program(self.plan, [with_frees(self.running_sums(rank, fuse(code)))
-                                   for rank, code in enumerate(ranks)],
-                       self.stored, groups, self.owned, self.refresh(), self.changes)
+        ranks = [with_frees(self.running_sums(rank, fuse(code)))
+                 for rank, code in enumerate(collectives(ranks))]
+        refresh = self.refresh()
+        return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
+                       refresh, self.changes)
 
     def layout_changes(self) -> None:
         """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""

@@ -288,6 +288,13 @@ Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble |
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 
 
+def groups_of(*programs: list[list[Instruction]]) -> list[tuple[int, ...]]:
+    """The rank sets the collectives of these per-rank codes run over (each rank must make
+    every process group before use, in one order)."""
+    return sorted({tuple(sorted(ins.ranks)) for ranks in programs for code in ranks
+                   for ins in code if isinstance(ins, (*COLLECTIVES, GatherParams))})
+
+
 def covers(slices: Slices, shape: tuple[int, ...]) -> bool:
     """Whether ``slices`` take all of a tensor of ``shape``."""
     return all(s == slice(0, n) for s, n in zip(slices, shape))
