@@ -26,7 +26,6 @@ import os
 import statistics
 import warnings
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -61,10 +60,7 @@ def one_round(args: argparse.Namespace, w, graph) -> dict[str, tuple[float, floa
     """Profile, measure and calibrate this machine, then predict and run every plan:
     (predicted, measured) seconds per plan."""
     cluster = profile(args.devices, repeats=100)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
-    measured = measure_ops(graph, w, repeats=7)
-    torch.set_num_threads(threads)
+    measured = measure_ops(graph, w, repeats=7, processes=args.devices)
     calibration = calibrate(graph, w, measured, steps=9, processes=args.devices)
     out = {}
     for name, make in plans(graph, args.devices).items():

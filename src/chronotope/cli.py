@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -12,7 +11,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -379,13 +377,8 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
     cluster = cluster_for(program.ndevices, args.cluster)
     measured, calibration = None, None
     if args.measure:  # as --devices workers sharing this machine's cores run it
-        threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // program.ndevices))
-        try:
-            with out.status("timing every op, and the runtime on as many processes"):
-                measured = measure_ops(program.plan.graph, workload)
-        finally:
-            torch.set_num_threads(threads)
+        with out.status("timing every op, and the runtime on as many processes"):
+            measured = measure_ops(program.plan.graph, workload, processes=program.ndevices)
         calibration = calibrate(program.plan.graph, workload, measured,
                                 processes=program.ndevices)
     sim = simulate(program, cluster, measured, calibration=calibration)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -40,9 +41,21 @@ class OpTime:
     backward: float  # seconds; 0 for an op without gradients to pass
 
 
-def measure_ops(graph: Graph, workload: Workload, repeats: int = 3) -> dict[str, OpTime]:
+def measure_ops(graph: Graph, workload: Workload, repeats: int = 3,
+                processes: int | None = None) -> dict[str, OpTime]:
     """Each op's forward and backward seconds, by op name, less the cost of timing a
-    trivial op's call."""
+    trivial op's call; with ``processes``, on the threads each of that many workers
+    sharing this machine's cores gets."""
+    threads = torch.get_num_threads()
+    if processes is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    try:
+        return _measure_ops(graph, workload, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_ops(graph: Graph, workload: Workload, repeats: int) -> dict[str, OpTime]:
     grads = differentiable(graph)
     values, device = bind(graph, leaves_of(graph, workload))
     free = last_uses(graph)
@@ -82,15 +95,24 @@ def _call_cost(device: torch.device, repeats: int) -> OpTime:
                                   retain_graph=True), repeats, device))
 
 
-def _median(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+def call_times(call: Callable[[], object], repeats: int, device: torch.device,
+               before: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of ``repeats`` calls, their device work included; ``before`` (untimed)
+    runs ahead of each."""
     times = []
     for _ in range(max(1, repeats)):
+        if before is not None:
+            before()
         start = time.perf_counter()
         call()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    return statistics.median(call_times(call, repeats, device))
 
 
 def piece_seconds(piece: PlanOp, times: dict[str, OpTime]) -> float:

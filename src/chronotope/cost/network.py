@@ -39,6 +39,11 @@ class Link:
     alpha: float  # seconds per message (latency)
     bandwidth: float  # bytes per second, one direction
 
+    def seconds(self, kind: str, k: int, nbytes: float) -> float:
+        """A ring collective ``kind`` over ``k`` members (or a message) on this link."""
+        steps, volume = steps_and_volume(kind, k)
+        return steps * self.alpha + nbytes * volume / self.bandwidth
+
 
 def steps_and_volume(kind: str, k: int) -> tuple[float, float]:
     """How many latencies and what share of the bytes a ring collective over ``k``
@@ -136,26 +141,19 @@ class Cluster:
             if kind in self.fitted and self._fits(g):
                 seconds = self.measured(kind, nbytes, len(g), busy)
             else:
-                steps, volume = steps_and_volume(kind, len(g))
                 share = max((crossing.get(self.node(d), 1) for d in g), default=1)
-                link = self.ring(tuple(g), share)
-                seconds = steps * link.alpha + nbytes * volume / link.bandwidth
+                seconds = self.ring(tuple(g), share).seconds(kind, len(g), nbytes)
             worst = seconds if worst is None else max(worst, seconds)
         return 0.0 if worst is None else worst + self.call
 
     def measured(self, kind: str, nbytes: float, k: int, busy: float = 0.0) -> float:
         """Seconds of a profiled call over ``k`` members, made after ``busy`` seconds of
         compute: between the back-to-back and the after-compute fits."""
-        steps, volume = steps_and_volume(kind, k)
-
-        def seconds(link: Link) -> float:
-            return steps * link.alpha + nbytes * volume / link.bandwidth
-
-        back_to_back = seconds(self.fitted[kind])
+        back_to_back = self.fitted[kind].seconds(kind, k, nbytes)
         if kind not in self.fitted_busy or self.busy <= 0:
             return back_to_back
         w = min(1.0, busy / self.busy)
-        return (1 - w) * back_to_back + w * seconds(self.fitted_busy[kind])
+        return (1 - w) * back_to_back + w * self.fitted_busy[kind].seconds(kind, k, nbytes)
 
     def _fits(self, group: tuple[int, ...]) -> bool:
         """Measured fits describe the profiled machine: groups within one of its nodes."""

@@ -20,12 +20,12 @@ import json
 import os
 import platform
 import statistics
-import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from chronotope.cost.measure import call_times
 from chronotope.cost.network import KINDS, Cluster, Link, steps_and_volume
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.launch import spawn
@@ -140,29 +140,13 @@ def _mean_after(compute, call, repeats: int, device: torch.device) -> float:
     """Mean seconds of ``call``, each made right after ``compute`` (if any)."""
     call()  # warm up (and make any lazily made communicator)
     dist.barrier()
-    times = []
-    for _ in range(repeats):
-        if compute is not None:
-            compute()
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.mean(times)
+    return statistics.mean(call_times(call, repeats, device, compute))
 
 
 def _median(call, repeats: int, device: torch.device) -> float:
     """The typical time of a call on this device alone (a matmul, a copy)."""
     call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_times(call, repeats, device))
 
 
 def matmul_flops(device: torch.device | str = "cpu", n: int = 512, repeats: int = 5) -> float:

@@ -168,8 +168,7 @@ class _Replay:
         if "send" in self.cluster.fitted and self.cluster.node(r) == self.cluster.node(dst):
             duration = self.cluster.measured("send", nbytes, 2, self.since[r])
         else:
-            link = self.cluster.link(r, dst)
-            duration = link.alpha + nbytes / link.bandwidth
+            duration = self.cluster.link(r, dst).seconds("send", 2, nbytes)
         busy = [("out", r), ("in", dst)]
         if self.cluster.node(r) != self.cluster.node(dst):
             busy += [("net out", self.cluster.node(r)), ("net in", self.cluster.node(dst))]
