@@ -263,6 +263,5 @@ def _instruction_times(rank: int, specs: list, steps: int) -> list[tuple[list[fl
             end = time.perf_counter()
             durations.append([b - a for a, b in itertools.pairwise(worker.ticks)])
             after.append(end - worker.ticks[-1])
-        worker.ticks = None
         out.append(([statistics.mean(d) for d in zip(*durations)], statistics.mean(after)))
     return out
