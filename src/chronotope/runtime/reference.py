@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +33,15 @@ def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
 
 @dataclass(frozen=True)
 class Difference:
+    """Largest relative differences from the single-device run; ``nan`` or ``inf`` when
+    either run has a non-finite value or the runs do not even line up."""
+
     max_loss_rel_diff: float
     max_param_rel_diff: float
+
+    def within(self, tol: float) -> bool:
+        """Both differences at most ``tol``: false for ``nan``, as a NaN is never a match."""
+        return self.max_loss_rel_diff <= tol and self.max_param_rel_diff <= tol
 
 
 def compare(run: RunResult, reference: RunResult) -> Difference:
@@ -40,10 +49,28 @@ def compare(run: RunResult, reference: RunResult) -> Difference:
 
     Parameters are compared against the largest reference value of all of them, so
     tensors whose gradient is zero in exact arithmetic (an attention key's bias)
-    do not turn rounding noise into a large ratio.
+    do not turn rounding noise into a large ratio. A NaN anywhere makes the difference
+    NaN; a step or a parameter one run lacks (or a shape that differs) makes it inf.
     """
-    loss = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run.losses, reference.losses)),
-               default=0.0)
-    scale = max(float(p.abs().max()) for p in reference.params.values())
-    param = max(float((run.params[n] - p).abs().max()) for n, p in reference.params.items())
+    if len(run.losses) != len(reference.losses):
+        loss = math.inf
+    else:
+        loss = _worst(abs(a - b) / max(abs(b), 1e-12)
+                      for a, b in zip(run.losses, reference.losses))
+    if run.params.keys() != reference.params.keys() or any(
+            run.params[n].shape != p.shape for n, p in reference.params.items()):
+        return Difference(loss, math.inf)
+    scale = _worst(float(p.abs().max()) for p in reference.params.values() if p.numel())
+    param = _worst(float((run.params[n] - p).abs().max())
+                   for n, p in reference.params.items() if p.numel())
     return Difference(loss, param / max(scale, 1e-12))
+
+
+def _worst(values: Iterable[float]) -> float:
+    """The largest value, or NaN if any is NaN (Python's ``max`` keeps a NaN only if first)."""
+    worst = 0.0
+    for v in values:
+        if math.isnan(v):
+            return math.nan
+        worst = max(worst, v)
+    return worst
