@@ -106,6 +106,7 @@ class Converter:
             return self.leaves[leaf.name][0]
         meta = meta if isinstance(meta, torch.Tensor) else to_meta(leaf.value)
         t = self.new_tensor(meta, leaf.name, leaf.kind)
+        t.frozen = leaf.kind is TensorKind.PARAM and not leaf.value.requires_grad
         self.leaves[leaf.name] = (meta, t)
         if leaf.kind is TensorKind.INPUT:
             self.batch.append(t)

@@ -48,6 +48,9 @@ class PTensor:
     meta: TensorMeta
     kind: TensorKind
     producer: Op | None = None
+    # A parameter the model keeps fixed (``requires_grad=False``): it gets no gradient, no
+    # optimizer state and no communication for either.
+    frozen: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -162,6 +165,10 @@ class Graph:
     def unannotated_ops(self) -> list[Op]:
         """Ops without a signature: they can only be replicated."""
         return [op for op in self.ops if not op.annotated]
+
+    def trainable(self) -> list[PTensor]:
+        """The parameters training updates: floating point and not frozen."""
+        return [t for t in self.params.values() if t.dtype.is_floating_point and not t.frozen]
 
     @property
     def num_params(self) -> int:

@@ -404,9 +404,10 @@ class Plan:
 
 
 def differentiable(graph: Graph) -> set[PTensor]:
-    """Tensors the loss is differentiated through: parameters, and what is computed from
-    them that the loss is computed from (not a detached pass, like recycling's)."""
-    params = {t for t in graph.params.values() if t.dtype.is_floating_point}
+    """Tensors the loss is differentiated through: trainable parameters (not frozen ones),
+    and what is computed from them that the loss is computed from (not a detached pass,
+    like recycling's)."""
+    params = set(graph.trainable())
     rg = set(params)
     for op in graph.ops:
         if op.kind in _NO_GRAD_KINDS or not any(t in rg for t in op.inputs):

@@ -1,0 +1,54 @@
+"""Frozen parameters (``requires_grad=False``) stay as they are under every policy: no
+gradient, no optimizer state, no communication for them, as on one device."""
+
+import re
+
+import pytest
+import torch
+
+import chronotope as ct
+from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from chronotope.runtime.local import Optim, run_in_threads
+from tests.policies.plan_testing import captured, trains_like_one_device
+
+POLICIES = {
+    "dp": lambda g: data_parallel(g, 2),
+    "tp": lambda g: tensor_parallel(g, 2),
+    "zero3": lambda g: zero(g, 2, stage=3),
+    "1f1b": lambda g: mesh(g, pp=2, micro=2, schedule="1f1b"),
+}
+
+
+def frozen_gpt(what: str):
+    """The built-in GPT fine-tuned with its position table, or its first block, frozen."""
+    w, _ = captured("gpt")
+    modules = {"positions": w.model.wpe, "block": w.model.h[0]}
+    modules[what].requires_grad_(False)
+    frozen = {n for n, p in w.model.named_parameters() if not p.requires_grad}
+    return w, ct.capture(w), frozen
+
+
+@pytest.mark.parametrize("what", ["positions", "block"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_frozen_parameters_stay_fixed(policy, what):
+    w, graph, frozen = frozen_gpt(what)
+    assert {n for n, t in graph.params.items() if t.frozen} == frozen
+    program = ct.compile(POLICIES[policy](graph))
+    for rank in range(program.ndevices):
+        assert not frozen & set(program.owned[rank]), "frozen parameters have no update"
+        code = program.code(rank)
+        for name in frozen:  # no gradient is summed or handed to the optimizer
+            assert not re.search(rf"rt\.grad\({name!r}", code)
+            assert f"grad({name})" not in code and f"grad_{name.replace('.', '_')}" not in code
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    run = run_in_threads(program, w, 2, Optim("sgd", 0.1))
+    for name in frozen:
+        assert torch.equal(run.params[name], before[name]), name
+    trains_like_one_device(w, program)
+
+
+def test_a_frozen_parameter_has_no_update_to_plan():
+    _, graph, frozen = frozen_gpt("positions")
+    plan = ct.Plan(graph, 2)
+    with pytest.raises(ct.PlanError, match="gets no gradient"):
+        plan.update(next(iter(frozen)))
