@@ -137,18 +137,11 @@ def _render(ins: Instruction) -> list[str]:
 
 def _no_grad(ins: Forward) -> list[str]:
     """A piece recomputed in its backward: now without a graph, nothing kept."""
-    plain = replace(ins, grad=tuple(False for _ in ins.grad), out_grad=(), linked=(),
-                    input_shares=tuple(1 for _ in ins.input_shares))
-    names = list(ins.ins)
-    lines = []
-    for i, share in enumerate(ins.input_shares):
-        if share != 1:  # a scaled copy: the name itself stays the whole value for others
-            lines.append(f"{names[i]}_share = {names[i]} * {_number(share)}")
-            names[i] = f"{names[i]}_share"
-    body = _forward(replace(plain, ins=tuple(names)))
+    plain = replace(ins, grad=tuple(False for _ in ins.grad), out_grad=(), linked=())
+    body = _forward(plain)
     return [body[0].replace(f": {ins.op.op.kind}", f": {ins.op.op.kind}, recomputed in backward",
                             1),
-            "with torch.no_grad():", *("    " + line for line in lines + body[1:])]
+            "with torch.no_grad():", *("    " + line for line in body[1:])]
 
 
 def _backward(ins: Backward) -> list[str]:
@@ -199,6 +192,14 @@ def _forward(ins: Forward) -> list[str]:
         (f", {src.module})" if src.module else ")") if src else ""
     lines = [f"# {op.name}: {op.op.kind}{where}"]
     ins_names = list(ins.ins)
+    for i, share in enumerate(ins.input_shares):
+        # This piece's value share of what the rank holds whole (a bias under a reduction
+        # split, a replica's loss term): made before autograd sees it, so the share's
+        # gradient is the whole value's, as the plan's gradient shares say. (The name itself
+        # stays the whole value for other readers.)
+        if share != 1:
+            lines.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
+            ins_names[i] = f"{ins_names[i]}_share"
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
         leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
@@ -208,9 +209,6 @@ def _forward(ins: Forward) -> list[str]:
                      f"{tuple(ins.grad[i] for i in entering)}{later})")
         for i, leaf in zip(entering, leaves):
             ins_names[i] = leaf
-    for i, share in enumerate(ins.input_shares):
-        if share != 1:  # this piece's share of a value it reads whole (e.g. a bias)
-            lines.append(f"{ins_names[i]} = {ins_names[i]} * {_number(share)}")
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
@@ -230,9 +228,9 @@ def _forward(ins: Forward) -> list[str]:
     if any(ins.grad):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
         lines.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
-    leaves = [n for n in ins_names if n.endswith("_in") and n not in ins.ins]
-    if leaves:  # autograd keeps what the backward needs
-        lines.append(f"del {', '.join(dict.fromkeys(leaves))}")
+    made = [n for n in ins_names if n not in ins.ins]  # leaves and shares
+    if made:  # autograd keeps what the backward needs
+        lines.append(f"del {', '.join(dict.fromkeys(made))}")
     return lines
 
 

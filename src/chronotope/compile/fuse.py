@@ -179,6 +179,8 @@ class _Fuser:
             return None
         if consumer.recompute != self.forwards[producer].recompute:
             return None  # one side's graph is made again in backward, the other's is not
+        if consumer.input_shares and consumer.input_shares[i] != 1:
+            return None  # a share's gradient is the whole value's: it enters as a leaf
         box = origin[1]
         shape = tuple(producer.outputs[self.graded_output(producer, k)].mask.shape)
         if part is None:

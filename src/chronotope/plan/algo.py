@@ -9,7 +9,9 @@ micro-batch losses need no whole sum. ``Replicate(n)`` makes ``n`` identical cop
 backward pieces are replicas too: each yields the whole gradient, so a reader
 uses the one on its own device. Each piece also records which share of every
 input's gradient its backward produces: an input a split piece reads whole (it
-lacks the split dim) gets a partial gradient.
+lacks the split dim) gets a partial gradient; an input it reads a value share of
+(a bias under a reduction split, a linear input under ``ValueSplit``) gets the
+whole gradient, since the gradient of an addend is the gradient of the sum.
 """
 
 from __future__ import annotations
@@ -105,9 +107,9 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             if a is not None:
                 inputs.append(VTensor(v.ptensor, v.mask.split(a, algo.parts)[i]))
                 shares.append(s)
-            elif reduce and j in additive:
+            elif reduce and j in additive:  # a value share: its gradient is the whole's
                 inputs.append(VTensor(v.ptensor, v.mask.split_value(algo.parts)[i]))
-                shares.append(s.split(algo.parts)[i])
+                shares.append(s)
             else:
                 inputs.append(v)  # read whole by every piece: its gradient becomes partial
                 shares.append(s.split(algo.parts)[i])
