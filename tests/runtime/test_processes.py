@@ -1,19 +1,26 @@
 """Compiled plans as real worker processes on gloo."""
 
+import json
 import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
+from exported import exported
 
 import chronotope as ct
+from chronotope.cli import main
 from chronotope.compile import compile
-from chronotope.models import get_workload
+from chronotope.models import get_workload, load_workload
 from chronotope.policies import data_parallel
-from chronotope.runtime.launch import WorkerError, launch, run_processes
+from chronotope.runtime.launch import WorkerError, launch, run_processes, spawn
 from chronotope.runtime.local import Optim, rank_specs
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.runtime.targets import Target
+
+MODELS = Path(__file__).parents[1] / "models"
 
 pytestmark = pytest.mark.slow
 
@@ -51,20 +58,62 @@ def test_a_raising_worker_is_named():
         launch(specs, 1, timeout=30)
 
 
-def test_saved_program_runs_under_torchrun(tmp_path):
+def test_exported_ops_train_in_worker_processes_as_on_one_device():
+    w, graph = exported()
+    run = run_processes(compile(data_parallel(graph, 2)), w, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, 2, Optim("sgd", 0.1)))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_an_op_registered_in_the_users_file_trains_from_the_command_line(capsys):
+    argv = ["run", f"{MODELS / 'user_ops_model.py'}:make", "--devices", "2", "--steps", "2",
+            "--check", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+
+
+def test_a_worker_that_cannot_load_its_arguments_says_why():
+    model = load_workload(f"{MODELS / 'user_model.py'}:make").model  # a class of the user's file
+    with pytest.raises(WorkerError, match="worker rank [01] failed: ModuleNotFoundError: "
+                                          "No module named '_chronotope_user_"):
+        spawn(print, 2, (model,), timeout=30)
+
+
+def test_a_worker_that_cannot_find_an_op_names_it_and_its_file():
     w, program = gpt_program(2)
-    program.save(str(tmp_path), w, steps=2)
-    assert (tmp_path / "rank1.py").read_text().startswith('"""Rank 1 of 2')
+    specs = rank_specs(program, w)
+    op = next(iter(specs[1].targets))
+    specs[1].targets[op] = Target("_chronotope_user_gone", "scale", "/nowhere/gone.py")
+    with pytest.raises(WorkerError, match=rf"worker rank 1 failed: TargetError: op {op} runs "
+                                          r"scale of .*/nowhere/gone\.py"):
+        launch(specs, 1, timeout=30)
+
+
+def torchrun(directory: Path) -> list[float]:
+    """The losses ``torchrun`` prints for a saved program, run from its folder."""
     src = os.path.dirname(os.path.dirname(ct.__file__))  # importable however it was installed
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(tmp_path / "launch.py")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+         str(directory / "launch.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=directory,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    reference = train_reference(w, 2, Optim())
-    printed = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
-               if line.startswith("step ")]
-    assert printed == pytest.approx(reference.losses, rel=1e-5)
+    return [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith("step ")]
+
+
+def test_saved_program_runs_under_torchrun(tmp_path):
+    w, program = gpt_program(2)
+    program.save(str(tmp_path), w, steps=2)
+    assert (tmp_path / "rank1.py").read_text().startswith('"""Rank 1 of 2')
+    assert torchrun(tmp_path) == pytest.approx(train_reference(w, 2, Optim()).losses, rel=1e-5)
+
+
+def test_a_saved_program_with_an_op_of_the_users_file_runs_under_torchrun(tmp_path):
+    w = load_workload(f"{MODELS / 'user_ops_model.py'}:make")
+    program = compile(data_parallel(ct.capture(w), 2))
+    program.save(str(tmp_path), w, steps=2)
+    assert torchrun(tmp_path) == pytest.approx(train_reference(w, 2, Optim()).losses, rel=1e-5)

@@ -7,10 +7,13 @@ same converter, so the graph means the same thing either way.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import keyword
 import re
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -213,7 +216,8 @@ def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
 def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    ep = torch.export.export(step, tuple(step.tensors), strict=False)
+    with _export_output():
+        ep = torch.export.export(step, tuple(step.tensors), strict=False)
     ep = ep.run_decompositions({})  # functional: in-place updates become new tensors
     sig = ep.graph_signature
     model_params = dict(step.model.named_parameters())
@@ -267,20 +271,17 @@ def export_source(node: fx.Node) -> Source | None:
 
 def _capture_error(name: str, first: str, error: Exception,
                    fallback: Exception | None = None) -> CaptureError:
-    """Name where tracing stopped and what to try."""
+    """Name where tracing stopped and what to try: the first line of each error and the
+    user's line it stopped at, not the frontends' whole text."""
     if isinstance(error, CaptureError) and fallback is None:
         return error
-    frame = None
-    tb = error.__traceback__
-    while tb is not None:
-        if user_frame(tb.tb_frame) is tb.tb_frame:
-            frame = tb.tb_frame
-        tb = tb.tb_next
-    source = frame_source(frame, getattr(error, "chronotope_module", ""))
+    source = _user_source(error)
     where = f"\n  at {source}" if source else ""
     lines = [f"cannot capture {name}: {first} failed: {_first_line(error)}{where}"]
     if fallback is not None:
-        lines.append(f"  torch.export failed too: {_first_line(fallback)}")
+        again = _user_source(fallback)
+        there = f"\n  at {again}" if again and str(again) != str(source) else ""
+        lines.append(f"  torch.export failed too: {_first_line(fallback)}{there}")
     lines.append(
         "  What to try: keep Python control flow off tensor values (no `if` on a tensor, "
         ".item(), .tolist()), wrap code that must do so in a function registered with "
@@ -290,6 +291,34 @@ def _capture_error(name: str, first: str, error: Exception,
     return CaptureError("\n".join(lines))
 
 
+def _user_source(error: Exception) -> Source | None:
+    """The innermost line of the user's code the error passed through."""
+    frame = None
+    tb = error.__traceback__
+    while tb is not None:
+        if user_frame(tb.tb_frame) is tb.tb_frame:
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    return frame_source(frame, getattr(error, "chronotope_module", ""))
+
+
+_LONGEST_LINE = 300
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    line = text.splitlines()[0] if text else ""
+    if len(line) > _LONGEST_LINE:
+        line = line[:_LONGEST_LINE] + " ..."
+    return f"{type(e).__name__}: {line}".rstrip(": ")
+
+
+@contextlib.contextmanager
+def _export_output() -> Iterator[None]:
+    """Hold back what torch.export prints: on failure it prints the partial graph to stderr
+    (hundreds of lines for a real model) before raising, and the error says why anyway.
+    What a successful export prints is passed on."""
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
+        yield
+    sys.stderr.write(held.getvalue())

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from chronotope.models.swin import swin
 from chronotope.models.t5 import t5
 from chronotope.models.workload import Workload
 
-__all__ = ["BUILTINS", "LARGE", "Workload", "default_device", "get_workload", "load_workload"]
+__all__ = ["BUILTINS", "LARGE", "Workload", "default_device", "get_workload", "import_file",
+           "load_workload"]
 
 BUILTINS: dict[str, Callable[..., Workload]] = {
     "gpt": gpt,
@@ -133,16 +135,9 @@ def _load_factory(path: Path, func: str, label: str) -> Callable[..., Any]:
         raise ModelLoadError(f"{label}: no such file {str(path)!r}")
     # A private module name: the user's file must not shadow, or be shadowed by, a real module.
     name = "_chronotope_user_" + re.sub(r"\W", "_", str(path.resolve().with_suffix("")))
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ModelLoadError(f"{label}: cannot import {str(path)!r}")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
-        with _user_dir(path):
-            module_spec.loader.exec_module(module)
+        module = import_file(path, name)
     except Exception as e:
-        del sys.modules[name]
         raise ModelLoadError(f"{label}: importing {str(path)!r} failed: "
                              f"{type(e).__name__}: {e}") from e
     factory = getattr(module, func, None)
@@ -154,6 +149,23 @@ def _load_factory(path: Path, func: str, label: str) -> Callable[..., Any]:
     if not callable(factory):
         raise ModelLoadError(f"{label}: {func!r} is a {type(factory).__name__}, not a function")
     return factory
+
+
+def import_file(path: Path, name: str) -> ModuleType:
+    """Run the Python file ``path`` as module ``name``, its folder on ``sys.path`` for its
+    sibling imports. Worker processes load a user's file again this way, by its path."""
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        with _user_dir(path):
+            module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # no half-made module stays behind
+        raise
+    return module
 
 
 class _user_dir:

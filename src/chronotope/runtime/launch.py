@@ -22,6 +22,7 @@ from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, Rank, RankSpec, RunResult, gather_params, rank_specs
+from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
 
@@ -51,20 +52,23 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
     return losses, rank.regions(), times
 
 
-def _worker(index: int, fn, args: tuple, world: int, backend: str, port: int, timeout: float,
+def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
             out_dir: str) -> None:
-    if backend == "gloo":  # workers share this machine's cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
-                            world_size=world, timeout=timedelta(seconds=timeout))
     try:
+        # Loaded here, not by multiprocessing: what fails to load is reported like any error.
+        fn, args = torch.load(payload, weights_only=False)
+        if backend == "gloo":  # workers share this machine's cores: no oversubscription
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
+                                world_size=world, timeout=timedelta(seconds=timeout))
         torch.save(fn(index, *args), os.path.join(out_dir, f"rank{index}.pt"))
     except BaseException as e:
         with open(os.path.join(out_dir, f"rank{index}.error"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
@@ -72,19 +76,45 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
     """``fn(rank, *args)`` in ``world`` processes of one process group on this machine;
     every rank's result. A failure names the rank that caused it."""
     with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
+        payload = os.path.join(out_dir, "args.pt")
         try:
-            mp.start_processes(_worker, args=(fn, args, world, backend, free_port(), timeout,
+            torch.save((fn, args), payload)
+        except Exception as e:
+            raise WorkerError(f"cannot send {getattr(fn, '__qualname__', fn)} and its arguments "
+                              f"to worker processes: {type(e).__name__}: {e}") from e
+        try:
+            mp.start_processes(_worker, args=(payload, world, backend, free_port(), timeout,
                                               out_dir),
                                nprocs=world, join=True, start_method="spawn")
         except mp.ProcessExitedException as e:
-            raise WorkerError(f"worker rank {e.error_index} died (exit code {e.exit_code}); "
-                              "the other workers were stopped") from None
+            raise _exited(e.error_index, e.exit_code, out_dir) from None
         except mp.ProcessRaisedException as e:
-            path = os.path.join(out_dir, f"rank{e.error_index}.error")
-            first = open(path).read() if os.path.exists(path) else str(e).strip().splitlines()[-1]
-            raise WorkerError(f"worker rank {e.error_index} failed: {first}") from None
+            error = _error(e.error_index, out_dir) or str(e).strip().splitlines()[-1]
+            raise WorkerError(f"worker rank {e.error_index} failed: {error}") from None
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+def _error(index: int, out_dir: str) -> str | None:
+    """What a worker's own code raised, as it wrote it down."""
+    path = os.path.join(out_dir, f"rank{index}.error")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _exited(index: int, code: int, out_dir: str) -> WorkerError:
+    error = _error(index, out_dir)
+    if error is not None:
+        return WorkerError(f"worker rank {index} failed: {error}")
+    if code == 1:  # Python raised before the worker's own code ran
+        return WorkerError(
+            f"worker rank {index} failed before it started (its traceback is printed above): "
+            "a worker imports the script that started it again, so a script must start "
+            "workers under `if __name__ == '__main__':`")
+    return WorkerError(f"worker rank {index} died (exit code {code}); "
+                       "the other workers were stopped")
 
 
 def _train(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
@@ -103,6 +133,7 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
 def launch(specs: list[RankSpec], steps: int, optim: Optim | None = None,
            backend: str = "gloo", timeout: float = 60.0) -> list[tuple[list[float], dict, list]]:
     """Spawn the ranks and wait for all of them; a failure names the rank that caused it."""
+    check_sendable(specs[0].targets if specs else {})
     return spawn(_train, len(specs), (specs, steps, optim or Optim(), backend, timeout),
                  backend, timeout)
 
@@ -115,6 +146,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
     """
     os.makedirs(directory, exist_ok=True)
     specs = rank_specs(program, workload)
+    check_sendable(specs[0].targets if specs else {})
     paths = []
     for spec in specs:
         path = os.path.join(directory, f"rank{spec.rank}.py")

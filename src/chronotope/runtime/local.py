@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from chronotope.graph.mask import Mask
 from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
+from chronotope.runtime.targets import Target, portable, resolve
 from chronotope.runtime.transport import RankFailed, ThreadTransport
 
 
@@ -47,7 +49,8 @@ class RankSpec:
     owned: list[tuple[str, tuple]]  # the regions it updates, each inside a stored one
     state: dict[str, torch.Tensor]
     batch: dict[str, torch.Tensor]
-    targets: dict[str, Any] = field(default_factory=dict)
+    # What each op calls, by reference where one exists: specs travel to other processes.
+    targets: dict[str, Target | Callable[..., Any]] = field(default_factory=dict)
     groups: list[tuple[int, ...]] = field(default_factory=list)  # collectives' rank sets
     # Each owned region's share of the global gradient norm: 1 / how many ranks own it.
     norm_weights: dict[tuple[str, tuple], float] = field(default_factory=dict)
@@ -67,7 +70,7 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
     state.update(graph.constants)
     tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
     batch = {t.name: v for t, v in zip(graph.inputs, tensors)}
-    targets = {op.name: op.target for op in graph.ops if callable(op.target)}
+    targets = portable({op.name: op.target for op in graph.ops if callable(op.target)})
     owners: dict[tuple[str, tuple], int] = defaultdict(int)
     for owned in program.owned:
         for name, regions in owned.items():
@@ -106,7 +109,7 @@ class Rank:
         self.params = {k: nn.Parameter(self._view(*k)) for k in spec.owned}
         self.state = {n: t.to(self.device) for n, t in spec.state.items()}
         self.batch = {n: t.to(self.device) for n, t in spec.batch.items()}
-        self.targets = spec.targets
+        self.targets = resolve(spec.targets)
         self.norm_weights = spec.norm_weights
         self.world = tuple(range(spec.world))
         self.clip = optim.clip
