@@ -167,7 +167,10 @@ def capture(
     registry = registry or DEFAULT_REGISTRY
 
     if frontend == "export":
-        graph = capture_export(step, registry, name)
+        try:
+            graph = capture_export(step, registry, name)
+        except Exception as export_error:
+            raise _capture_error(name, "torch.export", export_error) from export_error
     else:
         try:
             graph = capture_fx(step, registry, name)

@@ -1,0 +1,61 @@
+"""A model neither frontend can capture: the error is short and says why, and nothing
+else floods the terminal (torch.export prints the partial graph of a failed export)."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import chronotope as ct
+
+LAYERS = 40  # a partial graph of a few hundred lines
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(LAYERS)))
+
+    def forward(self, x):
+        y = self.layers(x)
+        if y.sum() > 0:  # a branch on a tensor value: neither frontend can follow it
+            y = y * 2
+        return y.mean()
+
+
+def test_the_error_is_a_few_lines_naming_both_reasons_and_the_line(capfd):
+    line = inspect.getsourcelines(Deep.forward)[1] + 2
+    with pytest.raises(ct.CaptureError) as err:
+        ct.capture(Deep(), torch.randn(2, 8))
+    message = str(err.value)
+    assert len(message.splitlines()) <= 6, message
+    assert f"test_capture_errors.py:{line}" in message
+    assert "torch.fx failed: TraceError" in message
+    assert "torch.export failed too: GuardOnDataDependentSymNode" in message
+    assert "What to try" in message
+    printed = capfd.readouterr()
+    assert "def forward" not in printed.err + printed.out
+    assert len((printed.err + printed.out).splitlines()) <= 2  # torch may log one warning
+
+
+def test_export_alone_fails_the_same_way(capfd):
+    with pytest.raises(ct.CaptureError) as err:
+        ct.capture(Deep(), torch.randn(2, 8), frontend="export")
+    message = str(err.value)
+    assert len(message.splitlines()) <= 5, message
+    assert "torch.export failed: GuardOnDataDependentSymNode" in message
+    assert "test_capture_errors.py" in message and "What to try" in message
+    printed = capfd.readouterr()
+    assert "def forward" not in printed.err + printed.out
+
+
+def test_a_successful_export_still_prints_what_it_prints(capfd):
+    class Loud(nn.Module):
+        def forward(self, x):
+            import sys
+            print("said on stderr", file=sys.stderr)
+            return x.square().mean()
+
+    ct.capture(Loud(), torch.randn(2, 3), frontend="export")
+    assert "said on stderr" in capfd.readouterr().err
