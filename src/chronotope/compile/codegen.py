@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import math
+import re
 from dataclasses import replace
 from fractions import Fraction
 from typing import Any
@@ -38,9 +39,13 @@ from chronotope.compile.program import (
     Send,
     WeightGrad,
 )
+from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
+
+
+_RNG = r"rng\."  # the counter-based random ops, as generated code calls them
 
 
 def render(program: Program, rank: int, ticks: bool = False) -> str:
@@ -66,6 +71,9 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
         body += _render(ins)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
+    if any(re.search(rf"\b{_RNG}", line) for line in body):
+        at = lines.index("import torch") + 1
+        lines[at:at] = ["", "from chronotope.graph import rng"]
     lines += ["    " + line for line in body] or ["    pass"]
     if program.refresh and program.refresh[rank]:
         lines += ["", "", "def refresh(rt):",
@@ -215,6 +223,11 @@ def _forward(ins: Forward) -> list[str]:
     if op.op.region is not None:  # the input already is the box this piece reads
         call = f"{ins_names[0]}.reshape({tuple(op.outputs[0].mask.shape)})"
     else:
+        if rng.drawn(op.op.target):  # it draws its own slice of the whole op's numbers
+            kwargs = {**kwargs, "stream": _Name("rt.stream")}
+            box = op.outputs[0].mask.index
+            if box != tuple((0, n) for n in op.op.outputs[0].shape):
+                kwargs["region"] = box
         call = _local_shape_call(ins, args) or _call(op.op.target, op.op.name, args, kwargs)
     assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
         f"{_targets(ins.outs)} = rt.tensors({call})"
@@ -278,6 +291,8 @@ def _qualified(fn: Any, op_name: str) -> str:
     """A dotted name for ``fn`` reachable from ``torch`` or ``operator``, else a lookup via rt."""
     if isinstance(fn, torch._ops.OpOverload):
         return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    if rng.drawn(fn):
+        return f"rng.{fn.__name__}"
     module = (getattr(fn, "__module__", None) or "").replace("_operator", "operator")
     names = [n for n in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)) if n]
     if module == "builtins" and names and getattr(builtins, names[-1], None) is fn:

@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from chronotope.errors import CaptureError
-from chronotope.graph import functional
+from chronotope.graph import functional, rng
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, TensorMeta
 from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
 from chronotope.graph.signature import Signature
@@ -77,6 +77,7 @@ class Converter:
         self.leaves: dict[str, tuple[torch.Tensor, PTensor]] = {}
         self.constants: dict[str, torch.Tensor] = {}
         self.batch: list[PTensor] = []
+        self.draws = 0  # random calls so far: the next one's key in the counter stream
 
     # ---- tensors -------------------------------------------------------------------------
 
@@ -154,6 +155,9 @@ class Converter:
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
+        if rng.rewritable(target):  # a piece of it then draws exactly its slice
+            target, kwargs = rng.rewrite(target, kwargs, self.draws)
+            self.draws += 1
         if mutated is None and target in _MEAN_LOSSES:
             loss = self.mean_as_sum(node.name, target, args, kwargs, source)
             if loss is not None:
@@ -365,6 +369,12 @@ def is_random(op: Op) -> bool:
     """Ops that draw from the RNG: dropping one would shift every later random draw."""
     name = op.target if isinstance(op.target, str) else target_name(op.target)
     return bool(_RANDOM.search(name))
+
+
+def torch_random(graph: Graph) -> list[Op]:
+    """Random ops left on torch's generator (not rewritten to the counter stream): their
+    pieces and replicas draw other numbers than one device does."""
+    return [op for op in graph.ops if is_random(op) and not rng.drawn(op.target)]
 
 
 def prune(ops: list[Op], loss: PTensor) -> list[Op]:

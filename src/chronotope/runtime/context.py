@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from chronotope.graph.registry import iter_tensors
+from chronotope.graph.rng import Stream
 
 
 class StepContext:
@@ -32,6 +33,7 @@ class StepContext:
         transport: Any,
         targets: Mapping[str, Callable[..., Any]],
         ticks: list[float] | None = None,
+        stream: Stream = Stream(),
     ) -> None:
         self.rank = rank
         self.device = device
@@ -48,6 +50,7 @@ class StepContext:
         self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
+        self.stream = stream  # what this step's random ops draw (``chronotope.graph.rng``)
 
     # ---- leaves ----------------------------------------------------------------------------
 

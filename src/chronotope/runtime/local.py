@@ -15,6 +15,7 @@ from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.graph.capture import Batch
 from chronotope.graph.mask import Mask
+from chronotope.graph.rng import Stream
 from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
@@ -117,6 +118,7 @@ class Rank:
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
         self.peak_memory: int | None = None  # measured, when ``step(measure=True)``
         self.ticks: list[float] | None = None  # a list: code with ticks appends to it
+        self.steps = 0  # steps run: each draws its own random numbers
 
     def _view(self, name: str, index: tuple) -> torch.Tensor:
         region = Mask(index)
@@ -130,7 +132,9 @@ class Rank:
         """One training step; with ``measure``, also the peak bytes of what the step made
         (``PeakMemory``), kept as the largest seen in ``peak_memory``."""
         rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
-                         self.batch, self.transport, self.targets, self.ticks)
+                         self.batch, self.transport, self.targets, self.ticks,
+                         Stream(step=self.steps))
+        self.steps += 1
         if self.optimizer:
             self.optimizer.zero_grad(set_to_none=True)
         if measure:

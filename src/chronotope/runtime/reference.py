@@ -10,19 +10,23 @@ from dataclasses import dataclass
 import torch
 
 from chronotope.graph.capture import model_loss
+from chronotope.graph.rng import CounterRandom, Stream
 from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, RunResult
 
 
 def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
-    """Train a copy of the model as written, on one device, with the same optimizer."""
+    """Train a copy of the model as written, on one device, with the same optimizer; its
+    random ops draw from the counter-based stream, as a plan's pieces do."""
     model = copy.deepcopy(workload.model)
     opt = optim.build(list(model.parameters()))
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        out = model(*workload.inputs, **workload.kwargs)
-        loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn else model_loss(out)
+        with CounterRandom(Stream(step=step)):
+            out = model(*workload.inputs, **workload.kwargs)
+            loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn \
+                else model_loss(out)
         loss.backward()
         if optim.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)

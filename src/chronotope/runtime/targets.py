@@ -33,6 +33,8 @@ class TargetError(ChronotopeError):
 
 @dataclass(frozen=True)
 class Target:
+    """Where a process finds the callable an op runs (pickles as three strings)."""
+
     module: str  # a module name: torch, torch.nn.functional, the user's file's private name
     path: str  # the attribute path in it: ops.aten.relu.default, my_op, Block.attention
     file: str | None = None  # where the module came from

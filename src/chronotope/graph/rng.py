@@ -1,0 +1,233 @@
+"""Random ops any piece can compute its own slice of: a counter-based stream.
+
+torch's generators hand out numbers in call order, so a piece of a dropout (half
+the batch, a few heads) cannot draw what the whole op would have drawn there. Here
+every element's number is a hash of (seed, step, the op's key, the element's index
+along each dim), so a piece draws exactly its slice of the whole op's numbers, on
+any device and in any order, as Megatron's tensor-parallel RNG tracker and
+philox offsets aim to. Capture rewrites torch's random calls into these functions
+(each op gets a key: its position among the step's random calls); the
+single-device reference runs the model under ``CounterRandom``, which routes the
+same calls, in the same order, to the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+Region = Sequence[tuple[int, int]] | None  # a piece's box in the whole output, None: whole
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Which numbers a training step draws: one stream per (seed, step)."""
+
+    seed: int = 0
+    step: int = 0
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """``x * c`` modulo 2**32 for x < 2**32, without overflowing int64 on the way."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix(x: Any) -> Any:
+    """A 32-bit integer hash (lowbias32) of x < 2**32; works on ints and int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _bits(stream: Stream, key: int, shape: Sequence[int], region: Region,
+          device: torch.device, salt: int = 0) -> torch.Tensor:
+    """32 random bits per element of ``region`` of a tensor of ``shape`` (int64)."""
+    h = _mix(stream.seed & _MASK32)
+    for part in (stream.step, key, salt):
+        h = _mix(h ^ (part & _MASK32))
+    bits = torch.full((), h, dtype=torch.int64, device=device)
+    box = region if region is not None else [(0, n) for n in shape]
+    for lo, hi in box:
+        index = torch.arange(lo, hi, dtype=torch.int64, device=device)
+        bits = _mix(bits.unsqueeze(-1) ^ index)
+    return bits
+
+
+def uniform(stream: Stream, key: int, shape: Sequence[int], region: Region = None, *,
+            dtype: torch.dtype = torch.float32, device: Any = None,
+            salt: int = 0) -> torch.Tensor:
+    """Numbers in [0, 1) for ``region`` of a ``shape`` tensor (24 random bits each)."""
+    bits = _bits(stream, key, shape, region, torch.device(device or "cpu"), salt)
+    return ((bits >> 8).to(torch.float32) * 2.0 ** -24).to(dtype)
+
+
+def normal(stream: Stream, key: int, shape: Sequence[int], region: Region = None, *,
+           dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+    """Standard normal numbers (Box-Muller over two uniform streams)."""
+    u1 = 1.0 - uniform(stream, key, shape, region, device=device, salt=1)  # in (0, 1]
+    u2 = uniform(stream, key, shape, region, device=device, salt=2)
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
+
+
+# ---- the ops capture rewrites torch's random calls into ------------------------------------
+
+
+def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
+            *, key: int, stream: Stream = Stream(), region: Region = None) -> torch.Tensor:
+    """``F.dropout``: zero each element with probability ``p``, scale the rest by 1/(1-p)."""
+    if not training or p == 0:
+        return input
+    keep = uniform(stream, key, input.shape, region, device=input.device) >= p
+    scale = keep.to(input.dtype) / (1 - p) if p < 1 else keep.to(input.dtype)
+    return input.mul_(scale) if inplace else input * scale
+
+
+def native_dropout(input: torch.Tensor, p: float, train: bool | None, *, key: int,
+                   stream: Stream = Stream(), region: Region = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.native_dropout`` (the exported form): the output and the kept mask."""
+    if not train or p == 0:
+        return input.clone(), torch.ones_like(input, dtype=torch.bool)
+    keep = uniform(stream, key, input.shape, region, device=input.device) >= p
+    return input * keep.to(input.dtype) / (1 - p), keep
+
+
+def rand_like(input: torch.Tensor, *, key: int, stream: Stream = Stream(), region: Region = None,
+              dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
+    return uniform(stream, key, input.shape, region, dtype=dtype or input.dtype,
+                   device=input.device)
+
+
+def randn_like(input: torch.Tensor, *, key: int, stream: Stream = Stream(),
+               region: Region = None, dtype: torch.dtype | None = None,
+               **_: Any) -> torch.Tensor:
+    return normal(stream, key, input.shape, region, dtype=dtype or input.dtype,
+                  device=input.device)
+
+
+def bernoulli(input: torch.Tensor, p: float | None = None, *, key: int,
+              stream: Stream = Stream(), region: Region = None, **_: Any) -> torch.Tensor:
+    """``torch.bernoulli(probs)`` (or ``x.bernoulli(p)``): 1 with each element's probability."""
+    probs = input if p is None else torch.full_like(input, p)
+    u = uniform(stream, key, input.shape, region, dtype=probs.dtype, device=input.device)
+    return (u < probs).to(input.dtype)
+
+
+def _sizes(size: Sequence[Any]) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        return tuple(size[0])
+    return tuple(size)
+
+
+def rand(*size: Any, key: int, stream: Stream = Stream(), region: Region = None,
+         dtype: torch.dtype | None = None, device: Any = None, **_: Any) -> torch.Tensor:
+    return uniform(stream, key, _sizes(size), region, dtype=dtype or torch.float32, device=device)
+
+
+def randn(*size: Any, key: int, stream: Stream = Stream(), region: Region = None,
+          dtype: torch.dtype | None = None, device: Any = None, **_: Any) -> torch.Tensor:
+    return normal(stream, key, _sizes(size), region, dtype=dtype or torch.float32, device=device)
+
+
+def attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              *, key: int, stream: Stream = Stream(), region: Region = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with dropout on the attention weights, written
+    out so that a piece (some batch rows, heads or queries) drops exactly its slice of
+    the weights. ``region`` is the piece's box of the output; keys are always whole."""
+    if dropout_p == 0:
+        return F.scaled_dot_product_attention(query, key_, value, attn_mask, 0.0, is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    L, S = query.shape[-2], key_.shape[-2]
+    if enable_gqa and key_.dim() >= 3 and key_.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key_.shape[-3]
+        key_ = key_.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scores = query @ key_.transpose(-2, -1) * (scale if scale is not None
+                                               else 1 / math.sqrt(query.shape[-1]))
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    box = None if region is None else [*region[:-1], (0, S)]
+    keep = uniform(stream, key, weights.shape, box, device=query.device) >= dropout_p
+    return (weights * keep.to(weights.dtype) / (1 - dropout_p)) @ value
+
+
+# torch's random calls -> the functions above (fx targets, and the exported aten ops)
+REWRITES: dict[Any, Callable[..., Any]] = {
+    F.dropout: dropout,
+    torch.dropout: dropout,
+    torch.ops.aten.native_dropout.default: native_dropout,
+    torch.rand_like: rand_like,
+    torch.ops.aten.rand_like.default: rand_like,
+    torch.randn_like: randn_like,
+    torch.ops.aten.randn_like.default: randn_like,
+    torch.bernoulli: bernoulli,
+    torch.rand: rand,
+    torch.randn: randn,
+    F.scaled_dot_product_attention: attention,
+    torch.ops.aten.scaled_dot_product_attention.default: attention,
+}
+
+# The sliceable forms' argument names differ from torch's where the key would clash.
+_RENAMED = {attention: {"key": "key_"}}
+
+
+_DRAWN = frozenset(REWRITES.values())
+
+
+def rewritable(target: Any) -> bool:
+    """Whether ``target`` is a torch random call with a counter-based form."""
+    try:
+        return target in REWRITES
+    except TypeError:  # an unhashable target
+        return False
+
+
+def drawn(fn: Any) -> bool:
+    """Whether ``fn`` is one of the counter-based functions above."""
+    try:
+        return fn in _DRAWN
+    except TypeError:
+        return False
+
+
+def rewrite(target: Any, kwargs: dict[str, Any], key: int) -> tuple[Callable[..., Any], dict]:
+    """The counter-based form of a random call, and its keyword arguments."""
+    fn = REWRITES[target]
+    names = _RENAMED.get(fn, {})
+    return fn, {**{names.get(k, k): v for k, v in kwargs.items()}, "key": key}
+
+
+class CounterRandom(TorchFunctionMode):
+    """Runs torch's random calls on the counter-based stream, keyed by their order in the
+    step: eager code under it draws what a captured graph of it draws, piece by piece."""
+
+    def __init__(self, stream: Stream = Stream()) -> None:
+        super().__init__()
+        self.stream = stream
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not rewritable(func):
+            return func(*args, **kwargs)
+        fn, kw = rewrite(func, kwargs, self.calls)
+        self.calls += 1
+        return fn(*args, **kw, stream=self.stream)

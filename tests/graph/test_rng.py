@@ -1,0 +1,116 @@
+"""Random ops on the counter-based stream: a piece draws exactly its slice of the whole op's
+numbers, so plans with dropout on train like one device."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import chronotope as ct
+from chronotope.graph import rng
+from chronotope.graph.convert import torch_random
+from chronotope.models import get_workload
+from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from tests.policies.plan_testing import trains_like_one_device
+
+
+@st.composite
+def boxes(draw):
+    shape = draw(st.lists(st.integers(1, 6), min_size=0, max_size=4))
+    region = []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        region.append((lo, draw(st.integers(lo + 1, n))))
+    return tuple(shape), tuple(region)
+
+
+@settings(max_examples=100, deadline=None)
+@given(boxes(), st.integers(0, 2**40), st.integers(0, 1000), st.integers(0, 50))
+def test_a_piece_draws_its_slice_of_the_whole(box, seed, step, key):
+    shape, region = box
+    stream = rng.Stream(seed, step)
+    whole = rng.uniform(stream, key, shape)
+    piece = rng.uniform(stream, key, shape, region)
+    assert torch.equal(piece, whole[tuple(slice(lo, hi) for lo, hi in region)])
+    assert torch.equal(rng.normal(stream, key, shape, region),
+                       rng.normal(stream, key, shape)[tuple(slice(a, b) for a, b in region)])
+
+
+def test_numbers_are_uniform_and_streams_independent():
+    shape = (256, 512)
+    u = rng.uniform(rng.Stream(), 0, shape)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert torch.histc(u, 10, 0, 1).div(u.numel()).sub(0.1).abs().max() < 0.005
+    for other in (rng.uniform(rng.Stream(step=1), 0, shape), rng.uniform(rng.Stream(), 1, shape),
+                  rng.uniform(rng.Stream(seed=1), 0, shape)):
+        assert abs(float(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1])) < 0.01
+    z = rng.normal(rng.Stream(), 0, shape)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    kept = rng.dropout(torch.ones(shape), 0.3, key=0)
+    assert abs(float((kept > 0).float().mean()) - 0.7) < 0.005
+    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.7))
+
+
+def test_eager_code_under_counter_random_draws_what_the_graph_draws():
+    """The reference runs the model itself; capture keys each random call by its order."""
+    w = get_workload("gpt", dropout=0.2)
+    graph = ct.capture(w)
+    with rng.CounterRandom(rng.Stream()):
+        eager = w.model(*w.inputs)
+    assert torch.equal(ct.execute(graph, w), eager)
+    plain = w.model(*w.inputs)  # torch's own generator: other numbers
+    assert not torch.equal(plain, eager)
+
+
+POLICIES = {
+    "dp": lambda g: data_parallel(g, 2),
+    "tp": lambda g: tensor_parallel(g, 2),
+    "zero3": lambda g: zero(g, 2, stage=3),
+    "1f1b": lambda g: mesh(g, pp=2, micro=2, schedule="1f1b"),
+    "dp-recompute": lambda g: mesh(g, dp=2, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("name, config", [
+    ("gpt", {"dropout": 0.1}),
+    ("hf-bert", {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}),
+])
+def test_dropout_trains_like_one_device(name, config, policy):
+    w = get_workload(name, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    assert not torch_random(graph)
+    trains_like_one_device(w, ct.compile(POLICIES[policy](graph)))
+
+
+def test_exported_dropout_trains_like_one_device():
+    w = get_workload("gpt", dropout=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w, frontend="export")
+    assert not torch_random(graph)
+    trains_like_one_device(w, ct.compile(tensor_parallel(graph, 2)))
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.alpha_dropout(self.fc(x), 0.5, True)  # no counter-based form
+        return (h + torch.rand_like(h) + x.bernoulli(0.5)).pow(2).mean()
+
+
+def test_random_ops_left_on_torchs_generator_are_named():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(Noisy(), torch.randn(4, 8))
+    assert sorted(op.kind for op in torch_random(graph)) == ["alpha_dropout", "bernoulli"]
