@@ -1,14 +1,17 @@
 """The ``chronotope`` command line, called as users call it."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from chronotope import cli
 from chronotope.cli import main
 from chronotope.models import get_workload
+from chronotope.runtime.reference import train_reference
 
 
 def run_json(capsys, *argv):
@@ -181,3 +184,79 @@ def test_simulate_measured_here(capsys):
     report = run_json(capsys, "simulate", "gpt", "--policy", "dp", "--devices", "2",
                       "--measure")
     assert report["step_time_s"] > 0
+
+
+CHATTY = """
+import os
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+
+    def forward(self, x):
+        print("forward says hello")
+        return self.a(x).square().mean()
+
+
+def make():
+    print("factory says hello")
+    os.write(1, b"and so does native code\\n")
+    return Net(), torch.randn(4, 6)
+"""
+
+
+@pytest.mark.parametrize("command", [["capture"], ["plan", "--devices", "2"],
+                                     ["simulate", "--devices", "2"]])
+def test_a_model_that_prints_leaves_stdout_to_the_json(tmp_path, capfd, command):
+    path = tmp_path / "chatty.py"
+    path.write_text(CHATTY)
+    assert main([command[0], f"{path}:make", *command[1:], "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)
+    assert "factory says hello" in err and "forward says hello" in err
+    assert "and so does native code" in err
+
+
+@pytest.mark.slow
+def test_a_model_that_prints_leaves_stdout_to_the_json_of_run(tmp_path):
+    path = tmp_path / "chatty.py"
+    path.write_text(CHATTY)
+    done = subprocess.run([sys.executable, "-m", "chronotope.cli", "run", f"{path}:make",
+                           "--devices", "2", "--steps", "1", "--check", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["match"] is True
+    assert "factory says hello" in done.stderr
+
+
+def _diverging(how):
+    """A stand-in for the processes' run: the single-device run, spoiled as ``how`` says."""
+    def run(program, workload, steps, optim, timeout):
+        result = train_reference(workload, steps, optim)
+        if how == "nan-loss":
+            result.losses[-1] = math.nan
+        elif how == "no-losses":
+            result.losses.clear()
+        else:
+            name = sorted(result.params)[-1]
+            result.params[name].view(-1)[-1] = math.nan
+        return result
+    return run
+
+
+@pytest.mark.parametrize("how", ["nan-loss", "no-losses", "nan-param"])
+@pytest.mark.parametrize("as_json", [True, False])
+def test_run_check_exits_1_on_any_mismatch(capsys, monkeypatch, how, as_json):
+    monkeypatch.setattr(cli, "run_processes", _diverging(how))
+    argv = ["run", "gpt", "--devices", "2", "--steps", "2", "--check"]
+    assert main(argv + ["--json"] * as_json) == 1
+    out = capsys.readouterr().out
+    if as_json:
+        assert json.loads(out)["match"] is False
+    else:
+        assert "MISMATCH" in out

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -44,24 +50,115 @@ from chronotope.runtime.reference import compare, train_reference
 from chronotope.viz import timeline
 
 EXIT_USAGE = 2
+EXIT_MISMATCH = 1
+TOLERANCE = 1e-5  # largest relative difference from one device that `run --check` accepts
+
+Emit = Callable[[Any], None]  # takes the --json report; main writes it to stdout
+
+
+def positive_int(text: str) -> int:
+    """A count (devices, steps, micro-batches ...): 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A rate, a duration or a norm: more than 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
+    return value
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file {text!r}")
+    return text
+
+
+def new_file(text: str) -> str:
+    """A file to write: checked before the work that ends by writing it."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: " + ("it is a folder" if path.is_dir()
+                                          else f"no folder {str(path.parent)!r}"))
+    return text
+
+
+def timeline_file(text: str) -> str:
+    if Path(text).suffix not in (".png", ".html"):
+        raise argparse.ArgumentTypeError(f"cannot draw a timeline into {text!r}: "
+                                         "use a .png or .html file")
+    return new_file(text)
+
+
+def new_folder(text: str) -> str:
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: it is a file")
+    return text
+
+
+def cluster_spec(text: str) -> str:
+    """A cluster preset or profile file that loads."""
+    try:
+        load_cluster(text)
+    except ClusterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
+def device_name(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, meta or cuda"
+                                         ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here")
+    return text
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a built-in name (e.g. gpt, llama, gpt3-175b) or "
                    "path/to/file.py:factory")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", default=None, type=device_name,
                    help="where to build the model: cpu, or meta to capture without allocating "
                    "weights (default: meta for the large presets, cpu otherwise)")
-    _common_args(p)
+    _common_args(p, model=True)
 
 
-def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=None)
+def _common_args(p: argparse.ArgumentParser, model: bool) -> None:
+    if model:
+        p.add_argument("--batch-size", type=positive_int, default=None,
+                       help="samples in the example batch (default: the model's own)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def cmd_capture(args: argparse.Namespace, out: Console) -> int:
+def cmd_capture(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     start = time.perf_counter()
     device = args.device or default_device(args.model)
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
@@ -74,11 +171,11 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         for op in graph.unannotated_ops()
     ]
     if args.json:
-        print(json.dumps({
+        emit({
             "model": args.model, "num_ops": len(graph), "num_params": graph.num_params,
             "unannotated_ops": unannotated, "frontend": graph.frontend,
             "capture_s": round(seconds, 3),
-        }))
+        })
         return 0
     if args.print_graph:
         out.print(str(graph), markup=False, highlight=False)
@@ -192,16 +289,26 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
 }
 
 
+def _plan(graph: Graph, args: argparse.Namespace) -> Plan:
+    """The plan of --policy; its errors say which options asked for it."""
+    if args.schedule and args.policy != "csv":
+        raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
+                        f"not by --policy {args.policy}")
+    try:
+        return POLICIES[args.policy](graph, args)
+    except PlanError as e:
+        raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
+
+
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
-    plan = POLICIES[args.policy](graph, args)
-    return workload, compile_plan(plan, args.comm, args.cluster)
+    return workload, compile_plan(_plan(graph, args), args.comm, args.cluster)
 
 
-def cmd_plan(args: argparse.Namespace, out: Console) -> int:
+def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     device = default_device(args.model)  # large presets are planned without their weights
     if args.out and device == "meta":
         raise ChronotopeError(f"{args.model} is built on the meta device (no weights), so its "
@@ -218,8 +325,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
                 "from": str(c.path.src.rvd), "to": str(c.path.dst.rvd), "path": str(c.path)}
                for c in program.changes]
     if args.json:
-        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
-                          "ranks": ranks, "layout_changes": changes, "files": files}))
+        emit({"model": args.model, "policy": args.policy, "devices": args.devices,
+              "ranks": ranks, "layout_changes": changes, "files": files})
         return 0
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices "
                         "(bytes each rank receives per step, by kind)")
@@ -246,7 +353,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace, out: Console) -> int:
+def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args)
     optim = Optim(args.optimizer, args.lr, clip=args.clip)
     with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
@@ -254,16 +361,18 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
         result = run_processes(program, workload, args.steps, optim, timeout=args.timeout)
         reference = train_reference(workload, args.steps, optim) if args.check else None
     diff = compare(result, reference) if reference else None
+    ok = diff.within(TOLERANCE) if diff else None
+    code = EXIT_MISMATCH if ok is False else 0
     step_time = sum(result.step_times[1:]) / max(len(result.step_times) - 1, 1)
     if args.json:
-        print(json.dumps({
+        emit({
             "policy": args.policy, "devices": args.devices, "losses": result.losses,
             "reference_losses": reference.losses if reference else None,
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
-            "step_time_s": step_time,
-        }))
-        return 0
+            "match": ok, "step_time_s": step_time,
+        })
+        return code
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} processes")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
@@ -275,28 +384,26 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
     out.print(table)
     out.print(f"step time {step_time * 1e3:.1f} ms (rank 0, after the first step)")
     if diff:
-        ok = max(diff.max_loss_rel_diff, diff.max_param_rel_diff) <= 1e-5
         out.print(f"largest relative difference from one device: losses "
                   f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e} "
                   + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
-        return 0 if ok else 1
-    return 0
+    return code
 
 
-def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
+def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(workload)
     measured = measure_ops(graph, workload) if args.measure else None
-    drawn = timeline(POLICIES[args.policy](graph, args), args.flops, measured=measured,
+    drawn = timeline(_plan(graph, args), args.flops, measured=measured,
                      bytes_per_s=args.bandwidth or None)
     drawn.save(args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
-        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
-                          "bubble_ratio": drawn.bubble_ratio, "makespan_s": drawn.makespan,
-                          "measured": bool(args.measure), "file": args.out}))
+        emit({"model": args.model, "policy": args.policy, "devices": args.devices,
+              "bubble_ratio": drawn.bubble_ratio, "makespan_s": drawn.makespan,
+              "measured": bool(args.measure), "file": args.out})
         return 0
     how = "from each op's time measured here" if args.measure else \
         f"estimated at {args.flops:.0e} FLOP/s"
@@ -306,11 +413,11 @@ def cmd_timeline(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, out: Console) -> int:
+def cmd_bench(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     cluster = load_cluster(args.cluster)
     if cluster.nodes < 2 and cluster.per_node < 12:
-        raise ClusterError(f"the RVD cases put producers and consumers on two nodes; "
-                           f"{args.cluster} has one: use e.g. {args.cluster}x2")
+        raise ClusterError(f"--cluster {args.cluster} has one node; the RVD cases put "
+                           f"producers and consumers on two nodes: use e.g. {args.cluster}x2")
     cases = bench.rvd_cases(cluster, args.numel)
     if args.measure:
         cases += bench.rvd_cases(cluster, args.numel, same_devices=True)
@@ -324,7 +431,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
         for case, measured in zip(cases, inter + intra):
             case.update({k: v for k, v in measured.items() if k.endswith("measured_s")})
     if args.json:
-        print(json.dumps([bench.public(c) for c in cases]))
+        emit([bench.public(c) for c in cases])
         return 0
     table = Table(title=f"layout changes of {args.numel:,} float32 on {cluster.name}: "
                         f"plain messages (P2P) vs the searched RVD path, cost model")
@@ -348,12 +455,15 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def cmd_profile(args: argparse.Namespace, out: Console) -> int:
+def cmd_profile(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise ChronotopeError("--backend nccl needs CUDA devices and there are none here; "
+                              "use --backend gloo")
     with out.status(f"timing collectives on {args.devices} {args.backend} processes"):
         cluster = profile(args.devices, repeats=args.repeats, backend=args.backend)
     save_profile(cluster, args.out)
     if args.json:
-        print(json.dumps(cluster.to_json()))
+        emit(cluster.to_json())
         return 0
     table = Table(title=f"{cluster.name}: seconds = alpha x steps + bytes x share / bandwidth, "
                         f"calls back to back and after {cluster.busy * 1e3:g} ms of compute")
@@ -372,7 +482,7 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
+def cmd_simulate(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args, default_device(args.model))
     cluster = cluster_for(program.ndevices, args.cluster)
     measured, calibration = None, None
@@ -383,10 +493,10 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
                                 processes=program.ndevices)
     sim = simulate(program, cluster, measured, calibration=calibration)
     if args.json:
-        print(json.dumps({"model": args.model, "policy": args.policy, "devices": args.devices,
-                          "cluster": cluster.name, "step_time_s": sim.step_time,
-                          "bubble_ratio": sim.bubble_ratio,
-                          "ranks": [asdict(r) for r in sim.ranks]}))
+        emit({"model": args.model, "policy": args.policy, "devices": args.devices,
+              "cluster": cluster.name, "step_time_s": sim.step_time,
+              "bubble_ratio": sim.bubble_ratio,
+              "ranks": [asdict(r) for r in sim.ranks]})
         return 0
     how = "measured op times" if measured else f"FLOPs at {cluster.peak() / 1e12:g} TFLOP/s"
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices of "
@@ -448,18 +558,18 @@ def parser() -> argparse.ArgumentParser:
                               "with --coshard pieces of each attention and MLP per device, "
                               "run one at a time; interlaced: 1F1B with the shared embedding "
                               "(lookups and output head) on every device")
-        cmd.add_argument("--devices", type=int, default=4)
-        cmd.add_argument("--tp", type=int, default=2,
+        cmd.add_argument("--devices", type=positive_int, default=4)
+        cmd.add_argument("--tp", type=positive_int, default=2,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes")
-        cmd.add_argument("--pp", type=int, default=1,
+        cmd.add_argument("--pp", type=positive_int, default=1,
                          help="pipeline stages (dp-tp, dp-sp: GPipe order; gpipe, 1f1b: "
                               "default --devices, the rest data parallel)")
-        cmd.add_argument("--micro", type=int, default=1,
+        cmd.add_argument("--micro", type=positive_int, default=1,
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
-        cmd.add_argument("--chunks", type=int, default=2,
+        cmd.add_argument("--chunks", type=positive_int, default=2,
                          help="stages each pipeline rank holds (interleaved; zbv: 2)")
-        cmd.add_argument("--coshard", type=int, default=2,
+        cmd.add_argument("--coshard", type=positive_int, default=2,
                          help="pieces per device of each attention and MLP (coshard)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
@@ -468,7 +578,7 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--swap", choices=("full", "selective"),
                          help="keep what the same ops save for backward in CPU memory "
                               "instead (activation swap); not with zero-*")
-        cmd.add_argument("--schedule", metavar="FILE.csv",
+        cmd.add_argument("--schedule", metavar="FILE.csv", type=existing_file,
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
                               "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
         if name != "timeline":
@@ -476,13 +586,14 @@ def parser() -> argparse.ArgumentParser:
                              help="rvd: layout changes no single collective does take the "
                                   "cheapest path of collectives under --cluster's cost model; "
                                   "p2p: messages from each reader (default rvd)")
-            cmd.add_argument("--cluster", default=None,
+            cmd.add_argument("--cluster", type=cluster_spec, default=None,
                              help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN "
                                   "for N nodes) or a profile file from `chronotope profile` "
                                   "(default: DGX A100 nodes enough for --devices)")
-        _common_args(cmd)
+        _common_args(cmd, model=True)
         if name == "plan":
-            cmd.add_argument("--out", help="directory for rank<r>.py files and launch.py")
+            cmd.add_argument("--out", type=new_folder,
+                             help="directory for rank<r>.py files and launch.py")
         elif name == "simulate":
             cmd.add_argument("--measure", action="store_true",
                              help="compute from each op's time measured here, and the "
@@ -490,64 +601,93 @@ def parser() -> argparse.ArgumentParser:
                                   "sharing this machine's cores would run them) instead of "
                                   "FLOPs at the cluster's peak")
         elif name == "timeline":
-            cmd.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
-            cmd.add_argument("--flops", type=float, default=1e12,
+            cmd.add_argument("--out", required=True, type=timeline_file,
+                             metavar="FILE.png|FILE.html")
+            cmd.add_argument("--flops", type=positive_float, default=1e12,
                              help="device speed for the durations, in FLOP/s (default 1e12)")
-            cmd.add_argument("--bandwidth", type=float, default=1e11, metavar="BYTES_PER_S",
+            cmd.add_argument("--bandwidth", type=non_negative_float, default=1e11,
+                             metavar="BYTES_PER_S",
                              help="link speed of the messages between ranks (default 1e11, "
                                   "about one NVLink; 0: messages take no time)")
             cmd.add_argument("--measure", action="store_true",
                              help="durations from each op's forward and backward time measured "
                                   "on this machine (on the model's device), by FLOP share")
         else:
-            cmd.add_argument("--steps", type=int, default=3)
+            cmd.add_argument("--steps", type=positive_int, default=3)
             cmd.add_argument("--check", action="store_true",
                              help="also train on one device and compare losses and weights")
             cmd.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-            cmd.add_argument("--lr", type=float, default=0.1)
-            cmd.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+            cmd.add_argument("--lr", type=non_negative_float, default=0.1)
+            cmd.add_argument("--clip", type=positive_float, default=None, metavar="MAX_NORM",
                              help="clip gradients to this global norm across all ranks")
-            cmd.add_argument("--timeout", type=float, default=60.0,
+            cmd.add_argument("--timeout", type=positive_float, default=60.0,
                              help="seconds a rank waits on another before giving up")
 
     bench_ = sub.add_parser("bench", help="benchmarks: rvd (layout changes, SuperScaler "
                                           "Table 3)")
     bench_.add_argument("what", choices=("rvd",))
-    bench_.add_argument("--cluster", default="dgx1-v100x2",
+    bench_.add_argument("--cluster", type=cluster_spec, default="dgx1-v100x2",
                         help="preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN for N nodes) or a "
                              "profile file from `chronotope profile` (default dgx1-v100x2)")
-    bench_.add_argument("--numel", type=int, default=2 ** 26,
+    bench_.add_argument("--numel", type=positive_int, default=2 ** 26,
                         help="float32 elements of the tensor (default 2**26: 256 MiB)")
     bench_.add_argument("--measure", action="store_true",
                         help="also run every case on gloo processes (up to 16), and DTensor's "
                              "redistribute for the same changes within one device set")
-    bench_.add_argument("--measure-numel", type=int, default=2 ** 20,
+    bench_.add_argument("--measure-numel", type=positive_int, default=2 ** 20,
                         help="float32 elements of the measured tensor (default 2**20)")
-    bench_.add_argument("--repeats", type=int, default=5)
-    _common_args(bench_)
+    bench_.add_argument("--repeats", type=positive_int, default=5)
+    _common_args(bench_, model=False)
 
     prof = sub.add_parser("profile", help="measure alpha and bandwidth of each collective "
                                           "here and write a cluster profile")
-    prof.add_argument("--devices", type=int, default=2, help="processes to measure (default 2)")
+    prof.add_argument("--devices", type=positive_int, default=2,
+                      help="processes to measure (default 2)")
     prof.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    prof.add_argument("--out", default="cluster.json",
+    prof.add_argument("--out", type=new_file, default="cluster.json",
                       help="profile file to write (default cluster.json)")
-    prof.add_argument("--repeats", type=int, default=20,
+    prof.add_argument("--repeats", type=positive_int, default=20,
                       help="calls per size up to 1 MiB, fewer above (default 20)")
-    _common_args(prof)
+    _common_args(prof, model=False)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    out = Console(stderr=args.json)
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what the command prints to stderr, the model's own ``print`` included (in
+    this process and in the workers it starts), so stdout holds the JSON report alone."""
+    stdout = sys.stdout
+    stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
     try:
-        return COMMANDS[args.command](args, out)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage and the reason, or --help
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    out = Console(stderr=args.json)
+    reports: list[Any] = []
+    try:
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+            code = COMMANDS[args.command](args, out, reports.append)
     except ChronotopeError as e:
         if args.debug:
             traceback.print_exc()
-        Console(stderr=True).print("[bold red]error:[/]", Text(str(e)))
+        Console(stderr=True, soft_wrap=True).print("[bold red]error:[/]", Text(str(e)))
         return EXIT_USAGE
+    for report in reports:
+        print(json.dumps(report))
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""Every command's arguments, bad value by bad value: each is refused with exit code 2
+and a one-line reason on stderr that names the option, never a traceback."""
+
+import shlex
+
+import pytest
+import torch
+
+from chronotope.cli import main
+
+MODEL_COMMANDS = ("plan", "run", "simulate", "timeline")
+
+
+def _for_model_commands() -> list[tuple[str, str]]:
+    """Bad values of the options plan, run, simulate and timeline share."""
+    cases = [
+        ("--devices 0", "--devices"), ("--devices -1", "--devices"), ("--devices two", "--devices"),
+        ("--devices 3", "--devices 3"),  # gpt's batch of 4 does not split 3 ways
+        ("--tp 0", "--tp"), ("--pp 0", "--pp"), ("--micro 0", "--micro"),
+        ("--chunks 0", "--chunks"), ("--coshard -2", "--coshard"),
+        ("--batch-size 0", "--batch-size"), ("--batch-size 1.5", "--batch-size"),
+        ("--policy nope", "--policy"), ("--recompute most", "--recompute"),
+        ("--swap all", "--swap"),
+        ("--policy dp-tp --devices 6 --tp 4", "--tp 4"),
+        ("--policy 1f1b --devices 4 --pp 3", "--pp 3"),
+        ("--policy zero-2 --devices 2 --recompute full", "--recompute"),
+        ("--policy csv --devices 2", "--schedule"),
+        ("--policy csv --devices 2 --schedule {tmp}/missing.csv", "--schedule"),
+        ("--policy csv --devices 2 --schedule {tmp}/garbage.csv", "garbage.csv"),
+        ("--policy 1f1b --devices 2 --schedule {tmp}/garbage.csv", "--schedule"),
+        ("--no-such-option", "--no-such-option"),
+    ]
+    return [(f"{cmd} gpt {argv}" + (" --out {tmp}/t.png" if cmd == "timeline" else ""), why)
+            for cmd in MODEL_COMMANDS for argv, why in cases]
+
+
+BAD = [
+    ("capture", "model"),
+    ("capture gpt --batch-size -2", "--batch-size"),
+    ("capture gpt --device gpu", "--device"),
+    ("capture gpt --frontend jit", "--frontend"),
+    ("capture no-such-model", "no-such-model"),
+    ("capture {tmp}/missing.py:make", "missing.py"),
+    ("capture {tmp}/garbage.csv", "garbage.csv"),
+    *_for_model_commands(),
+    *[(f"{cmd} gpt {argv}", why) for cmd in ("plan", "run", "simulate")
+      for argv, why in [("--comm mpi", "--comm"), ("--cluster nope", "--cluster"),
+                        ("--cluster {tmp}/missing.json", "--cluster"),
+                        ("--cluster {tmp}/garbage.csv", "--cluster")]],
+    ("plan gpt --devices 2 --out {tmp}/garbage.csv", "--out"),
+    ("run gpt --steps -1", "--steps"), ("run gpt --steps 0", "--steps"),
+    ("run gpt --optimizer adam", "--optimizer"), ("run gpt --lr -0.1", "--lr"),
+    ("run gpt --lr nan", "--lr"), ("run gpt --clip 0", "--clip"),
+    ("run gpt --timeout 0", "--timeout"), ("run gpt --timeout inf", "--timeout"),
+    ("timeline gpt --policy 1f1b", "--out"),
+    ("timeline gpt --policy 1f1b --out {tmp}/t.txt", "--out"),
+    ("timeline gpt --policy 1f1b --out {tmp}/missing/t.png", "--out"),
+    ("timeline gpt --policy 1f1b --out {tmp}", "--out"),
+    ("timeline gpt --policy 1f1b --out {tmp}/t.png --flops 0", "--flops"),
+    ("timeline gpt --policy 1f1b --out {tmp}/t.png --bandwidth -1", "--bandwidth"),
+    ("bench", "what"), ("bench dtensor", "what"),
+    ("bench rvd --numel 0", "--numel"), ("bench rvd --numel -5", "--numel"),
+    ("bench rvd --measure-numel 0", "--measure-numel"), ("bench rvd --repeats 0", "--repeats"),
+    ("bench rvd --cluster nope", "--cluster"),
+    ("bench rvd --cluster dgx-a100", "--cluster dgx-a100 has one node"),
+    ("bench rvd --batch-size 4", "--batch-size"),
+    ("profile --devices 0", "--devices"), ("profile --repeats 0", "--repeats"),
+    ("profile --backend mpi", "--backend"), ("profile --out {tmp}/missing/c.json", "--out"),
+    ("profile --out {tmp}", "--out"),
+    *([("profile --backend nccl", "--backend")] if not torch.cuda.is_available() else []),
+    ("nope", "command"),
+]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("args")
+    (folder / "garbage.csv").write_text("hello,world\n")
+    return folder
+
+
+@pytest.mark.parametrize("command, why", BAD, ids=[c for c, _ in BAD])
+def test_bad_input_exits_2_with_a_one_line_reason(capsys, tmp, command, why):
+    argv = shlex.split(command.format(tmp=tmp))
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    reason = err.strip().splitlines()[-1]
+    assert "error:" in reason and why in reason, err
+    if not reason.startswith("chronotope"):  # found after parsing: the reason is all
+        assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["run gpt --steps -1 --json", "plan gpt --devices 3 --json"])
+def test_bad_input_with_json_writes_nothing_to_stdout(capsys, command):
+    assert main(shlex.split(command)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error:" in err
+
+
+def test_help_exits_0(capsys):
+    assert main(["run", "--help"]) == 0
+    assert "--steps" in capsys.readouterr().out
