@@ -33,7 +33,7 @@ class StepContext:
         transport: Any,
         targets: Mapping[str, Callable[..., Any]],
         ticks: list[float] | None = None,
-        stream: Stream = Stream(),
+        stream: Stream | None = None,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -50,7 +50,7 @@ class StepContext:
         self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
-        self.stream = stream  # what this step's random ops draw (``chronotope.graph.rng``)
+        self.stream = stream or Stream()  # what this step's random ops draw (``chronotope.graph.rng``)
 
     # ---- leaves ----------------------------------------------------------------------------
 
