@@ -37,7 +37,7 @@ def _for_model_commands() -> list[tuple[str, str]]:
 BAD = [
     ("capture", "model"),
     ("capture gpt --batch-size -2", "--batch-size"),
-    ("capture gpt --device gpu", "--device"),
+    ("capture gpt --device gpu", "--device"), ("capture gpt --device mps", "--device"),
     ("capture gpt --frontend jit", "--frontend"),
     ("capture no-such-model", "no-such-model"),
     ("capture {tmp}/missing.py:make", "missing.py"),

@@ -73,7 +73,7 @@ def _finite(text: str) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -131,12 +131,14 @@ def cluster_spec(text: str) -> str:
 
 
 def device_name(text: str) -> str:
+    """cpu, meta, or a CUDA device this machine has."""
     try:
-        device = torch.device(text)
+        kind = torch.device(text).type
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, meta or cuda"
-                                         ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+        kind = None
+    if kind not in ("cpu", "meta", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, meta or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here")
     return text
 
