@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 import chronotope as ct
-from chronotope.graph.ir import Graph, Op, TensorKind
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan
-from chronotope.policies.axes import batch_dims
+from chronotope.policies.axes import carried_dim, carry
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, RunResult, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
@@ -87,19 +87,26 @@ def capture(workload: Workload) -> Graph:
 
 
 def whole_batch_ops(graph: Graph) -> list[Op]:
-    """Ops that read both the batch and the weights (the model's own compute, not label or
-    mask bookkeeping) and have no batch dim, scalars aside (a loss's sum and count)."""
+    """The model's ops (they read weights) that read the batch but cannot split it: ops with
+    no batch dim reading a tensor that has the batch axis, or one made by such an op. Under
+    a batch split every rank runs them on the whole batch. Ops past a reduction over the
+    batch (a loss's or a batch norm's sums) read partial sums instead, and are not counted."""
     made_by = {t: op for op in graph.ops for t in op.outputs}
-    reads: dict[Op, set[TensorKind]] = {}
+    axis = {t: 0 for t in graph.inputs if t.shape}  # tensors with the batch axis, and where
+    lost: set[PTensor] = set()  # tensors made whole from the batch by an op that cannot split
+    weighted: set[Op] = set()  # ops that read the weights, directly or through other ops
+    out = []
     for op in graph.ops:
-        kinds: set[TensorKind] = set()
-        for t in op.inputs:
-            kinds |= reads.get(made_by[t], set()) if t in made_by else {t.kind}
-        reads[op] = kinds
-    batch = batch_dims(graph)
-    return [op for op in graph.ops
-            if batch[op] is None and {TensorKind.INPUT, TensorKind.PARAM} <= reads[op]
-            and any(t.shape for t in op.outputs)]
+        if any(t.kind is TensorKind.PARAM or made_by.get(t) in weighted for t in op.inputs):
+            weighted.add(op)
+        dim = carried_dim(op, axis)
+        if dim is not None:
+            carry(op, dim, axis)
+        elif any(t in axis or t in lost for t in op.inputs):
+            lost.update(op.outputs)
+            if op in weighted and any(t.shape for t in op.outputs):
+                out.append(op)
+    return out
 
 
 def describe(name: str, graph: Graph) -> Family:
