@@ -52,6 +52,12 @@ SignatureRule = str | Callable[[OpCall], str | None]
 # A slicing op's rule for what it reads: the box of its first input (one (lo, hi) per
 # axis) and a signature over that box, whose dims then all split like any other.
 RegionRule = Callable[[OpCall], tuple[tuple[tuple[int, int], ...], str] | None]
+# Records one call as an op of the graph and returns its (meta) result.
+Emit = Callable[..., Any]
+# A call rewritten into ops that have signatures, given ``emit`` and the call's (meta)
+# arguments: the call's result, and the pairs (tensor, its new value) of what it updates
+# in place; None keeps the call as one op.
+Decomposition = Callable[[Emit, tuple, dict], tuple[Any, tuple[tuple[Any, Any], ...]] | None]
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,12 @@ class OpDef:
     linear_inputs: tuple[int, ...] = ()
     user: bool = False
     region: RegionRule | None = None
+    decompose: Decomposition | None = None
+
+    def linear_in(self, ninputs: int) -> tuple[int, ...]:
+        """The inputs a call with ``ninputs`` tensor inputs is linear in: none when one of
+        them is a constant instead (``x + 1`` is affine, not linear, in ``x``)."""
+        return self.linear_inputs if all(j < ninputs for j in self.linear_inputs) else ()
 
     def signature(self, call: OpCall) -> Signature | None:
         text = self.rule if isinstance(self.rule, str) else self.rule(call)
@@ -112,7 +124,11 @@ def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
     """Rebuild nested tuples/lists/dicts/slices with ``fn`` applied to every leaf."""
     if isinstance(tree, tuple):
         mapped = tuple(map_leaves(x, fn) for x in tree)
-        return type(tree)(*mapped) if hasattr(tree, "_fields") else mapped
+        if hasattr(tree, "_fields"):  # a namedtuple
+            return type(tree)(*mapped)
+        if hasattr(type(tree), "n_fields"):  # torch.return_types: x.sort().values
+            return type(tree)(mapped)
+        return mapped
     if isinstance(tree, list):
         return [map_leaves(x, fn) for x in tree]
     if isinstance(tree, dict):

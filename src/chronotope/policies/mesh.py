@@ -227,6 +227,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     seq = sequence_dims(graph) if sequence and tp > 1 else {}
     tails = loss_tails(graph, batch_dim, plan.registry)
     data = data_only(graph)
+    if orders:
+        _refuse_barriers(graph, batch_dim, tails | data, schedule, micro)
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
         if dp * ways > 1:
@@ -328,10 +330,10 @@ def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegist
     tails = set()
     for op in graph.ops:
         opdef = registry.of(op.target)
-        if batch_dim[op] is not None or opdef is None or not opdef.linear_inputs:
+        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
+        if batch_dim[op] is not None or not linear:
             continue
-        producers = [made_by.get(op.inputs[j]) for j in opdef.linear_inputs
-                     if j < len(op.inputs)]
+        producers = [made_by.get(op.inputs[j]) for j in linear]
         if any(p is not None and (batch_dim[p] is not None or p in tails) for p in producers):
             tails.add(op)
     return tails
@@ -347,6 +349,54 @@ def data_only(graph: Graph) -> set[Op]:
                              for t in op.inputs):
             out.add(op)
     return out
+
+
+def barriers(graph: Graph, batch_dim: dict[Op, str | None], exempt: set[Op]
+             ) -> list[tuple[Op, str]]:
+    """Ops computed from the batch that no micro-batch can run alone, with the reason:
+    one that reads the whole batch (no signature dim carries it), or one that sums over
+    the batch for ops that need the whole sum (batch statistics). Every micro-batch would wait
+    for all the others there, which no pipeline schedule allows. ``exempt``: the loss's
+    tails and what is computed from the labels alone."""
+    readers: dict[PTensor, list[Op]] = defaultdict(list)
+    for op in graph.ops:
+        for t in op.inputs:
+            readers[t].append(op)
+    from_batch = set(graph.inputs)
+    found = []
+    for op in graph.ops:
+        if not any(t in from_batch for t in op.inputs):
+            continue
+        from_batch.update(op.outputs)
+        dim = batch_dim[op]
+        if op in exempt:
+            continue
+        if dim is None:
+            found.append((op, "it reads the whole batch: no dim of its signature carries it"
+                          if op.signature else "it has no signature, so it reads the whole batch"))
+        elif op.signature.dim(dim).reduce and any(
+                r not in exempt for t in op.outputs for r in readers[t]):
+            found.append((op, "it sums over the batch and what follows needs the whole sum "
+                          "(batch statistics, or a loss that is no sum over samples)"))
+    return found
+
+
+def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], exempt: set[Op],
+                     schedule: str | Schedule, micro: int) -> None:
+    found = barriers(graph, batch_dim, exempt)
+    if not found:
+        return
+    op, why = found[0]
+    where = f" at {op.source}" if op.source else ""
+    more = f" (and {len(found) - 1} more: {', '.join(o.name for o, _ in found[1:4])}" \
+        f"{'...' if len(found) > 4 else ''})" if len(found) > 1 else ""
+    name = schedule if isinstance(schedule, str) else "this schedule"
+    raise PlanError(
+        f"a {name} pipeline over {micro} micro-batches cannot run op {op.name} ({op.kind}{where}) "
+        f"once per micro-batch: {why}{more}. Every micro-batch would wait there for all the "
+        "others. Use one micro-batch (micro=1, --micro 1), or, where the op treats samples "
+        "independently, give it a signature naming its batch dim "
+        "(@chronotope.register_op)")
 
 
 def batch_cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
