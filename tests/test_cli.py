@@ -260,3 +260,38 @@ def test_run_check_exits_1_on_any_mismatch(capsys, monkeypatch, how, as_json):
         assert json.loads(out)["match"] is False
     else:
         assert "MISMATCH" in out
+
+
+NOISY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.alpha_dropout(self.fc(x), 0.5, True).pow(2).mean()
+
+
+def make():
+    return Noisy(), torch.randn(4, 4)
+'''
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_run_check_names_random_ops_left_on_torchs_generator(capsys, monkeypatch, tmp_path,
+                                                              as_json):
+    (tmp_path / "noisy.py").write_text(NOISY)
+    monkeypatch.setattr(cli, "run_processes", _diverging("nan-loss"))
+    argv = ["run", f"{tmp_path / 'noisy.py'}:make", "--devices", "2", "--steps", "1", "--check"]
+    assert main(argv + ["--json"] * as_json) == 1
+    out = capsys.readouterr().out
+    if as_json:
+        [named] = json.loads(out)["torch_random_ops"]
+        assert named.startswith("alpha_dropout") and "noisy.py" in named
+    else:
+        assert "draw from torch's generator" in out and "alpha_dropout" in out

@@ -32,6 +32,7 @@ from chronotope.cost.profile import profile, save_profile
 from chronotope.cost.simulate import simulate
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
+from chronotope.graph.convert import torch_random
 from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
@@ -366,13 +367,16 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     ok = diff.within(TOLERANCE) if diff else None
     code = EXIT_MISMATCH if ok is False else 0
     step_time = sum(result.step_times[1:]) / max(len(result.step_times) - 1, 1)
+    # random ops without a counter-based form: no piece or replica draws what one device does
+    unmatched = [f"{op.name} ({op.kind}{f' at {op.source}' if op.source else ''})"
+                 for op in torch_random(program.plan.graph)]
     if args.json:
         emit({
             "policy": args.policy, "devices": args.devices, "losses": result.losses,
             "reference_losses": reference.losses if reference else None,
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
-            "match": ok, "step_time_s": step_time,
+            "match": ok, "step_time_s": step_time, "torch_random_ops": unmatched,
         })
         return code
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} processes")
@@ -389,6 +393,11 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         out.print(f"largest relative difference from one device: losses "
                   f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e} "
                   + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
+    if unmatched and args.check:
+        out.print(f"[yellow]{len(unmatched)} random ops draw from torch's generator, so their "
+                  "pieces and replicas draw other numbers than one device does"
+                  f"{'' if ok else ' (a cause of the mismatch)'}:[/] "
+                  f"{escape(', '.join(unmatched))}")
     return code
 
 
