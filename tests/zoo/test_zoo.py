@@ -18,6 +18,7 @@ ALL = (*SPLIT, "1f1b")
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "opt": ALL,
+    "opt-dropout": ALL,
     "gpt-neo": ALL,
     "gpt-j": ALL,
     "mistral": ALL,
@@ -44,9 +45,10 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
 }
 CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy in policies]
 
-# Processes as `chronotope run` trains: an encoder-decoder, a frozen table, a batch-coupled loss
-# and a pipeline.
-GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b")]
+# Processes as `chronotope run` trains: an encoder-decoder, a frozen table, a batch-coupled loss,
+# a pipeline, ops captured by torch.export (batch norm, pooling) and random ops.
+GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b"),
+        ("cnn-bn", "dp"), ("opt-dropout", "tp")]
 
 
 @pytest.fixture(autouse=True)
