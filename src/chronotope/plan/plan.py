@@ -166,7 +166,7 @@ class Plan:
                             f"{len(target.children)} sub-ops; transform those instead")
         opdef = self.registry.of(target.op.target)
         additive = opdef.additive_inputs if opdef is not None else ()
-        linear = opdef.linear_inputs if opdef is not None else ()
+        linear = opdef.linear_in(len(target.op.inputs)) if opdef is not None else ()
         pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
         target.children = [
             PlanOp(f"{target.name}.{i}", target.op, p, target.order, target.device)
