@@ -37,6 +37,7 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Send,
+    SetBuffer,
     WeightGrad,
 )
 from chronotope.graph import rng
@@ -138,6 +139,8 @@ def _render(ins: Instruction) -> list[str]:
                 f"{tuple(ins.region.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag}))"]
     if isinstance(ins, Loss):
         return [f"rt.loss({ins.var})"]
+    if isinstance(ins, SetBuffer):
+        return [f"rt.set_buffer({ins.name!r}, {ins.var})"]
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     raise TypeError(f"cannot render {ins!r}")

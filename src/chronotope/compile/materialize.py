@@ -36,6 +36,7 @@ from chronotope.compile.program import (
     PushParam,
     Recv,
     Send,
+    SetBuffer,
     WeightGrad,
     covers,
     groups_of,
@@ -136,6 +137,10 @@ class Materializer:
         loss = self.plan.graph.loss
         var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
         self.tail[0].append(Loss(var))
+        for bname, t in self.plan.graph.buffer_updates.items():  # every rank keeps whole buffers
+            for rank in range(self.plan.ndevices):
+                var = self.read(rank, VTensor(t, Mask.full(t.shape)), self.tail[rank])
+                self.tail[rank].append(SetBuffer(bname, var))
         ranks = []
         for rank, seq in sorted(self.sequences.items()):
             flat: list[Instruction] = []

@@ -278,13 +278,21 @@ class Loss:
 
 
 @dataclass
+class SetBuffer:
+    """A buffer's value after the step (running statistics), kept for the next step."""
+
+    name: str
+    var: str
+
+
+@dataclass
 class Free:
     vars: tuple[str, ...]
 
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
-               | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | Free
-               | PushParam | PullParam | GatherParams)
+               | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
+               | Free | PushParam | PullParam | GatherParams)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 
 
@@ -317,7 +325,7 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return (ins.src,) if ins.src is not None else ()
     if isinstance(ins, ReduceScatter):
         return ins.srcs
-    if isinstance(ins, (Send, Grad, Loss)):
+    if isinstance(ins, (Send, Grad, Loss, SetBuffer)):
         return (ins.var,)
     return ()
 

@@ -245,13 +245,20 @@ def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:
         else:
             raise CaptureError(f"{name}: unsupported exported input {spec.arg.name} ({spec.kind})")
     loss_index = [i for i, s in enumerate(sig.output_specs) if s.kind is OutputKind.USER_OUTPUT]
+    mutated = {i: strip_root(s.target) for i, s in enumerate(sig.output_specs)
+               if s.kind is OutputKind.BUFFER_MUTATION}
+
+    def output(values: Any) -> Any:
+        for i, buffer in mutated.items():
+            conv.update(buffer, values[i])
+        return values[loss_index[0]]
 
     conv = Converter(registry, name, "export")
     loss = conv.run(
         ep.graph,
         placeholder=lambda n: leaves[n.name],
         get_attr=lambda n: Leaf(n.target, TensorKind.CONSTANT, getattr(ep.graph_module, n.target)),
-        output=lambda v: v[loss_index[0]],
+        output=output,
         source=export_source,
     )
     return conv.graph(loss, name, step.names)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,7 @@ class Converter:
         self.leaves: dict[str, tuple[torch.Tensor, PTensor]] = {}
         self.constants: dict[str, torch.Tensor] = {}
         self.batch: list[PTensor] = []
+        self.updated: dict[str, PTensor] = {}  # buffer name -> its value after the step
         self.draws = 0  # random calls so far: the next one's key in the counter stream
 
     # ---- tensors -------------------------------------------------------------------------
@@ -162,6 +163,10 @@ class Converter:
             loss = self.mean_as_sum(node.name, target, args, kwargs, source)
             if loss is not None:
                 return loss
+        if mutated is None and node.op == "call_function":
+            rewritten = self.decomposed(node, target, args, kwargs, source)
+            if rewritten is not None:
+                return rewritten
         result = self.traced(node) if mutated is None else None
         try:
             if result is None:
@@ -234,6 +239,30 @@ class Converter:
                                (labels, a["weight"], a["ignore_index"], total.dtype), {}, source)
         return self.op_result(name, operator.truediv, (total, count), {}, source)
 
+    def decomposed(self, node: fx.Node, target: Any, args: tuple, kwargs: dict,
+                   source: Source | None) -> Any:
+        """A call the registry rewrites into ops with signatures (training-mode batch norm);
+        what it updates in place gets the rewritten values as new versions."""
+        opdef = self.registry.of(target)
+        if opdef is None or opdef.decompose is None:
+            return None
+
+        def emit(fn: Any, *a: Any, **kw: Any) -> torch.Tensor:
+            return self.op_result(f"{node.name}_{target_name(fn)}", fn, a, kw, source)
+
+        found = opdef.decompose(emit, args, kwargs)
+        if found is None:
+            return None
+        result, updates = found
+        for old, new in updates:
+            self.check_mutable(old, node, source)
+            self.current[id(old)] = self.current[id(new)]
+        return result
+
+    def update(self, name: str, value: torch.Tensor) -> None:
+        """Buffer ``name`` ends the step holding ``value`` (an exported graph's mutation)."""
+        self.updated[name] = self.current[id(value)]
+
     def op_result(self, name: str, target: Any, args: tuple, kwargs: dict,
                   source: Source | None) -> torch.Tensor:
         result = call_on_meta("call_function", target, args, kwargs)
@@ -265,10 +294,11 @@ class Converter:
         if not _is_tensor(t):
             raise CaptureError(f"{self.model_name}: in-place op {node.name}{where} on a non-tensor")
         current = self.current.get(id(t))
-        if current is not None and current.kind in (TensorKind.PARAM, TensorKind.BUFFER):
+        if current is not None and current.kind is TensorKind.PARAM:
             raise CaptureError(
-                f"{self.model_name}: in-place update of {current.kind} {current.name} by "
-                f"{node.name}{where}; a captured training step may not modify the model's state"
+                f"{self.model_name}: in-place update of parameter {current.name} by "
+                f"{node.name}{where}; a captured training step may change parameters only "
+                "through their gradients (keep state that changes in buffers)"
             )
         if t._base is not None or id(t) in self.view_bases:
             raise CaptureError(
@@ -348,10 +378,15 @@ class Converter:
     # ---- result --------------------------------------------------------------------------
 
     def graph(self, loss: PTensor, name: str, input_names: list[str]) -> Graph:
-        ops = prune(self.ops, loss)
         by_kind: dict[TensorKind, dict[str, PTensor]] = {k: {} for k in TensorKind}
         for _, t in self.leaves.values():
             by_kind[t.kind][t.name] = t
+        # Buffers updated in place (fx) or by an exported graph's outputs, changed.
+        updates = {t.name: self.current[id(meta)] for meta, t in self.leaves.values()
+                   if t.kind is TensorKind.BUFFER and self.current[id(meta)] is not t}
+        updates.update(self.updated)
+        updates = {n: t for n, t in updates.items() if t is not by_kind[TensorKind.BUFFER].get(n)}
+        ops = prune(self.ops, loss, updates.values())
         return Graph(
             ops=ops,
             inputs=list(self.batch),
@@ -359,6 +394,7 @@ class Converter:
             buffers=by_kind[TensorKind.BUFFER],
             constants=self.constants,
             loss=loss,
+            buffer_updates=updates,
             input_names=input_names,
             name=name,
             frontend=self.frontend,
@@ -377,9 +413,10 @@ def torch_random(graph: Graph) -> list[Op]:
     return [op for op in graph.ops if is_random(op) and not rng.drawn(op.target)]
 
 
-def prune(ops: list[Op], loss: PTensor) -> list[Op]:
-    """Drop ops the loss does not need, except random ones (they keep the RNG stream aligned)."""
-    needed = {loss}
+def prune(ops: list[Op], loss: PTensor, keep: Iterable[PTensor] = ()) -> list[Op]:
+    """Drop ops neither the loss nor the tensors in ``keep`` (buffers' new values) need,
+    except random ones (they keep the RNG stream aligned)."""
+    needed = {loss, *keep}
     kept = []
     for op in reversed(ops):
         if any(t in needed for t in op.outputs) or is_random(op):

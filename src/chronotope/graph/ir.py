@@ -146,6 +146,8 @@ class Graph:
     buffers: dict[str, PTensor]
     constants: dict[str, torch.Tensor]  # CONSTANT pTensor name -> value
     loss: PTensor
+    # Buffers the step changes (running statistics), by name: their values after it.
+    buffer_updates: dict[str, PTensor] = field(default_factory=dict)
     input_names: list[str] = field(default_factory=list)  # argument names, for binding
     name: str = "model"
     frontend: str = "fx"
@@ -195,4 +197,5 @@ class Graph:
             where = f"  # {op.source.file.rsplit('/', 1)[-1]}:{op.source.line}" if op.source else ""
             lines.append(f"  {outs} = {op.kind}({ins})  [{sig}]{where}")
         lines.append(f"  loss   {self.loss.name}")
+        lines += [f"  buffer {name} = {t.name}" for name, t in self.buffer_updates.items()]
         return "\n".join(lines)

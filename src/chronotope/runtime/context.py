@@ -11,7 +11,7 @@ the gradients are then sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ class StepContext:
         device: torch.device,
         stored: Mapping[tuple[str, tuple], torch.Tensor],
         owned: Mapping[tuple[str, tuple], nn.Parameter],
-        state: Mapping[str, torch.Tensor],
+        state: MutableMapping[str, torch.Tensor],
         batch: Mapping[str, torch.Tensor],
         transport: Any,
         targets: Mapping[str, Callable[..., Any]],
@@ -233,6 +233,10 @@ class StepContext:
 
     def loss(self, value: torch.Tensor) -> None:
         self.losses.append(float(value.detach()))
+
+    def set_buffer(self, name: str, value: torch.Tensor) -> None:
+        """Buffer ``name`` after this step (running statistics): what the next step reads."""
+        self.state[name] = value.detach().clone()
 
 
 def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:

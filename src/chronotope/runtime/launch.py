@@ -21,7 +21,15 @@ import torch.multiprocessing as mp
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.models.workload import Workload
-from chronotope.runtime.local import Optim, Rank, RankSpec, RunResult, gather_params, rank_specs
+from chronotope.runtime.local import (
+    Optim,
+    Rank,
+    RankSpec,
+    RunResult,
+    gather_params,
+    model_buffers,
+    rank_specs,
+)
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
@@ -37,8 +45,9 @@ def free_port() -> int:
 
 
 def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
-               timeout: float) -> tuple[list[float], dict, list[float]]:
-    """One rank's whole run inside an initialized process group."""
+               timeout: float) -> tuple[list[float], dict, list[float], dict]:
+    """One rank's whole run inside an initialized process group: its losses, parameter
+    regions, step times and buffers."""
     device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") \
         if backend == "nccl" else torch.device("cpu")
     rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device)
@@ -49,7 +58,7 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return losses, rank.regions(), times
+    return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
 
 
 def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
@@ -118,7 +127,7 @@ def _exited(index: int, code: int, out_dir: str) -> WorkerError:
 
 
 def _train(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
-           timeout: float) -> tuple[list[float], dict, list[float]]:
+           timeout: float) -> tuple[list[float], dict, list[float], dict]:
     return train_rank(specs[index], steps, optim, backend, timeout)
 
 
@@ -127,11 +136,12 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
     """One process per rank on this machine; returns rank 0's losses and the final weights."""
     results = launch(rank_specs(program, workload), steps, optim, backend, timeout)
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
-                     results[0][2])
+                     results[0][2], buffers=model_buffers(results[0][3], workload))
 
 
 def launch(specs: list[RankSpec], steps: int, optim: Optim | None = None,
-           backend: str = "gloo", timeout: float = 60.0) -> list[tuple[list[float], dict, list]]:
+           backend: str = "gloo", timeout: float = 60.0
+           ) -> list[tuple[list[float], dict, list, dict]]:
     """Spawn the ranks and wait for all of them; a failure names the rank that caused it."""
     check_sendable(specs[0].targets if specs else {})
     return spawn(_train, len(specs), (specs, steps, optim or Optim(), backend, timeout),
@@ -196,7 +206,7 @@ def worker_main(directory: str, steps: int | None = None, timeout: float = 60.0)
         spec = specs[rank]
         with open(os.path.join(directory, f"rank{rank}.py")) as f:
             spec.code = f.read()
-        losses, _, _ = train_rank(spec, steps or saved["steps"], saved["optim"], backend, timeout)
+        losses, *_ = train_rank(spec, steps or saved["steps"], saved["optim"], backend, timeout)
         if rank == 0:
             for i, loss in enumerate(losses):
                 print(f"step {i}: loss {loss:.6f}", flush=True)

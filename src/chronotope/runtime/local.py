@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,7 @@ class RunResult:
     params: dict[str, torch.Tensor]  # final parameters, reassembled from the ranks' regions
     step_times: list[float] = field(default_factory=list)  # rank 0's seconds per step
     peak_memory: list[int] = field(default_factory=list)  # per rank, bytes (measure_memory)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final buffers, by name
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,
@@ -218,7 +219,14 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
                      errors[min(errors)])
         raise cause
     return RunResult(losses, gather_params([r.regions() for r in ranks], workload),
-                     peak_memory=[r.peak_memory or 0 for r in ranks] if measure_memory else [])
+                     peak_memory=[r.peak_memory or 0 for r in ranks] if measure_memory else [],
+                     buffers=model_buffers(ranks[0].state, workload))
+
+
+def model_buffers(state: Mapping[str, torch.Tensor], workload: Workload
+                  ) -> dict[str, torch.Tensor]:
+    """The model's buffers in a rank's state after training (every rank keeps them whole)."""
+    return {n: state[n].detach().cpu() for n, _ in workload.model.named_buffers() if n in state}
 
 
 def gather_params(regions: list[dict[tuple[str, tuple], torch.Tensor]],

@@ -32,7 +32,8 @@ def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
         losses.append(float(loss.detach()))
-    return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()},
+                     buffers={n: b.detach().clone() for n, b in model.named_buffers()})
 
 
 @dataclass(frozen=True)
@@ -42,32 +43,42 @@ class Difference:
 
     max_loss_rel_diff: float
     max_param_rel_diff: float
+    max_buffer_rel_diff: float = 0.0  # running statistics and other buffers the step changes
 
     def within(self, tol: float) -> bool:
-        """Both differences at most ``tol``: false for ``nan``, as a NaN is never a match."""
-        return self.max_loss_rel_diff <= tol and self.max_param_rel_diff <= tol
+        """Every difference at most ``tol``: false for ``nan``, as a NaN is never a match."""
+        return (self.max_loss_rel_diff <= tol and self.max_param_rel_diff <= tol
+                and self.max_buffer_rel_diff <= tol)
 
 
 def compare(run: RunResult, reference: RunResult) -> Difference:
-    """Largest relative differences: per-step losses, and parameters against their scale.
+    """Largest relative differences: per-step losses, and parameters (and buffers) against
+    their scale.
 
     Parameters are compared against the largest reference value of all of them, so
     tensors whose gradient is zero in exact arithmetic (an attention key's bias)
     do not turn rounding noise into a large ratio. A NaN anywhere makes the difference
-    NaN; a step or a parameter one run lacks (or a shape that differs) makes it inf.
+    NaN; a step, parameter or buffer one run lacks (or a shape that differs) makes it inf.
     """
     if len(run.losses) != len(reference.losses):
         loss = math.inf
     else:
         loss = _worst(abs(a - b) / max(abs(b), 1e-12)
                       for a, b in zip(run.losses, reference.losses))
-    if run.params.keys() != reference.params.keys() or any(
-            run.params[n].shape != p.shape for n, p in reference.params.items()):
-        return Difference(loss, math.inf)
-    scale = _worst(float(p.abs().max()) for p in reference.params.values() if p.numel())
-    param = _worst(float((run.params[n] - p).abs().max())
-                   for n, p in reference.params.items() if p.numel())
-    return Difference(loss, param / max(scale, 1e-12))
+    return Difference(loss, _state_difference(run.params, reference.params),
+                      _state_difference(run.buffers, reference.buffers))
+
+
+def _state_difference(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest difference of tensors against the largest reference value of them all;
+    inf when a tensor is missing or shaped differently."""
+    if run.keys() != reference.keys() or any(
+            run[n].shape != t.shape for n, t in reference.items()):
+        return math.inf
+    scale = _worst(float(t.double().abs().max()) for t in reference.values() if t.numel())
+    worst = _worst(float((run[n].double() - t.double()).abs().max())
+                   for n, t in reference.items() if t.numel())
+    return worst / max(scale, 1e-12)
 
 
 def _worst(values: Iterable[float]) -> float:

@@ -324,24 +324,6 @@ def last_two_frozen(call: OpCall) -> str:
     return f"{' '.join(dims)} -> {' '.join(dims)}"
 
 
-def gather(call: OpCall) -> str:
-    x, idx = call.tensors[0], call.tensors[1]
-    n = len(x.shape)
-    d = _dim(call, 1, n)
-    xin = ["g^" if i == d else f"d{i}^" for i in range(n)]
-    iin = ["o^" if i == d else f"e{i}^" for i in range(len(idx.shape))]
-    return f"{join(xin, iin)} -> {' '.join(iin)}"
-
-
-def index_select(call: OpCall) -> str:
-    x = call.tensors[0]
-    n = len(x.shape)
-    d = _dim(call, 1, n)
-    xin = ["g^" if i == d else f"d{i}" for i in range(n)]
-    out = ["t0" if i == d else f"d{i}" for i in range(n)]
-    return f"{join(xin, ['t0'])} -> {' '.join(out)}"
-
-
 def aten_slice(call: OpCall) -> str:
     x = call.tensors[0]
     n = len(x.shape)
@@ -514,8 +496,6 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("diff"), "diff", diff)
     reg.add(_targets("flip"), "flip", along_dims(1))
     reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)
-    reg.add(_targets("gather"), "gather", gather)
-    reg.add(_targets("index_select"), "index_select", index_select)
     reg.add(_targets("narrow"), "narrow", narrow, region=narrow_region)
     reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.pad, aten.constant_pad_nd], "pad", pad)
     reg.add([aten.slice], "slice", aten_slice, region=slice_region)
