@@ -228,7 +228,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     tails = loss_tails(graph, batch_dim, plan.registry)
     data = data_only(graph)
     if orders:
-        _refuse_barriers(graph, batch_dim, tails | data, schedule, micro)
+        _refuse_barriers(graph, batch_dim, tails, data, schedule, micro)
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
         if dp * ways > 1:
@@ -351,39 +351,41 @@ def data_only(graph: Graph) -> set[Op]:
     return out
 
 
-def barriers(graph: Graph, batch_dim: dict[Op, str | None], exempt: set[Op]
+def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data: set[Op]
              ) -> list[tuple[Op, str]]:
-    """Ops computed from the batch that no micro-batch can run alone, with the reason:
-    one that reads the whole batch (no signature dim carries it), or one that sums over
-    the batch for ops that need the whole sum (batch statistics). Every micro-batch would wait
-    for all the others there, which no pipeline schedule allows. ``exempt``: the loss's
-    tails and what is computed from the labels alone."""
+    """Ops no micro-batch can run alone, with the reason: one that reads what micro-batches
+    make but no dim of its signature carries the batch (it needs every micro-batch's part),
+    or one that sums over the batch for ops that need the whole sum (batch statistics).
+    Every micro-batch would wait for all the others there, which no pipeline schedule
+    allows. The loss's tails and what is computed from the inputs alone are cut, or run
+    whole before anything, as ``mesh`` does."""
+    batched = {op for op in graph.ops
+               if op not in data and (batch_dim[op] is not None or op in tails)}
+    made_by = {t: op for op in graph.ops for t in op.outputs}
     readers: dict[PTensor, list[Op]] = defaultdict(list)
     for op in graph.ops:
         for t in op.inputs:
             readers[t].append(op)
-    from_batch = set(graph.inputs)
     found = []
     for op in graph.ops:
-        if not any(t in from_batch for t in op.inputs):
+        if op in tails or op in data:
             continue
-        from_batch.update(op.outputs)
         dim = batch_dim[op]
-        if op in exempt:
-            continue
         if dim is None:
-            found.append((op, "it reads the whole batch: no dim of its signature carries it"
-                          if op.signature else "it has no signature, so it reads the whole batch"))
+            if any(made_by.get(t) in batched for t in op.inputs):
+                found.append((op, "it reads the whole batch: no dim of its signature carries it"
+                              if op.signature else
+                              "it has no signature, so it reads the whole batch"))
         elif op.signature.dim(dim).reduce and any(
-                r not in exempt for t in op.outputs for r in readers[t]):
+                r not in tails for t in op.outputs for r in readers[t]):
             found.append((op, "it sums over the batch and what follows needs the whole sum "
                           "(batch statistics, or a loss that is no sum over samples)"))
     return found
 
 
-def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], exempt: set[Op],
-                     schedule: str | Schedule, micro: int) -> None:
-    found = barriers(graph, batch_dim, exempt)
+def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op],
+                     data: set[Op], schedule: str | Schedule, micro: int) -> None:
+    found = barriers(graph, batch_dim, tails, data)
     if not found:
         return
     op, why = found[0]
