@@ -2,9 +2,6 @@
 lets split (the other ops replicated) and trains exactly like one device."""
 
 import functools
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -12,46 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
-from chronotope.runtime.local import Optim, run_in_threads
-from chronotope.runtime.reference import compare, train_reference
-
-STEPS = 2
-
-
-class OpModel(nn.Module):
-    """``loss = sum_i (i + 1) * sum(out_i ** 2)`` of ``out = op(inner, x * scale)``: the op
-    reads a trained tensor, and every output (indices too) enters the loss."""
-
-    def __init__(self, shape: tuple[int, ...], op: Callable, inner: nn.Module | None) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.rand(shape[1:]) + 0.5)
-        self.inner = inner
-        self.op = op
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.op(self.inner, x * self.scale)
-        outs = out if isinstance(out, tuple) else (out,)
-        loss = outs[0].float().pow(2).sum()
-        for i, o in enumerate(outs[1:]):
-            loss = loss + (o.float().pow(2).sum() * (i + 2))
-        return loss
-
-
-@dataclass(frozen=True)
-class Case:
-    shape: tuple[int, ...]
-    op: Callable
-    kind: str  # the kind of the op under test
-    dims: tuple[str, ...]  # the dims its signature lets split
-    inner: Callable[[], nn.Module] | None = None
-    frontends: tuple[str, ...] = ("fx", "export")
-    dtype: torch.dtype = torch.float32
-    extra: dict = field(default_factory=dict)
-
-
-def _conv(module: Callable[[], nn.Module], shape: tuple[int, ...], kind: str,
-          dims: tuple[str, ...]) -> Case:
-    return Case(shape, lambda m, h: m(h), kind, dims, inner=module)
+from tests.graph.op_testing import Case, layer, split_one, the_op, trains_like_one_device
 
 
 def _index(shape: tuple[int, ...], high: int, seed: int) -> torch.Tensor:
@@ -63,21 +21,21 @@ ROWS = _index((6,), 4, 2)
 PUT = (_index((6,), 4, 3), _index((6,), 2, 4))
 
 CASES = {
-    "conv1d": _conv(lambda: nn.Conv1d(4, 6, 3, padding=1), (4, 4, 8), "conv", ("n", "k", "o")),
-    "conv2d": _conv(lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1), (4, 4, 7, 7),
+    "conv1d": layer(lambda: nn.Conv1d(4, 6, 3, padding=1), (4, 4, 8), "conv", ("n", "k", "o")),
+    "conv2d": layer(lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1), (4, 4, 7, 7),
                     "conv", ("n", "k", "o")),
-    "conv2d-groups": _conv(lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 4, 6, 6), "conv",
+    "conv2d-groups": layer(lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 4, 6, 6), "conv",
                            ("n", "g")),
-    "conv2d-depthwise": _conv(lambda: nn.Conv2d(4, 4, 3, groups=4, bias=False), (4, 4, 6, 6),
+    "conv2d-depthwise": layer(lambda: nn.Conv2d(4, 4, 3, groups=4, bias=False), (4, 4, 6, 6),
                               "conv", ("n", "g")),
-    "conv2d-unbatched": _conv(lambda: nn.Conv2d(4, 6, 3), (4, 6, 6), "conv", ("k", "o")),
-    "conv3d": _conv(lambda: nn.Conv3d(2, 4, 2, padding=1), (2, 2, 3, 4, 4), "conv",
+    "conv2d-unbatched": layer(lambda: nn.Conv2d(4, 6, 3), (4, 6, 6), "conv", ("k", "o")),
+    "conv3d": layer(lambda: nn.Conv3d(2, 4, 2, padding=1), (2, 2, 3, 4, 4), "conv",
                     ("n", "k", "o")),
-    "conv_transpose1d-groups": _conv(lambda: nn.ConvTranspose1d(4, 6, 3, groups=2),
+    "conv_transpose1d-groups": layer(lambda: nn.ConvTranspose1d(4, 6, 3, groups=2),
                                      (2, 4, 5), "conv", ("n", "g")),
-    "conv_transpose2d": _conv(lambda: nn.ConvTranspose2d(4, 6, 2, stride=2), (2, 4, 3, 3),
+    "conv_transpose2d": layer(lambda: nn.ConvTranspose2d(4, 6, 2, stride=2), (2, 4, 3, 3),
                               "conv_transpose", ("n", "k", "o")),
-    "conv_transpose3d": _conv(lambda: nn.ConvTranspose3d(2, 4, 2), (2, 2, 2, 3, 3),
+    "conv_transpose3d": layer(lambda: nn.ConvTranspose3d(2, 4, 2), (2, 2, 2, 3, 3),
                               "conv_transpose", ("n", "k", "o")),
     "max_pool1d": Case((2, 4, 8), lambda m, h: F.max_pool1d(h, 2), "pool", ("b0", "b1")),
     "max_pool2d": Case((2, 4, 6, 6), lambda m, h: F.max_pool2d(h, 3, stride=2, padding=1),
@@ -103,13 +61,13 @@ CASES = {
                                 "interpolate", ("b0", "b1")),
     "interpolate-bilinear": Case((2, 4, 3, 5), lambda m, h: F.interpolate(
         h, size=(5, 4), mode="bilinear", align_corners=False), "interpolate", ("b0", "b1")),
-    "upsample-trilinear": _conv(lambda: nn.Upsample(scale_factor=2, mode="trilinear"),
+    "upsample-trilinear": layer(lambda: nn.Upsample(scale_factor=2, mode="trilinear"),
                                 (2, 2, 2, 3, 3), "interpolate", ("b0", "b1")),
-    "group_norm": _conv(lambda: nn.GroupNorm(2, 4), (2, 4, 3, 3), "group_norm", ("n", "g")),
-    "group_norm-one-group": _conv(lambda: nn.GroupNorm(1, 4), (2, 4, 3), "group_norm", ("n",)),
-    "group_norm-per-channel": _conv(lambda: nn.GroupNorm(4, 4), (2, 4, 3, 3), "group_norm",
+    "group_norm": layer(lambda: nn.GroupNorm(2, 4), (2, 4, 3, 3), "group_norm", ("n", "g")),
+    "group_norm-one-group": layer(lambda: nn.GroupNorm(1, 4), (2, 4, 3), "group_norm", ("n",)),
+    "group_norm-per-channel": layer(lambda: nn.GroupNorm(4, 4), (2, 4, 3, 3), "group_norm",
                                     ("n", "g")),
-    "batch_norm-eval": _conv(lambda: nn.BatchNorm2d(4).eval(), (2, 4, 2, 4), "batch_norm",
+    "batch_norm-eval": layer(lambda: nn.BatchNorm2d(4).eval(), (2, 4, 2, 4), "batch_norm",
                              ("n", "c", "s0", "s1")),
     "topk": Case((4, 2, 6), lambda m, h: tuple(torch.topk(h, 2, dim=-1)), "topk", ("d0", "d1")),
     "topk-dim0": Case((4, 2, 6), lambda m, h: tuple(h.topk(3, dim=0, largest=False)), "topk",
@@ -138,41 +96,9 @@ CASES = {
 }
 
 
-def workload(name: str) -> ct.Workload:
-    case = CASES[name]
-    torch.manual_seed(0)
-    inner = case.inner() if case.inner else None
-    return ct.Workload(OpModel(case.shape, case.op, inner), (torch.randn(case.shape),))
-
-
 @functools.cache
 def captured(name: str, frontend: str) -> tuple[ct.Workload, ct.Graph]:
-    w = workload(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w, frontend=frontend)
-
-
-def split_one(graph: ct.Graph, op: ct.graph.Op, dim: str, n: int = 2) -> ct.Plan:
-    """``op`` split ``n`` ways along ``dim`` (piece k on device k), everything else replicated."""
-    plan = ct.Plan(graph, n)
-    for o in graph:
-        for device, piece in enumerate(plan.trans(o, ct.Split(dim, n) if o is op
-                                                  else ct.Replicate(n))):
-            plan.assign(piece, device)
-    return plan
-
-
-def trains_like_one_device(plan: ct.Plan, w: ct.Workload, steps: int = STEPS) -> None:
-    run = run_in_threads(ct.compile(plan), w, steps, Optim("sgd", 0.1))
-    diff = compare(run, train_reference(w, steps, Optim("sgd", 0.1)))
-    assert diff.within(1e-5), diff
-
-
-def the_op(graph: ct.Graph, kind: str) -> ct.graph.Op:
-    found = [op for op in graph if op.kind == kind]
-    assert len(found) == 1, [op.kind for op in graph]
-    return found[0]
+    return CASES[name].captured(frontend)
 
 
 SPLITS = [(name, frontend, dim) for name, case in CASES.items() for frontend in case.frontends

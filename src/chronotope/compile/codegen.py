@@ -294,6 +294,8 @@ def _qualified(fn: Any, op_name: str) -> str:
     """A dotted name for ``fn`` reachable from ``torch`` or ``operator``, else a lookup via rt."""
     if isinstance(fn, torch._ops.OpOverload):
         return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    if isinstance(fn, torch._ops.OpOverloadPacket):  # torch.ops.<library>.<op>(...) under fx
+        return "torch.ops." + fn._qualified_op_name.replace("::", ".")
     if rng.drawn(fn):
         return f"rng.{fn.__name__}"
     module = (getattr(fn, "__module__", None) or "").replace("_operator", "operator")

@@ -151,13 +151,18 @@ class OpRegistry:
         return op
 
     def lookup(self, target: Any) -> OpDef | None:
-        """The entry for a target; an ``aten`` overload falls back to its packet."""
+        """The entry for a target; an operator overload falls back to its packet, then to
+        its qualified name (``"transformers::grouped_mm_fallback"``: an op of a library
+        that registers it only once imported)."""
         try:
             found = self._defs.get(target)
         except TypeError:  # unhashable target
             return None
         if found is None and isinstance(target, torch._ops.OpOverload):
             found = self._defs.get(target.overloadpacket)
+            target = target.overloadpacket
+        if found is None and isinstance(target, torch._ops.OpOverloadPacket):
+            found = self._defs.get(target._qualified_op_name)
         return found
 
     def of(self, target: Any) -> OpDef | None:

@@ -155,12 +155,16 @@ def _dim(call: OpCall, index: int, ndim: int, default: int = 0) -> int:
 
 
 def concat(call: OpCall) -> str:
-    """cat: the joined dim is frozen and sized per input; the rest are shared."""
+    """cat: the joined dim is frozen and sized per input; the rest are shared. An empty 1-D
+    input (an empty cache's start) is skipped, as ``torch.cat`` skips it."""
     ts = call.tensors
     n = len(call.out.shape)
     d = _dim(call, 1, n)
     items = []
-    for k, _ in enumerate(ts):
+    for k, t in enumerate(ts):
+        if t.shape == (0,) and n != 1:
+            items.append(["0"])
+            continue
         dims = names(n)
         dims[d] = f"c{k}^"
         items.append(dims)

@@ -1,0 +1,90 @@
+"""What the per-op tests share: a small model around one op, a plan that splits only that op,
+and the check against one device."""
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import chronotope as ct
+from chronotope.graph.ir import Op
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+
+STEPS = 2
+
+
+class OpModel(nn.Module):
+    """``loss = sum_i (i + 1) * sum(out_i ** 2)`` of ``out = op(inner, x * scale)``: the op
+    reads a trained tensor, and every output (indices too) enters the loss."""
+
+    def __init__(self, shape: tuple[int, ...], op: Callable, inner: nn.Module | None) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(shape[1:]) + 0.5)
+        self.inner = inner
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.op(self.inner, x * self.scale)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = outs[0].float().pow(2).sum()
+        for i, o in enumerate(outs[1:]):
+            loss = loss + (o.float().pow(2).sum() * (i + 2))
+        return loss
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op in a small model: ``op(inner, h)`` on an input of ``shape``, the kind of the
+    op under test, and the dims its signature lets split."""
+
+    shape: tuple[int, ...]
+    op: Callable
+    kind: str
+    dims: tuple[str, ...]
+    inner: Callable[[], nn.Module] | None = None
+    frontends: tuple[str, ...] = ("fx", "export")
+    tolerance: float = 1e-5  # bfloat16 partial sums (of a split or of its backward) round off
+
+    def workload(self) -> ct.Workload:
+        torch.manual_seed(0)
+        inner = self.inner() if self.inner else None
+        return ct.Workload(OpModel(self.shape, self.op, inner), (torch.randn(self.shape),))
+
+    def captured(self, frontend: str) -> tuple[ct.Workload, ct.Graph]:
+        w = self.workload()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return w, ct.capture(w, frontend=frontend)
+
+
+def layer(module: Callable[[], nn.Module], shape: tuple[int, ...], kind: str,
+                dims: tuple[str, ...]) -> Case:
+    """A case whose op is a module's forward."""
+    return Case(shape, lambda m, h: m(h), kind, dims, inner=module)
+
+
+def split_one(graph: ct.Graph, op: Op, dim: str, n: int = 2) -> ct.Plan:
+    """``op`` split ``n`` ways along ``dim`` (piece k on device k), everything else replicated."""
+    plan = ct.Plan(graph, n)
+    for o in graph:
+        for device, piece in enumerate(plan.trans(o, ct.Split(dim, n) if o is op
+                                                  else ct.Replicate(n))):
+            plan.assign(piece, device)
+    return plan
+
+
+def trains_like_one_device(plan: ct.Plan, w: ct.Workload, steps: int = STEPS,
+                           tolerance: float = 1e-5) -> None:
+    """Losses, weights and buffers within float32 tolerance of training on one device."""
+    run = run_in_threads(ct.compile(plan), w, steps, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(w, steps, Optim("sgd", 0.1)))
+    assert diff.within(tolerance), diff
+
+
+def the_op(graph: ct.Graph, kind: str) -> Op:
+    found = [op for op in graph if op.kind == kind]
+    assert len(found) == 1, [op.kind for op in graph]
+    return found[0]
