@@ -1,7 +1,9 @@
 """What ops call, sent to other processes as references they can follow."""
 
 import operator
+import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,3 +96,32 @@ def test_a_saved_exported_program_loads_its_ops_by_name(tmp_path):
     targets = specs[1].targets
     assert targets and all(isinstance(t, Target) for t in targets.values())
     assert {t.resolve(op) for op, t in targets.items()} == {op.target for op in graph.ops}
+
+
+CUSTOM_OP = '''
+import torch
+
+
+@torch.library.custom_op("chronotope_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+'''
+
+
+def test_a_custom_op_names_the_module_that_registers_it(tmp_path, monkeypatch):
+    """torch.ops knows a torch.library custom op (a Hugging Face MoE's grouped matmul) only
+    once its module ran: a new process imports that module before looking the op up."""
+    (tmp_path / "custom_twice.py").write_text(CUSTOM_OP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import custom_twice  # noqa: F401
+
+    target = reference(torch.ops.chronotope_test.twice.default)
+    assert target.registers == "custom_twice"
+    found = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys, torch; "
+         "t = pickle.loads(sys.stdin.buffer.read()); "
+         "print(t.resolve('twice')(torch.ones(2)).tolist())"],
+        input=pickle.dumps(target), capture_output=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert found.returncode == 0, found.stderr.decode()
+    assert found.stdout.decode().strip() == "[2.0, 2.0]"

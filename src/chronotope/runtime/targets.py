@@ -38,6 +38,9 @@ class Target:
     module: str  # a module name: torch, torch.nn.functional, the user's file's private name
     path: str  # the attribute path in it: ops.aten.relu.default, my_op, Block.attention
     file: str | None = None  # where the module came from
+    # A module to import first: the one registering a custom op (torch.library.custom_op),
+    # which torch.ops knows only once it ran, as a Hugging Face MoE layer's grouped matmul.
+    registers: str | None = None
 
     def __str__(self) -> str:
         return f"{self.path} of module {self.module}" + (f" ({self.file})" if self.file else "")
@@ -45,6 +48,8 @@ class Target:
     def resolve(self, op: str) -> Callable[..., Any]:
         """The callable itself; importing its module, or loading its file, when needed."""
         try:
+            if self.registers:
+                importlib.import_module(self.registers)
             obj: Any = self._module()
             for part in self.path.split("."):
                 obj = getattr(obj, part)
@@ -73,8 +78,21 @@ def reference(fn: Any) -> Target | None:
         for part in path.split("."):
             found = getattr(found, part, None)
         if found is fn:
-            return Target(module, path, getattr(sys.modules[module], "__file__", None))
+            return Target(module, path, getattr(sys.modules[module], "__file__", None),
+                          _registering_module(fn))
     return None
+
+
+def _registering_module(fn: Any) -> str | None:
+    """The module whose import registers ``fn``, a custom op; None for torch's own ops."""
+    if not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    name = fn._schema.name if isinstance(fn, torch._ops.OpOverload) else fn._qualified_op_name
+    opdef = OPDEFS.get(name)
+    init = getattr(opdef, "_init_fn", None)
+    return getattr(init, "__module__", None)
 
 
 def _names(fn: Any) -> list[tuple[str, str]]:
