@@ -52,3 +52,17 @@ def test_a_frozen_parameter_has_no_update_to_plan():
     plan = ct.Plan(graph, 2)
     with pytest.raises(ct.PlanError, match="gets no gradient"):
         plan.update(next(iter(frozen)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb1"])
+def test_a_frozen_first_stage_pipelines(schedule):
+    """A stage that nothing trainable runs before has no backward: the schedule skips it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    w = ct.Workload(model, (torch.randn(4, 8),), loss_fn=lambda y: y.pow(2).mean())
+    plan = mesh(ct.capture(w), pp=2, micro=2, schedule=schedule)
+    trains_like_one_device(w, ct.compile(plan))

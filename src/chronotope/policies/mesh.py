@@ -454,8 +454,9 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
                             steps[("B", s, m)] = plan.backward(forward)
                         if split and plan.leaves(plan.weight(forward)):
                             steps[("W", s, m)] = plan.weight(forward)
-            # a stage without parameters has no weight gradients to place
-            order = [step for step in orders[r] if step in steps or step[0] != "W"]
+            # a stage without parameters has no weight gradients to place, and one that
+            # nothing trainable runs before (a frozen stem) no backward at all
+            order = [step for step in orders[r] if step in steps or step[0] == "F"]
             unknown = [step for step in order if step not in steps]
             missing = [step for step in steps if step not in order]
             if unknown or missing:
