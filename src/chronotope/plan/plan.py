@@ -125,6 +125,9 @@ class Plan:
         self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU
         self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
+        # Ops a policy was to split along the batch but could not, with why (no signature,
+        # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
+        self.unsplit: dict[Op, str] = {}
         self.orders: list[OrderCall] = []
         self.grads: dict[PTensor, PTensor] = {}
         self.requires_grad = differentiable(graph)

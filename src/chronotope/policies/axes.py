@@ -4,12 +4,16 @@ A policy marks where an axis starts (the batch on inputs' axis 0, the
 sequence on axis 1, a column-split linear's features); each op that reads a
 marked axis names it with a signature dim, and that dim marks the output axes
 it reaches. ``(b t)`` after a flatten keeps ``b`` as its leading factor, so the
-batch survives reshapes; a reduced dim (``k+``) ends the trail.
+batch survives reshapes; a reduced dim (``k+``) ends the trail, and so does an op
+that reads the axis but cannot split it (no signature, or a frozen dim).
 """
 
 from __future__ import annotations
 
 from chronotope.graph.ir import Graph, Op, PTensor
+
+# Ops that take only the shape, dtype or device of their tensor inputs (``x.new_zeros``).
+_SHAPE_ONLY = frozenset({"fill", "factory"})
 
 
 def carried_dim(op: Op, axis: dict[PTensor, int]) -> str | None:
@@ -36,20 +40,38 @@ def carry(op: Op, dim: str, axis: dict[PTensor, int]) -> None:
                 break
 
 
-def follow(graph: Graph, start: dict[PTensor, int]) -> dict[Op, str | None]:
-    """For each op, the signature dim that carries the axes marked in ``start``."""
+def trail(graph: Graph, start: dict[PTensor, int]
+          ) -> tuple[dict[Op, str | None], dict[Op, str]]:
+    """For each op, the signature dim that carries the axes marked in ``start``; and the ops
+    where the trail is lost without a reduction: they read a marked axis (of more than one
+    element) but no splittable dim carries it, with why."""
     axis = dict(start)
     dims: dict[Op, str | None] = {}
+    lost: dict[Op, str] = {}
     for op in graph.ops:
         dims[op] = carried_dim(op, axis)
         if dims[op] is not None:
             carry(op, dims[op], axis)
-    return dims
+        elif op.kind not in _SHAPE_ONLY and any(t in axis and t.shape[axis[t]] > 1
+                                                for t in op.inputs):
+            lost[op] = "no signature" if op.signature is None else \
+                "its signature cannot split that dim"
+    return dims, lost
+
+
+def follow(graph: Graph, start: dict[PTensor, int]) -> dict[Op, str | None]:
+    """For each op, the signature dim that carries the axes marked in ``start``."""
+    return trail(graph, start)[0]
+
+
+def batch_start(graph: Graph) -> dict[PTensor, int]:
+    """Where the batch starts: axis 0 of every batch input."""
+    return {t: 0 for t in graph.inputs if t.shape}
 
 
 def batch_dims(graph: Graph) -> dict[Op, str | None]:
     """For each op, the dim that carries the batch (axis 0 of every batch input)."""
-    return follow(graph, {t: 0 for t in graph.inputs if t.shape})
+    return follow(graph, batch_start(graph))
 
 
 def sequence_dims(graph: Graph) -> dict[Op, str | None]:

@@ -1,17 +1,21 @@
 """Data, tensor and sequence parallelism on a ``dp x tp`` device mesh, from the primitives.
 
 Data parallel splits every op along the batch (``axes.batch_dims``); ops that
-never see the batch are replicated. Within each data-parallel group of ``tp``
-devices, tensor parallelism (Megatron) splits a linear whose input is whole
-along its output features (column), follows that split through the ops after
-it (heads of the attention, the MLP's activation), and a linear that reads it
-on its reduced dim is split there (row), so its outputs are partial sums: one
-all-reduce after each column/row pair forward, and one in backward where the
-column linears' input gradients meet. Everything else is replicated, or with
-``sequence=True`` (Megatron sequence parallel) split along the sequence, which
-turns those all-reduces into all-gathers before the column linears and
-reduce-scatters after the row linears. Communication is derived by the
-compiler from the pieces' masks, so any model whose ops have signatures works.
+never see the batch are replicated, and so are ops that read the batch but cannot
+split it (no signature, or a frozen batch dim): the plan lists them in
+``plan.unsplit``, since every device then runs them on the whole batch.
+
+Within each data-parallel group of ``tp`` devices, tensor parallelism (Megatron)
+splits a linear whose input is whole along its output features (column), follows
+that split through the ops after it (heads of the attention, the MLP's
+activation), and a linear that reads it on its reduced dim is split there (row),
+so its outputs are partial sums: one all-reduce after each column/row pair
+forward, and one in backward where the column linears' input gradients meet.
+Everything else is replicated, or with ``sequence=True`` (Megatron sequence
+parallel) split along the sequence, which turns those all-reduces into
+all-gathers before the column linears and reduce-scatters after the row linears.
+Communication is derived by the compiler from the pieces' masks, so any model
+whose ops have signatures works.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from chronotope.graph.mask import Mask, equal_runs
 from chronotope.graph.registry import OpRegistry
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
-from chronotope.policies.axes import batch_dims, carried_dim, carry, sequence_dims
+from chronotope.policies.axes import (
+    batch_dims,
+    batch_start,
+    carried_dim,
+    carry,
+    sequence_dims,
+    trail,
+)
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -216,7 +227,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     # numbered after the previous one's, and its share of the batch and micro-batches
     ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1
     rank_of = _placement(orders, pp, chunks * ways)
-    batch_dim = batch_dims(graph)
+    batch_dim, unsplit = trail(graph, batch_start(graph))
+    if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
+        plan.unsplit = unsplit
     shards = tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {}
     spans = _spans(graph, shards) if coshard > 1 else {}
     if coshard > 1 and not spans:
