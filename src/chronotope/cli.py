@@ -317,6 +317,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         raise ChronotopeError(f"{args.model} is built on the meta device (no weights), so its "
                               "program can be planned but not written with --out")
     workload, program = _compiled(args, device)
+    _warn_unsplit(program.plan, out)
     files = program.save(args.out, workload) if args.out else []
     checked = program.plan.check()
     ranks = [
@@ -329,7 +330,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                for c in program.changes]
     if args.json:
         emit({"model": args.model, "policy": args.policy, "devices": args.devices,
-              "ranks": ranks, "layout_changes": changes, "files": files})
+              "ranks": ranks, "layout_changes": changes, "files": files,
+              "replicate_only_ops": len(program.plan.unsplit)})
         return 0
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices "
                         "(bytes each rank receives per step, by kind)")
@@ -356,8 +358,17 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return 0
 
 
+def _warn_unsplit(plan: Plan, out: Console) -> None:
+    """Name the ops the policy was to split along the batch but could not."""
+    if plan.unsplit:
+        ops = [f"{op.name} ({op.kind}: {why})" for op, why in plan.unsplit.items()]
+        out.print(f"[yellow]warning: {len(ops)} ops cannot split along the batch, so each runs "
+                  f"on the whole batch on every rank:[/] {escape(', '.join(ops))}")
+
+
 def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args)
+    _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, clip=args.clip)
     with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
                     f"processes for {args.steps} steps"):
@@ -376,6 +387,7 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             "reference_losses": reference.losses if reference else None,
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
+            "max_buffer_rel_diff": diff.max_buffer_rel_diff if diff else None,
             "match": ok, "step_time_s": step_time, "torch_random_ops": unmatched,
         })
         return code
@@ -391,7 +403,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     out.print(f"step time {step_time * 1e3:.1f} ms (rank 0, after the first step)")
     if diff:
         out.print(f"largest relative difference from one device: losses "
-                  f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e} "
+                  f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e}"
+                  + (f", buffers {diff.max_buffer_rel_diff:.1e} " if result.buffers else " ")
                   + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
     if unmatched and args.check:
         out.print(f"[yellow]{len(unmatched)} random ops draw from torch's generator, so their "
