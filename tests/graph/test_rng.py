@@ -114,3 +114,15 @@ def test_random_ops_left_on_torchs_generator_are_named():
         warnings.simplefilter("ignore")
         graph = ct.capture(Noisy(), torch.randn(4, 8))
     assert sorted(op.kind for op in torch_random(graph)) == ["alpha_dropout", "bernoulli"]
+
+
+def test_calls_that_draw_nothing_stay_as_they_are():
+    """Dropout out of training or with p=0, attention without dropout: no key, no rewrite."""
+    w = get_workload("gpt", dropout=0.1)
+    w.model.eval()
+    graph = ct.capture(w)
+    assert not any(rng.drawn(op.target) for op in graph.ops) and not torch_random(graph)
+    assert any(op.kind == "attention" for op in graph.ops)
+    with rng.CounterRandom() as mode:
+        w.model(*w.inputs)
+    assert mode.calls == 0

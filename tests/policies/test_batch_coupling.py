@@ -27,7 +27,7 @@ LAYERS = {
     "linear": lambda m, h: m.next_linear()(h),
     "tanh": lambda m, h: torch.tanh(h),
     "center": lambda m, h: h - h.mean(0, keepdim=True),
-    "gram": lambda m, h: (h @ h.t()) @ h / B,
+    "gram": lambda m, h: torch.tanh(h @ h.t() / D) @ h / B,  # bounded: training stays finite
     "softmax_batch": lambda m, h: torch.softmax(h, dim=0) * B,
     "normalize": lambda m, h: F.normalize(h, dim=-1),
 }
@@ -37,7 +37,7 @@ LOSSES = {
     "clip": lambda a, b, t: (F.cross_entropy(a @ b.t(), t) + F.cross_entropy((a @ b.t()).t(), t))
     / 2,
     "cross_only": lambda a, b, t: F.cross_entropy((a @ b.t()).t(), t),
-    "mse_gram": lambda a, b, t: F.mse_loss(a @ a.t(), b @ b.t()),
+    "mse_gram": lambda a, b, t: F.mse_loss(torch.tanh(a @ a.t()), torch.tanh(b @ b.t())),
     "batch_std": lambda a, b, t: (a - b).std(0).sum(),
     "logsumexp_batch": lambda a, b, t: torch.logsumexp(a * b, dim=0).mean(),
 }

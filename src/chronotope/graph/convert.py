@@ -156,7 +156,7 @@ class Converter:
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
-        if rng.rewritable(target):  # a piece of it then draws exactly its slice
+        if rng.rewritable(target, args, kwargs):  # a piece of it then draws exactly its slice
             target, kwargs = rng.rewrite(target, kwargs, self.draws)
             self.draws += 1
         if mutated is None and target in _MEAN_LOSSES:
@@ -410,7 +410,8 @@ def is_random(op: Op) -> bool:
 def torch_random(graph: Graph) -> list[Op]:
     """Random ops left on torch's generator (not rewritten to the counter stream): their
     pieces and replicas draw other numbers than one device does."""
-    return [op for op in graph.ops if is_random(op) and not rng.drawn(op.target)]
+    return [op for op in graph.ops if is_random(op) and not rng.drawn(op.target)
+            and rng.counter_form(op.target) is None]  # with one, it was kept: it draws nothing
 
 
 def prune(ops: list[Op], loss: PTensor, keep: Iterable[PTensor] = ()) -> list[Op]:

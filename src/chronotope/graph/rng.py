@@ -191,12 +191,37 @@ _RENAMED = {attention: {"key": "key_"}}
 _DRAWN = frozenset(REWRITES.values())
 
 
-def rewritable(target: Any) -> bool:
-    """Whether ``target`` is a torch random call with a counter-based form."""
-    try:
-        return target in REWRITES
-    except TypeError:  # an unhashable target
+def rewritable(target: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether this call draws numbers and has a counter-based form. A dropout with
+    ``p=0`` or out of training, an attention without dropout, draws nothing: it stays as
+    it is (and takes no key, in capture and in ``CounterRandom`` alike)."""
+    fn = counter_form(target)
+    if fn is None:
         return False
+    rate, training = _DRAWS.get(fn, (None, None))
+    if rate is not None and not _arg(args, kwargs, *rate):
+        return False
+    return training is None or bool(_arg(args, kwargs, *training))
+
+
+def counter_form(target: Any) -> Callable[..., Any] | None:
+    """The counter-based form of a torch random call, if it has one."""
+    try:
+        return REWRITES.get(target)
+    except TypeError:  # an unhashable target
+        return None
+
+
+def _arg(args: tuple, kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
+    return kwargs[name] if name in kwargs else args[index] if index < len(args) else default
+
+
+# Where a call says how much it drops and whether it trains: (position, name, default).
+_DRAWS = {
+    dropout: ((1, "p", 0.5), (2, "training", True)),
+    native_dropout: ((1, "p", 0.0), (2, "train", True)),
+    attention: ((4, "dropout_p", 0.0), None),
+}
 
 
 def drawn(fn: Any) -> bool:
@@ -226,7 +251,7 @@ class CounterRandom(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not rewritable(func):
+        if not rewritable(func, args, kwargs):
             return func(*args, **kwargs)
         fn, kw = rewrite(func, kwargs, self.calls)
         self.calls += 1
