@@ -16,6 +16,25 @@ def _index(shape: tuple[int, ...], high: int, seed: int) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
 
 
+class Gain(nn.Module):
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.rand(shape) + 0.5)
+
+
+def _shifted(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Shifted right by one along dim 1, as decoders shift their labels."""
+    out = h.new_zeros(h.shape)
+    out[:, 1:] = h[:, :-1]
+    return out
+
+
+def _marked(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    out = h * 2
+    out[:, 0] = 1.0
+    return out
+
+
 IDX = _index((4, 2, 2), 6, 1)  # along the last dim of a (4, 2, 6) tensor
 ROWS = _index((6,), 4, 2)
 PUT = (_index((6,), 4, 3), _index((6,), 2, 4))
@@ -93,6 +112,12 @@ CASES = {
     "index_put-accumulate": Case((4, 2, 6), lambda m, h: h.index_put(
         PUT, h[1, :2].repeat(3, 1), accumulate=True), "index_put", ("t0", "r0")),
     "cumsum": Case((4, 2, 6), lambda m, h: torch.cumsum(h, dim=1), "cumsum", ("d0", "d2")),
+    "setitem-shift": Case((4, 2, 6), _shifted, "setitem", ("d0", "d2"), frontends=("fx",)),
+    "setitem-scalar": Case((4, 2, 6), _marked, "setitem", ("d0", "d2"), frontends=("fx",)),
+    "weight_norm": Case((4, 3, 2), lambda m, h: torch._weight_norm(h, m.g, 0), "weight_norm",
+                        ("w",), inner=lambda: Gain((4, 1, 1))),
+    "weight_norm-last": Case((4, 3, 2), lambda m, h: torch._weight_norm(h, m.g, 2),
+                             "weight_norm", ("w",), inner=lambda: Gain((1, 1, 2))),
 }
 
 

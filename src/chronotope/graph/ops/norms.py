@@ -1,4 +1,4 @@
-"""Signatures of channel normalizations: batch norm and group norm.
+"""Signatures of channel normalizations (batch norm, group norm) and weight norm.
 
 Batch norm in training mode normalizes with statistics over the whole batch.
 A plan that splits the batch must still use the whole batch's statistics
@@ -157,6 +157,21 @@ def regroup(emit: Emit, args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
     return emit(grouped_norm, x, x.shape[1] // g, a["weight"], a["bias"], a["eps"]), ()
 
 
+def weight_norm(call: OpCall) -> str | None:
+    """``_weight_norm(v, g, dim)``: ``v`` scaled to norm ``g`` over every dim but ``dim``, so
+    only ``dim`` splits (``dim=-1``: the norm of all of ``v``)."""
+    v, g = call.tensors[:2]
+    n = len(v.shape)
+    d = int(call.arg(2, "dim", 0))
+    if d == -1 or len(g.shape) != n or n == 0:
+        return None
+    d %= n
+    vs = ["w" if i == d else f"r{i}^" for i in range(n)]
+    gs = ["w" if i == d else "1" for i in range(n)]
+    outs = [vs] + [["w" if i == d else "1" for i in range(n)] for _ in call.outputs[1:]]
+    return f"{join(vs, gs)} -> {join(*outs)}"
+
+
 def register(reg: OpRegistry) -> None:
     forms = [([F.batch_norm], FUNCTIONAL), ([torch.batch_norm, aten.batch_norm], TORCH),
              ([aten.native_batch_norm, aten._native_batch_norm_legit], NATIVE),
@@ -168,3 +183,5 @@ def register(reg: OpRegistry) -> None:
     reg.add([F.group_norm, torch.group_norm, aten.group_norm], "group_norm", group_norm(False),
             decompose=regroup)
     reg.add([grouped_norm], "group_norm", group_norm(True))
+    reg.add([torch._weight_norm, aten._weight_norm, aten._weight_norm_interface], "weight_norm",
+            weight_norm)

@@ -293,7 +293,44 @@ def diff(call: OpCall) -> str:
 
 
 def setitem(call: OpCall) -> str:
-    """``x[idx] = v`` made functional: the written region is frozen."""
+    """``x[idx] = v`` made functional. With basic indexing (ints, slices, None), a dim the
+    index takes whole (``:``) splits, and ``v`` (broadcast to ``x[idx]``) with it; the
+    dims the index cuts are frozen. Any other index freezes every dim."""
+    x = call.tensors[0]
+    expanded = _index_items(call)
+    if expanded is None or not all(it is None or isinstance(it, (int, slice))
+                                   for it in expanded):
+        return _frozen_setitem(call)
+    dims: list[str] = []
+    region: list[tuple[str, int]] = []  # the dims of x[idx], with their sizes
+    d = 0
+    for it in expanded:
+        if it is None:
+            region.append(("1", 1))
+            continue
+        size = x.shape[d]
+        if isinstance(it, slice) and _is_full(it, size):
+            dims.append(f"d{d}")
+            region.append((f"d{d}", size))
+        elif isinstance(it, slice):
+            if any(v is not None and not isinstance(v, int) for v in (it.start, it.stop, it.step)):
+                return _frozen_setitem(call)
+            dims.append(f"x{d}^")
+            region.append((f"r{d}^", len(range(*it.indices(size)))))
+        else:
+            dims.append(f"x{d}^")
+        d += 1
+    values = []
+    for t in call.tensors[1:]:
+        offset = len(region) - len(t.shape)
+        if offset < 0:
+            return _frozen_setitem(call)
+        values.append(["1" if s == 1 and region[offset + j][1] != 1 else region[offset + j][0]
+                       for j, s in enumerate(t.shape)])
+    return f"{join(dims, *values)} -> {' '.join(dims)}"
+
+
+def _frozen_setitem(call: OpCall) -> str:
     dims = [f"d{i}^" for i in range(len(call.tensors[0].shape))]
     others = [[f"v{k}_{i}^" for i in range(len(t.shape))] for k, t in enumerate(call.tensors[1:])]
     return f"{join(dims, *others)} -> {' '.join(dims)}"
