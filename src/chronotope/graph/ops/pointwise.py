@@ -202,6 +202,8 @@ def register(reg: OpRegistry) -> None:
     reg.add([functional.loss_denominator], "loss_denominator", _denominator)
     reg.add([F.mse_loss, F.l1_loss, F.smooth_l1_loss], "pointwise_loss", _pointwise_loss,
             mean_reduction=True)
+    reg.add([F.binary_cross_entropy_with_logits, F.binary_cross_entropy], "pointwise_loss",
+            lambda c: _pointwise_loss(c, reduction_index=5), mean_reduction=True)
 
 
 def _denominator(call: OpCall) -> str:
@@ -211,11 +213,15 @@ def _denominator(call: OpCall) -> str:
     return f"{join(dims, *weight)} -> "
 
 
-def _pointwise_loss(call: OpCall) -> str:
-    red = call.arg(4, "reduction", "mean")
+def _pointwise_loss(call: OpCall, reduction_index: int = 4) -> str:
+    """An elementwise loss of an input and a target (and weights broadcast to them), summed
+    or averaged over every dim unless ``reduction="none"``."""
+    red = call.arg(reduction_index, "reduction", "mean")
     n = len(call.tensors[0].shape)
     dims = names(n)
+    items = [["1" if s == 1 and call.tensors[0].shape[n - len(t.shape) + j] != 1
+              else dims[n - len(t.shape) + j] for j, s in enumerate(t.shape)]
+             for t in call.tensors]
     if red == "none":
-        return f"{join(dims, dims)} -> {' '.join(dims)}"
-    marked = [d + "+" for d in dims]
-    return f"{join(marked, marked)} -> "
+        return f"{join(*items)} -> {' '.join(dims)}"
+    return f"{join(*[[d if d == '1' else d + '+' for d in item] for item in items])} -> "
