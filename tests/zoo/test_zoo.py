@@ -9,8 +9,11 @@ from functools import cache
 import pytest
 import torch
 
+import chronotope as ct
 from chronotope.graph.ir import Graph
-from tests.zoo.harness import POLICIES, capture, check
+from chronotope.runtime.local import run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+from tests.zoo.harness import OPTIM, POLICIES, STEPS, TOLERANCE, capture, check
 from tests.zoo.models import FAMILIES
 
 SPLIT = ("dp", "tp", "zero-3")
@@ -22,7 +25,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "gpt-neo": ALL,
     "gpt-j": ALL,
     "mistral": ALL,
-    "mistral-frozen": SPLIT,
+    "mistral-frozen": ALL,
     "qwen2": ALL,
     "phi": ALL,
     "gemma": ALL,
@@ -30,14 +33,14 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "bloom": ALL,
     "mixtral": SPLIT,
     "qwen2-moe": SPLIT,
-    "bart": SPLIT,
-    "roberta-cls": SPLIT,
-    "distilbert-cls": SPLIT,
+    "bart": ALL,
+    "roberta-cls": ALL,
+    "distilbert-cls": ALL,
     "deberta-v2": ALL,
     "deberta-v2-mlm": ALL,
-    "electra": SPLIT,
+    "electra": ALL,
     "vit": ALL,
-    "whisper": SPLIT,
+    "whisper": ALL,
     "wav2vec2": ALL,
     "clip": SPLIT,
     "cnn-bn": SPLIT,
@@ -48,7 +51,15 @@ CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy
 # Processes as `chronotope run` trains: an encoder-decoder, a frozen table, a batch-coupled loss,
 # a pipeline, ops captured by torch.export (batch norm, pooling) and random ops.
 GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b"),
-        ("cnn-bn", "dp"), ("opt-dropout", "tp")]
+        ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp")]
+
+# What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
+# dispatch over every token, an op without a signature): a pipeline over micro-batches
+# refuses these, naming the op; with one micro-batch they pipeline equal to one device.
+WHOLE_BATCH = {
+    "falcon": "getitem", "mixtral": "sort", "qwen2-moe": "sort", "clip": "cross_entropy",
+    "cnn-bn": "batch_norm", "two-tower": "cross_entropy",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +78,7 @@ def graph_of(family: str) -> Graph:
 
 
 def test_cases_name_known_families_and_policies():
-    assert {f for f, _ in CASES + GLOO} <= set(FAMILIES)
+    assert {f for f, _ in CASES + GLOO} | set(WHOLE_BATCH) <= set(FAMILIES)
     assert {p for _, p in CASES + GLOO} <= set(POLICIES)
 
 
@@ -82,3 +93,14 @@ def test_trains_like_one_device(family: str, policy: str):
 def test_trains_like_one_device_in_processes(family: str, policy: str):
     outcome = check(family, policy, graph_of(family), transport="gloo")
     assert outcome.status == "ok", outcome
+
+
+@pytest.mark.parametrize("family", list(WHOLE_BATCH))
+def test_pipelines_refuse_what_needs_the_whole_batch_and_run_it_in_one_micro_batch(family):
+    graph = graph_of(family)
+    with pytest.raises(ct.PlanError, match=f"cannot run op {WHOLE_BATCH[family]}") as error:
+        ct.policies.pipeline(graph, 2, 2, "1f1b")
+    assert not isinstance(error.value, ct.DeadlockError)
+    program = ct.compile(ct.policies.pipeline(graph, 2, 1, "1f1b"))
+    run = run_in_threads(program, FAMILIES[family](), STEPS, OPTIM)
+    assert compare(run, train_reference(FAMILIES[family](), STEPS, OPTIM)).within(TOLERANCE)
