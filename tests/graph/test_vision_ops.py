@@ -6,6 +6,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import chronotope as ct
@@ -35,6 +37,8 @@ def _marked(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+EDGES = torch.tensor([0.6, 1.0, 1.4])
+ROW_EDGES = torch.sort(torch.rand(4, 3, generator=torch.Generator().manual_seed(5)) + 0.5)[0]
 IDX = _index((4, 2, 2), 6, 1)  # along the last dim of a (4, 2, 6) tensor
 ROWS = _index((6,), 4, 2)
 PUT = (_index((6,), 4, 3), _index((6,), 2, 4))
@@ -112,6 +116,31 @@ CASES = {
     "index_put-accumulate": Case((4, 2, 6), lambda m, h: h.index_put(
         PUT, h[1, :2].repeat(3, 1), accumulate=True), "index_put", ("t0", "r0")),
     "cumsum": Case((4, 2, 6), lambda m, h: torch.cumsum(h, dim=1), "cumsum", ("d0", "d2")),
+    "kthvalue": Case((4, 2, 6), lambda m, h: tuple(torch.kthvalue(h, 2, dim=1)), "kthvalue",
+                     ("d0", "d2")),
+    "median-keepdim": Case((4, 2, 6), lambda m, h: tuple(h.median(dim=-1, keepdim=True)),
+                           "median", ("d0", "d1")),
+    "cummax": Case((4, 2, 6), lambda m, h: tuple(torch.cummax(h, dim=2)), "cumulative",
+                   ("d0", "d1")),
+    "logcumsumexp": Case((4, 2, 6), lambda m, h: torch.logcumsumexp(h, dim=0), "cumulative",
+                         ("d1", "d2")),
+    "searchsorted": Case((4, 6), lambda m, h: (h, torch.searchsorted(EDGES, h)), "searchsorted",
+                         ("d0", "d1")),
+    "searchsorted-rows": Case((4, 6), lambda m, h: (h, torch.searchsorted(ROW_EDGES, h)),
+                              "searchsorted", ("d0", "d1")),
+    "bucketize": Case((4, 6), lambda m, h: (h, torch.bucketize(h, EDGES)), "bucketize",
+                      ("d0", "d1")),
+    "pixel_shuffle": Case((2, 8, 3, 3), lambda m, h: F.pixel_shuffle(h, 2), "pixel_shuffle",
+                          ("b0", "c")),
+    "pixel_unshuffle": Case((2, 2, 4, 4), lambda m, h: F.pixel_unshuffle(h, 2),
+                            "pixel_unshuffle", ("b0", "c")),
+    "unfold": Case((2, 4, 5, 5), lambda m, h: F.unfold(h, 3, padding=1, stride=2), "unfold",
+                   ("n", "c")),
+    "fold": Case((2, 8, 9), lambda m, h: F.fold(h, (4, 4), 2), "fold", ("n", "c")),
+    "instance_norm": layer(lambda: nn.InstanceNorm2d(4, affine=True), (2, 4, 3, 3),
+                           "instance_norm", ("n", "c")),
+    "instance_norm-running-eval": layer(lambda: nn.InstanceNorm1d(4, track_running_stats=True)
+                                        .eval(), (2, 4, 6), "instance_norm", ("n", "c", "s0")),
     "setitem-shift": Case((4, 2, 6), _shifted, "setitem", ("d0", "d2"), frontends=("fx",)),
     "setitem-scalar": Case((4, 2, 6), _marked, "setitem", ("d0", "d2"), frontends=("fx",)),
     "weight_norm": Case((4, 3, 2), lambda m, h: torch._weight_norm(h, m.g, 0), "weight_norm",
@@ -143,3 +172,28 @@ def test_signature_names_the_dims_that_split(name, frontend):
 def test_split_along_each_dim_trains_like_one_device(name, frontend, dim):
     w, graph = captured(name, frontend)
     trains_like_one_device(split_one(graph, the_op(graph, CASES[name].kind), dim), w)
+
+
+CONVS = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (1, True): nn.ConvTranspose1d,
+         (2, True): nn.ConvTranspose2d}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spatial=st.sampled_from([1, 2]), transposed=st.booleans(), groups=st.sampled_from([1, 2]),
+       channels=st.sampled_from([(2, 2), (2, 4), (4, 2)]), kernel=st.integers(1, 3),
+       stride=st.integers(1, 2), padding=st.integers(0, 1), dilation=st.integers(1, 2),
+       bias=st.booleans())
+def test_random_convolutions_split_along_every_dim(spatial, transposed, groups, channels, kernel,
+                                                   stride, padding, dilation, bias):
+    """Any convolution, split along each dim its signature lets split, trains like one device."""
+    cin, cout = (c * groups for c in channels)
+    kind = CONVS[(spatial, transposed)]
+    case = layer(lambda: kind(cin, cout, kernel, stride=stride, padding=padding,
+                              dilation=dilation, groups=groups, bias=bias),
+                 (2, cin, *[6] * spatial), "conv", ())
+    w, graph = case.captured("fx")
+    op = the_op(graph, "conv" if groups > 1 or not transposed else "conv_transpose")
+    dims = op.signature.splittable()
+    assert {"n", "g"} <= set(dims) if groups > 1 else {"n", "k", "o"} <= set(dims)
+    for dim in dims:
+        trains_like_one_device(split_one(graph, op, dim), w, steps=1)

@@ -1,4 +1,4 @@
-"""Signatures of channel normalizations (batch norm, group norm) and weight norm.
+"""Signatures of channel normalizations (batch, group and instance norm) and weight norm.
 
 Batch norm in training mode normalizes with statistics over the whole batch.
 A plan that splits the batch must still use the whole batch's statistics
@@ -23,7 +23,7 @@ from chronotope.graph.registry import Emit, OpCall, OpRegistry
 aten = torch.ops.aten
 
 _DEFAULTS = {"weight": None, "bias": None, "running_mean": None, "running_var": None,
-             "training": False, "momentum": 0.1, "eps": 1e-5}
+             "training": False, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ NATIVE = BatchNormForm(_NATIVE, "saved")
 NO_STATS = BatchNormForm(("input", "weight", "bias", "training", "momentum", "eps"), "saved",
                          in_place=False)
 LEGIT_FUNCTIONAL = BatchNormForm(_NATIVE, "functional", in_place=False)
+FUNCTIONAL_INSTANCE = BatchNormForm(("input", "running_mean", "running_var", "weight", "bias",
+                                     "use_input_stats", "momentum", "eps"))
 
 
 def batch_norm_eval(form: BatchNormForm | None):
@@ -157,6 +159,25 @@ def regroup(emit: Emit, args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
     return emit(grouped_norm, x, x.shape[1] // g, a["weight"], a["bias"], a["eps"]), ()
 
 
+def instance_norm(form: BatchNormForm):
+    """``instance_norm``: statistics per sample and channel over the spatial dims, so batch and
+    channels split (and spatial dims too when it normalizes with running statistics). Running
+    statistics it would update in place (averaged over the batch) are not covered."""
+
+    def rule(call: OpCall) -> str | None:
+        a = form.bind(call.args, call.kwargs)
+        own = a["use_input_stats"]
+        if own and a["running_mean"] is not None:
+            return None
+        x, *params = call.tensors
+        lead = ["n"] if len(x.shape) > 2 else []
+        spatial = [f"{d}^" if own else d for d in names(len(x.shape) - len(lead) - 1, "s")]
+        dims = [*lead, "c", *spatial]
+        return f"{join(dims, *(['c'] for _ in params))} -> {' '.join(dims)}"
+
+    return rule
+
+
 def weight_norm(call: OpCall) -> str | None:
     """``_weight_norm(v, g, dim)``: ``v`` scaled to norm ``g`` over every dim but ``dim``, so
     only ``dim`` splits (``dim=-1``: the norm of all of ``v``)."""
@@ -185,3 +206,7 @@ def register(reg: OpRegistry) -> None:
     reg.add([grouped_norm], "group_norm", group_norm(True))
     reg.add([torch._weight_norm, aten._weight_norm, aten._weight_norm_interface], "weight_norm",
             weight_norm)
+    reg.add([F.instance_norm], "instance_norm", instance_norm(FUNCTIONAL_INSTANCE))
+    reg.add([torch.instance_norm, aten.instance_norm], "instance_norm", instance_norm(
+        BatchNormForm(("input", "weight", "bias", "running_mean", "running_var",
+                       "use_input_stats", "momentum", "eps", "cudnn_enabled"))))

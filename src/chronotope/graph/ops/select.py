@@ -1,5 +1,6 @@
 """Signatures of ops that pick, order, count or place elements by value or by index:
-topk, sort, histc, gather, scatter, index_select, index_add, index_put.
+topk, sort, kthvalue, median, cummax, searchsorted, histc, gather, scatter, index_select,
+index_add, index_put.
 
 An index along one dim points anywhere in that dim, so the indexed dim of the
 tensor read (or written) is frozen. The other dims line up between the tensor,
@@ -35,6 +36,45 @@ def ordered(dim_index: int, default: int | None):
         inp = [f"s{i}^" if i == d else f"d{i}" for i in range(n)]
         outs = [[f"o{i}^" if i == d else f"d{i}" for i in range(n)] for _ in call.outputs]
         return f"{' '.join(inp)} -> {join(*outs)}"
+
+    return rule
+
+
+def picked(dim_index: int, keepdim_index: int, default: int | None):
+    """kthvalue / median / mode: one element picked along a dim (which is frozen, and
+    dropped unless ``keepdim``); without a dim, of all elements (one output)."""
+
+    def rule(call: OpCall) -> str | None:
+        x = call.tensors[0]
+        n = len(x.shape)
+        dim = call.arg(dim_index, "dim", default)
+        if dim is None or n == 0:
+            return f"{' '.join(f'd{i}^' for i in range(n)) or '()'} -> "
+        d = int(dim) % n
+        keep = bool(call.arg(keepdim_index, "keepdim", False))
+        inp = [f"s{i}^" if i == d else f"d{i}" for i in range(n)]
+        out = [("1" if keep else "") if i == d else f"d{i}" for i in range(n)]
+        out_s = " ".join(o for o in out if o)
+        return f"{' '.join(inp)} -> " + ", ".join(out_s for _ in call.outputs)
+
+    return rule
+
+
+def searchsorted(values_first: bool):
+    """searchsorted / bucketize: each value's position among sorted boundaries, which are
+    read whole along their last dim; a value's dims (and shared leading dims) split."""
+
+    def rule(call: OpCall) -> str | None:
+        if len(call.tensors) < 2:
+            return None
+        bounds, values = call.tensors[1::-1] if values_first else call.tensors[:2]
+        lead = len(bounds.shape) - 1
+        if lead and bounds.shape[:-1] != values.shape[:-1]:
+            return None
+        vs = names(len(values.shape))
+        bs = [*vs[:lead], "m^"]
+        ins = [vs, bs] if values_first else [bs, vs]
+        return f"{join(*ins)} -> {' '.join(vs)}"
 
     return rule
 
@@ -171,6 +211,11 @@ def register(reg: OpRegistry) -> None:
     reg.add(_targets("topk"), "topk", ordered(2, -1))
     reg.add(_targets("sort"), "sort", ordered(1, -1))
     reg.add(_targets("argsort"), "argsort", ordered(1, -1))
+    reg.add(_targets("cummax", "cummin", "logcumsumexp"), "cumulative", ordered(1, None))
+    reg.add(_targets("kthvalue"), "kthvalue", picked(2, 3, -1))
+    reg.add(_targets("median", "nanmedian", "mode"), "median", picked(1, 2, None))
+    reg.add([torch.searchsorted, aten.searchsorted], "searchsorted", searchsorted(False))
+    reg.add([torch.bucketize, aten.bucketize], "bucketize", searchsorted(True))
     reg.add(_targets("histc"), "histc", histc)
     reg.add(_targets("gather"), "gather", gather)
     reg.add(_targets("scatter"), "scatter", scatter(added=False))

@@ -1,4 +1,4 @@
-"""Signatures of vision ops: convolutions, pooling and resampling.
+"""Signatures of vision ops: convolutions, pooling, resampling and pixel rearrangements.
 
 A window that slides over a spatial dim reads its neighbours (a halo), so a
 plain slice of that dim does not compute a slice of the output: spatial dims
@@ -135,6 +135,46 @@ def windowed(spatial: int | None):
     return rule
 
 
+def _window(value: int | list[int] | tuple[int, ...]) -> int:
+    """Elements in a 2-D window (``kernel_size`` as one int or a pair)."""
+    if isinstance(value, int):
+        return value * value
+    return value[0] * value[1]
+
+
+def im2col(call: OpCall) -> str:
+    """``F.unfold``: each window's channels side by side, ``(n, c, h, w) -> (n, c * k, l)``:
+    the channels still lead, so they split."""
+    x = call.tensors[0]
+    lead = ["n"] if len(x.shape) == 4 else []
+    k = _window(call.arg(1, "kernel_size"))
+    return f"{' '.join([*lead, 'c', 's0^', 's1^'])} -> {' '.join([*lead, f'(c {k})', 'l^'])}"
+
+
+def col2im(call: OpCall) -> str:
+    """``F.fold``: windows summed back into an image, ``(n, c * k, l) -> (n, c, h, w)``."""
+    x = call.tensors[0]
+    lead = ["n"] if len(x.shape) == 3 else []
+    k = _window(call.arg(2, "kernel_size"))
+    return f"{' '.join([*lead, f'(c {k})', 'l^'])} -> {' '.join([*lead, 'c', 't0^', 't1^'])}"
+
+
+def pixel_shuffle(down: bool):
+    """``pixel_shuffle`` moves runs of ``r * r`` channels into an ``r x r`` block of pixels
+    (``pixel_unshuffle`` back): leading dims and the channel groups split."""
+
+    def rule(call: OpCall) -> str:
+        x = call.tensors[0]
+        r = int(call.arg(1, "downscale_factor" if down else "upscale_factor"))
+        lead = names(len(x.shape) - 3, "b")
+        packed = [*lead, f"(c {r} {r})", "t0^", "t1^"]
+        spread = [*lead, "c", "s0^", "s1^"]
+        ins, out = (spread, packed) if down else (packed, spread)
+        return f"{' '.join(ins)} -> {' '.join(out)}"
+
+    return rule
+
+
 def targets(*names_: str) -> list[object]:
     """The targets of these names in torch.nn.functional, torch, torch._C._nn and aten."""
     found: list[object] = []
@@ -165,3 +205,7 @@ def register(reg: OpRegistry) -> None:
                      "bicubic2d", "trilinear3d", "nearest_exact1d", "nearest_exact2d",
                      "nearest_exact3d", "bilinear2d_aa", "bicubic2d_aa")]
     reg.add(targets(*resampling), "interpolate", windowed(None))
+    reg.add([F.unfold, torch._C._nn.im2col, aten.im2col], "unfold", im2col)
+    reg.add([F.fold, torch._C._nn.col2im, aten.col2im], "fold", col2im)
+    reg.add(targets("pixel_shuffle"), "pixel_shuffle", pixel_shuffle(down=False))
+    reg.add(targets("pixel_unshuffle"), "pixel_unshuffle", pixel_shuffle(down=True))
