@@ -45,7 +45,6 @@ from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
 
-
 _RNG = r"rng\."  # the counter-based random ops, as generated code calls them
 
 

@@ -50,7 +50,7 @@ class StepContext:
         self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
-        self.stream = stream or Stream()  # what this step's random ops draw (``chronotope.graph.rng``)
+        self.stream = stream or Stream()  # what this step's random ops draw (graph/rng.py)
 
     # ---- leaves ----------------------------------------------------------------------------
 
