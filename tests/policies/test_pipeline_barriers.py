@@ -43,8 +43,8 @@ def captured(coupling: str):
         return w, ct.capture(w)
 
 
-CASES = {"center": "sums over the batch", "sort": "reads the whole batch",
-         "squared_loss": "sums over the batch"}
+CASES = {"center": "sum over the batch", "sort": "reads the whole batch",
+         "squared_loss": "sum over the batch"}
 PIPELINES = [s for s in SCHEDULES if s not in ("3f1b",)]
 
 

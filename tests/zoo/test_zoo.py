@@ -58,7 +58,7 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
 # refuses these, naming the op; with one micro-batch they pipeline equal to one device.
 WHOLE_BATCH = {
     "falcon": "getitem", "mixtral": "sort", "qwen2-moe": "sort", "clip": "cross_entropy",
-    "cnn-bn": "batch_norm", "two-tower": "cross_entropy",
+    "cnn-bn": "batch_norm_div", "two-tower": "cross_entropy",
 }
 
 

@@ -381,18 +381,18 @@ def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data
             readers[t].append(op)
     found = []
     for op in graph.ops:
-        if op in tails or op in data:
+        if op in data:
             continue
         dim = batch_dim[op]
-        if dim is None:
-            if any(made_by.get(t) in batched for t in op.inputs):
-                found.append((op, "it reads the whole batch: no dim of its signature carries it"
-                              if op.signature else
-                              "it has no signature, so it reads the whole batch"))
-        elif op.signature.dim(dim).reduce and any(
-                r not in tails for t in op.outputs for r in readers[t]):
-            found.append((op, "it sums over the batch and what follows needs the whole sum "
-                          "(batch statistics, or a loss that is no sum over samples)"))
+        if op in tails or (dim is not None and op.signature.dim(dim).reduce):
+            # a sum over the batch (or what is linear in one) is cut into per micro-batch
+            # shares, which only the loss's tails may read
+            if any(r not in tails for t in op.outputs for r in readers[t]):
+                found.append((op, "it makes a sum over the batch that what follows needs "
+                              "whole (batch statistics, or a loss that is no sum over samples)"))
+        elif dim is None and any(made_by.get(t) in batched for t in op.inputs):
+            found.append((op, "it reads the whole batch: no dim of its signature carries it"
+                          if op.signature else "it has no signature, so it reads the whole batch"))
     return found
 
 
