@@ -268,6 +268,10 @@ def getitem(call: OpCall) -> str | None:
                 out.append(f"o{d}^")
         elif isinstance(it, int):
             inp.append(f"i{d}^")
+        elif isinstance(it, list) and not tensor_at and all(isinstance(v, int) for v in it) \
+                and sum(isinstance(e, list) for e in expanded) == 1:
+            inp.append(f"i{d}^")  # picks rows, as a slice would (x[..., [-2], :])
+            out.append(f"o{d}^")
         elif hasattr(it, "shape"):
             inp.append(f"i{d}^")
             offset = len(batch) - len(it.shape)
@@ -279,6 +283,17 @@ def getitem(call: OpCall) -> str | None:
             return None
         d += 1
     return f"{join(inp, *extra)} -> {' '.join(out)}"
+
+
+def attribute(call: OpCall) -> str | None:
+    """``x.T`` and ``x.mT`` (read as attributes): transposes."""
+    n = len(call.tensors[0].shape)
+    dims = names(n)
+    if call.arg(1, "name") == "T":
+        return f"{' '.join(dims)} -> {' '.join(reversed(dims))}"
+    if call.arg(1, "name") == "mT" and n >= 2:
+        return f"{' '.join(dims)} -> {' '.join([*dims[:-2], dims[-1], dims[-2]])}"
+    return None
 
 
 def diff(call: OpCall) -> str:
@@ -532,6 +547,7 @@ def register(reg: OpRegistry) -> None:
     reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem,
             region=getitem_region)
     reg.add([operator.setitem, functional.setitem], "setitem", setitem)
+    reg.add([getattr], "transpose", attribute)
     reg.add([functional.updated], "update", updated)
     reg.add(_targets("roll"), "roll", along_dims(2))
     reg.add(_targets("diff"), "diff", diff)
