@@ -29,7 +29,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "qwen2": ALL,
     "phi": ALL,
     "gemma": ALL,
-    "falcon": SPLIT,
+    "falcon": ALL,
     "bloom": ALL,
     "mixtral": SPLIT,
     "qwen2-moe": SPLIT,
@@ -54,10 +54,10 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
         ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp")]
 
 # What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
-# dispatch over every token, an op without a signature): a pipeline over micro-batches
-# refuses these, naming the op; with one micro-batch they pipeline equal to one device.
+# dispatch over every token): a pipeline over micro-batches refuses these, naming the op;
+# with one micro-batch they pipeline equal to one device.
 WHOLE_BATCH = {
-    "falcon": "getitem", "mixtral": "sort", "qwen2-moe": "sort", "clip": "cross_entropy",
+    "mixtral": "sort", "qwen2-moe": "sort", "clip": "cross_entropy",
     "cnn-bn": "batch_norm_div", "two-tower": "cross_entropy",
 }
 
