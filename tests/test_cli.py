@@ -291,7 +291,8 @@ def test_run_check_names_random_ops_left_on_torchs_generator(capsys, monkeypatch
     assert main(argv + ["--json"] * as_json) == 1
     out = capsys.readouterr().out
     if as_json:
-        [named] = json.loads(out)["torch_random_ops"]
-        assert named.startswith("alpha_dropout") and "noisy.py" in named
+        graph_op, in_model = json.loads(out)["torch_random_ops"]
+        assert graph_op.startswith("alpha_dropout") and "noisy.py" in graph_op
+        assert in_model == "alpha_dropout (in the model, one device)"
     else:
         assert "draw from torch's generator" in out and "alpha_dropout" in out

@@ -381,6 +381,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     # random ops without a counter-based form: no piece or replica draws what one device does
     unmatched = [f"{op.name} ({op.kind}{f' at {op.source}' if op.source else ''})"
                  for op in torch_random(program.plan.graph)]
+    unmatched += [f"{name} (in the model, one device)" for name in
+                  (reference.unreplayed if reference else [])]
     if args.json:
         emit({
             "policy": args.policy, "devices": args.devices, "losses": result.losses,

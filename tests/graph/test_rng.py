@@ -15,6 +15,8 @@ from chronotope.graph import rng
 from chronotope.graph.convert import torch_random
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from chronotope.runtime.local import Optim
+from chronotope.runtime.reference import train_reference
 from tests.policies.plan_testing import trains_like_one_device
 
 
@@ -126,3 +128,23 @@ def test_calls_that_draw_nothing_stay_as_they_are():
     with rng.CounterRandom() as mode:
         w.model(*w.inputs)
     assert mode.calls == 0
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention draws its dropout inside one torch function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, dropout=0.1, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0].pow(2).mean()
+
+
+@pytest.mark.parametrize("model, named", [(Attention, "multi_head_attention_forward"),
+                                          (Noisy, "alpha_dropout")])
+def test_the_reference_names_calls_that_draw_from_torchs_generator(model, named):
+    torch.manual_seed(0)
+    w = ct.Workload(model(), (torch.randn(4, 3, 8),))
+    assert named in train_reference(w, 2, Optim()).unreplayed
+    assert not train_reference(get_workload("gpt", dropout=0.1), 1, Optim()).unreplayed

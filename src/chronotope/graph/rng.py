@@ -241,18 +241,27 @@ def rewrite(target: Any, kwargs: dict[str, Any], key: int) -> tuple[Callable[...
 
 class CounterRandom(TorchFunctionMode):
     """Runs torch's random calls on the counter-based stream, keyed by their order in the
-    step: eager code under it draws what a captured graph of it draws, piece by piece."""
+    step: eager code under it draws what a captured graph of it draws, piece by piece.
+
+    A call it does not route that still draws from torch's generator (an
+    ``alpha_dropout``, the dropout inside ``F.multi_head_attention_forward``) is listed in
+    ``unreplayed``: no plan can draw those numbers again."""
 
     def __init__(self, stream: Stream = Stream()) -> None:
         super().__init__()
         self.stream = stream
         self.calls = 0
+        self.unreplayed: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not rewritable(func, args, kwargs):
-            return func(*args, **kwargs)
+            before = torch.random.get_rng_state()
+            result = func(*args, **kwargs)
+            if not torch.equal(before, torch.random.get_rng_state()):
+                self.unreplayed.append(getattr(func, "__name__", repr(func)))
+            return result
         fn, kw = rewrite(func, kwargs, self.calls)
         self.calls += 1
         return fn(*args, **kw, stream=self.stream)

@@ -187,6 +187,8 @@ class RunResult:
     step_times: list[float] = field(default_factory=list)  # rank 0's seconds per step
     peak_memory: list[int] = field(default_factory=list)  # per rank, bytes (measure_memory)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final buffers, by name
+    # calls that drew from torch's generator, which no plan replays (the reference run's)
+    unreplayed: list[str] = field(default_factory=list)
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,

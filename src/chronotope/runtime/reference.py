@@ -20,20 +20,23 @@ def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
     random ops draw from the counter-based stream, as a plan's pieces do."""
     model = copy.deepcopy(workload.model)
     opt = optim.build(list(model.parameters()))
-    losses = []
+    losses: list[float] = []
+    unreplayed: list[str] = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        with CounterRandom(Stream(step=step)):
+        with CounterRandom(Stream(step=step)) as draws:
             out = model(*workload.inputs, **workload.kwargs)
             loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn \
                 else model_loss(out)
+        unreplayed += [name for name in draws.unreplayed if name not in unreplayed]
         loss.backward()
         if optim.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
         losses.append(float(loss.detach()))
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()},
-                     buffers={n: b.detach().clone() for n, b in model.named_buffers()})
+                     buffers={n: b.detach().clone() for n, b in model.named_buffers()},
+                     unreplayed=unreplayed)
 
 
 @dataclass(frozen=True)
