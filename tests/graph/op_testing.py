@@ -1,10 +1,12 @@
 """What the per-op tests share: a small model around one op, a plan that splits only that op,
 and the check against one device."""
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,3 +90,32 @@ def the_op(graph: ct.Graph, kind: str) -> Op:
     found = [op for op in graph if op.kind == kind]
     assert len(found) == 1, [op.kind for op in graph]
     return found[0]
+
+
+def per_op_tests(cases: dict[str, Case]) -> tuple[Callable, Callable]:
+    """The two tests of a table of cases, for a test module to bind at its top level: the
+    op's signature lets split exactly the case's dims, and a split along each of them
+    trains like one device. Each case is captured once per frontend."""
+
+    @functools.cache
+    def captured(name: str, frontend: str) -> tuple[ct.Workload, ct.Graph]:
+        return cases[name].captured(frontend)
+
+    @pytest.mark.parametrize("name, frontend", [(n, f) for n, c in cases.items()
+                                                for f in c.frontends])
+    def test_signature_names_the_dims_that_split(name: str, frontend: str) -> None:
+        _, graph = captured(name, frontend)
+        op = the_op(graph, cases[name].kind)
+        assert op.signature is not None, op.note
+        assert sorted(op.signature.splittable()) == sorted(cases[name].dims), str(op.signature)
+
+    @pytest.mark.parametrize("name, frontend, dim", [(n, f, d) for n, c in cases.items()
+                                                     for f in c.frontends for d in c.dims])
+    def test_split_along_each_dim_trains_like_one_device(name: str, frontend: str,
+                                                         dim: str) -> None:
+        w, graph = captured(name, frontend)
+        plan = split_one(graph, the_op(graph, cases[name].kind), dim)
+        trains_like_one_device(plan, w, tolerance=cases[name].tolerance)
+
+    return (test_signature_names_the_dims_that_split,
+            test_split_along_each_dim_trains_like_one_device)

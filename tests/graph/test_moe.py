@@ -13,7 +13,7 @@ from torch import nn
 import chronotope as ct
 from chronotope.policies import mesh
 from chronotope.policies.axes import follow
-from tests.graph.op_testing import Case, split_one, the_op, trains_like_one_device
+from tests.graph.op_testing import Case, per_op_tests, trains_like_one_device
 from tests.zoo.models import FAMILIES
 
 
@@ -52,26 +52,8 @@ CASES = {
 }
 
 
-@functools.cache
-def captured(name: str, frontend: str) -> tuple[ct.Workload, ct.Graph]:
-    return CASES[name].captured(frontend)
-
-
-@pytest.mark.parametrize("name, frontend", [(n, f) for n, c in CASES.items()
-                                            for f in c.frontends])
-def test_signature_names_the_dims_that_split(name, frontend):
-    _, graph = captured(name, frontend)
-    op = the_op(graph, CASES[name].kind)
-    assert op.signature is not None, op.note
-    assert sorted(op.signature.splittable()) == sorted(CASES[name].dims), str(op.signature)
-
-
-@pytest.mark.parametrize("name, frontend, dim", [(n, f, d) for n, c in CASES.items()
-                                                 for f in c.frontends for d in c.dims])
-def test_split_along_each_dim_trains_like_one_device(name, frontend, dim):
-    w, graph = captured(name, frontend)
-    plan = split_one(graph, the_op(graph, CASES[name].kind), dim)
-    trains_like_one_device(plan, w, tolerance=CASES[name].tolerance)
+test_signature_names_the_dims_that_split, test_split_along_each_dim_trains_like_one_device = \
+    per_op_tests(CASES)
 
 
 class CapacityMoE(nn.Module):

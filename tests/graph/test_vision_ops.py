@@ -1,17 +1,21 @@
 """Vision, normalization and selection ops: each is split along every dim its signature
 lets split (the other ops replicated) and trains exactly like one device."""
 
-import functools
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import chronotope as ct
-from tests.graph.op_testing import Case, layer, split_one, the_op, trains_like_one_device
+from tests.graph.op_testing import (
+    Case,
+    layer,
+    per_op_tests,
+    split_one,
+    the_op,
+    trains_like_one_device,
+)
 
 
 def _index(shape: tuple[int, ...], high: int, seed: int) -> torch.Tensor:
@@ -150,28 +154,8 @@ CASES = {
 }
 
 
-@functools.cache
-def captured(name: str, frontend: str) -> tuple[ct.Workload, ct.Graph]:
-    return CASES[name].captured(frontend)
-
-
-SPLITS = [(name, frontend, dim) for name, case in CASES.items() for frontend in case.frontends
-          for dim in case.dims]
-
-
-@pytest.mark.parametrize("name, frontend", [(n, f) for n, c in CASES.items()
-                                            for f in c.frontends])
-def test_signature_names_the_dims_that_split(name, frontend):
-    _, graph = captured(name, frontend)
-    op = the_op(graph, CASES[name].kind)
-    assert op.signature is not None, op.note
-    assert sorted(op.signature.splittable()) == sorted(CASES[name].dims), str(op.signature)
-
-
-@pytest.mark.parametrize("name, frontend, dim", SPLITS)
-def test_split_along_each_dim_trains_like_one_device(name, frontend, dim):
-    w, graph = captured(name, frontend)
-    trains_like_one_device(split_one(graph, the_op(graph, CASES[name].kind), dim), w)
+test_signature_names_the_dims_that_split, test_split_along_each_dim_trains_like_one_device = \
+    per_op_tests(CASES)
 
 
 CONVS = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (1, True): nn.ConvTranspose1d,
