@@ -131,10 +131,12 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
 def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
     """Run the ranks' code with blocking receives and collectives (sends do not block);
     the keys of the collectives (or receives) ranks wait in when none can move on
-    (empty: it finishes)."""
+    (empty: it finishes). The members of a group meet in its collectives in the order
+    they call them, as a process group does: the n-th call of each must be the same one."""
     pc = [0] * len(ranks)
     sent: set[tuple[int, int, int]] = set()
-    arrived: dict[tuple, set[int]] = defaultdict(set)
+    calls: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (rank, group) -> passed
+    arrived: dict[tuple, dict[int, tuple]] = defaultdict(dict)  # (group, n) -> rank -> call
     moved = True
     while moved:
         moved = False
@@ -146,9 +148,12 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
                 elif isinstance(ins, Recv) and (ins.src, r, ins.tag) not in sent:
                     break
                 elif isinstance(ins, COLLECTIVES):
-                    arrived[collective_key(ins)].add(r)
-                    if len(arrived[collective_key(ins)]) < len(ins.ranks):
+                    group = tuple(sorted(ins.ranks))
+                    met = arrived[(group, calls[(r, group)])]
+                    met[r] = (type(ins), collective_key(ins))  # one key can name two kinds
+                    if len(met) < len(group) or len(set(met.values())) > 1:
                         break
+                    calls[(r, group)] += 1
                 pc[r] += 1
                 moved = True
     return {collective_key(code[pc[r]]) if isinstance(code[pc[r]], COLLECTIVES)

@@ -266,8 +266,10 @@ class Materializer:
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
         outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
-        for v, var in zip(op.outputs, outs):
-            self.local[rank].setdefault((v.ptensor, v.mask), var)
+        for v, var, copies in zip(op.outputs, outs, op.output_copies()):
+            # a part of a value is read from the copy ``Sources.find`` picks for every reader
+            if v.mask.value.is_full or not copies:
+                self.local[rank].setdefault((v.ptensor, v.mask), var)
         if op.weight:  # reads nothing: its input part's call kept what it needs
             self.main[op] = WeightGrad(op, tuple(outs))
             return
@@ -359,7 +361,7 @@ class Materializer:
                  pre: list[Instruction]) -> str:
         pattern = self.pattern(rank, v, found)
         if pattern is None:  # a collective takes every piece as it is
-            found = self.presum(rank, v.ptensor, found)
+            found = self.presum(rank, v, found)
         parts = []
         for producer, m in found:
             region = _overlap(m, v.mask)
@@ -381,15 +383,18 @@ class Materializer:
         pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts, pattern))
         return var
 
-    def presum(self, rank: int, t: PTensor, found: list[tuple[PlanOp, Mask]],
+    def presum(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                ) -> list[tuple[PlanOp, Mask]]:
         """Partial values of one region that another rank made several pieces of are summed
-        there, after the last of them, and sent once (a gradient with two readers)."""
+        there, after the last of them, and sent once (a gradient with two readers). Only
+        pieces whose values ``v`` takes whole: a piece it takes a share of is scaled alone."""
+        t = v.ptensor
         by_rank: dict[tuple[int, tuple], list[tuple[PlanOp, Mask]]] = defaultdict(list)
         for producer, m in found:
-            if producer.device != rank:
+            if producer.device != rank and m.value.intersect(v.mask.value) == m.value:
                 by_rank[(producer.device, m.index)].append((producer, m))
-        out = [(p, m) for p, m in found if p.device == rank]
+        grouped = {id(p) for group in by_rank.values() for p, _ in group}
+        out = [(p, m) for p, m in found if id(p) not in grouped]
         for (device, index), group in by_rank.items():
             group.sort(key=lambda pm: pm[1].value.lo)
             joined = all(a.value.hi == b.value.lo for (_, a), (_, b) in zip(group, group[1:]))

@@ -79,7 +79,7 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             raise PlanError(f"{name}: Replicate needs n >= 1, got {algo.n}")
         return [piece] * algo.n
     if isinstance(algo, ValueSplit):
-        return _value_split(name, piece, algo.parts, linear)
+        return _whole_integers(name, algo, _value_split(name, piece, algo.parts, linear))
     if not isinstance(algo, Split):
         raise PlanError(f"{name}: unknown algorithm {algo!r}; use ct.Split, ct.ValueSplit or "
                         "ct.Replicate")
@@ -124,6 +124,17 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             else:
                 outputs.append(v)  # every piece computes this output whole
         pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes))
+    return _whole_integers(name, algo, pieces)
+
+
+def _whole_integers(name: str, algo: Algorithm, pieces: list[Piece]) -> list[Piece]:
+    """``pieces``, unless one holds a value share of an integer or boolean tensor: a share
+    of an index or a mask is no index or mask (and ``x * 0.5`` is no longer an integer)."""
+    for v in (v for p in pieces for v in (*p.inputs, *p.outputs)):
+        if not v.mask.value.is_full and not v.ptensor.dtype.is_floating_point:
+            raise PlanError(f"{name}: {algo} would cut {v.ptensor.name} ({v.ptensor.dtype}) "
+                            "into value shares, which an integer tensor cannot hold; split "
+                            "a dim it has, or replicate the op")
     return pieces
 
 

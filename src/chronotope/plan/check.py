@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, VTensor
-from chronotope.plan.plan import OrderCall, Plan, PlanOp
+from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
 from chronotope.plan.storage import Storage, storage
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -131,9 +131,12 @@ class Sources:
 
     def __init__(self, ops: list[PlanOp]) -> None:
         self.by_tensor: dict[PTensor, dict[tuple, list[tuple[PlanOp, Mask]]]] = defaultdict(dict)
+        self.copies: dict[tuple[PlanOp, Mask, PTensor], Copies] = {}
         for op in ops:
-            for v in op.outputs:
+            for v, copies in zip(op.outputs, op.output_copies()):
                 self.by_tensor[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
+                if copies:
+                    self.copies[(op, v.mask, v.ptensor)] = copies
 
     def find(self, v: VTensor, device: int | None) -> list[tuple[PlanOp, Mask]]:
         """Pieces overlapping ``v``: one replica per region, on ``device`` when possible.
@@ -143,15 +146,69 @@ class Sources:
         by_index = self.by_tensor.get(v.ptensor)
         if not by_index:
             return []
+
+        every: list[tuple[PlanOp, Mask]] = []
+
+        def overlapping() -> list[tuple[PlanOp, Mask]]:
+            if not every:
+                every.extend((p, m) for group in by_index.values() for p, m in group
+                             if m.overlaps(v.mask))
+            return every
+
+        t, part = v.ptensor, not v.mask.value.is_full
+        if part and any((p, m, t) in self.copies for p, m in overlapping()):
+            # Readers of parts of a value take them all from one copy where its pieces are
+            # partial sums: their shares must add up to the whole value.
+            first = self.one_copy(t, overlapping(), None)
+            if any(not m.value.is_full for _, m in first):
+                return _one_per_region(first, device)
         found = _exact(by_index.get(v.mask.index, []), v.mask)
-        if found is None:
-            found = [(p, m) for group in by_index.values() for p, m in group
-                     if m.overlaps(v.mask)]
-        regions: dict[Mask, list[PlanOp]] = {}
-        for p, m in found:
-            regions.setdefault(m, []).append(p)
-        return [(next((p for p in ps if p.device == device), ps[0]), m)
-                for m, ps in regions.items()]
+        chosen = _one_per_region(overlapping() if found is None else found, device)
+        copied = [m for p, m in chosen if (p, m, t) in self.copies]
+        # Copies agree on whole values only: partial sums of one copy do not add up with
+        # another's (one summed columns, the other rows), nor do overlapping regions.
+        if copied and (any(not m.value.is_full for m in copied)
+                       or _overlapping([m for _, m in chosen])):
+            return _one_per_region(self.one_copy(t, overlapping(), None if part else device),
+                                   device)
+        return chosen
+
+    def one_copy(self, t: PTensor, found: list[tuple[PlanOp, Mask]], device: int | None,
+                 ) -> list[tuple[PlanOp, Mask]]:
+        """The pieces of one copy wherever pieces are copies of each other (the copy with
+        the most pieces on ``device``, else the first): copies cut differently have regions
+        that overlap without being equal, and pieces of two copies would count a value
+        twice."""
+        def copies(p: PlanOp, m: Mask) -> Copies:
+            return self.copies.get((p, m, t), ())
+
+        kept, chosen = list(found), {}
+        while True:
+            node = next((n for p, m in kept for n, _ in copies(p, m) if n not in chosen), None)
+            if node is None:
+                return kept
+            local: dict[int, int] = defaultdict(int)
+            for p, m in kept:
+                for i in (i for n, i in copies(p, m) if n == node):
+                    local[i] += p.device == device
+            chosen[node] = max(sorted(local), key=local.__getitem__)
+            kept = [(p, m) for p, m in kept
+                    if all(chosen.get(n, i) == i for n, i in copies(p, m))]
+
+
+def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
+                    ) -> list[tuple[PlanOp, Mask]]:
+    """One replica of each region, on ``device`` when there is one; else the first by name,
+    whatever order ``found`` came in: the checker and the compiler must pick the same."""
+    regions: dict[Mask, list[PlanOp]] = {}
+    for p, m in found:
+        regions.setdefault(m, []).append(p)
+    return [(min(ps, key=lambda p: (p.device != device, p.name)), m)
+            for m, ps in regions.items()]
+
+
+def _overlapping(masks: list[Mask]) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(masks) for b in masks[i + 1:])
 
 
 def data_edges(ops: list[PlanOp]) -> list[Edge]:

@@ -28,6 +28,10 @@ from chronotope.plan.algo import Algorithm, Piece, partition
 if TYPE_CHECKING:
     from chronotope.plan.check import CheckedPlan
 
+# Under each op above a piece whose pieces hold the same region of a tensor (copies of it),
+# which one the piece descends from: (that op's name, the copy's index), outermost first.
+Copies = tuple[tuple[str, int], ...]
+
 # Kinds whose outputs carry no gradient even when their inputs do.
 _NO_GRAD_KINDS = frozenset({"detach", "factory", "fill", "argmax", "argmin", "one_hot"})
 
@@ -45,10 +49,20 @@ class PlanOp:
     split: bool = False  # a backward op that is one of the two parts of a split backward
     weight: bool = False  # the part computing the parameters' gradients
     children: list[PlanOp] = field(default_factory=list)
+    # The copies of each output (for a backward op: of each gradient it yields) and of
+    # each input's gradient this piece is part of (see ``Copies``); empty: none at all.
+    copies: tuple[Copies, ...] = ()
+    grad_copies: tuple[Copies, ...] = ()
 
     @property
     def is_backward(self) -> bool:
         return self.forward is not None
+
+    def output_copies(self) -> tuple[Copies, ...]:
+        return self.copies or ((),) * len(self.outputs)
+
+    def input_grad_copies(self) -> tuple[Copies, ...]:
+        return self.grad_copies or ((),) * len(self.inputs)
 
     @property
     def inputs(self) -> tuple[VTensor, ...]:
@@ -141,7 +155,7 @@ class Plan:
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp | None] = {}
         self._weight: dict[PlanOp, PlanOp | None] = {}
-        shares = _gradient_shares(graph)
+        shares = _gradient_shares(graph, self.requires_grad)
         for i, op in enumerate(graph.ops):
             sizes = op.signature.bind(op.input_shapes,
                                       [t.shape for t in op.outputs]) if op.signature else {}
@@ -171,10 +185,12 @@ class Plan:
         additive = opdef.additive_inputs if opdef is not None else ()
         linear = opdef.linear_in(len(target.op.inputs)) if opdef is not None else ()
         pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
-        target.children = [
-            PlanOp(f"{target.name}.{i}", target.op, p, target.order, target.device)
-            for i, p in enumerate(pieces)
-        ]
+        target.children = []
+        for i, p in enumerate(pieces):
+            copies, grad_copies = _copies(target, p, i)
+            target.children.append(PlanOp(f"{target.name}.{i}", target.op, p, target.order,
+                                          target.device, copies=copies,
+                                          grad_copies=grad_copies))
         for child in target.children:
             self._add(child)
         self.checked = None
@@ -340,16 +356,18 @@ class Plan:
         grad_in = tuple(VTensor(self.grad(v.ptensor), Mask(v.mask.index))
                         for v in fwd.outputs if v.ptensor in rg)
         grad_out = [(v.ptensor.kind is TensorKind.PARAM,
-                     VTensor(self.grad(v.ptensor), Mask(v.mask.index, share)))
-                    for v, share in zip(fwd.inputs, fwd.piece.grad_shares) if v.ptensor in rg]
-        parts = [tuple(g for _, g in grad_out)]
-        if fwd in self.split and len({w for w, _ in grad_out}) == 2:
-            parts = [tuple(g for w, g in grad_out if w is part) for part in (False, True)]
+                     VTensor(self.grad(v.ptensor), Mask(v.mask.index, share)), copies)
+                    for v, share, copies in zip(fwd.inputs, fwd.piece.grad_shares,
+                                                fwd.input_grad_copies()) if v.ptensor in rg]
+        parts = [grad_out]
+        if fwd in self.split and len({w for w, _, _ in grad_out}) == 2:
+            parts = [[g for g in grad_out if g[0] is part] for part in (False, True)]
         # Backward runs after every forward, in reverse program order.
         order = 4 * len(self.graph.ops) - fwd.order
         made = [PlanOp(f"{fwd.name}.{'w' if k else 'bw'}", fwd.op,
-                       Piece(grad_in, outs, (), fwd.piece.sizes), order=order + k,
-                       device=fwd.device, forward=fwd, split=len(parts) > 1, weight=k > 0)
+                       Piece(grad_in, tuple(g for _, g, _ in outs), (), fwd.piece.sizes),
+                       order=order + k, device=fwd.device, forward=fwd, split=len(parts) > 1,
+                       weight=k > 0, copies=tuple(c for _, _, c in outs))
                 for k, outs in enumerate(parts) if grad_in and outs]
         for op in made:
             self._by_name[op.name] = op
@@ -406,6 +424,23 @@ class Plan:
         return self.summary()
 
 
+def _copies(parent: PlanOp, piece: Piece, i: int) -> tuple[tuple[Copies, ...],
+                                                            tuple[Copies, ...]]:
+    """Which copies piece ``i`` of ``parent`` is part of, per output and per input's
+    gradient. Where it holds the same region of an output as ``parent`` (a replica; an
+    output that lacks the split dim), or yields the same share of the same region of an
+    input's gradient (a replica; a linear input under ct.ValueSplit; a bias under a
+    reduction split), every sibling does too: a reader must sum the pieces of one only."""
+    mark = ((parent.name, i),)
+    outs = tuple(c + mark if v.mask == whole.mask else c for c, v, whole in
+                 zip(parent.output_copies(), piece.outputs, parent.outputs))
+    grads = tuple(c + mark if v.mask.index == whole.mask.index and s == whole_share else c
+                  for c, v, whole, s, whole_share in
+                  zip(parent.input_grad_copies(), piece.inputs, parent.inputs,
+                      piece.grad_shares, parent.piece.grad_shares))
+    return outs, grads
+
+
 def differentiable(graph: Graph) -> set[PTensor]:
     """Tensors the loss is differentiated through: trainable parameters (not frozen ones),
     and what is computed from them that the loss is computed from (not a detached pass,
@@ -423,19 +458,24 @@ def differentiable(graph: Graph) -> set[PTensor]:
     return params | (rg & reaches)
 
 
-def _gradient_shares(graph: Graph) -> dict[Op, tuple[ValueRange, ...]]:
-    """Each use of a tensor contributes an equal share of its gradient's value."""
+def _gradient_shares(graph: Graph, rg: set[PTensor]) -> dict[Op, tuple[ValueRange, ...]]:
+    """Each use of a tensor that passes a gradient back contributes an equal share of its
+    gradient's value; a use that passes none (in a pass the loss is not differentiated
+    through, like recycling's) has no share, so the shares that are made add up to all."""
+    def passes(op: Op, t: PTensor) -> bool:
+        return t in rg and any(o in rg for o in op.outputs)
+
     uses: dict[PTensor, int] = {}
     for op in graph.ops:
         for t in op.inputs:
-            uses[t] = uses.get(t, 0) + 1
+            uses[t] = uses.get(t, 0) + passes(op, t)
     seen: dict[PTensor, int] = {}
     shares = {}
     for op in graph.ops:
         mine = []
         for t in op.inputs:
             k = seen.get(t, 0)
-            seen[t] = k + 1
-            mine.append(ValueRange.part(k, uses[t]))
+            seen[t] = k + passes(op, t)
+            mine.append(ValueRange.part(k, uses[t]) if passes(op, t) else ValueRange.FULL)
         shares[op] = tuple(mine)
     return shares

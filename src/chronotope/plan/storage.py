@@ -59,20 +59,45 @@ def storage(plan: Plan, sequences: dict[int, list[PlanOp]]) -> Storage:
     for name, root in plan.updates.items():
         for leaf in _update_leaves(plan, name, root):
             owned[leaf.device][name].append(Owned(leaf.outputs[0].mask, leaf.inputs[0].mask))
+        for mine in owned.values():
+            if name in mine:
+                mine[name] = _outermost(mine[name])
     stored: dict[int, dict[str, list[Mask]]] = {d: {} for d in sequences}
     for d in sequences:
         for name in plan.graph.params:
             mine = [o.region for o in owned[d].get(name, ())]
-            if name in plan.updates and plan.param_storage == "owned":
+            if name not in plan.updates:  # each device updates every region it stores
+                regions = largest(reads[d].get(name, []))
+            elif plan.param_storage == "owned":
                 regions = largest(mine)
             else:
-                regions = largest(reads[d].get(name, []) + mine)
+                regions = _disjoint(reads[d].get(name, []) + mine)
             if regions:
                 stored[d][name] = regions
             if name not in plan.updates and name in reads[d] \
                     and plan.graph.params[name] in plan.grads:
                 owned[d][name] = [Owned(r, r) for r in regions]
     return Storage(stored, {d: dict(o) for d, o in owned.items()})
+
+
+def _disjoint(masks: list[Mask]) -> list[Mask]:
+    """The largest of ``masks``, with the box around any two that overlap in place of
+    both: of two copies of the same values on one device only one is updated, and the
+    other, refreshed from the other owners only, would keep stale values."""
+    regions = largest(masks)
+    while pair := next(((a, b) for i, a in enumerate(regions) for b in regions[i + 1:]
+                        if a.overlaps(b)), None):
+        a, b = pair
+        box = Mask(tuple((min(x, y), max(u, w)) for (x, u), (y, w) in zip(a.index, b.index)))
+        regions = largest([m for m in regions if m not in pair] + [box])
+    return regions
+
+
+def _outermost(owned: list[Owned]) -> list[Owned]:
+    """One device's update pieces of a parameter, less those inside another of them: a
+    region updated twice on one device (replicated update pieces) would take two steps."""
+    regions = largest([o.region for o in owned])
+    return [next(o for o in owned if o.region.index == r.index) for r in regions]
 
 
 def _update_leaves(plan: Plan, name: str, root: PlanOp) -> list[PlanOp]:

@@ -1,0 +1,127 @@
+"""The model families plans are drawn for: the built-ins from their tiniest configs, small
+models written here that are not transformers, and the zoo's CNN (convolutions, batch
+norm with running statistics, pooling).
+
+Each family is captured once and trained once on one device per step count; every plan
+drawn for it is compared with that run.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import chronotope as ct
+from chronotope.models import get_workload
+from chronotope.runtime.local import Optim, RunResult
+from chronotope.runtime.reference import train_reference
+from tests.zoo.models import cnn_bn
+
+OPTIM = Optim("sgd", 0.1)
+BATCH = 4
+
+# Config overrides that make each built-in as small as it goes: one or two layers, a
+# width of 16, sequences of 8.
+TINY: dict[str, dict[str, object]] = {
+    "gpt": dict(n_layer=1, d_model=16, n_head=2, vocab_size=32, block_size=8),
+    "llama": dict(n_layer=1, d_model=16, n_head=2, n_kv_head=1, d_ffn=32, vocab_size=32,
+                  seq_len=8),
+    "bert": dict(n_layer=1, d_model=16, n_head=2, d_ffn=32, vocab_size=32, seq_len=8),
+    "t5": dict(n_enc_layer=1, n_dec_layer=1, d_model=16, d_kv=8, n_head=2, d_ffn=32,
+               vocab_size=32, src_len=8, tgt_len=4),
+    "swin": dict(img_size=8, patch_size=2, embed_dim=8, depths=(1,), n_heads=(2,), window=2,
+                 mlp_ratio=2, num_classes=4),
+    "evoformer": dict(n_seq=2, n_res=4, c_m=8, c_z=4, n_block=1, n_recycle=1, batch_size=2),
+    "hf-gpt2": dict(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, seq_len=8),
+    "hf-bert": dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                    intermediate_size=32, vocab_size=32, max_position_embeddings=16,
+                    seq_len=8),
+}
+
+
+class Towers(nn.Module):
+    """Two MLP towers over a shared, frozen input projection, with dropout, meeting in a
+    similarity matrix: no attention, no normalization layer, a loss over the whole batch."""
+
+    def __init__(self, features: int = 8, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.embed.requires_grad_(False)
+        self.query = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.25),
+                                   nn.Linear(width, width))
+        self.doc = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(),
+                                 nn.Linear(2 * width, width))
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        a = self.query(self.embed(q))
+        b = self.doc(self.embed(d))
+        a = a - a.mean(0, keepdim=True)  # centred over the batch
+        return self.temperature * F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).t()
+
+
+def clip_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Each query picks its document and each document its query (CLIP's symmetric loss)."""
+    t = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, t) + F.cross_entropy(logits.t(), t)) / 2
+
+
+def towers(seed: int = 0) -> ct.Workload:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, d = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 8, generator=g)
+    return ct.Workload(Towers(), (q, d), loss_fn=clip_loss, name="towers")
+
+
+class Mixer(nn.Module):
+    """An MLP-Mixer-like regressor: token mixing across a transposed axis, channel mixing,
+    a frozen output bias, and a squared error plus a penalty on the batch's mean output."""
+
+    def __init__(self, tokens: int = 6, channels: int = 8) -> None:
+        super().__init__()
+        self.tokens = nn.Linear(tokens, tokens)
+        self.channels = nn.Linear(channels, 2 * channels)
+        self.out = nn.Linear(2 * channels, 1)
+        self.shift = nn.Parameter(torch.linspace(-1, 1, tokens), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x + self.tokens(x.transpose(1, 2)).transpose(1, 2)
+        h = F.silu(self.channels(h))
+        pred = self.out(h).squeeze(-1) + self.shift
+        return F.mse_loss(pred, y) + pred.mean(0).pow(2).sum() * 0.1
+
+
+def mixer(seed: int = 0) -> ct.Workload:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, 6, 8, generator=g), torch.randn(BATCH, 6, generator=g)
+    return ct.Workload(Mixer(), (x, y), name="mixer")
+
+
+def _builtin(name: str) -> Callable[[], ct.Workload]:
+    return lambda: get_workload(name, **{"batch_size": BATCH, **TINY[name]})
+
+
+FAMILIES: dict[str, Callable[[], ct.Workload]] = {
+    **{name: _builtin(name) for name in TINY}, "towers": towers, "mixer": mixer,
+    "cnn": lambda: cnn_bn(batch_size=BATCH)}
+
+
+@functools.cache
+def family(name: str) -> tuple[ct.Workload, ct.Graph]:
+    """The family's workload and its captured graph (captured once per process)."""
+    workload = FAMILIES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return workload, ct.capture(workload)
+
+
+@functools.cache
+def reference(name: str, steps: int) -> RunResult:
+    """The family trained on one device for ``steps`` steps, every plan's yardstick."""
+    return train_reference(family(name)[0], steps, OPTIM)
