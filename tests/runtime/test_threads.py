@@ -6,8 +6,6 @@ import re
 import warnings
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import chronotope as ct
 from chronotope.compile import compile
@@ -171,27 +169,3 @@ def test_gradient_sums_become_all_reduces():
     assert traffic["all_reduce"] >= graph.num_params * 4
     code = program.code(0)
     assert code.count("rt.all_reduce(") <= 4  # loss sum and count, their gradients, all weights
-
-
-@pytest.mark.slow
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), name=st.sampled_from(["gpt", "llama", "bert"]))
-def test_random_plans_train_like_one_device(data, name):
-    """Any partition and placement of the ops computes the single-device step exactly."""
-    workload, graph = captured(name)
-    ndev = data.draw(st.integers(2, 3), label="devices")
-    plan = ct.Plan(graph, ndev)
-    for op in graph:
-        leaves = [plan.op(op.name)]
-        for _ in range(data.draw(st.integers(0, 2), label="splits")):
-            leaf = data.draw(st.sampled_from(leaves))
-            options = [d for d in (op.signature.splittable() if op.signature else [])
-                       if leaf.piece.sizes[d] % 2 == 0]
-            algo = ct.Split(data.draw(st.sampled_from(options)), 2) if options else \
-                ct.Replicate(2)
-            leaves = [x for x in leaves if x is not leaf] + plan.trans(leaf, algo)
-        for leaf in leaves:
-            plan.assign(leaf, data.draw(st.integers(0, ndev - 1)))
-    run = run_in_threads(compile(plan), workload, 1, Optim("sgd", 0.1), timeout=30)
-    diff = compare(run, train_reference(workload, 1, Optim("sgd", 0.1)))
-    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
