@@ -84,7 +84,9 @@ def test_a_worker_that_cannot_find_an_op_names_it_and_its_file():
     w, program = gpt_program(2)
     specs = rank_specs(program, w)
     op = next(iter(specs[1].targets))
-    specs[1].targets[op] = Target("_chronotope_user_gone", "scale", "/nowhere/gone.py")
+    # rank 1's alone (the ranks' specs share one table of targets)
+    specs[1].targets = {**specs[1].targets,
+                        op: Target("_chronotope_user_gone", "scale", "/nowhere/gone.py")}
     with pytest.raises(WorkerError, match=rf"worker rank 1 failed: TargetError: op {op} runs "
                                           r"scale of .*/nowhere/gone\.py"):
         launch(specs, 1, timeout=30)

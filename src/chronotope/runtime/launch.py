@@ -71,6 +71,7 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
                                 world_size=world, timeout=timedelta(seconds=timeout))
         torch.save(fn(index, *args), os.path.join(out_dir, f"rank{index}.pt"))
+        dist.barrier()  # every rank done communicating before any tears its group down
     except BaseException as e:
         with open(os.path.join(out_dir, f"rank{index}.error"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
@@ -210,5 +211,6 @@ def worker_main(directory: str, steps: int | None = None, timeout: float = 60.0)
         if rank == 0:
             for i, loss in enumerate(losses):
                 print(f"step {i}: loss {loss:.6f}", flush=True)
+        dist.barrier()  # every rank done communicating before any tears its group down
     finally:
         dist.destroy_process_group()
