@@ -18,13 +18,7 @@ HF = ["hf-gpt2", "hf-llama", "hf-bert", "hf-t5"]
 USER_FILE = Path(__file__).with_name("user_model.py")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run hundreds of small ops: extra threads only add contention on a busy box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loss_of(w: Workload) -> torch.Tensor:

@@ -7,7 +7,6 @@ two SGD steps on two ranks, losses and final weights within 1e-5 (relative).
 from functools import cache
 
 import pytest
-import torch
 
 import chronotope as ct
 from chronotope.graph.ir import Graph
@@ -62,13 +61,7 @@ WHOLE_BATCH = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run hundreds of small ops: extra threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @cache

@@ -206,6 +206,14 @@ def method(*names: str) -> list[str]:
     return [f"method:{n}" for n in names]
 
 
+def everywhere(*names: str) -> list[object]:
+    """Every form of the calls ``names``: the Tensor method, and the torch and aten op."""
+    found: list[object] = list(method(*names))
+    for name in names:
+        found += [getattr(ns, name) for ns in (torch, torch.ops.aten) if hasattr(ns, name)]
+    return found
+
+
 def warn_unannotated(kinds: Sequence[str], model: str) -> None:
     if kinds:
         listed = ", ".join(sorted(set(kinds)))

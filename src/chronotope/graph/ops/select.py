@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from chronotope.graph.ops.pointwise import join, names
-from chronotope.graph.registry import OpCall, OpRegistry, method
+from chronotope.graph.registry import OpCall, OpRegistry, everywhere
 
 aten = torch.ops.aten
 
@@ -198,30 +198,21 @@ def index_put(call: OpCall) -> str | None:
     return f"{join(xs, *idx, vals)} -> {' '.join(xs)}"
 
 
-def _targets(*names_: str) -> list[object]:
-    found: list[object] = list(method(*names_))
-    for name in names_:
-        for ns in (torch, aten):
-            if hasattr(ns, name):
-                found.append(getattr(ns, name))
-    return found
-
-
 def register(reg: OpRegistry) -> None:
-    reg.add(_targets("topk"), "topk", ordered(2, -1))
-    reg.add(_targets("sort"), "sort", ordered(1, -1))
-    reg.add(_targets("argsort"), "argsort", ordered(1, -1))
-    reg.add(_targets("cummax", "cummin", "logcumsumexp"), "cumulative", ordered(1, None))
-    reg.add(_targets("kthvalue"), "kthvalue", picked(2, 3, -1))
-    reg.add(_targets("median", "nanmedian", "mode"), "median", picked(1, 2, None))
+    reg.add(everywhere("topk"), "topk", ordered(2, -1))
+    reg.add(everywhere("sort"), "sort", ordered(1, -1))
+    reg.add(everywhere("argsort"), "argsort", ordered(1, -1))
+    reg.add(everywhere("cummax", "cummin", "logcumsumexp"), "cumulative", ordered(1, None))
+    reg.add(everywhere("kthvalue"), "kthvalue", picked(2, 3, -1))
+    reg.add(everywhere("median", "nanmedian", "mode"), "median", picked(1, 2, None))
     reg.add([torch.searchsorted, aten.searchsorted], "searchsorted", searchsorted(False))
     reg.add([torch.bucketize, aten.bucketize], "bucketize", searchsorted(True))
-    reg.add(_targets("histc"), "histc", histc)
-    reg.add(_targets("gather"), "gather", gather)
-    reg.add(_targets("scatter"), "scatter", scatter(added=False))
-    reg.add(_targets("scatter_add"), "scatter_add", scatter(added=True), additive_inputs=(0,))
-    reg.add(_targets("scatter_reduce"), "scatter_reduce", scatter(added=False),
+    reg.add(everywhere("histc"), "histc", histc)
+    reg.add(everywhere("gather"), "gather", gather)
+    reg.add(everywhere("scatter"), "scatter", scatter(added=False))
+    reg.add(everywhere("scatter_add"), "scatter_add", scatter(added=True), additive_inputs=(0,))
+    reg.add(everywhere("scatter_reduce"), "scatter_reduce", scatter(added=False),
             additive_inputs=(0,))
-    reg.add(_targets("index_select"), "index_select", index_select)
-    reg.add(_targets("index_add"), "index_add", index_add, additive_inputs=(0,))
-    reg.add(_targets("index_put"), "index_put", index_put, additive_inputs=(0,))
+    reg.add(everywhere("index_select"), "index_select", index_select)
+    reg.add(everywhere("index_add"), "index_add", index_add, additive_inputs=(0,))
+    reg.add(everywhere("index_put"), "index_put", index_put, additive_inputs=(0,))

@@ -10,7 +10,7 @@ import torch
 from chronotope.graph import functional
 from chronotope.graph.ir import TensorMeta
 from chronotope.graph.ops.pointwise import join, names, pointwise
-from chronotope.graph.registry import OpCall, OpRegistry, method
+from chronotope.graph.registry import OpCall, OpRegistry, everywhere, method
 
 aten = torch.ops.aten
 
@@ -522,40 +522,31 @@ def pad(call: OpCall) -> str:
     return f"{' '.join(inp)} -> {' '.join(out)}"
 
 
-def _targets(*names_: str) -> list[object]:
-    out: list[object] = list(method(*names_))
-    for name in names_:
-        for ns in (torch, aten):
-            if hasattr(ns, name):
-                out.append(getattr(ns, name))
-    return out
-
-
 def register(reg: OpRegistry) -> None:
-    reg.add(_targets("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
+    reg.add(everywhere("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
                      "view_as", "reshape_as", "_unsafe_view", "ravel"), "reshape", reshape)
-    reg.add(_targets("permute"), "permute", permute)
-    reg.add(_targets("transpose", "swapaxes", "swapdims"), "transpose", transpose)
-    reg.add(_targets("t"), "transpose", matrix_t)
-    reg.add(_targets("expand", "expand_as", "broadcast_to"), "expand", expand)
-    reg.add(_targets("repeat", "tile"), "repeat", repeat)
-    reg.add(_targets("repeat_interleave"), "repeat", repeat_interleave)
+    reg.add(everywhere("permute"), "permute", permute)
+    reg.add(everywhere("transpose", "swapaxes", "swapdims"), "transpose", transpose)
+    reg.add(everywhere("t"), "transpose", matrix_t)
+    reg.add(everywhere("expand", "expand_as", "broadcast_to"), "expand", expand)
+    reg.add(everywhere("repeat", "tile"), "repeat", repeat)
+    reg.add(everywhere("repeat_interleave"), "repeat", repeat_interleave)
     reg.add([torch.cat, torch.concat, torch.concatenate, aten.cat], "cat", concat)
     reg.add([torch.stack, aten.stack], "stack", stack)
-    reg.add(_targets("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)
-    reg.add(_targets("unbind"), "unbind", unbind)
+    reg.add(everywhere("split", "chunk", "tensor_split", "split_with_sizes"), "split", split)
+    reg.add(everywhere("unbind"), "unbind", unbind)
     reg.add([operator.getitem, *method("__getitem__")], "getitem", getitem,
             region=getitem_region)
     reg.add([operator.setitem, functional.setitem], "setitem", setitem)
     reg.add([getattr], "transpose", attribute)
     reg.add([functional.updated], "update", updated)
-    reg.add(_targets("roll"), "roll", along_dims(2))
-    reg.add(_targets("diff"), "diff", diff)
-    reg.add(_targets("flip"), "flip", along_dims(1))
-    reg.add(_targets("tril", "triu"), "triangle", last_two_frozen)
-    reg.add(_targets("narrow"), "narrow", narrow, region=narrow_region)
+    reg.add(everywhere("roll"), "roll", along_dims(2))
+    reg.add(everywhere("diff"), "diff", diff)
+    reg.add(everywhere("flip"), "flip", along_dims(1))
+    reg.add(everywhere("tril", "triu"), "triangle", last_two_frozen)
+    reg.add(everywhere("narrow"), "narrow", narrow, region=narrow_region)
     reg.add([torch.nn.functional.pad, torch._C._nn.pad, aten.pad, aten.constant_pad_nd], "pad", pad)
     reg.add([aten.slice], "slice", aten_slice, region=slice_region)
-    reg.add(_targets("select"), "select", aten_select, region=select_region)
+    reg.add(everywhere("select"), "select", aten_select, region=select_region)
     reg.add([aten.slice_scatter, aten.select_scatter], "setitem", scatter)
     reg.add([aten.index], "getitem", aten_index)
