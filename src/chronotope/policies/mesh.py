@@ -374,11 +374,7 @@ def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data
     whole before anything, as ``mesh`` does."""
     batched = {op for op in graph.ops
                if op not in data and (batch_dim[op] is not None or op in tails)}
-    made_by = {t: op for op in graph.ops for t in op.outputs}
-    readers: dict[PTensor, list[Op]] = defaultdict(list)
-    for op in graph.ops:
-        for t in op.inputs:
-            readers[t].append(op)
+    readers = graph.consumers()
     found = []
     for op in graph.ops:
         if op in data:
@@ -387,10 +383,10 @@ def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data
         if op in tails or (dim is not None and op.signature.dim(dim).reduce):
             # a sum over the batch (or what is linear in one) is cut into per micro-batch
             # shares, which only the loss's tails may read
-            if any(r not in tails for t in op.outputs for r in readers[t]):
+            if any(r not in tails for t in op.outputs for r in readers.get(t, ())):
                 found.append((op, "it makes a sum over the batch that what follows needs "
                               "whole (batch statistics, or a loss that is no sum over samples)"))
-        elif dim is None and any(made_by.get(t) in batched for t in op.inputs):
+        elif dim is None and any(t.producer in batched for t in op.inputs):
             found.append((op, "it reads the whole batch: no dim of its signature carries it"
                           if op.signature else "it has no signature, so it reads the whole batch"))
     return found
