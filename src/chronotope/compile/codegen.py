@@ -202,6 +202,7 @@ def _forward(ins: Forward) -> list[str]:
         (f", {src.module})" if src.module else ")") if src else ""
     lines = [f"# {op.name}: {op.op.kind}{where}"]
     ins_names = list(ins.ins)
+    shares = []
     for i, share in enumerate(ins.input_shares):
         # This piece's value share of what the rank holds whole (a bias under a reduction
         # split, a replica's loss term): made before autograd sees it, so the share's
@@ -210,6 +211,7 @@ def _forward(ins: Forward) -> list[str]:
         if share != 1:
             lines.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
             ins_names[i] = f"{ins_names[i]}_share"
+            shares.append(ins_names[i])
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
         leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
@@ -243,7 +245,7 @@ def _forward(ins: Forward) -> list[str]:
     if any(ins.grad):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
         lines.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
-    made = [n for n in ins_names if n not in ins.ins]  # leaves and shares
+    made = [*shares, *(n for n in ins_names if n not in ins.ins)]  # shares and their leaves
     if made:  # autograd keeps what the backward needs
         lines.append(f"del {', '.join(dict.fromkeys(made))}")
     return lines
