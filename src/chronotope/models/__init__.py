@@ -31,7 +31,7 @@ from chronotope.models.t5 import t5
 from chronotope.models.workload import Workload
 
 __all__ = ["BUILTINS", "LARGE", "Workload", "default_device", "get_workload", "import_file",
-           "load_workload"]
+           "load_function", "load_workload"]
 
 BUILTINS: dict[str, Callable[..., Workload]] = {
     "gpt": gpt,
@@ -230,3 +230,11 @@ def _describe(x: Any) -> str:
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)}"
     return "None" if x is None else f"a {type(x).__name__}"
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function ``path/to/file.py:fn`` names (a data source, for instance)."""
+    path_text, colon, func = spec.rpartition(":")
+    if not colon or not func.isidentifier():
+        raise ModelLoadError(f"{spec!r}: expected path/to/file.py:function")
+    return _load_factory(Path(path_text).expanduser(), func, spec)

@@ -12,6 +12,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -82,9 +83,10 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
 
 
 def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
-          timeout: float = 60.0) -> list:
+          timeout: float = 60.0, watch: Callable[[], None] | None = None) -> list:
     """``fn(rank, *args)`` in ``world`` processes of one process group on this machine;
-    every rank's result. A failure names the rank that caused it."""
+    every rank's result. A failure names the rank that caused it; ``watch`` is called
+    every fraction of a second while they run, and once after."""
     with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
         payload = os.path.join(out_dir, "args.pt")
         try:
@@ -93,9 +95,14 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
             raise WorkerError(f"cannot send {getattr(fn, '__qualname__', fn)} and its arguments "
                               f"to worker processes: {type(e).__name__}: {e}") from e
         try:
-            mp.start_processes(_worker, args=(payload, world, backend, free_port(), timeout,
-                                              out_dir),
-                               nprocs=world, join=True, start_method="spawn")
+            ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(),
+                                                    timeout, out_dir),
+                                     nprocs=world, join=False, start_method="spawn")
+            while not ctx.join(timeout=0.2):
+                if watch:
+                    watch()
+            if watch:
+                watch()
         except mp.ProcessExitedException as e:
             raise _exited(e.error_index, e.exit_code, out_dir) from None
         except mp.ProcessRaisedException as e:

@@ -19,25 +19,9 @@ from chronotope.graph.rng import Stream
 from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
+from chronotope.runtime.optim import Optim
 from chronotope.runtime.targets import Target, portable, resolve
 from chronotope.runtime.transport import RankFailed, ThreadTransport
-
-
-@dataclass(frozen=True)
-class Optim:
-    """Which optimizer each rank runs over its parameter regions (picklable, for workers)."""
-
-    name: str = "sgd"
-    lr: float = 0.1
-    weight_decay: float = 0.0
-    clip: float | None = None  # max global gradient norm, as torch.nn.utils.clip_grad_norm_
-
-    def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-        if self.name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        raise ValueError(f"unknown optimizer {self.name!r}: use sgd or adamw")
 
 
 @dataclass
@@ -97,7 +81,7 @@ class Rank:
     """One rank: its generated step, its parameter regions and their optimizer."""
 
     def __init__(self, spec: RankSpec, transport: Any, optim: Optim,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.rank = spec.rank
         self.device = torch.device(device)
         self.transport = transport
@@ -118,7 +102,8 @@ class Rank:
         self.optimizer = optim.build(list(self.params.values())) if self.params else None
         self.peak_memory: int | None = None  # measured, when ``step(measure=True)``
         self.ticks: list[float] | None = None  # a list: code with ticks appends to it
-        self.steps = 0  # steps run: each draws its own random numbers
+        self.steps = 0  # forward passes run: each draws its own random numbers
+        self.seed = seed
 
     def _view(self, name: str, index: tuple) -> torch.Tensor:
         region = Mask(index)
@@ -129,14 +114,23 @@ class Rank:
         raise ValueError(f"rank {self.rank} updates {name}{list(index)} but does not store it")
 
     def step(self, measure: bool = False) -> list[float]:
-        """One training step; with ``measure``, also the peak bytes of what the step made
-        (``PeakMemory``), kept as the largest seen in ``peak_memory``."""
-        rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
-                         self.batch, self.transport, self.targets, self.ticks,
-                         Stream(step=self.steps))
-        self.steps += 1
+        """One training step on the rank's batch; with ``measure``, also the peak bytes of
+        what the step made (``PeakMemory``), kept as the largest seen in ``peak_memory``."""
+        self.zero_grad()
+        losses = self.forward_backward(measure)
+        self.update()
+        return losses
+
+    def zero_grad(self) -> None:
         if self.optimizer:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, measure: bool = False) -> list[float]:
+        """The generated step on ``self.batch``: its gradients add to the owned regions'."""
+        rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
+                         self.batch, self.transport, self.targets, self.ticks,
+                         Stream(self.seed, self.steps))
+        self.steps += 1
         if measure:
             with torch.enable_grad(), PeakMemory() as watch:
                 self.step_fn(rt)
@@ -145,15 +139,25 @@ class Rank:
             with torch.enable_grad():
                 self.step_fn(rt)
         self.transport.flush()
+        return rt.losses
+
+    def update(self, grad_scale: float = 1.0) -> None:
+        """The optimizer step on the gradients gathered so far, times ``grad_scale`` (the
+        mean over accumulated batches); then every stored copy of a region is refreshed."""
+        if grad_scale != 1.0:
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         if self.clip is not None:
             self.clip_gradients(self.clip)
         if self.optimizer:
             self.optimizer.step()
         if self.refresh_fn:
+            rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
+                             self.batch, self.transport, self.targets)
             with torch.no_grad():
                 self.refresh_fn(rt)
             self.transport.flush()
-        return rt.losses
 
     def clip_gradients(self, max_norm: float) -> float:
         """Scale every rank's gradients so their global norm is at most ``max_norm``.
@@ -189,6 +193,7 @@ class RunResult:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final buffers, by name
     # calls that drew from torch's generator, which no plan replays (the reference run's)
     unreplayed: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)  # per step, from ct.train
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,

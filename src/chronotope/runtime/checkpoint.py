@@ -1,0 +1,405 @@
+"""Checkpoints on ``torch.distributed.checkpoint`` (DCP), resharded on load.
+
+Each rank writes the regions of parameters it stores and the optimizer state of the
+regions it updates, as chunks of the whole tensors at their offsets: the layouts give
+every chunk's place, so a checkpoint written under one plan loads under any other
+(another policy, another device count) and DCP reads each rank exactly the pieces it
+needs. Every element is written once: a region several ranks hold (replicas) by the
+lowest of them. Tensors are named as ``torch.distributed.checkpoint.state_dict``
+names them (``model.<param>``, ``optim.state.<param>.<state>``); the run's position
+and what the checkpoint is of travel as one more entry (``chronotope``).
+
+A checkpoint is written into ``step-<n>.incomplete`` and renamed to ``step-<n>`` once
+every rank has finished, and ``latest`` then names it: a run killed while saving leaves
+the previous checkpoint as it was, and the partial one says what it is.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import os
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from chronotope.errors import ChronotopeError
+from chronotope.graph.mask import Index, Mask
+
+MODEL = "model."
+OPTIM = "optim.state."
+STATE = "chronotope"  # the run's position and what the checkpoint is of
+FORMAT = 1
+INCOMPLETE = ".incomplete"
+LATEST = "latest"
+
+
+class CheckpointError(ChronotopeError):
+    """A checkpoint that is missing, incomplete, or of another model."""
+
+
+# ---- who writes what ---------------------------------------------------------------------
+
+
+def writers(held: Sequence[Mapping[str, Sequence[Index]]]) -> list[dict[str, list[Index]]]:
+    """For each rank, the boxes of each tensor it writes, given the boxes each rank holds:
+    every element of what the ranks hold once, by the holder with the least to write so
+    far (replicas share the writing).
+
+    The boxes are cut at every boundary any rank's box has, so regions that overlap
+    without being equal (one rank holds a row, another a column) are written once too.
+    """
+    out: list[dict[str, list[Index]]] = [{} for _ in held]
+    load = [0] * len(held)
+    for name in sorted({n for h in held for n in h}):
+        boxes = [(r, tuple(b)) for r, h in enumerate(held) for b in h.get(name, ())]
+        ndim = len(boxes[0][1])
+        cuts = [sorted({x for _, b in boxes for x in b[d]}) for d in range(ndim)]
+        for cell in itertools.product(*(zip(c, c[1:]) for c in cuts)):
+            holders = {r for r, b in boxes
+                       if all(lo <= c0 and c1 <= hi for (c0, c1), (lo, hi) in zip(cell, b))}
+            if holders:
+                writer = min(holders, key=lambda r: (load[r], r))
+                load[writer] += math.prod(c1 - c0 for c0, c1 in cell)
+                out[writer].setdefault(name, []).append(tuple(cell))
+    return out
+
+
+def _within(boxes: Mapping[tuple[str, Index], torch.Tensor], name: str, box: Index
+            ) -> tuple[tuple[str, Index], torch.Tensor]:
+    """The held region of ``name`` containing ``box``, and ``box``'s part of it."""
+    want = Mask(box)
+    for (held_name, index), t in boxes.items():
+        if held_name == name and Mask(index).contains(want):
+            return (held_name, index), t[want.local_slices(Mask(index))]
+    raise ValueError(f"no held region of {name} contains {list(box)}")
+
+
+# ---- DCP planners over regions -----------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A tensor that is the box at ``offsets`` of a whole tensor of ``size`` named ``fqn``."""
+
+    fqn: str
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def _piece(fqn: str, size: Sequence[int], box: Index, tensor: torch.Tensor) -> Piece:
+    return Piece(fqn, tuple(size), tuple(lo for lo, _ in box), tensor)
+
+
+class _SavePieces(DefaultSavePlanner):
+    """Writes the given pieces, each a chunk at its offsets, and objects as bytes."""
+
+    def __init__(self, pieces: Sequence[Piece], objects: Mapping[str, Any]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(p.fqn, p.offsets): p for p in pieces}
+        self.objects = dict(objects)
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(p.fqn, torch.Size(p.offsets)),
+                           type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(torch.Size(p.offsets), p.tensor.shape),
+                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               size=torch.Size(p.size)))
+                 for p in self.pieces.values()]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                  for key in self.objects]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.offset is None:
+            return self.objects[index.fqn]
+        return self.pieces[(index.fqn, tuple(index.offset))].tensor
+
+
+class _LoadPieces(DefaultLoadPlanner):
+    """Reads into the given pieces whatever chunks of the checkpoint overlap them."""
+
+    def __init__(self, pieces: Sequence[Piece], objects: Sequence[str]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(p.fqn, p.offsets): p for p in pieces}
+        self.wanted = list(objects)
+        self.objects: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for p in self.pieces.values():
+            md = self.metadata.state_dict_metadata[p.fqn]
+            chunk = ChunkStorageMetadata(torch.Size(p.offsets), p.tensor.shape)
+            items += create_read_items_for_chunk_list(p.fqn, md, [chunk])
+        items += [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                           dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
+                           storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+                  for key in self.wanted]
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[(index.fqn, tuple(index.offset))].tensor
+
+
+# ---- where checkpoints are ---------------------------------------------------------------
+
+
+def step_dir(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def latest(directory: str | os.PathLike) -> Path:
+    """The complete checkpoint ``directory`` is, or the newest one in it."""
+    root = Path(directory)
+    if (root / ".metadata").is_file():
+        return root
+    if not root.is_dir():
+        raise CheckpointError(f"no checkpoint at {str(root)!r}: no such folder")
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if (named / ".metadata").is_file():
+            return named
+    complete = sorted(p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+                      and (p / ".metadata").is_file())
+    if complete:
+        return complete[-1]
+    partial = sorted(p.name for p in root.glob(f"step-*{INCOMPLETE}"))
+    raise CheckpointError(
+        f"no complete checkpoint in {str(root)!r}" +
+        (f" (incomplete, from a run stopped while saving: {', '.join(partial)})" if partial
+         else ""))
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The checkpoint's metadata, once every file it names is there."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {', '.join(missing)} "
+                              f"(of {len(files)} files): it cannot be read")
+    return metadata
+
+
+def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
+    """The metadata of checkpoint ``path``, which must hold exactly these parameters."""
+    metadata = read_metadata(path)
+    saved = {k.removeprefix(MODEL): md for k, md in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+    for name, shape in shapes.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {str(path)!r} is of another model: it has no "
+                                  f"parameter {name!r}")
+        if tuple(saved[name].size) != tuple(shape):
+            raise CheckpointError(f"checkpoint {str(path)!r} is of another model: parameter "
+                                  f"{name!r} is {tuple(saved[name].size)} there, "
+                                  f"{tuple(shape)} here")
+    info = run_info(path, metadata)
+    extra = sorted(set(saved) - set(shapes) - set(info.get("buffers", ())))
+    if extra:
+        raise CheckpointError(f"checkpoint {str(path)!r} is of another model: it has "
+                              f"parameters this one lacks: {', '.join(extra[:5])}"
+                              + (" ..." if len(extra) > 5 else ""))
+    return metadata
+
+
+def run_info(path: Path, metadata: Metadata | None = None) -> dict[str, Any]:
+    """The ``chronotope`` entry: the run's position and what the checkpoint is of."""
+    metadata = metadata or read_metadata(path)
+    if not isinstance(metadata.state_dict_metadata.get(STATE), BytesStorageMetadata):
+        raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one chronotope "
+                              f"wrote (no {STATE!r} entry)")
+    planner = _LoadPieces([], [STATE])
+    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    return planner.objects[STATE]
+
+
+# ---- save and load one rank --------------------------------------------------------------
+
+
+@dataclass
+class Writes:
+    """What one rank writes: boxes of the parameters it stores and of the optimizer state
+    of the regions it updates, whether it writes the buffers and the run's entry."""
+
+    params: dict[str, list[Index]]
+    optim: dict[str, list[Index]]
+    lead: bool  # the lowest rank: buffers (every rank holds them whole) and the run's entry
+
+
+def plan_writes(stored: Sequence[Mapping[str, Sequence[Mask]]],
+                owned: Sequence[Mapping[str, Sequence[Any]]]) -> list[Writes]:
+    """Each rank's ``Writes`` from a program's stored and owned regions."""
+    params = writers([{n: [m.index for m in ms] for n, ms in s.items()} for s in stored])
+    optim = writers([{n: [o.region.index for o in os_] for n, os_ in o.items()} for o in owned])
+    return [Writes(p, o, rank == 0) for rank, (p, o) in enumerate(zip(params, optim))]
+
+
+def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
+         shapes: Mapping[str, tuple[int, ...]], info: Mapping[str, Any]) -> Path:
+    """Every rank calls this at the same step: rank ``rank`` writes its part of checkpoint
+    ``step``; returns the complete checkpoint's folder."""
+    final = step_dir(directory, step)
+    partial = final.with_name(final.name + INCOMPLETE)
+    if writes.lead:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    pieces = [_piece(MODEL + name, shapes[name], box,
+                     _within(rank.stored, name, box)[1].detach().clone())
+              for name, boxes in writes.params.items() for box in boxes]
+    for name, boxes in writes.optim.items():
+        for box in boxes:
+            key, region = _within(rank.params, name, box)
+            param = rank.params[key]
+            for k, v in (rank.optimizer.state.get(param, {}) if rank.optimizer else {}).items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if v.shape == param.shape:
+                    local = Mask(box).local_slices(Mask(key[1]))
+                    pieces.append(_piece(f"{OPTIM}{name}.{k}", shapes[name], box,
+                                         v[local].detach().clone()))
+                elif v.ndim == 0 and all(lo == 0 for lo, _ in box):  # once, with the origin
+                    pieces.append(Piece(f"{OPTIM}{name}.{k}", (), (), v.detach().clone()))
+    objects: dict[str, Any] = {}
+    if writes.lead:
+        pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t.detach().clone())
+                   for name, t in rank.state.items() if name in info.get("buffers", ())]
+        objects[STATE] = dict(info)
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)),
+             planner=_SavePieces(pieces, objects), no_dist=not dist.is_initialized())
+    _barrier()
+    if writes.lead:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        pointer = Path(directory) / (LATEST + ".tmp")
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, Path(directory) / LATEST)
+    _barrier()
+    return final
+
+
+def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Fill rank ``rank``'s stored regions, optimizer state and buffers from checkpoint
+    ``path`` (written under any plan); returns the run's entry."""
+    metadata = read_metadata(path)
+    saved = metadata.state_dict_metadata
+    pieces = [_piece(MODEL + name, shapes[name], index, t) for (name, index), t in
+              rank.stored.items()]
+    pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t)
+               for name, t in rank.state.items() if MODEL + name in saved]
+    optim_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for (name, index), param in rank.params.items():
+        prefix = f"{OPTIM}{name}."
+        for key, md in saved.items():
+            if not key.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(md.size) == tuple(shapes[name]):
+                t = torch.zeros(param.shape, dtype=md.properties.dtype, device=param.device)
+                pieces.append(_piece(key, shapes[name], index, t))
+            else:
+                t = torch.zeros(md.size, dtype=md.properties.dtype)
+                pieces.append(Piece(key, tuple(md.size), (0,) * len(md.size), t))
+            optim_state.setdefault(param, {})[key.removeprefix(prefix)] = t
+    # Several of this rank's pieces may be one tensor's same box (a region it stores and
+    # updates): read each once, then copy.
+    unique: dict[tuple[str, tuple], Piece] = {}
+    copies: list[tuple[Piece, Piece]] = []
+    for p in pieces:
+        key = (p.fqn, p.offsets)
+        if key in unique:
+            copies.append((unique[key], p))
+        else:
+            unique[key] = p
+    planner = _LoadPieces(list(unique.values()), [STATE])
+    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
+             no_dist=not dist.is_initialized())
+    for src, dst in copies:
+        dst.tensor.copy_(src.tensor)
+    if rank.optimizer:
+        for param, state in optim_state.items():
+            rank.optimizer.state[param] = state
+    return planner.objects[STATE]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- one state dict out of a checkpoint --------------------------------------------------
+
+
+def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's state dict from a checkpoint: every name the module has (tied weights
+    under each), persistent buffers included; loads with ``load_state_dict(strict=True)``."""
+    path = latest(path)
+    metadata = read_metadata(path)
+    info = run_info(path, metadata)
+    whole = {k: torch.empty(md.size, dtype=md.properties.dtype)
+             for k, md in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+    dcp.load(whole, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return {name: whole[MODEL + canonical].clone()
+            for name, canonical in info["state_dict"].items()}
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Write ``consolidate(path)`` to ``out``: ``.safetensors`` or a ``torch.save`` file."""
+    state = consolidate(path)
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out),
+                  metadata={"format": "pt"})
+    else:
+        torch.save(state, out)
+    return state
+
+
+def state_dict_names(model: nn.Module, params: Sequence[str]) -> dict[str, str]:
+    """Each name in ``model.state_dict()``, mapped to the name its tensor is saved under
+    (a tied weight to the one name the graph keeps)."""
+    by_id = {id(p): n for n, p in model.named_parameters() if n in params}
+    names: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names[name] = by_id.get(id(t), name)
+    return names
+

@@ -1,0 +1,276 @@
+"""Training for real: a Program over a stream of batches, in workers that stay up for the run.
+
+Each rank's optimizer state lives as long as the run; the learning rate follows the
+optimizer's schedule; a step may accumulate the gradients of several batches; and the
+run saves DCP checkpoints every so many steps and resumes from one under any plan.
+``train`` starts the workers on this machine and reports each step as it ends;
+``worker_main`` (the ``torchrun`` launcher) runs the same loop, one rank per process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chronotope.compile.program import Program
+from chronotope.errors import ChronotopeError
+from chronotope.models.workload import Workload
+from chronotope.runtime import checkpoint
+from chronotope.runtime.data import Batches, BatchLayout, DataError, DataSource, fingerprint
+from chronotope.runtime.launch import spawn
+from chronotope.runtime.local import (
+    Rank,
+    RankSpec,
+    RunResult,
+    gather_params,
+    model_buffers,
+    rank_specs,
+)
+from chronotope.runtime.optim import Optim
+from chronotope.runtime.targets import check_sendable
+from chronotope.runtime.transport import DistTransport
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How long and how to train, and where checkpoints go (picklable, for workers)."""
+
+    steps: int
+    optim: Optim = field(default_factory=Optim)
+    accumulate: int = 1  # batches whose gradients make one optimizer step
+    seed: int = 0  # the data's generators and the random ops' stream
+    save: str | None = None  # folder of checkpoints
+    save_every: int = 0  # steps between checkpoints; 0: only after the last step
+    resume: str | None = None  # a checkpoint (or a folder of them) to continue from
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.accumulate < 1 or self.save_every < 0:
+            raise ValueError("steps and accumulate must be at least 1, save_every at least 0")
+
+    def saves_after(self, step: int) -> bool:
+        """Whether a checkpoint is written once ``step`` steps are done."""
+        return self.save is not None and (
+            step == self.steps or (self.save_every > 0 and step % self.save_every == 0))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank needs besides its own spec: how batches look, and what a checkpoint
+    holds (each parameter's shape, the model's state-dict names, its persistent buffers)."""
+
+    layout: BatchLayout
+    shapes: dict[str, tuple[int, ...]]
+    names: dict[str, str]  # every state-dict name -> the name its tensor is saved under
+    buffers: tuple[str, ...]
+    model: str
+
+    @classmethod
+    def of(cls, program: Program, workload: Workload) -> Job:
+        graph = program.plan.graph
+        names = checkpoint.state_dict_names(workload.model, list(graph.params))
+        buffer_names = {n for n, _ in workload.model.named_buffers()}
+        return cls(BatchLayout.of(workload, graph),
+                   {n: tuple(p.shape) for n, p in graph.params.items()}, names,
+                   tuple(sorted({c for c in names.values() if c in buffer_names})), graph.name)
+
+    def info(self, step: int, batches: int) -> dict[str, Any]:
+        return {"format": checkpoint.FORMAT, "model": self.model, "step": step,
+                "batches": batches, "state_dict": self.names, "buffers": list(self.buffers)}
+
+
+def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
+    """The checkpoint a run resumes from (checked against the model) and its step."""
+    if config.resume is None:
+        return None, 0
+    path = checkpoint.latest(config.resume)
+    checkpoint.check_fits(path, job.shapes)
+    step = int(checkpoint.run_info(path)["step"])
+    if step >= config.steps:
+        raise ChronotopeError(f"checkpoint {str(path)!r} is at step {step}: a run of "
+                              f"{config.steps} steps has nothing left to do (raise --steps)")
+    return path, step
+
+
+def check_save_folder(config: TrainConfig) -> None:
+    """A folder of someone else's checkpoints is not overwritten: continue it or pick another."""
+    if config.save is None or not Path(config.save).is_dir():
+        return
+    found = sorted(p.name for p in Path(config.save).glob("step-*"))
+    resuming_here = config.resume is not None and Path(config.resume).resolve() in (
+        Path(config.save).resolve(), *(p.resolve() for p in Path(config.save).glob("step-*")))
+    if found and not resuming_here:
+        raise ChronotopeError(f"{config.save!r} already holds checkpoints ({found[-1]}): "
+                              f"continue that run with --resume {config.save}, or save into "
+                              "another folder")
+
+
+# ---- one rank ------------------------------------------------------------------------------
+
+
+def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSource,
+               config: TrainConfig, resume: Path | None, device: torch.device,
+               report: Callable[[dict[str, Any]], None] | None = None
+               ) -> tuple[list[float], dict, list[float], dict]:
+    """One rank's run inside an initialized process group: its losses (rank 0), parameter
+    regions, step times and buffers; ``report`` gets rank 0's record of each step."""
+    rank = Rank(spec, DistTransport(config.timeout, spec.groups), config.optim, device,
+                seed=config.seed)
+    start = 0
+    if resume is not None:
+        info = checkpoint.load(resume, rank, job.shapes)
+        start, rank.steps = int(info["step"]), int(info["batches"])
+    batches = Batches(data, job.layout, config.seed, start=rank.steps)
+    world = tuple(range(spec.world))
+    losses: list[float] = []
+    times: list[float] = []
+    for step in range(start, config.steps):
+        begin = time.perf_counter()
+        lr = config.optim.lr_at(step, config.steps)
+        if rank.optimizer:
+            config.optim.set_lr(rank.optimizer, step, config.steps)
+        rank.zero_grad()
+        step_losses, tokens, samples = [], 0, 0
+        for _ in range(config.accumulate):
+            index = batches.read
+            batch = next(batches)
+            _same_everywhere(batch, rank, world, index)
+            rank.batch = {n: t.to(device) for n, t in batch.items()}
+            step_losses += rank.forward_backward()
+            tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
+        rank.update(1 / config.accumulate)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - begin
+        times.append(seconds)
+        if spec.rank == 0:
+            loss = sum(step_losses) / len(step_losses)
+            losses.append(loss)
+            if report:
+                report({"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
+                        "samples_per_s": samples / seconds,
+                        "tokens_per_s": tokens / seconds if tokens else None})
+        if config.saves_after(step + 1):
+            assert config.save is not None
+            checkpoint.save(config.save, step + 1, rank, writes, job.shapes,
+                            job.info(step + 1, rank.steps))
+    return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
+
+
+def _same_everywhere(batch: Mapping[str, torch.Tensor], rank: Rank, world: tuple[int, ...],
+                     index: int) -> None:
+    """Every rank read the same batch: its fingerprint is compared across ranks."""
+    if len(world) < 2:
+        return
+    mine = fingerprint(batch).to(rank.device)
+    every = rank.transport.all_gather(mine, world, rank.rank)
+    for other, theirs in zip(world, every):
+        if not torch.equal(theirs, every[0]):
+            names = list(batch)
+            differ = [names[i // 2] for i in range(len(mine)) if theirs[i] != every[0][i]]
+            raise DataError(
+                f"batch {index} on rank {other} differs from rank 0's (input "
+                f"{differ[0] if differ else '?'!r}): every rank reads the data itself, so the "
+                "data must give the same batches in the same order on every rank (shuffle "
+                "with torch's generator, which chronotope seeds alike everywhere)")
+
+
+def _tokens(batch: Mapping[str, torch.Tensor]) -> int:
+    """Tokens in a batch: the elements of its first integer input of two or more dims."""
+    first = next((t for t in batch.values() if not t.is_floating_point() and t.ndim >= 2), None)
+    return first.numel() if first is not None else 0
+
+
+def _samples(batch: Mapping[str, torch.Tensor]) -> int:
+    first = next(iter(batch.values()), None)
+    return first.shape[0] if first is not None and first.ndim else 1
+
+
+# ---- all ranks on this machine -------------------------------------------------------------
+
+
+def _spawned(index: int, specs: list[RankSpec], job: Job, writes: list[checkpoint.Writes],
+             data: DataSource, config: TrainConfig, resume: Path | None, backend: str,
+             progress: str) -> tuple[list[float], dict, list[float], dict]:
+    device = torch.device(f"cuda:{index % torch.cuda.device_count()}") \
+        if backend == "nccl" else torch.device("cpu")
+
+    def report(record: dict[str, Any]) -> None:
+        with open(progress, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    return train_loop(specs[index], job, writes[index], data, config, resume, device, report)
+
+
+class _Tail:
+    """The complete lines a file has gained since the last call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+
+    def __call__(self) -> list[str]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        complete = text[:text.rfind("\n") + 1]
+        self.offset += len(complete)
+        return complete.splitlines()
+
+
+def train(program: Program, workload: Workload, data: DataSource, steps: int,
+          optim: Optim | None = None, *, accumulate: int = 1, seed: int = 0,
+          save: str | None = None, save_every: int = 0, resume: str | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
+          timeout: float = 60.0) -> RunResult:
+    """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
+
+    ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
+    the iterable; a batch is shaped like the example batch (the model's inputs, then
+    its targets; or a dict of keyword arguments). ``on_step`` gets rank 0's record of
+    each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s).
+    Returns the losses of the steps run, the final weights and buffers.
+    """
+    config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
+                         timeout)
+    job = Job.of(program, workload)
+    resume_path, _ = start_of(config, job)
+    check_save_folder(config)
+    specs = rank_specs(program, workload)
+    check_sendable(specs[0].targets if specs else {})
+    writes = checkpoint.plan_writes(program.stored, program.owned)
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="chronotope-train-") as tmp:
+        progress = os.path.join(tmp, "progress.jsonl")
+        tail = _Tail(progress)
+
+        def watch() -> None:
+            for line in tail():
+                records.append(json.loads(line))
+                if on_step:
+                    on_step(records[-1])
+
+        results = spawn(_spawned, len(specs), (specs, job, writes, data,
+                                               config, resume_path, backend,
+                                               progress),
+                        backend, timeout, watch)
+    return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
+                     results[0][2], buffers=model_buffers(results[0][3], workload),
+                     records=records)
+
+
+def mean_step_time(result: RunResult) -> float:
+    """Seconds per step after the first (which warms up)."""
+    times = result.step_times[1:] or result.step_times
+    return sum(times) / len(times) if times else math.nan
