@@ -14,11 +14,18 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -45,10 +52,15 @@ from chronotope.policies import (
     read_schedule,
     zero,
 )
+from chronotope.runtime import checkpoint
+from chronotope.runtime.checkpoint import export, load_weights
+from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import run_processes
-from chronotope.runtime.local import Optim
+from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
+from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.reference import compare, train_reference
-from chronotope.viz import timeline
+from chronotope.runtime.train import mean_step_time, train
+from chronotope.viz import plot_losses, timeline
 
 EXIT_USAGE = 2
 EXIT_MISMATCH = 1
@@ -113,6 +125,19 @@ def timeline_file(text: str) -> str:
     if Path(text).suffix not in (".png", ".html"):
         raise argparse.ArgumentTypeError(f"cannot draw a timeline into {text!r}: "
                                          "use a .png or .html file")
+    return new_file(text)
+
+
+def weights_file(text: str) -> str:
+    if Path(text).suffix not in (".pt", ".pth", ".bin", ".safetensors"):
+        raise argparse.ArgumentTypeError(f"cannot write weights into {text!r}: use a .pt or "
+                                         ".safetensors file")
+    return new_file(text)
+
+
+def png_file(text: str) -> str:
+    if Path(text).suffix != ".png":
+        raise argparse.ArgumentTypeError(f"cannot draw into {text!r}: use a .png file")
     return new_file(text)
 
 
@@ -416,6 +441,90 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return code
 
 
+def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    workload = load_workload(args.model, device="cpu", batch_size=args.batch_size,
+                             seed=args.seed)
+    if args.init:
+        load_weights(workload.model, args.init)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(workload)
+    program = compile_plan(_plan(graph, args), args.comm, args.cluster)
+    _warn_unsplit(program.plan, out)
+    optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
+                  args.warmup, args.min_lr)
+    sinks: list[Any] = [JsonlLog(args.metrics)] if args.metrics else []
+    if args.tensorboard:
+        sinks.append(TensorBoardLog(args.tensorboard))
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                        TimeRemainingColumn(), console=out, transient=False,
+                        disable=args.json)
+    task = progress.add_task(f"{args.model} {args.policy} x{args.devices}", total=args.steps,
+                             status="starting workers")
+
+    def on_step(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink(record)
+        rate = record.get("tokens_per_s")
+        speed = f"{rate:,.0f} tok/s" if rate else f"{record['samples_per_s']:,.1f} samples/s"
+        progress.update(task, completed=record["step"],
+                        status=f"loss {record['loss']:.4f}  {speed}")
+        if args.json:
+            emit(record)
+
+    try:
+        with progress:
+            result = train(program, workload, args.data or example_batches(workload),
+                           args.steps, optim, accumulate=args.accumulate, seed=args.seed,
+                           save=args.save, save_every=args.save_every or 0, resume=args.resume,
+                           on_step=on_step, timeout=args.timeout)
+    finally:
+        for sink in sinks:
+            sink.close()
+    step_time = mean_step_time(result)
+    saved = str(checkpoint.latest(args.save)) if args.save else None
+    if args.json:
+        emit({"final_loss": result.losses[-1] if result.losses else None,
+              "steps": len(result.losses), "step_time_s": step_time, "checkpoint": saved})
+        return 0
+    out.print(f"{len(result.losses)} steps: final loss {result.losses[-1]:.4f}, "
+              f"{step_time * 1e3:.1f} ms per step (rank 0, after the first)")
+    if saved:
+        out.print(f"checkpoint {saved}: continue with --resume {args.save}, or write the "
+                  f"weights with chronotope export {args.save} weights.safetensors")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    target = Path(args.out)
+    partial = target.with_name(target.name + ".partial" + target.suffix)
+    state = export(args.checkpoint, partial)  # the old file stays until the new one is whole
+    os.replace(partial, target)
+    numel = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+    if args.json:
+        emit({"checkpoint": str(checkpoint.latest(args.checkpoint)), "out": args.out,
+              "tensors": len(state), "numel": numel})
+        return 0
+    out.print(f"wrote {len(state)} tensors ({numel:,} numbers) to {args.out}; load them with "
+              "model.load_state_dict(torch.load(...)) or safetensors.torch.load_file")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    records = read_jsonl(args.metrics)
+    if not records:
+        raise ChronotopeError(f"{args.metrics} has no step records")
+    plot_losses(records, args.out, f"{Path(args.metrics).stem}: loss over {len(records)} steps")
+    if args.json:
+        emit({"metrics": args.metrics, "out": args.out, "steps": len(records),
+              "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]})
+        return 0
+    out.print(f"wrote {args.out}: {len(records)} steps, loss {records[0]['loss']:.4f} -> "
+              f"{records[-1]['loss']:.4f}")
+    return 0
+
+
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
@@ -547,7 +656,8 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
-    "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate,
+    "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate, "train": cmd_train,
+    "export": cmd_export, "plot": cmd_plot,
 }
 
 
@@ -565,6 +675,8 @@ def parser() -> argparse.ArgumentParser:
 
     for name, help_ in (("plan", "compile a plan and write each rank's code"),
                         ("run", "train with a plan on local gloo processes"),
+                        ("train", "train on your data with a plan, with checkpoints, on local "
+                                  "gloo processes"),
                         ("simulate", "predict a plan's step time, communication, bubble and "
                                      "memory per device on a cluster, without running it"),
                         ("timeline", "draw a pipeline plan's steps per rank, with its bubble")):
@@ -640,14 +752,17 @@ def parser() -> argparse.ArgumentParser:
                                   "on this machine (on the model's device), by FLOP share")
         else:
             cmd.add_argument("--steps", type=positive_int, default=3)
-            cmd.add_argument("--check", action="store_true",
-                             help="also train on one device and compare losses and weights")
+            if name == "run":
+                cmd.add_argument("--check", action="store_true",
+                                 help="also train on one device and compare losses and weights")
             cmd.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
             cmd.add_argument("--lr", type=non_negative_float, default=0.1)
             cmd.add_argument("--clip", type=positive_float, default=None, metavar="MAX_NORM",
                              help="clip gradients to this global norm across all ranks")
             cmd.add_argument("--timeout", type=positive_float, default=60.0,
                              help="seconds a rank waits on another before giving up")
+            if name == "train":
+                _train_args(cmd)
 
     bench_ = sub.add_parser("bench", help="benchmarks: rvd (layout changes, SuperScaler "
                                           "Table 3)")
@@ -675,25 +790,85 @@ def parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=positive_int, default=20,
                       help="calls per size up to 1 MiB, fewer above (default 20)")
     _common_args(prof, model=False)
+
+    exp = sub.add_parser("export", help="one state dict out of a checkpoint, for "
+                                        "model.load_state_dict")
+    exp.add_argument("checkpoint", help="a checkpoint folder, or a --save folder (its newest)")
+    exp.add_argument("out", type=weights_file, metavar="OUT.pt|OUT.safetensors")
+    _common_args(exp, model=False)
+
+    plot = sub.add_parser("plot", help="draw the loss curve of a --metrics file")
+    plot.add_argument("metrics", type=existing_file, metavar="METRICS.jsonl")
+    plot.add_argument("--out", type=png_file, default="loss.png", metavar="FILE.png")
+    _common_args(plot, model=False)
     return p
 
 
+def _train_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--data", metavar="FILE.py:fn",
+                     help="a function returning an iterable of batches shaped like the "
+                          "example batch (a DataLoader works); every rank reads it "
+                          "(default: the example batch, again every step)")
+    cmd.add_argument("--accumulate", type=positive_int, default=1, metavar="K",
+                     help="batches whose gradients make one optimizer step")
+    cmd.add_argument("--weight-decay", type=non_negative_float, default=0.0,
+                     help="decoupled weight decay (adamw) or L2 (sgd); never on biases and "
+                          "norm scales")
+    cmd.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                     help="learning rate after warmup: constant, or cosine down to --min-lr")
+    cmd.add_argument("--warmup", type=int, default=0, metavar="STEPS",
+                     help="steps of linear warmup to --lr")
+    cmd.add_argument("--min-lr", type=non_negative_float, default=0.0)
+    cmd.add_argument("--seed", type=int, default=0,
+                     help="the model's initial weights, the data's order, random ops")
+    cmd.add_argument("--init", metavar="WEIGHTS",
+                     help="start from these weights: a state dict (.pt, .safetensors), a "
+                          "Hugging Face save_pretrained folder or a chronotope checkpoint")
+    cmd.add_argument("--save", type=new_folder, metavar="DIR",
+                     help="write checkpoints (torch.distributed.checkpoint) into DIR")
+    cmd.add_argument("--save-every", type=positive_int, default=None, metavar="K",
+                     help="a checkpoint every K steps (default: after the last step only)")
+    cmd.add_argument("--resume", metavar="DIR",
+                     help="continue from the newest complete checkpoint in DIR (written "
+                          "under any plan and device count)")
+    cmd.add_argument("--metrics", type=new_file, metavar="FILE.jsonl",
+                     help="append one JSON line per step (chronotope plot draws them)")
+    cmd.add_argument("--tensorboard", type=new_folder, metavar="DIR",
+                     help="log loss, learning rate and throughput for TensorBoard")
+
+
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def _stdout_to_stderr() -> Iterator[TextIO]:
     """Send what the command prints to stderr, the model's own ``print`` included (in
-    this process and in the workers it starts), so stdout holds the JSON report alone."""
+    this process and in the workers it starts), so stdout holds the JSON reports alone;
+    yields the real stdout, for them."""
     stdout = sys.stdout
     stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
+        on_fd = stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a stream in place of stdout (a test's)
+        on_fd = False
+    reports = os.fdopen(os.dup(saved), "w") if on_fd else stdout
+    try:
         with contextlib.redirect_stdout(sys.stderr):
-            yield
+            yield reports
     finally:
+        if on_fd:
+            reports.close()
         stdout.flush()
         sys.stderr.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _printer(stream: TextIO) -> Emit:
+    """Each JSON report as one line, as it comes (a long run reports every step)."""
+    def emit(report: Any) -> None:
+        stream.write(json.dumps(report) + "\n")
+        stream.flush()
+    return emit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -702,18 +877,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed the usage and the reason, or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     out = Console(stderr=args.json)
-    reports: list[Any] = []
     try:
-        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
-            code = COMMANDS[args.command](args, out, reports.append)
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext(sys.stdout) as real:
+            return COMMANDS[args.command](args, out, _printer(real))
     except ChronotopeError as e:
         if args.debug:
             traceback.print_exc()
         Console(stderr=True, soft_wrap=True).print("[bold red]error:[/]", Text(str(e)))
         return EXIT_USAGE
-    for report in reports:
-        print(json.dumps(report))
-    return code
 
 
 if __name__ == "__main__":

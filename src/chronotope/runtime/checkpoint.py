@@ -16,13 +16,16 @@ the previous checkpoint as it was, and the partial one says what it is.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
+import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,7 +249,9 @@ def run_info(path: Path, metadata: Metadata | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one chronotope "
                               f"wrote (no {STATE!r} entry)")
     planner = _LoadPieces([], [STATE])
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    with _one_process():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
+                 no_dist=True)
     return planner.objects[STATE]
 
 
@@ -359,6 +364,14 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
     return planner.objects[STATE]
 
 
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Reading a checkpoint in one process, as meant (DCP warns that it assumes so)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        yield
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -376,7 +389,8 @@ def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     whole = {k: torch.empty(md.size, dtype=md.properties.dtype)
              for k, md in metadata.state_dict_metadata.items()
              if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
-    dcp.load(whole, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    with _one_process():
+        dcp.load(whole, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     return {name: whole[MODEL + canonical].clone()
             for name, canonical in info["state_dict"].items()}
 
@@ -403,3 +417,62 @@ def state_dict_names(model: nn.Module, params: Sequence[str]) -> dict[str, str]:
         names[name] = by_id.get(id(t), name)
     return names
 
+
+
+# ---- starting from existing weights ------------------------------------------------------
+
+
+def load_weights(model: nn.Module, source: str | os.PathLike) -> None:
+    """Start ``model`` from existing weights: a state-dict file (``.pt``, ``.bin``,
+    ``.safetensors``), a Hugging Face ``save_pretrained`` folder, or a chronotope
+    checkpoint. Every tensor must fit; a tied weight may be saved under one of its names."""
+    path = Path(source)
+    state = _read_weights(path)
+    own = model.state_dict(keep_vars=True)
+    present = {id(own[k]) for k in state if k in own}
+    missing = [k for k in own if k not in state and id(own[k]) not in present]
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+               or ()]
+    unexpected = [k for k in state if k not in own and not any(p.search(k) for p in ignored)]
+    wrong = [f"{k} is {tuple(state[k].shape)} there, {tuple(own[k].shape)} here"
+             for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+    for what, names in (("lack", missing), ("have tensors the model lacks", unexpected),
+                        ("do not fit", wrong)):
+        if names:
+            verb = f"lack {', '.join(names[:5])}" if what == "lack" else \
+                f"{what}: {', '.join(names[:5])}"
+            raise CheckpointError(f"the weights in {str(path)!r} {verb}"
+                                  + (f" (and {len(names) - 5} more)" if len(names) > 5 else ""))
+    if any(t.is_meta for t in own.values()):
+        raise CheckpointError(f"cannot load {str(path)!r} into a model on the meta device; "
+                              "build it on a real device")
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_dir():
+        if (path / ".metadata").is_file() or (path / LATEST).is_file() or \
+                any(path.glob("step-*")):
+            return consolidate(path)
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (path / index).is_file():
+                files = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+                return {k: v for f in files for k, v in _read_weights(path / f).items()}
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (path / name).is_file():
+                return _read_weights(path / name)
+        raise CheckpointError(f"no weights in folder {str(path)!r}: expected model.safetensors, "
+                              "pytorch_model.bin (Hugging Face) or a chronotope checkpoint")
+    if not path.is_file():
+        raise CheckpointError(f"no weights at {str(path)!r}: no such file or folder")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read weights from {str(path)!r}: {e}") from e
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor)
+                                                 for v in state.values()):
+        raise CheckpointError(f"{str(path)!r} does not hold a state dict (name -> tensor)")
+    return dict(state)

@@ -228,3 +228,14 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 997 + 1
         out += [flat.sum(), (flat * weights).sum()]
     return torch.stack(out) if out else torch.zeros(1, dtype=torch.float64)
+
+
+def example_batches(workload: Workload) -> list[Any]:
+    """The example batch as the one batch of a data set (each pass reads it again)."""
+    if workload.kwargs and not workload.inputs and not workload.targets:
+        return [dict(workload.kwargs)]
+    inputs = workload.inputs if isinstance(workload.inputs, (tuple, list)) else \
+        (workload.inputs,)
+    if isinstance(workload.inputs, Mapping):
+        return [dict(workload.inputs)]
+    return [(*inputs, *workload.targets)]

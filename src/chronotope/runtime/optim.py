@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,9 @@ class Optim:
     def __post_init__(self) -> None:
         if self.name not in ("sgd", "adamw"):
             raise ValueError(f"unknown optimizer {self.name!r}: use sgd or adamw")
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown learning-rate schedule {self.schedule!r}: use "
-                             f"{' or '.join(SCHEDULES)}")
+                             f"{' or '.join(LR_SCHEDULES)}")
 
     def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = list(params)

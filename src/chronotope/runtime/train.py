@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,12 @@ def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
         return None, 0
     path = checkpoint.latest(config.resume)
     checkpoint.check_fits(path, job.shapes)
-    step = int(checkpoint.run_info(path)["step"])
+    info = checkpoint.run_info(path)
+    step = int(info["step"])
+    if info.get("optimizer", config.optim.name) != config.optim.name:
+        warnings.warn(f"checkpoint {str(path)!r} was trained with {info['optimizer']}, this run "
+                      f"uses {config.optim.name}: the optimizer starts without its state",
+                      stacklevel=3)
     if step >= config.steps:
         raise ChronotopeError(f"checkpoint {str(path)!r} is at step {step}: a run of "
                               f"{config.steps} steps has nothing left to do (raise --steps)")
@@ -162,7 +168,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
         if config.saves_after(step + 1):
             assert config.save is not None
             checkpoint.save(config.save, step + 1, rank, writes, job.shapes,
-                            job.info(step + 1, rank.steps))
+                            {**job.info(step + 1, rank.steps), "optimizer": config.optim.name})
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
 
 
