@@ -118,11 +118,11 @@ def step(rt):
     h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
     # linear_1.1: linear  (gpt.py:61, h.0.attn.c_proj)
-    h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in = rt.enter('linear_1.1', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
-    h_0_attn_c_proj_bias_in = h_0_attn_c_proj_bias_in * 0.5
-    linear_1_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in)
+    h_0_attn_c_proj_bias_share = h_0_attn_c_proj_bias * 0.5
+    h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in = rt.enter('linear_1.1', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
+    linear_1_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in)
     rt.leave('linear_1.1', (linear_1_1,))
-    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
+    del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     linear_1_2, = rt.all_reduce([(linear_1_1,)], ranks=(0, 1))
     del linear_1_1
@@ -155,11 +155,11 @@ def step(rt):
     h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
     # linear_3.1: linear  (gpt.py:74, h.0.mlp.c_proj)
-    h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in = rt.enter('linear_3.1', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
-    h_0_mlp_c_proj_bias_in = h_0_mlp_c_proj_bias_in * 0.5
-    linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
+    h_0_mlp_c_proj_bias_share = h_0_mlp_c_proj_bias * 0.5
+    h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in = rt.enter('linear_3.1', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias_share), (True, True))
+    linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in)
     rt.leave('linear_3.1', (linear_3,))
-    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
+    del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     linear_3_1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
     del linear_3
@@ -256,11 +256,11 @@ def step(rt):
     h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
     # linear_5.1: linear  (gpt.py:61, h.1.attn.c_proj)
-    h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in = rt.enter('linear_5.1', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True))
-    h_1_attn_c_proj_bias_in = h_1_attn_c_proj_bias_in * 0.5
-    linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in)
+    h_1_attn_c_proj_bias_share = h_1_attn_c_proj_bias * 0.5
+    h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in = rt.enter('linear_5.1', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias_share), (True, True))
+    linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in)
     rt.leave('linear_5.1', (linear_5,))
-    del h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in
+    del h_1_attn_c_proj_bias_share, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     linear_5_1, = rt.all_reduce([(linear_5,)], ranks=(0, 1))
     del linear_5
@@ -293,11 +293,11 @@ def step(rt):
     h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
     # linear_7.1: linear  (gpt.py:74, h.1.mlp.c_proj)
-    h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in = rt.enter('linear_7.1', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True))
-    h_1_mlp_c_proj_bias_in = h_1_mlp_c_proj_bias_in * 0.5
-    linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
+    h_1_mlp_c_proj_bias_share = h_1_mlp_c_proj_bias * 0.5
+    h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in = rt.enter('linear_7.1', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias_share), (True, True))
+    linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in)
     rt.leave('linear_7.1', (linear_7,))
-    del h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in
+    del h_1_mlp_c_proj_bias_share, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     linear_7_1, = rt.all_reduce([(linear_7,)], ranks=(0, 1))
     del linear_7
@@ -394,11 +394,11 @@ def step(rt):
     h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
     # linear_9.1: linear  (gpt.py:61, h.2.attn.c_proj)
-    h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in = rt.enter('linear_9.1', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True))
-    h_2_attn_c_proj_bias_in = h_2_attn_c_proj_bias_in * 0.5
-    linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in)
+    h_2_attn_c_proj_bias_share = h_2_attn_c_proj_bias * 0.5
+    h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in = rt.enter('linear_9.1', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias_share), (True, True))
+    linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in)
     rt.leave('linear_9.1', (linear_9,))
-    del h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in
+    del h_2_attn_c_proj_bias_share, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     linear_9_1, = rt.all_reduce([(linear_9,)], ranks=(0, 1))
     del linear_9
@@ -431,11 +431,11 @@ def step(rt):
     h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
     # linear_11.1: linear  (gpt.py:74, h.2.mlp.c_proj)
-    h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in = rt.enter('linear_11.1', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True))
-    h_2_mlp_c_proj_bias_in = h_2_mlp_c_proj_bias_in * 0.5
-    linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
+    h_2_mlp_c_proj_bias_share = h_2_mlp_c_proj_bias * 0.5
+    h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in = rt.enter('linear_11.1', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias_share), (True, True))
+    linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in)
     rt.leave('linear_11.1', (linear_11,))
-    del h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in
+    del h_2_mlp_c_proj_bias_share, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     linear_11_1, = rt.all_reduce([(linear_11,)], ranks=(0, 1))
     del linear_11
@@ -532,11 +532,11 @@ def step(rt):
     h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     # linear_13.1: linear  (gpt.py:61, h.3.attn.c_proj)
-    h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in = rt.enter('linear_13.1', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True))
-    h_3_attn_c_proj_bias_in = h_3_attn_c_proj_bias_in * 0.5
-    linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in)
+    h_3_attn_c_proj_bias_share = h_3_attn_c_proj_bias * 0.5
+    h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in = rt.enter('linear_13.1', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True, True))
+    linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in)
     rt.leave('linear_13.1', (linear_13,))
-    del h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in
+    del h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     linear_13_1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
@@ -569,11 +569,11 @@ def step(rt):
     h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     # linear_15.1: linear  (gpt.py:74, h.3.mlp.c_proj)
-    h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in = rt.enter('linear_15.1', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True))
-    h_3_mlp_c_proj_bias_in = h_3_mlp_c_proj_bias_in * 0.5
-    linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
+    h_3_mlp_c_proj_bias_share = h_3_mlp_c_proj_bias * 0.5
+    h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in = rt.enter('linear_15.1', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias_share), (True, True))
+    linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in)
     rt.leave('linear_15.1', (linear_15,))
-    del h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in
+    del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     linear_15_1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
@@ -716,11 +716,9 @@ def step(rt):
     # backward of 4 pieces in one call
     d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_1 = rt.backward({'layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)}, ('layer_norm.1', 'add.1', 'embedding_1.1', 'embedding.1'))
     del grad_layer_norm, grad_add
-    grad_wte_weight__from0 = rt.recv((256, 64), torch.float32, src=0, tag=62)
+    grad_wte_weight__from0 = rt.recv((256, 64), torch.float32, src=0, tag=54)
     grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_1[0:512, 0:64], (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)), 1.0), (grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0)])
     del d_wte_weight, d_wte_weight_1, grad_wte_weight__from0
-    grad_h_0_attn_c_proj_bias, grad_h_0_mlp_c_proj_bias, grad_h_1_attn_c_proj_bias, grad_h_1_mlp_c_proj_bias, grad_h_2_attn_c_proj_bias, grad_h_2_mlp_c_proj_bias, grad_h_3_attn_c_proj_bias, grad_h_3_mlp_c_proj_bias = rt.all_reduce([(d_h_0_attn_c_proj_bias,), (d_h_0_mlp_c_proj_bias,), (d_h_1_attn_c_proj_bias,), (d_h_1_mlp_c_proj_bias,), (d_h_2_attn_c_proj_bias,), (d_h_2_mlp_c_proj_bias,), (d_h_3_attn_c_proj_bias,), (d_h_3_mlp_c_proj_bias,)], ranks=(0, 1))
-    del d_h_0_attn_c_proj_bias, d_h_0_mlp_c_proj_bias, d_h_1_attn_c_proj_bias, d_h_1_mlp_c_proj_bias, d_h_2_attn_c_proj_bias, d_h_2_mlp_c_proj_bias, d_h_3_attn_c_proj_bias, d_h_3_mlp_c_proj_bias
     rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight[0:512, 0:64])
     del grad_wte_weight
     rt.grad('wpe.weight', ((0, 32), (0, 64)), d_wpe_weight[0:32, 0:64])
@@ -743,8 +741,8 @@ def step(rt):
     del d_h_0_attn_c_attn_bias_2
     rt.grad('h.0.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_0_attn_c_proj_weight[0:64, 0:32])
     del d_h_0_attn_c_proj_weight
-    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), grad_h_0_attn_c_proj_bias[0:64])
-    del grad_h_0_attn_c_proj_bias
+    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), d_h_0_attn_c_proj_bias[0:64])
+    del d_h_0_attn_c_proj_bias
     rt.grad('h.0.ln_2.weight', ((0, 64),), d_h_0_ln_2_weight[0:64])
     del d_h_0_ln_2_weight
     rt.grad('h.0.ln_2.bias', ((0, 64),), d_h_0_ln_2_bias[0:64])
@@ -755,8 +753,8 @@ def step(rt):
     del d_h_0_mlp_c_fc_bias
     rt.grad('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_0_mlp_c_proj_weight[0:64, 0:128])
     del d_h_0_mlp_c_proj_weight
-    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), grad_h_0_mlp_c_proj_bias[0:64])
-    del grad_h_0_mlp_c_proj_bias
+    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), d_h_0_mlp_c_proj_bias[0:64])
+    del d_h_0_mlp_c_proj_bias
     rt.grad('h.1.ln_1.weight', ((0, 64),), d_h_1_ln_1_weight[0:64])
     del d_h_1_ln_1_weight
     rt.grad('h.1.ln_1.bias', ((0, 64),), d_h_1_ln_1_bias[0:64])
@@ -775,8 +773,8 @@ def step(rt):
     del d_h_1_attn_c_attn_bias_2
     rt.grad('h.1.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_1_attn_c_proj_weight[0:64, 0:32])
     del d_h_1_attn_c_proj_weight
-    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), grad_h_1_attn_c_proj_bias[0:64])
-    del grad_h_1_attn_c_proj_bias
+    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), d_h_1_attn_c_proj_bias[0:64])
+    del d_h_1_attn_c_proj_bias
     rt.grad('h.1.ln_2.weight', ((0, 64),), d_h_1_ln_2_weight[0:64])
     del d_h_1_ln_2_weight
     rt.grad('h.1.ln_2.bias', ((0, 64),), d_h_1_ln_2_bias[0:64])
@@ -787,8 +785,8 @@ def step(rt):
     del d_h_1_mlp_c_fc_bias
     rt.grad('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_1_mlp_c_proj_weight[0:64, 0:128])
     del d_h_1_mlp_c_proj_weight
-    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), grad_h_1_mlp_c_proj_bias[0:64])
-    del grad_h_1_mlp_c_proj_bias
+    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), d_h_1_mlp_c_proj_bias[0:64])
+    del d_h_1_mlp_c_proj_bias
     rt.grad('h.2.ln_1.weight', ((0, 64),), d_h_2_ln_1_weight[0:64])
     del d_h_2_ln_1_weight
     rt.grad('h.2.ln_1.bias', ((0, 64),), d_h_2_ln_1_bias[0:64])
@@ -807,8 +805,8 @@ def step(rt):
     del d_h_2_attn_c_attn_bias_2
     rt.grad('h.2.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_2_attn_c_proj_weight[0:64, 0:32])
     del d_h_2_attn_c_proj_weight
-    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), grad_h_2_attn_c_proj_bias[0:64])
-    del grad_h_2_attn_c_proj_bias
+    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), d_h_2_attn_c_proj_bias[0:64])
+    del d_h_2_attn_c_proj_bias
     rt.grad('h.2.ln_2.weight', ((0, 64),), d_h_2_ln_2_weight[0:64])
     del d_h_2_ln_2_weight
     rt.grad('h.2.ln_2.bias', ((0, 64),), d_h_2_ln_2_bias[0:64])
@@ -819,8 +817,8 @@ def step(rt):
     del d_h_2_mlp_c_fc_bias
     rt.grad('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_2_mlp_c_proj_weight[0:64, 0:128])
     del d_h_2_mlp_c_proj_weight
-    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), grad_h_2_mlp_c_proj_bias[0:64])
-    del grad_h_2_mlp_c_proj_bias
+    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), d_h_2_mlp_c_proj_bias[0:64])
+    del d_h_2_mlp_c_proj_bias
     rt.grad('h.3.ln_1.weight', ((0, 64),), d_h_3_ln_1_weight[0:64])
     del d_h_3_ln_1_weight
     rt.grad('h.3.ln_1.bias', ((0, 64),), d_h_3_ln_1_bias[0:64])
@@ -839,8 +837,8 @@ def step(rt):
     del d_h_3_attn_c_attn_bias_2
     rt.grad('h.3.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_3_attn_c_proj_weight[0:64, 0:32])
     del d_h_3_attn_c_proj_weight
-    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), grad_h_3_attn_c_proj_bias[0:64])
-    del grad_h_3_attn_c_proj_bias
+    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), d_h_3_attn_c_proj_bias[0:64])
+    del d_h_3_attn_c_proj_bias
     rt.grad('h.3.ln_2.weight', ((0, 64),), d_h_3_ln_2_weight[0:64])
     del d_h_3_ln_2_weight
     rt.grad('h.3.ln_2.bias', ((0, 64),), d_h_3_ln_2_bias[0:64])
@@ -851,8 +849,8 @@ def step(rt):
     del d_h_3_mlp_c_fc_bias
     rt.grad('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_3_mlp_c_proj_weight[0:64, 0:128])
     del d_h_3_mlp_c_proj_weight
-    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), grad_h_3_mlp_c_proj_bias[0:64])
-    del grad_h_3_mlp_c_proj_bias
+    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), d_h_3_mlp_c_proj_bias[0:64])
+    del d_h_3_mlp_c_proj_bias
     rt.grad('ln_f.weight', ((0, 64),), d_ln_f_weight[0:64])
     del d_ln_f_weight
     rt.grad('ln_f.bias', ((0, 64),), d_ln_f_bias[0:64])

@@ -16,7 +16,8 @@ from torch import nn
 import chronotope as ct
 from chronotope.graph.ops import default_registry
 from chronotope.models import Workload, load_workload
-from chronotope.runtime.launch import WorkerError, launch, save, spawn
+from chronotope.runtime.launch import WorkerError, launch, spawn
+from chronotope.runtime.train import save
 from chronotope.runtime.local import rank_specs
 from chronotope.runtime.targets import Target, TargetError, reference
 

@@ -392,8 +392,8 @@ class Program:
                 "broadcast": broadcast}
 
     def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
-        """Write every rank's module and a torchrun launcher (see ``runtime.launch.save``)."""
-        from chronotope.runtime.launch import save
+        """Write every rank's module and a torchrun launcher (see ``runtime.train.save``)."""
+        from chronotope.runtime.train import save
 
         return save(self, workload, directory, steps, optim)
 
