@@ -17,9 +17,9 @@ import chronotope as ct
 from chronotope.graph.ops import default_registry
 from chronotope.models import Workload, load_workload
 from chronotope.runtime.launch import WorkerError, launch, spawn
-from chronotope.runtime.train import save
 from chronotope.runtime.local import rank_specs
 from chronotope.runtime.targets import Target, TargetError, reference
+from chronotope.runtime.train import save
 
 USER_OPS = Path(__file__).parents[1] / "models" / "user_ops_model.py"
 

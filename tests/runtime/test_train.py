@@ -1,0 +1,246 @@
+"""Training for real on gloo processes: data, checkpoints, resume under other plans, faults."""
+
+import copy
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import chronotope as ct
+from chronotope.cli import main
+from chronotope.graph.rng import CounterRandom, Stream
+from chronotope.models import get_workload, load_function
+from chronotope.policies import mesh, pipeline
+from chronotope.runtime import checkpoint
+from chronotope.runtime.data import DataRandom
+from chronotope.runtime.launch import WorkerError
+from chronotope.runtime.train import train
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+DATA = f"{HERE / 'train_data.py'}"
+OPTIM = ct.Optim("adamw", 1e-3, weight_decay=0.1, clip=1.0, schedule="cosine", warmup=2)
+
+
+def gpt(dropout: float = 0.1):
+    w = get_workload("gpt", dropout=dropout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+def plain_pytorch(w, data, steps, optim, accumulate=1, seed=0):
+    """What a user writes on one device: same model, same batches, same optimizer."""
+    tokens = load_function(f"{DATA}:{data}")
+    model = copy.deepcopy(w.model)
+    opt = optim.build(model.parameters())
+    rng, it, read, losses = DataRandom(seed), None, 0, []
+
+    def next_batch():
+        nonlocal it
+        with rng:
+            for _ in range(2):
+                if it is None:
+                    it = iter(tokens())
+                try:
+                    return next(it)
+                except StopIteration:
+                    it = None
+        raise AssertionError
+
+    for step in range(steps):
+        optim.set_lr(opt, step, steps)
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next_batch()
+            with CounterRandom(Stream(seed, read)):
+                loss = model(x, y)
+            read += 1
+            (loss / accumulate).backward()
+            total += float(loss.detach()) / accumulate
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
+        opt.step()
+        losses.append(total)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    scale = max(float(t.abs().max()) for t in b.values())
+    return max(float((a[n] - b[n]).abs().max()) for n in b) / scale
+
+
+def test_training_on_a_data_loader_equals_plain_pytorch():
+    w, graph = gpt()
+    run = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:tokens", 6, OPTIM, accumulate=2)
+    losses, params = plain_pytorch(w, "tokens", 6, OPTIM, accumulate=2)
+    assert run.losses == pytest.approx(losses, rel=1e-5)
+    assert largest_difference(run.params, params) <= 1e-5
+    assert [r["step"] for r in run.records] == [1, 2, 3, 4, 5, 6]
+    assert run.records[0]["lr"] == pytest.approx(OPTIM.lr / 2)  # warmup
+    assert run.records[0]["tokens_per_s"] > 0
+
+
+def test_resuming_is_bitwise_and_works_under_other_plans_and_device_counts(tmp_path):
+    w, graph = gpt()
+    full = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:tokens", 6, OPTIM,
+                 save=str(tmp_path / "dp"), save_every=3)
+    assert sorted(p.name for p in (tmp_path / "dp").iterdir()) == \
+        ["latest", "step-00000003", "step-00000006"]
+    same = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:tokens", 6, OPTIM,
+                 resume=str(tmp_path / "dp" / "step-00000003"))
+    assert same.losses == full.losses[3:]  # bitwise: fp32 on CPU
+    assert all(torch.equal(same.params[n], p) for n, p in full.params.items())
+    for plan in (mesh(graph, tp=4), pipeline(graph, 2, 2, "1f1b")):
+        other = train(ct.compile(plan), w, f"{DATA}:tokens", 6, OPTIM,
+                      resume=str(tmp_path / "dp" / "step-00000003"))
+        assert other.losses == pytest.approx(full.losses[3:], rel=1e-5)
+        assert largest_difference(other.params, full.params) <= 1e-5
+    # and back: a pipeline's checkpoint continues data parallel
+    piped = train(ct.compile(pipeline(graph, 2, 2, "1f1b")), w, f"{DATA}:tokens", 3, OPTIM,
+                  save=str(tmp_path / "pp"))
+    back = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:tokens", 6, OPTIM,
+                 resume=str(tmp_path / "pp"))
+    assert piped.losses + back.losses == pytest.approx(full.losses, rel=1e-5)
+
+
+def test_a_killed_worker_is_named_within_a_minute_and_the_run_resumes(tmp_path, monkeypatch):
+    w, graph = gpt(dropout=0.0)
+    program = ct.compile(mesh(graph, dp=2))
+    marker = tmp_path / "kill"
+    marker.touch()
+    monkeypatch.setenv("KILL_AT", str(marker))
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="worker rank 1 died"):
+        train(program, w, f"{DATA}:killing", 8, OPTIM, save=str(tmp_path / "ck"),
+              save_every=2)
+    assert time.monotonic() - start < 60
+    assert checkpoint.latest(tmp_path / "ck").name == "step-00000004"
+    resumed = train(program, w, f"{DATA}:killing", 8, OPTIM, save=str(tmp_path / "ck"),
+                    save_every=2, resume=str(tmp_path / "ck"))
+    whole = train(program, w, f"{DATA}:tokens", 8, OPTIM)
+    assert resumed.losses == whole.losses[4:]
+    assert checkpoint.latest(tmp_path / "ck").name == "step-00000008"
+
+
+def test_export_gives_a_state_dict_that_loads_strict_with_tied_weights_and_buffers(tmp_path):
+    w, graph = gpt()
+    run = train(ct.compile(mesh(graph, tp=2)), w, f"{DATA}:tokens", 2, OPTIM,
+                save=str(tmp_path / "ck"))
+    for out in ("w.pt", "w.safetensors"):
+        assert main(["export", str(tmp_path / "ck"), str(tmp_path / out)]) == 0
+        state = load_file(tmp_path / out) if out.endswith("safetensors") else \
+            torch.load(tmp_path / out)
+        model = copy.deepcopy(w.model)
+        model.load_state_dict(state, strict=True)
+        assert torch.equal(state["lm_head.weight"], state["wte.weight"])  # tied: both names
+        assert all(torch.equal(p.detach(), run.params[n]) for n, p in model.named_parameters())
+
+
+class ConvNet(nn.Module):
+    """conv -> batch norm -> relu -> pool -> linear: running statistics change every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), \
+            nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3))
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def test_batch_norm_statistics_are_checkpointed_and_exported(tmp_path):
+    torch.manual_seed(0)
+    w = ct.Workload(ConvNet(), (torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    run = train(ct.compile(mesh(graph, dp=2)), w, [w.inputs], 2, save=str(tmp_path / "ck"))
+    state = checkpoint.consolidate(tmp_path / "ck")
+    model = copy.deepcopy(w.model)
+    model.load_state_dict(state, strict=True)
+    assert not torch.equal(model.norm.running_mean, w.model.norm.running_mean)  # it trained
+    for name, b in model.named_buffers():
+        if name in run.buffers:
+            assert torch.equal(b, run.buffers[name]), name
+    assert all(torch.equal(p.detach(), run.params[n]) for n, p in model.named_parameters())
+
+
+def cli(*argv, capsys):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_command_line_trains_streams_records_saves_exports_and_plots(tmp_path, capsys):
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    code, out, _ = cli("train", "gpt", "--devices", "2", "--steps", "3", "--data",
+                       f"{DATA}:tokens", "--optimizer", "adamw", "--lr", "1e-3", "--save",
+                       str(ck), "--metrics", str(metrics), "--json", capsys=capsys)
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [r["step"] for r in lines[:3]] == [1, 2, 3] and lines[3]["steps"] == 3
+    assert [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] == \
+        [r["loss"] for r in lines[:3]]
+    assert lines[3]["checkpoint"].endswith("step-00000003")
+    code, _, _ = cli("plot", str(metrics), "--out", str(tmp_path / "loss.png"), capsys=capsys)
+    assert code == 0 and (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # a second run continues it: steps 4 and 5, from the checkpoint of step 3
+    code, out, _ = cli("train", "gpt", "--devices", "2", "--policy", "tp", "--steps", "5",
+                       "--data", f"{DATA}:tokens", "--optimizer", "adamw", "--lr", "1e-3",
+                       "--save", str(ck), "--resume", str(ck), "--json", capsys=capsys)
+    assert code == 0 and [json.loads(x).get("step") for x in out.splitlines()][:2] == [4, 5]
+
+
+def test_training_starts_from_given_weights(tmp_path, capsys):
+    other, batch = get_workload("gpt", seed=1), get_workload("gpt").inputs
+    torch.save(other.model.state_dict(), tmp_path / "init.pt")
+    code, out, _ = cli("train", "gpt", "--devices", "2", "--steps", "1", "--init",
+                       str(tmp_path / "init.pt"), "--json", capsys=capsys)
+    first = json.loads(out.splitlines()[0])["loss"]
+    with torch.no_grad():
+        expected = float(other.model(*batch))
+    assert code == 0 and first == pytest.approx(expected, rel=1e-5)
+
+
+def test_bad_input_is_named_with_exit_code_2_and_nothing_is_overwritten(tmp_path, capsys):
+    base = ["train", "gpt", "--devices", "2", "--steps", "2"]
+    code, _, err = cli(*base, "--data", f"{DATA}:ragged", "--steps", "17", capsys=capsys)
+    assert code == 2 and "'idx' is (2, 32) int64" in err and "drop_last=True" in err
+    code, _, err = cli(*base, "--data", f"{DATA}:per_rank", capsys=capsys)
+    assert code == 2 and "batch 0 on rank 1 differs from rank 0's" in err
+
+    ck = tmp_path / "ck"
+    assert cli(*base, "--save", str(ck), capsys=capsys)[0] == 0
+    before = {p: p.stat().st_mtime_ns for p in ck.rglob("*")}
+    code, _, err = cli("train", "llama", "--devices", "2", "--steps", "3", "--resume", str(ck),
+                       "--save", str(ck), capsys=capsys)
+    assert code == 2 and "is of another model" in err
+    code, _, err = cli(*base, "--save", str(ck), capsys=capsys)  # not resuming: refuse
+    assert code == 2 and "already holds checkpoints" in err
+    assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
+
+    (ck / "step-00000002" / "__1_0.distcp").unlink()
+    code, _, err = cli(*base, "--steps", "3", "--resume", str(ck), capsys=capsys)
+    assert code == 2 and "missing __1_0.distcp" in err
+
+
+def test_a_run_killed_while_saving_leaves_the_last_checkpoint_in_use(tmp_path):
+    w, graph = gpt(dropout=0.0)
+    program = ct.compile(mesh(graph, dp=2))
+    first = train(program, w, f"{DATA}:tokens", 2, save=str(tmp_path))
+    partial = tmp_path / "step-00000003.incomplete"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(os.urandom(64))  # what a killed save leaves
+    assert checkpoint.latest(tmp_path).name == "step-00000002"
+    after = train(program, w, f"{DATA}:tokens", 3, save=str(tmp_path), resume=str(tmp_path))
+    whole = train(program, w, f"{DATA}:tokens", 3)
+    assert first.losses + after.losses == whole.losses
