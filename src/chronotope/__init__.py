@@ -25,8 +25,10 @@ from chronotope.graph import (
 )
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
+from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
-from chronotope.runtime.local import Optim
+from chronotope.runtime.optim import Optim
+from chronotope.runtime.train import train
 
 __version__ = "0.1.0"
 
@@ -34,5 +36,6 @@ __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
     "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
-    "register_op", "Optim", "Program", "ValueSplit", "compile", "policies", "run",
+    "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_weights",
+    "policies", "run", "train",
 ]
