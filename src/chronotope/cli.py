@@ -460,7 +460,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                         MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                         TimeRemainingColumn(), console=out, transient=False,
                         disable=args.json)
-    task = progress.add_task(f"{args.model} {args.policy} x{args.devices}", total=args.steps,
+    task = progress.add_task(f"{graph.name}: {args.policy} x{args.devices}", total=args.steps,
                              status="starting workers")
 
     def on_step(record: dict[str, Any]) -> None:
