@@ -1,0 +1,92 @@
+"""Training step time on real data: chronotope vs DistributedDataParallel, same run.
+
+    python benchmarks/train.py [--steps 60] [--devices 2]
+
+The char-level GPT of examples/shakespeare on its shuffled batches, AdamW with the
+same groups, schedule and clipping, on gloo processes sharing this machine's cores.
+Both read every batch on every rank (DDP keeps its rank's share of it), so the
+step time covers reading data, forward, backward, gradient reduction and the
+optimizer. The figure to watch is the ratio (goal <= 1.05x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+import chronotope as ct
+from chronotope.runtime.data import Batches, BatchLayout
+from chronotope.runtime.launch import spawn
+from chronotope.runtime.train import mean_step_time
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shakespeare"
+DATA = f"{EXAMPLE / 'data.py'}:batches"
+OPTIM = ct.Optim("adamw", 1e-3, weight_decay=0.1, clip=1.0, schedule="cosine", warmup=10)
+
+
+def workload() -> ct.Workload:
+    sys.path.insert(0, str(EXAMPLE))
+    from model import char_gpt
+    return char_gpt()
+
+
+def _ddp(rank: int, steps: int, layout: BatchLayout) -> tuple[list[float], float]:
+    world = dist.get_world_size()
+    w = workload()
+    model = torch.nn.parallel.DistributedDataParallel(w.model)
+    opt = OPTIM.build(model.parameters())
+    batches = Batches(DATA, layout)
+    times, loss = [], torch.zeros(())
+    for step in range(steps):
+        start = time.perf_counter()
+        OPTIM.set_lr(opt, step, steps)
+        opt.zero_grad(set_to_none=True)
+        idx, targets = (t.chunk(world)[rank] for t in next(batches).values())
+        loss = model(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip)
+        opt.step()
+        times.append(time.perf_counter() - start)
+    dist.all_reduce(loss := loss.detach())  # the whole batch's loss: the mean of the halves
+    return times, float(loss) / world
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--devices", type=int, default=2)
+    args = parser.parse_args()
+    w = workload()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    program = ct.compile(ct.policies.mesh(graph, dp=args.devices))
+    ours = ct.train(program, w, DATA, args.steps, OPTIM)
+    theirs, theirs_loss = spawn(_ddp, args.devices, (args.steps, BatchLayout.of(w, graph)))[0]
+    tokens = w.inputs[0].numel()
+    ours_s = mean_step_time(ours)
+    theirs_s = statistics.mean(theirs[1:])
+    table = Table(title=f"char-GPT ({graph.num_params:,} parameters) on Shakespeare, "
+                        f"{args.devices} gloo processes, {args.steps} steps, AdamW")
+    for col in ("", "ms / step", "tokens / s", "final loss"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("chronotope dp (ct.train)", f"{ours_s * 1e3:.1f}", f"{tokens / ours_s:,.0f}",
+                  f"{ours.losses[-1]:.4f}")
+    table.add_row("DistributedDataParallel", f"{theirs_s * 1e3:.1f}",
+                  f"{tokens / theirs_s:,.0f}", f"{theirs_loss:.4f}")
+    Console().print(table)
+    Console().print(f"chronotope / DDP step time: {ours_s / theirs_s:.2f}x (mean after the "
+                    "first step)")
+
+
+if __name__ == "__main__":
+    main()
