@@ -3,6 +3,8 @@
 import copy
 import json
 import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -244,3 +246,34 @@ def test_a_run_killed_while_saving_leaves_the_last_checkpoint_in_use(tmp_path):
     after = train(program, w, f"{DATA}:tokens", 3, save=str(tmp_path), resume=str(tmp_path))
     whole = train(program, w, f"{DATA}:tokens", 3)
     assert first.losses + after.losses == whole.losses
+
+
+def test_the_torchrun_launcher_trains_on_the_data_and_keeps_the_weights(tmp_path):
+    w, graph = gpt(dropout=0.0)
+    program = ct.compile(mesh(graph, dp=2))
+    program.save(str(tmp_path), w, steps=2)
+    src = os.path.dirname(os.path.dirname(ct.__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(tmp_path / "launch.py"), "--data", f"{DATA}:tokens", "--steps", "3", "--metrics",
+         str(tmp_path / "m.jsonl")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    here = train(program, w, f"{DATA}:tokens", 3)
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").open()]
+    assert logged == pytest.approx(here.losses, rel=1e-6)
+    weights = checkpoint.consolidate(tmp_path / "checkpoints")
+    assert largest_difference({n: weights[n] for n in here.params}, here.params) <= 1e-6
+
+
+def test_tensorboard_logs_the_steps_or_says_how_to_get_it(tmp_path, capsys):
+    code, _, err = cli("train", "gpt", "--devices", "2", "--steps", "2", "--tensorboard",
+                       str(tmp_path / "tb"), capsys=capsys)
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert code == 2 and "pip install tensorboard" in err
+    else:
+        assert code == 0 and any((tmp_path / "tb").iterdir())
