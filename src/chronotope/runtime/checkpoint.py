@@ -286,8 +286,8 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    pieces = [_piece(MODEL + name, shapes[name], box,
-                     _within(rank.stored, name, box)[1].detach().clone())
+    # Views, not copies: DCP copies a view that is not its whole storage, as it writes it.
+    pieces = [_piece(MODEL + name, shapes[name], box, _within(rank.stored, name, box)[1].detach())
               for name, boxes in writes.params.items() for box in boxes]
     for name, boxes in writes.optim.items():
         for box in boxes:
@@ -299,12 +299,12 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
                 if v.shape == param.shape:
                     local = Mask(box).local_slices(Mask(key[1]))
                     pieces.append(_piece(f"{OPTIM}{name}.{k}", shapes[name], box,
-                                         v[local].detach().clone()))
+                                         v[local].detach()))
                 elif v.ndim == 0 and all(lo == 0 for lo, _ in box):  # once, with the origin
-                    pieces.append(Piece(f"{OPTIM}{name}.{k}", (), (), v.detach().clone()))
+                    pieces.append(Piece(f"{OPTIM}{name}.{k}", (), (), v.detach()))
     objects: dict[str, Any] = {}
     if writes.lead:
-        pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t.detach().clone())
+        pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t.detach())
                    for name, t in rank.state.items() if name in info.get("buffers", ())]
         objects[STATE] = dict(info)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)),

@@ -374,6 +374,7 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
         config = TrainConfig(steps or saved["steps"], saved["optim"], accumulate, seed, save,
                              save_every, resume, timeout)
         path, _ = start_of(config, saved["job"])
+        check_save_folder(config)
 
         def report(record: dict[str, Any]) -> None:
             print(f"step {record['step']}: loss {record['loss']:.6f}", flush=True)
