@@ -107,12 +107,13 @@ def _render(ins: Instruction) -> list[str]:
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
     if isinstance(ins, AllReduce):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
-        return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks})"]
+        return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks}"
+                f"{_grads(ins.keys)})"]
     if isinstance(ins, AllGather):
         return [f"{ins.var} = rt.all_gather({ins.src}, ranks={ins.ranks}, dim={ins.dim})"]
     if isinstance(ins, ReduceScatter):
         return [f"{ins.var} = rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, "
-                f"dim={ins.dim})"]
+                f"dim={ins.dim}{_grads((ins.key,))})"]
     if isinstance(ins, AllToAll):
         return [f"{ins.var} = rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
                 f"readers={ins.readers}, split={ins.split})"]
@@ -143,6 +144,13 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     raise TypeError(f"cannot render {ins!r}")
+
+
+def _grads(keys: tuple[tuple, ...]) -> str:
+    """``, grads=True`` for a reduction of gradients only (they sum in the reduce dtype of
+    a mixed precision; a forward partial sum or a loss's count does not)."""
+    names = [k[0] for k in keys if k]
+    return ", grads=True" if names and all(str(n).startswith("grad(") for n in names) else ""
 
 
 def _no_grad(ins: Forward) -> list[str]:
@@ -179,9 +187,10 @@ def _backward_call(ins: Backward) -> list[str]:
 
 def _load(ins: Load) -> str:
     t, mask = ins.tensor, ins.mask
-    if ins.source in ("seed", "zeros"):
-        fill = "ones" if ins.source == "seed" else "zeros"
-        return f"torch.{fill}({tuple(mask.shape)}, dtype={t.dtype}, device=rt.device)"
+    if ins.source == "seed":  # ones, times the loss scale under fp16 (runtime/precision.py)
+        return f"rt.seed({tuple(mask.shape)}, {t.dtype})"
+    if ins.source == "zeros":
+        return f"torch.zeros({tuple(mask.shape)}, dtype={t.dtype}, device=rt.device)"
     if ins.source == "param":
         base = f"rt.param({t.name!r}, {ins.held.index})"
         within = Mask(mask.index).local_slices(ins.held)

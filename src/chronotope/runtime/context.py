@@ -6,10 +6,16 @@ they stay linked to a local producer in the same backward region (see
 ``torch.autograd.grad`` call from the gradients arriving at its pieces' outputs
 to its leaves: exactly those pieces' share of their inputs' gradients, wherever
 the gradients are then sent.
+
+Under a low precision (``runtime/precision.py``) the step runs under autocast, each
+region's backward with autocast off, and communication casts as that module says; with
+none (or plain fp32) every call here does exactly what it did before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -19,6 +25,7 @@ from torch import nn
 
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
+from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
 
 
 class StepContext:
@@ -34,6 +41,8 @@ class StepContext:
         targets: Mapping[str, Callable[..., Any]],
         ticks: list[float] | None = None,
         stream: Stream | None = None,
+        precision: Precision | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -51,6 +60,9 @@ class StepContext:
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
         self.stream = stream or Stream()  # what this step's random ops draw (graph/rng.py)
+        # None: fp32 as captured, nothing cast (bit for bit what it was without precision)
+        self.precision = None if precision is None or precision.plain else precision
+        self.loss_scale = loss_scale  # the loss's gradient (fp16's dynamic loss scale)
 
     # ---- leaves ----------------------------------------------------------------------------
 
@@ -110,8 +122,9 @@ class StepContext:
         at = [o for _, outs in kept for o in outs]  # their total gradient, captured
         found: Sequence[torch.Tensor | None] = [None] * (len(leaves) + len(at))
         if outputs and (leaves or at):
-            found = torch.autograd.grad(outputs, leaves + at, grads, allow_unused=True,
-                                        retain_graph=bool(at))
+            with self._backward_mode():
+                found = torch.autograd.grad(outputs, leaves + at, grads, allow_unused=True,
+                                            retain_graph=bool(at))
         captured = iter(found[len(leaves):])
         for name, outs in kept:
             self.kept[name] = (outs, [next(captured) for _ in outs])
@@ -126,9 +139,23 @@ class StepContext:
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
         found: Sequence[torch.Tensor | None] = [None] * len(leaves)
         if pairs:
-            found = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
-                                        allow_unused=True)
+            with self._backward_mode():
+                found = torch.autograd.grad([o for o, _ in pairs], leaves,
+                                            [g for _, g in pairs], allow_unused=True)
         return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
+
+    def _backward_mode(self):
+        """Backward as after an autocast forward: autocast off, each op in the dtype its
+        forward ran in (autocast would cast the backward's matmuls again)."""
+        if self.precision is None or not self.precision.low:
+            return contextlib.nullcontext()
+        return no_autocast(self.device.type)
+
+    def seed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The loss's gradient: ones, times fp16's loss scale."""
+        if self.loss_scale == 1.0:
+            return torch.ones(shape, dtype=dtype, device=self.device)
+        return torch.full(shape, self.loss_scale, dtype=dtype, device=self.device)
 
     @staticmethod
     def tensors(result: Any) -> list[torch.Tensor]:
@@ -136,62 +163,104 @@ class StepContext:
 
     # ---- communication -------------------------------------------------------------------
 
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it travels: in the wire dtype under a precision, else as it is."""
+        if self.precision is None:
+            return t
+        return t.to(wire_dtype(t.dtype))
+
+    def _summed(self, pieces: Sequence[torch.Tensor], grads: bool,
+                ) -> tuple[torch.Tensor, torch.dtype]:
+        """The local pieces added up in the dtype the reduction sums in, and the dtype the
+        sum goes back to (what the pieces were). With no precision, or integer pieces:
+        added up as they are. Under a precision, gradients (``grads``) sum in its reduce
+        dtype, everything else in fp32 (fp64 stays fp64)."""
+        if self.precision is None or not all(p.is_floating_point() for p in pieces):
+            total = _sum(pieces)
+            return total, total.dtype
+        given = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
+        dtype = wire_dtype(given)
+        if grads and given.itemsize <= 4:
+            dtype = self.precision.reduce_dtype
+        return _sum([p if p.dtype == dtype else p.to(dtype) for p in pieces]), given
+
     def send(self, t: torch.Tensor, to: int, tag: int) -> None:
-        self.transport.send(t, self.rank, to, tag)
+        self.transport.send(self._wire(t), self.rank, to, tag)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
+        if self.precision is None:
+            return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
+        got = self.transport.recv(shape, wire_dtype(dtype), src, self.rank, tag, self.device)
+        return got if got.dtype == dtype else got.to(dtype)
 
     def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]],
-                   ranks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """For each entry, the sum of its local pieces and the other ``ranks``' pieces.
+                   ranks: tuple[int, ...], grads: bool = False) -> tuple[torch.Tensor, ...]:
+        """For each entry, the sum of its local pieces and the other ``ranks``' pieces
+        (``grads``: they are gradients, summed in the precision's reduce dtype).
 
         All entries travel in one flat buffer: one collective call per instruction.
         """
-        local = [_sum(pieces) for pieces in tensors]
-        flat = local[0].reshape(-1) if len(local) == 1 else \
-            torch.cat([t.reshape(-1) for t in local])
+        if self.precision is None:
+            local = [_sum(pieces) for pieces in tensors]
+            flat = local[0].reshape(-1) if len(local) == 1 else \
+                torch.cat([t.reshape(-1) for t in local])
+            flat = self.transport.all_reduce(flat, ranks, self.rank)
+            return tuple(part.view_as(t) for part, t in
+                         zip(flat.split([t.numel() for t in local]), local))
+        summed = [self._summed(pieces, grads) for pieces in tensors]
+        wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
+        local = [_as(t, wide) for t, _ in summed]  # one flat buffer: one dtype
+        flat = torch.cat([t.reshape(-1) for t in local])
         flat = self.transport.all_reduce(flat, ranks, self.rank)
-        return tuple(part.view_as(t) for part, t in
-                     zip(flat.split([t.numel() for t in local]), local))
+        return tuple(_as(part.view_as(t), given) for part, t, (_, given) in
+                     zip(flat.split([t.numel() for t in local]), local, summed))
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int) -> torch.Tensor:
         """The members' pieces side by side along ``dim``, in ``ranks`` order."""
         members = tuple(sorted(ranks))
-        pieces = self.transport.all_gather(t.detach().contiguous(), members, self.rank)
+        pieces = self.transport.all_gather(self._wire(t.detach()).contiguous(), members,
+                                           self.rank)
+        if pieces.dtype != t.dtype:  # back to the dtype this rank's piece had
+            pieces = pieces.to(t.dtype)
         if dim == 0 and tuple(ranks) == members:  # already side by side: no copy
             return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
         return torch.cat([pieces[members.index(r)] for r in ranks], dim)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                       dim: int) -> torch.Tensor:
-        """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members."""
-        local = _sum(tensors)
+                       dim: int, grads: bool = False) -> torch.Tensor:
+        """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members
+        (``grads``: gradients, summed in the precision's reduce dtype)."""
+        local, given = self._summed(tensors, grads)
         members = tuple(sorted(ranks))
         ordered = local
         if tuple(ranks) != members:
             # The transport hands member i (in rank order) run i: put each member's run there.
             runs = local.chunk(len(ranks), dim)
             ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
-        return self.transport.reduce_scatter(ordered, members, self.rank, dim)
+        return _as(self.transport.reduce_scatter(ordered, members, self.rank, dim), given)
 
     def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
                    readers: tuple[int, ...], split: int) -> torch.Tensor:
         """Member ``readers[k]`` gets run ``k`` along ``split`` of the region the members'
         pieces make side by side along ``dim`` (in ``ranks`` order); this is this rank's."""
         members = tuple(sorted(ranks))
-        runs = t.detach().chunk(len(readers), split)
+        given = t.dtype
+        runs = self._wire(t.detach()).chunk(len(readers), split)
         blocks = self.transport.all_to_all([runs[readers.index(m)].contiguous() for m in members],
                                            members, self.rank)
-        return torch.cat([blocks[members.index(r)] for r in ranks], dim)
+        return torch.cat([blocks[members.index(r)].to(given) for r in ranks], dim)
 
     def broadcast(self, t: torch.Tensor | None, root: int, ranks: tuple[int, ...],
                   shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
                   ) -> torch.Tensor:
         """``root``'s tensor on every member (the root passes it, the others its shape)."""
         if t is None:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-        return self.transport.broadcast(t.detach().contiguous(), root, ranks, self.rank)
+            t = torch.empty(shape, dtype=wire_dtype(dtype) if self.precision else dtype,
+                            device=self.device)
+            got = self.transport.broadcast(t, root, ranks, self.rank)
+            return got if got.dtype == dtype else got.to(dtype)
+        return self.transport.broadcast(self._wire(t.detach()).contiguous(), root, ranks,
+                                        self.rank)
 
     def gather_params(self, ranks: tuple[int, ...], params: Sequence[tuple[str, tuple, int]],
                       ) -> None:
@@ -229,7 +298,10 @@ class StepContext:
 
     def grad(self, param: str, region: tuple, g: torch.Tensor) -> None:
         p = self.owned_params[(param, region)]
-        p.grad = g.detach() if p.grad is None else p.grad + g.detach()
+        g = g.detach()
+        if g.dtype != p.dtype:  # a gradient that travelled or summed in another dtype
+            g = g.to(p.dtype)
+        p.grad = g if p.grad is None else p.grad + g
 
     def loss(self, value: torch.Tensor) -> None:
         self.losses.append(float(value.detach()))
@@ -237,6 +309,10 @@ class StepContext:
     def set_buffer(self, name: str, value: torch.Tensor) -> None:
         """Buffer ``name`` after this step (running statistics): what the next step reads."""
         self.state[name] = value.detach().clone()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:

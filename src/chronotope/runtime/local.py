@@ -20,6 +20,7 @@ from chronotope.models.workload import Workload
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.optim import Optim
+from chronotope.runtime.precision import Precision, check_precision, step_error
 from chronotope.runtime.targets import Target, portable, resolve
 from chronotope.runtime.transport import RankFailed, ThreadTransport
 
@@ -78,15 +79,25 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
 
 
 class Rank:
-    """One rank: its generated step, its parameter regions and their optimizer."""
+    """One rank: its generated step, its parameter regions and their optimizer.
+
+    With a ``precision`` (``runtime/precision.py``) the step computes under its autocast
+    while the regions, their gradients and the optimizer's state stay fp32; under fp16 the
+    loss is scaled and a step with an inf or NaN gradient on any rank is skipped on all.
+    """
 
     def __init__(self, spec: RankSpec, transport: Any, optim: Optim,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 precision: Precision | None = None) -> None:
         self.rank = spec.rank
         self.device = torch.device(device)
         self.transport = transport
+        self.precision = None if precision is None or precision.plain else precision
+        self.scaler = self.precision.scaler() if self.precision else None  # fp16 only
+        self.code = spec.code
+        self.filename = f"<chronotope rank {spec.rank}>"
         scope: dict[str, Any] = {}
-        exec(compile(spec.code, f"<chronotope rank {spec.rank}>", "exec"), scope)
+        exec(compile(spec.code, self.filename, "exec"), scope)
         self.step_fn = scope["step"]
         self.refresh_fn = scope.get("refresh")
         self.stored = {k: v.to(self.device) for k, v in spec.params.items()}
@@ -129,8 +140,25 @@ class Rank:
         """The generated step on ``self.batch``: its gradients add to the owned regions'."""
         rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
                          self.batch, self.transport, self.targets, self.ticks,
-                         Stream(self.seed, self.steps))
+                         Stream(self.seed, self.steps), self.precision,
+                         self.scaler.scale if self.scaler else 1.0)
         self.steps += 1
+        if self.precision is None:
+            self._run(rt, measure)
+        else:
+            try:
+                with self.precision.autocast(self.device.type):
+                    self._run(rt, measure)
+            except Exception as e:
+                error = step_error(e, self.code, self.filename, self.rank, self.precision,
+                                   self.device.type)
+                if error is None:
+                    raise
+                raise error from e
+        self.transport.flush()
+        return rt.losses
+
+    def _run(self, rt: StepContext, measure: bool) -> None:
         if measure:
             with torch.enable_grad(), PeakMemory() as watch:
                 self.step_fn(rt)
@@ -138,13 +166,15 @@ class Rank:
         else:
             with torch.enable_grad():
                 self.step_fn(rt)
-        self.transport.flush()
-        return rt.losses
 
-    def update(self, grad_scale: float = 1.0) -> None:
+    def update(self, grad_scale: float = 1.0) -> bool:
         """The optimizer step on the gradients gathered so far, times ``grad_scale`` (the
-        mean over accumulated batches); then every stored copy of a region is refreshed."""
-        if grad_scale != 1.0:
+        mean over accumulated batches); then every stored copy of a region is refreshed.
+        False when fp16's loss scaling skipped the step (an inf or NaN on some rank)."""
+        if self.scaler is not None:
+            if not self._unscale(grad_scale):
+                return False
+        elif grad_scale != 1.0:
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
@@ -158,6 +188,17 @@ class Rank:
             with torch.no_grad():
                 self.refresh_fn(rt)
             self.transport.flush()
+        return True
+
+    def _unscale(self, grad_scale: float) -> bool:
+        """Divide the owned gradients by the loss scale (times ``grad_scale``); whether
+        every rank's are finite (one all-reduce of the flag over all ranks, so all skip
+        together), and the next scale."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        found = self.scaler.unscale_(grads, grad_scale, self.device)
+        if len(self.world) > 1:
+            found = self.transport.all_reduce(found, self.world, self.rank)
+        return self.scaler.update(bool(found.item() > 0))
 
     def clip_gradients(self, max_norm: float) -> float:
         """Scale every rank's gradients so their global norm is at most ``max_norm``.
@@ -198,11 +239,15 @@ class RunResult:
 
 def run_in_threads(program: Program, workload: Workload, steps: int,
                    optim: Optim | None = None, timeout: float = 60.0,
-                   measure_memory: bool = False) -> RunResult:
+                   measure_memory: bool = False,
+                   precision: Precision | None = None) -> RunResult:
     """Every rank as a thread of this process: the same generated code, messages in memory.
-    With ``measure_memory``, each rank's peak of what its steps made (``PeakMemory``)."""
+    With ``measure_memory``, each rank's peak of what its steps made (``PeakMemory``); with
+    ``precision``, mixed precision (refused first if an op cannot run in it)."""
+    check_precision(program.plan.graph, precision, "cpu")
     transport = ThreadTransport(timeout)
-    ranks = [Rank(spec, transport, optim or Optim()) for spec in rank_specs(program, workload)]
+    ranks = [Rank(spec, transport, optim or Optim(), precision=precision)
+             for spec in rank_specs(program, workload)]
     losses: list[float] = []
     errors: dict[int, BaseException] = {}
 

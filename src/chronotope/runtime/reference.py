@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Iterable
@@ -13,27 +14,43 @@ from chronotope.graph.capture import model_loss
 from chronotope.graph.rng import CounterRandom, Stream
 from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, RunResult
+from chronotope.runtime.precision import Precision
 
 
-def train_reference(workload: Workload, steps: int, optim: Optim) -> RunResult:
+def train_reference(workload: Workload, steps: int, optim: Optim,
+                    precision: Precision | None = None) -> RunResult:
     """Train a copy of the model as written, on one device, with the same optimizer; its
-    random ops draw from the counter-based stream, as a plan's pieces do."""
+    random ops draw from the counter-based stream, as a plan's pieces do.
+
+    With ``precision``: forward and loss under its autocast (fp32 weights, as a plan's
+    ranks keep them), and under fp16 the loss scaled as ``torch.amp.GradScaler`` does it
+    (the same ``LossScale`` as the ranks', so both skip the same steps)."""
     model = copy.deepcopy(workload.model)
     opt = optim.build(list(model.parameters()))
     losses: list[float] = []
     unreplayed: list[str] = []
+    low = precision is not None and precision.low
+    scaler = precision.scaler() if low else None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        with CounterRandom(Stream(step=step)) as draws:
+        with CounterRandom(Stream(step=step)) as draws, \
+                (precision.autocast(device.type) if low else contextlib.nullcontext()):
             out = model(*workload.inputs, **workload.kwargs)
             loss = workload.loss_fn(out, *workload.targets) if workload.loss_fn \
                 else model_loss(out)
         unreplayed += [name for name in draws.unreplayed if name not in unreplayed]
-        loss.backward()
+        losses.append(float(loss.detach()))
+        if scaler is None:
+            loss.backward()
+        else:
+            loss.backward(torch.full_like(loss, scaler.scale))
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if not scaler.update(bool(scaler.unscale_(grads, 1.0, device).item() > 0)):
+                continue  # an inf or NaN: the step is skipped, the scale backs off
         if optim.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
-        losses.append(float(loss.detach()))
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()},
                      buffers={n: b.detach().clone() for n, b in model.named_buffers()},
                      unreplayed=unreplayed)
