@@ -58,13 +58,13 @@ from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
 from chronotope.runtime.optim import LR_SCHEDULES, Optim
+from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, train
 from chronotope.viz import plot_losses, timeline
 
 EXIT_USAGE = 2
 EXIT_MISMATCH = 1
-TOLERANCE = 1e-5  # largest relative difference from one device that `run --check` accepts
 
 Emit = Callable[[Any], None]  # takes the --json report; main writes it to stdout
 
@@ -395,12 +395,15 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, clip=args.clip)
+    precision = Precision(args.dtype, args.reduce_dtype)
     with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
                     f"processes for {args.steps} steps"):
-        result = run_processes(program, workload, args.steps, optim, timeout=args.timeout)
-        reference = train_reference(workload, args.steps, optim) if args.check else None
+        result = run_processes(program, workload, args.steps, optim, timeout=args.timeout,
+                               precision=precision)
+        reference = train_reference(workload, args.steps, optim, precision) \
+            if args.check else None
     diff = compare(result, reference) if reference else None
-    ok = diff.within(TOLERANCE) if diff else None
+    ok = diff.within(precision.tolerance) if diff else None
     code = EXIT_MISMATCH if ok is False else 0
     step_time = sum(result.step_times[1:]) / max(len(result.step_times) - 1, 1)
     # random ops without a counter-based form: no piece or replica draws what one device does
@@ -415,7 +418,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
             "max_buffer_rel_diff": diff.max_buffer_rel_diff if diff else None,
-            "match": ok, "step_time_s": step_time, "torch_random_ops": unmatched,
+            "match": ok, "tolerance": precision.tolerance, "step_time_s": step_time,
+            "torch_random_ops": unmatched,
         })
         return code
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} processes")
@@ -432,7 +436,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         out.print(f"largest relative difference from one device: losses "
                   f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e}"
                   + (f", buffers {diff.max_buffer_rel_diff:.1e} " if result.buffers else " ")
-                  + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]"))
+                  + ("[green](match" if ok else "[red](MISMATCH")
+                  + f", tolerance {precision.tolerance:.0e} in {precision.dtype})[/]")
     if unmatched and args.check:
         out.print(f"[yellow]{len(unmatched)} random ops draw from torch's generator, so their "
                   "pieces and replicas draw other numbers than one device does"
@@ -478,7 +483,8 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             result = train(program, workload, args.data or example_batches(workload),
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
-                           on_step=on_step, timeout=args.timeout)
+                           on_step=on_step, timeout=args.timeout,
+                           precision=Precision(args.dtype, args.reduce_dtype))
     finally:
         for sink in sinks:
             sink.close()
@@ -761,6 +767,11 @@ def parser() -> argparse.ArgumentParser:
                              help="clip gradients to this global norm across all ranks")
             cmd.add_argument("--timeout", type=positive_float, default=60.0,
                              help="seconds a rank waits on another before giving up")
+            cmd.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                             help="compute in bf16 or fp16 under autocast, with fp32 master "
+                                  "weights and optimizer state (fp16 scales the loss)")
+            cmd.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
+                             help="what gradients are summed in across ranks")
             if name == "train":
                 _train_args(cmd)
 

@@ -22,6 +22,7 @@ from chronotope.policies import mesh, pipeline
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import DataRandom
 from chronotope.runtime.launch import WorkerError
+from chronotope.runtime.precision import BF16_TOLERANCE, Precision
 from chronotope.runtime.train import train
 
 pytestmark = pytest.mark.slow
@@ -277,3 +278,27 @@ def test_tensorboard_logs_the_steps_or_says_how_to_get_it(tmp_path, capsys):
         assert code == 2 and "pip install tensorboard" in err
     else:
         assert code == 0 and any((tmp_path / "tb").iterdir())
+
+
+def test_fp16_training_skips_overflowing_steps_and_resumes_bitwise_with_its_loss_scale(tmp_path):
+    w, graph = gpt(dropout=0.0)
+    program = ct.compile(mesh(graph, dp=2))
+    fp16 = Precision("fp16", init_scale=2.0 ** 20)  # overflows at first: skipped, scaled down
+    full = train(program, w, f"{DATA}:tokens", 6, OPTIM, save=str(tmp_path), save_every=3,
+                 precision=fp16)
+    assert full.records[0]["skipped"] and full.records[0]["loss_scale"] == 2.0 ** 19
+    assert not full.records[-1]["skipped"]
+    assert all(t.dtype == torch.float32 for t in full.params.values())  # fp32 masters
+    resumed = train(program, w, f"{DATA}:tokens", 6, OPTIM, precision=fp16,
+                    resume=str(tmp_path / "step-00000003"))
+    assert resumed.losses == full.losses[3:]
+    assert [r["loss_scale"] for r in resumed.records] == \
+        [r["loss_scale"] for r in full.records[3:]]
+
+
+def test_run_check_in_bf16_compares_with_one_device_under_the_same_autocast(capsys):
+    code, out, _ = cli("run", "gpt", "--devices", "2", "--steps", "3", "--check", "--dtype",
+                       "bf16", "--json", capsys=capsys)
+    report = json.loads(out)
+    assert code == 0 and report["match"] and report["tolerance"] == BF16_TOLERANCE
+    assert 0 < report["max_param_rel_diff"] <= BF16_TOLERANCE

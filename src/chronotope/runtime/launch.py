@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from chronotope.runtime.local import (
     model_buffers,
     rank_specs,
 )
+from chronotope.runtime.precision import Precision, check_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
@@ -44,13 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str,
-               timeout: float) -> tuple[list[float], dict, list[float], dict]:
+def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: float,
+               precision: Precision | None = None
+               ) -> tuple[list[float], dict, list[float], dict]:
     """One rank's whole run inside an initialized process group: its losses, parameter
     regions, step times and buffers."""
     device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") \
         if backend == "nccl" else torch.device("cpu")
-    rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device)
+    rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device,
+                precision=precision)
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -93,22 +97,72 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
         except Exception as e:
             raise WorkerError(f"cannot send {getattr(fn, '__qualname__', fn)} and its arguments "
                               f"to worker processes: {type(e).__name__}: {e}") from e
+        ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(), timeout,
+                                                out_dir),
+                                 nprocs=world, join=False, start_method="spawn")
         try:
-            ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(),
-                                                    timeout, out_dir),
-                                     nprocs=world, join=False, start_method="spawn")
-            while not ctx.join(timeout=0.2):
-                if watch:
-                    watch()
-            if watch:
-                watch()
-        except mp.ProcessExitedException as e:
-            raise _exited(e.error_index, e.exit_code, out_dir) from None
-        except mp.ProcessRaisedException as e:
-            error = _error(e.error_index, out_dir) or str(e).strip().splitlines()[-1]
-            raise WorkerError(f"worker rank {e.error_index} failed: {error}") from None
+            codes = _wait(ctx.processes, watch)
+        finally:  # on a failure, or an interrupt here: no worker outlives the run
+            _stop(ctx.processes)
+        if codes is not None:
+            raise _blame(codes, out_dir)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+GRACE = 3.0  # seconds the other workers get, after a first failure, to report their own
+
+
+def _wait(processes: list, watch: Callable[[], None] | None) -> list[int | None] | None:
+    """None once every worker has ended well; else every worker's exit code (None: still
+    running) a moment after the first failure, so the workers that failed in turn (their
+    peer gone) have written down why, and a root cause is told from its consequences."""
+    while True:
+        codes = [p.exitcode for p in processes]
+        if all(c == 0 for c in codes):
+            if watch:
+                watch()
+            return None
+        if any(c not in (None, 0) for c in codes):
+            deadline = time.monotonic() + GRACE
+            while time.monotonic() < deadline and any(p.exitcode is None for p in processes):
+                wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.05)
+            return [p.exitcode for p in processes]
+        wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.2)
+        if watch:
+            watch()
+
+
+def _stop(processes: list) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# What a worker raises when another one is gone: a consequence, not the cause.
+_CONSEQUENCES = ("RankFailed", "DistBackendError", "DistNetworkError", "Connection closed by peer",
+                 "Connection reset by peer")
+
+
+def _blame(codes: list[int | None], out_dir: str) -> WorkerError:
+    """The failure that caused the others: an error a worker's own code raised, else a
+    worker that died, else what the first waiting worker saw."""
+    errors = {r: _error(r, out_dir) for r in range(len(codes))}
+    written = sorted((os.path.getmtime(os.path.join(out_dir, f"rank{r}.error")), r)
+                     for r, e in errors.items() if e is not None)
+    causes = [r for _, r in written if not any(c in errors[r] for c in _CONSEQUENCES)]
+    if causes:
+        return WorkerError(f"worker rank {causes[0]} failed: {errors[causes[0]]}")
+    died = [r for r, c in enumerate(codes) if c not in (None, 0) and errors[r] is None]
+    if died:
+        return _exited(died[0], codes[died[0]], out_dir)
+    first = written[0][1] if written else next(r for r, c in enumerate(codes) if c)
+    return _exited(first, codes[first] or 1, out_dir)
 
 
 def _error(index: int, out_dir: str) -> str | None:
@@ -134,22 +188,26 @@ def _exited(index: int, code: int, out_dir: str) -> WorkerError:
 
 
 def _train(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend: str,
-           timeout: float) -> tuple[list[float], dict, list[float], dict]:
-    return train_rank(specs[index], steps, optim, backend, timeout)
+           timeout: float, precision: Precision | None
+           ) -> tuple[list[float], dict, list[float], dict]:
+    return train_rank(specs[index], steps, optim, backend, timeout, precision)
 
 
 def run_processes(program: Program, workload: Workload, steps: int, optim: Optim | None = None,
-                  backend: str = "gloo", timeout: float = 60.0) -> RunResult:
-    """One process per rank on this machine; returns rank 0's losses and the final weights."""
-    results = launch(rank_specs(program, workload), steps, optim, backend, timeout)
+                  backend: str = "gloo", timeout: float = 60.0,
+                  precision: Precision | None = None) -> RunResult:
+    """One process per rank on this machine; returns rank 0's losses and the final weights.
+    ``precision``: mixed precision, refused first if an op cannot run in it."""
+    check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
+    results = launch(rank_specs(program, workload), steps, optim, backend, timeout, precision)
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
                      results[0][2], buffers=model_buffers(results[0][3], workload))
 
 
 def launch(specs: list[RankSpec], steps: int, optim: Optim | None = None,
-           backend: str = "gloo", timeout: float = 60.0
+           backend: str = "gloo", timeout: float = 60.0, precision: Precision | None = None
            ) -> list[tuple[list[float], dict, list, dict]]:
     """Spawn the ranks and wait for all of them; a failure names the rank that caused it."""
     check_sendable(specs[0].targets if specs else {})
-    return spawn(_train, len(specs), (specs, steps, optim or Optim(), backend, timeout),
-                 backend, timeout)
+    return spawn(_train, len(specs),
+                 (specs, steps, optim or Optim(), backend, timeout, precision), backend, timeout)

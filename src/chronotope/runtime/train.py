@@ -47,6 +47,7 @@ from chronotope.runtime.local import (
 )
 from chronotope.runtime.metrics import JsonlLog
 from chronotope.runtime.optim import Optim
+from chronotope.runtime.precision import Precision, check_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
@@ -63,6 +64,7 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints; 0: only after the last step
     resume: str | None = None  # a checkpoint (or a folder of them) to continue from
     timeout: float = 60.0
+    precision: Precision | None = None  # mixed precision; None: fp32
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.accumulate < 1 or self.save_every < 0:
@@ -140,11 +142,13 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
     """One rank's run inside an initialized process group: its losses (rank 0), parameter
     regions, step times and buffers; ``report`` gets rank 0's record of each step."""
     rank = Rank(spec, DistTransport(config.timeout, spec.groups), config.optim, device,
-                seed=config.seed)
+                seed=config.seed, precision=config.precision)
     start = 0
     if resume is not None:
         info = checkpoint.load(resume, rank, job.shapes)
         start, rank.steps = int(info["step"]), int(info["batches"])
+        if rank.scaler is not None and "loss_scale" in info:
+            rank.scaler.scale, rank.scaler.good = info["loss_scale"], info["good_steps"]
     batches = Batches(data, job.layout, config.seed, start=rank.steps)
     world = tuple(range(spec.world))
     losses: list[float] = []
@@ -163,7 +167,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             rank.batch = {n: t.to(device) for n, t in batch.items()}
             step_losses += rank.forward_backward()
             tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
-        rank.update(1 / config.accumulate)
+        taken = rank.update(1 / config.accumulate)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - begin
@@ -172,13 +176,18 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             loss = sum(step_losses) / len(step_losses)
             losses.append(loss)
             if report:
-                report({"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
-                        "samples_per_s": samples / seconds,
-                        "tokens_per_s": tokens / seconds if tokens else None})
+                record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
+                          "samples_per_s": samples / seconds,
+                          "tokens_per_s": tokens / seconds if tokens else None}
+                if rank.scaler is not None:  # fp16: the scale, and whether the step was taken
+                    record.update(loss_scale=rank.scaler.scale, skipped=not taken)
+                report(record)
         if config.saves_after(step + 1):
             assert config.save is not None
-            checkpoint.save(config.save, step + 1, rank, writes, job.shapes,
-                            {**job.info(step + 1, rank.steps), "optimizer": config.optim.name})
+            info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name}
+            if rank.scaler is not None:
+                info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
+            checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
 
 
@@ -249,17 +258,19 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
           optim: Optim | None = None, *, accumulate: int = 1, seed: int = 0,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
-          timeout: float = 60.0) -> RunResult:
+          timeout: float = 60.0, precision: Precision | None = None) -> RunResult:
     """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
 
     ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
     the iterable; a batch is shaped like the example batch (the model's inputs, then
     its targets; or a dict of keyword arguments). ``on_step`` gets rank 0's record of
-    each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s).
+    each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s; under fp16
+    also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``).
     Returns the losses of the steps run, the final weights and buffers.
     """
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
-                         timeout)
+                         timeout, precision)
+    check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
     check_save_folder(config)
@@ -347,6 +358,7 @@ if __name__ == "__main__":
     parser.add_argument("--metrics", default=None, help="FILE.jsonl, one line per step")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="fp32", help="bf16, fp16 or fp32")
     parser.add_argument("--timeout", type=float, default=60.0)
     worker_main(here, **vars(parser.parse_args()))
 '''
@@ -355,7 +367,7 @@ if __name__ == "__main__":
 def worker_main(directory: str, steps: int | None = None, data: str | None = None,
                 save: str | None = None, save_every: int = 0, resume: str | None = None,
                 metrics: str | None = None, accumulate: int = 1, seed: int = 0,
-                timeout: float = 60.0) -> None:
+                dtype: str = "fp32", timeout: float = 60.0) -> None:
     """One rank under torchrun (rank and world size from its environment): the run of
     ``train``, with rank 0 printing each step and writing the metrics file."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -372,7 +384,7 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
         with open(os.path.join(directory, f"rank{rank}.py")) as f:
             spec.code = f.read()
         config = TrainConfig(steps or saved["steps"], saved["optim"], accumulate, seed, save,
-                             save_every, resume, timeout)
+                             save_every, resume, timeout, Precision(dtype))
         path, _ = start_of(config, saved["job"])
         check_save_folder(config)
 
