@@ -22,5 +22,6 @@ if __name__ == "__main__":
     parser.add_argument("--metrics", default=None, help="FILE.jsonl, one line per step")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="fp32", help="bf16, fp16 or fp32")
     parser.add_argument("--timeout", type=float, default=60.0)
     worker_main(here, **vars(parser.parse_args()))

@@ -621,7 +621,7 @@ def step(rt):
     cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count)
     rt.leave('cross_entropy.0', (cross_entropy,))
     del cross_entropy_sum, cross_entropy_count
-    d_loss = torch.ones((), dtype=torch.float32, device=rt.device)
+    d_loss = rt.seed((), torch.float32)
     # backward of 2 pieces in one call
     d_view_16, = rt.backward({'cross_entropy.0': (d_loss,)}, ('cross_entropy.0', 'cross_entropy_sum.0'))
     del d_loss
@@ -631,7 +631,7 @@ def step(rt):
     d_layer_norm_8, d_wte_weight = rt.backward({'view_16.0': (grad_view_16,)}, ('view_16.0', 'linear_16.0'))
     del grad_view_16
     rt.send(d_wte_weight[0:256, 0:64], to=1, tag=54)
-    grad_layer_norm_8, = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1))
+    grad_layer_norm_8, = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True)
     del d_layer_norm_8
     # backward of 2 pieces in one call
     d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15 = rt.backward({'layer_norm_8.0': (grad_layer_norm_8,)}, ('layer_norm_8.0', 'add_8.0'))
@@ -639,7 +639,7 @@ def step(rt):
     # backward of 3 pieces in one call
     d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias = rt.backward({'linear_15.0': (d_linear_15,)}, ('linear_15.0', 'gelu_3.0', 'linear_14.0'))
     del d_linear_15
-    grad_layer_norm_7, = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1))
+    grad_layer_norm_7, = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True)
     del d_layer_norm_7
     grad_add_7 = d_add_7[0:4, 0:32, 0:64]
     del d_add_7
@@ -649,7 +649,7 @@ def step(rt):
     # backward of 17 pieces in one call
     d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_layer_norm_6_1, d_h_3_attn_c_attn_weight_1, d_h_3_attn_c_attn_bias_1, d_layer_norm_6_2, d_h_3_attn_c_attn_weight_2, d_h_3_attn_c_attn_bias_2 = rt.backward({'linear_13.0': (d_linear_13,)}, ('linear_13.0', 'view_15.0', 'contiguous_3.0', 'transpose_15.0', 'scaled_dot_product_attention_3.0', 'transpose_14.0', 'view_14.0', 'transpose_13.0', 'view_13.0', 'transpose_12.0', 'view_12.0', 'chunk_3_v2.0', 'chunk_3_v1.0', 'chunk_3.0', 'linear_12.0.0', 'linear_12.1.0', 'linear_12.2.0'))
     del d_linear_13
-    grad_layer_norm_6, = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2)], ranks=(0, 1))
+    grad_layer_norm_6, = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2)], ranks=(0, 1), grads=True)
     del d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2
     grad_add_6 = d_add_6[0:4, 0:32, 0:64]
     del d_add_6
@@ -659,7 +659,7 @@ def step(rt):
     # backward of 3 pieces in one call
     d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_layer_norm_5, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias = rt.backward({'linear_11.0': (d_linear_11,)}, ('linear_11.0', 'gelu_2.0', 'linear_10.0'))
     del d_linear_11
-    grad_layer_norm_5, = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1))
+    grad_layer_norm_5, = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1), grads=True)
     del d_layer_norm_5
     grad_add_5 = d_add_5[0:4, 0:32, 0:64]
     del d_add_5
@@ -669,7 +669,7 @@ def step(rt):
     # backward of 17 pieces in one call
     d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_layer_norm_4, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_layer_norm_4_1, d_h_2_attn_c_attn_weight_1, d_h_2_attn_c_attn_bias_1, d_layer_norm_4_2, d_h_2_attn_c_attn_weight_2, d_h_2_attn_c_attn_bias_2 = rt.backward({'linear_9.0': (d_linear_9,)}, ('linear_9.0', 'view_11.0', 'contiguous_2.0', 'transpose_11.0', 'scaled_dot_product_attention_2.0', 'transpose_10.0', 'view_10.0', 'transpose_9.0', 'view_9.0', 'transpose_8.0', 'view_8.0', 'chunk_2_v2.0', 'chunk_2_v1.0', 'chunk_2.0', 'linear_8.0.0', 'linear_8.1.0', 'linear_8.2.0'))
     del d_linear_9
-    grad_layer_norm_4, = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2)], ranks=(0, 1))
+    grad_layer_norm_4, = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2)], ranks=(0, 1), grads=True)
     del d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2
     grad_add_4 = d_add_4[0:4, 0:32, 0:64]
     del d_add_4
@@ -679,7 +679,7 @@ def step(rt):
     # backward of 3 pieces in one call
     d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_layer_norm_3, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias = rt.backward({'linear_7.0': (d_linear_7,)}, ('linear_7.0', 'gelu_1.0', 'linear_6.0'))
     del d_linear_7
-    grad_layer_norm_3, = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1))
+    grad_layer_norm_3, = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1), grads=True)
     del d_layer_norm_3
     grad_add_3 = d_add_3[0:4, 0:32, 0:64]
     del d_add_3
@@ -689,7 +689,7 @@ def step(rt):
     # backward of 17 pieces in one call
     d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_layer_norm_2, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_layer_norm_2_1, d_h_1_attn_c_attn_weight_1, d_h_1_attn_c_attn_bias_1, d_layer_norm_2_2, d_h_1_attn_c_attn_weight_2, d_h_1_attn_c_attn_bias_2 = rt.backward({'linear_5.0': (d_linear_5,)}, ('linear_5.0', 'view_7.0', 'contiguous_1.0', 'transpose_7.0', 'scaled_dot_product_attention_1.0', 'transpose_6.0', 'view_6.0', 'transpose_5.0', 'view_5.0', 'transpose_4.0', 'view_4.0', 'chunk_1_v2.0', 'chunk_1_v1.0', 'chunk_1.0', 'linear_4.0.0', 'linear_4.1.0', 'linear_4.2.0'))
     del d_linear_5
-    grad_layer_norm_2, = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2)], ranks=(0, 1))
+    grad_layer_norm_2, = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2)], ranks=(0, 1), grads=True)
     del d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2
     grad_add_2 = d_add_2[0:4, 0:32, 0:64]
     del d_add_2
@@ -699,7 +699,7 @@ def step(rt):
     # backward of 3 pieces in one call
     d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias = rt.backward({'linear_3.0': (d_linear_3,)}, ('linear_3.0', 'gelu.0', 'linear_2.0'))
     del d_linear_3
-    grad_layer_norm_1, = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1))
+    grad_layer_norm_1, = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1), grads=True)
     del d_layer_norm_1
     grad_add_1 = d_add_1[0:4, 0:32, 0:64]
     del d_add_1
@@ -709,7 +709,7 @@ def step(rt):
     # backward of 17 pieces in one call
     d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_layer_norm, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_layer_norm_9, d_h_0_attn_c_attn_weight_1, d_h_0_attn_c_attn_bias_1, d_layer_norm_10, d_h_0_attn_c_attn_weight_2, d_h_0_attn_c_attn_bias_2 = rt.backward({'linear_1.0': (d_linear_1,)}, ('linear_1.0', 'view_3.0', 'contiguous.0', 'transpose_3.0', 'scaled_dot_product_attention.0', 'transpose_2.0', 'view_2.0', 'transpose_1.0', 'view_1.0', 'transpose.0', 'view.0', 'chunk_v2.0', 'chunk_v1.0', 'chunk.0', 'linear.0.0', 'linear.1.0', 'linear.2.0'))
     del d_linear_1
-    grad_layer_norm, = rt.all_reduce([(d_layer_norm, d_layer_norm_9, d_layer_norm_10)], ranks=(0, 1))
+    grad_layer_norm, = rt.all_reduce([(d_layer_norm, d_layer_norm_9, d_layer_norm_10)], ranks=(0, 1), grads=True)
     del d_layer_norm, d_layer_norm_9, d_layer_norm_10
     grad_add = d_add[0:4, 0:32, 0:64]
     del d_add

@@ -391,15 +391,24 @@ def _warn_unsplit(plan: Plan, out: Console) -> None:
                   f"on the whole batch on every rank:[/] {escape(', '.join(ops))}")
 
 
+def _check_backend(args: argparse.Namespace) -> None:
+    gpus = torch.cuda.device_count()
+    if args.backend == "nccl" and gpus < args.devices:
+        raise ChronotopeError(f"--backend nccl runs one process per GPU: --devices {args.devices} "
+                              f"needs {args.devices} GPUs and this machine has {gpus}; use "
+                              "--backend gloo")
+
+
 def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    _check_backend(args)
     workload, program = _compiled(args)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, clip=args.clip)
     precision = Precision(args.dtype, args.reduce_dtype)
-    with out.status(f"training {args.model} with {args.policy} on {args.devices} gloo "
-                    f"processes for {args.steps} steps"):
-        result = run_processes(program, workload, args.steps, optim, timeout=args.timeout,
-                               precision=precision)
+    with out.status(f"training {args.model} with {args.policy} on {args.devices} "
+                    f"{args.backend} processes for {args.steps} steps"):
+        result = run_processes(program, workload, args.steps, optim, args.backend,
+                               args.timeout, precision)
         reference = train_reference(workload, args.steps, optim, precision) \
             if args.check else None
     diff = compare(result, reference) if reference else None
@@ -447,6 +456,7 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 
 
 def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    _check_backend(args)
     workload = load_workload(args.model, device="cpu", batch_size=args.batch_size,
                              seed=args.seed)
     if args.init:
@@ -483,7 +493,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             result = train(program, workload, args.data or example_batches(workload),
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
-                           on_step=on_step, timeout=args.timeout,
+                           on_step=on_step, backend=args.backend, timeout=args.timeout,
                            precision=Precision(args.dtype, args.reduce_dtype))
     finally:
         for sink in sinks:
@@ -772,6 +782,8 @@ def parser() -> argparse.ArgumentParser:
                                   "weights and optimizer state (fp16 scales the loss)")
             cmd.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
                              help="what gradients are summed in across ranks")
+            cmd.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                             help="gloo: processes on CPUs; nccl: one process per GPU here")
             if name == "train":
                 _train_args(cmd)
 

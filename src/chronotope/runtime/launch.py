@@ -46,13 +46,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where a rank computes: its GPU under NCCL (made current, as NCCL's object
+    collectives and checkpoints expect), else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+    torch.cuda.set_device(device)
+    return device
+
+
 def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: float,
                precision: Precision | None = None
                ) -> tuple[list[float], dict, list[float], dict]:
     """One rank's whole run inside an initialized process group: its losses, parameter
     regions, step times and buffers."""
-    device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") \
-        if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, spec.rank)
     rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device,
                 precision=precision)
     losses, times = [], []

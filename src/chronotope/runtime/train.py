@@ -36,7 +36,7 @@ from chronotope.runtime.data import (
     example_batches,
     fingerprint,
 )
-from chronotope.runtime.launch import spawn
+from chronotope.runtime.launch import rank_device, spawn
 from chronotope.runtime.local import (
     Rank,
     RankSpec,
@@ -226,8 +226,7 @@ def _samples(batch: Mapping[str, torch.Tensor]) -> int:
 def _spawned(index: int, specs: list[RankSpec], job: Job, writes: list[checkpoint.Writes],
              data: DataSource, config: TrainConfig, resume: Path | None, backend: str,
              progress: str) -> tuple[list[float], dict, list[float], dict]:
-    device = torch.device(f"cuda:{index % torch.cuda.device_count()}") \
-        if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, index)
 
     def report(record: dict[str, Any]) -> None:
         with open(progress, "a") as f:
@@ -393,8 +392,7 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
             if log:
                 log(record)
 
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") \
-            if backend == "nccl" else torch.device("cpu")
+        device = rank_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
         train_loop(spec, saved["job"], saved["writes"][rank], data or saved["example"], config,
                    path, device, report)
         if rank == 0 and save:
