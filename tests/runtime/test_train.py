@@ -302,3 +302,30 @@ def test_run_check_in_bf16_compares_with_one_device_under_the_same_autocast(caps
     report = json.loads(out)
     assert code == 0 and report["match"] and report["tolerance"] == BF16_TOLERANCE
     assert 0 < report["max_param_rel_diff"] <= BF16_TOLERANCE
+
+
+SCATTER = '''
+import torch
+from torch import nn
+
+
+class Scatter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, idx):  # a bf16 linear output added into an fp32 buffer: refused
+        return torch.zeros(4, 8).index_add(0, idx, self.proj(x)).square().mean()
+
+
+def make():
+    return Scatter(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))
+'''
+
+
+def test_a_dtype_an_op_cannot_run_in_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "scatter.py").write_text(SCATTER)
+    code, _, err = cli("train", f"{tmp_path / 'scatter.py'}:make", "--devices", "2",
+                       "--dtype", "bf16", "--save", str(tmp_path / "ck"), capsys=capsys)
+    assert code == 2 and "op index_add" in err and "cannot run in bf16" in err
+    assert not (tmp_path / "ck").exists()
