@@ -221,12 +221,14 @@ class Batches:
 
 
 def fingerprint(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Two numbers per input that differ when the inputs do (what ranks compare)."""
+    """Two numbers per input that differ when the inputs do, samples in another order
+    included (ranks take slices of a batch, so its order matters); no copy of the batch."""
     out = []
     for t in tensors.values():
-        flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 997 + 1
-        out += [flat.sum(), (flat * weights).sum()]
+        rows = t.detach().reshape(t.shape[0] if t.ndim else 1, -1)
+        sums = torch.sum(rows, dim=1, dtype=torch.float64)
+        order = torch.arange(1, len(sums) + 1, dtype=torch.float64, device=sums.device)
+        out += [sums.sum(), (sums * order).sum()]
     return torch.stack(out) if out else torch.zeros(1, dtype=torch.float64)
 
 
