@@ -407,8 +407,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     precision = Precision(args.dtype, args.reduce_dtype)
     with out.status(f"training {args.model} with {args.policy} on {args.devices} "
                     f"{args.backend} processes for {args.steps} steps"):
-        result = run_processes(program, workload, args.steps, optim, args.backend,
-                               args.timeout, precision)
+        result = run_processes(program, workload, args.steps, optim, backend=args.backend,
+                               timeout=args.timeout, precision=precision)
         reference = train_reference(workload, args.steps, optim, precision) \
             if args.check else None
     diff = compare(result, reference) if reference else None
@@ -445,8 +445,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         out.print(f"largest relative difference from one device: losses "
                   f"{diff.max_loss_rel_diff:.1e}, parameters {diff.max_param_rel_diff:.1e}"
                   + (f", buffers {diff.max_buffer_rel_diff:.1e} " if result.buffers else " ")
-                  + ("[green](match" if ok else "[red](MISMATCH")
-                  + f", tolerance {precision.tolerance:.0e} in {precision.dtype})[/]")
+                  + ("[green](match)[/]" if ok else "[red](MISMATCH)[/]")
+                  + f" at tolerance {precision.tolerance:.0e} ({precision.dtype})")
     if unmatched and args.check:
         out.print(f"[yellow]{len(unmatched)} random ops draw from torch's generator, so their "
                   "pieces and replicas draw other numbers than one device does"
