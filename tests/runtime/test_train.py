@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -329,3 +330,13 @@ def test_a_dtype_an_op_cannot_run_in_is_refused_before_training(tmp_path, capsys
                        "--dtype", "bf16", "--save", str(tmp_path / "ck"), capsys=capsys)
     assert code == 2 and "op index_add" in err and "cannot run in bf16" in err
     assert not (tmp_path / "ck").exists()
+
+
+def test_resuming_with_another_optimizer_starts_it_afresh_and_says_so(tmp_path):
+    w, graph = gpt(dropout=0.0)
+    program = ct.compile(mesh(graph, dp=2))
+    train(program, w, f"{DATA}:tokens", 2, ct.Optim("sgd", 0.1, momentum=0.9),
+          save=str(tmp_path))
+    with pytest.warns(UserWarning, match="trained with sgd, this run uses adamw"):
+        resumed = train(program, w, f"{DATA}:tokens", 4, OPTIM, resume=str(tmp_path))
+    assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)

@@ -321,9 +321,11 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
     return final
 
 
-def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Fill rank ``rank``'s stored regions, optimizer state and buffers from checkpoint
-    ``path`` (written under any plan); returns the run's entry."""
+def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
+         optimizer: str | None = None) -> dict[str, Any]:
+    """Fill rank ``rank``'s stored regions, buffers and (when the checkpoint's optimizer is
+    ``optimizer``) optimizer state from checkpoint ``path``, written under any plan;
+    returns the run's entry."""
     metadata = read_metadata(path)
     saved = metadata.state_dict_metadata
     pieces = [_piece(MODEL + name, shapes[name], index, t) for (name, index), t in
@@ -358,10 +360,11 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
              no_dist=not dist.is_initialized())
     for src, dst in copies:
         dst.tensor.copy_(src.tensor)
-    if rank.optimizer:
+    info = planner.objects[STATE]
+    if rank.optimizer and info.get("optimizer") == optimizer:  # another's state means nothing
         for param, state in optim_state.items():
             rank.optimizer.state[param] = state
-    return planner.objects[STATE]
+    return info
 
 
 @contextlib.contextmanager

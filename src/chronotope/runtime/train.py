@@ -145,7 +145,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 seed=config.seed, precision=config.precision)
     start = 0
     if resume is not None:
-        info = checkpoint.load(resume, rank, job.shapes)
+        info = checkpoint.load(resume, rank, job.shapes, config.optim.name)
         start, rank.steps = int(info["step"]), int(info["batches"])
         if rank.scaler is not None and "loss_scale" in info:
             rank.scaler.scale, rank.scaler.good = info["loss_scale"], info["good_steps"]
