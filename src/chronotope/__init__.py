@@ -25,6 +25,7 @@ from chronotope.graph import (
 )
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
+from chronotope.plan.files import load_plan
 from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
@@ -36,6 +37,6 @@ __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
     "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
-    "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_weights",
-    "policies", "run", "train",
+    "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
+    "load_weights", "policies", "run", "train",
 ]

@@ -43,6 +43,7 @@ from chronotope.graph.convert import torch_random
 from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
+from chronotope.plan.files import load_plan
 from chronotope.policies import (
     MULTI_STAGE,
     SCHEDULES,
@@ -318,7 +319,11 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
 
 
 def _plan(graph: Graph, args: argparse.Namespace) -> Plan:
-    """The plan of --policy; its errors say which options asked for it."""
+    """The plan of --plan FILE, or of --policy; its errors say which options asked for it."""
+    if args.plan:
+        plan = load_plan(graph, args.plan)
+        args.policy, args.devices = Path(args.plan).name, plan.ndevices  # for the reports
+        return plan
     if args.schedule and args.policy != "csv":
         raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
                         f"not by --policy {args.policy}")
@@ -344,6 +349,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args, device)
     _warn_unsplit(program.plan, out)
     files = program.save(args.out, workload) if args.out else []
+    if args.save_plan:
+        program.plan.save(args.save_plan)
     checked = program.plan.check()
     ranks = [
         {"rank": r, "ops": len(checked.sequence(r)), "memory_bytes": asdict(checked.memory[r]),
@@ -356,6 +363,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     if args.json:
         emit({"model": args.model, "policy": args.policy, "devices": args.devices,
               "ranks": ranks, "layout_changes": changes, "files": files,
+              "plan_file": args.save_plan,
               "replicate_only_ops": len(program.plan.unsplit)})
         return 0
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices "
@@ -377,6 +385,9 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         out.print(f"{len(changes)} layout changes by searched paths (--comm rvd):")
         for key, n in sorted(paths.items(), key=lambda kv: -kv[1]):
             out.print(f"  {n} x {key}", markup=False, highlight=False)
+    if args.save_plan:
+        out.print(f"wrote the plan to {args.save_plan}; use it with --plan {args.save_plan} "
+                  "(plan, run, simulate, timeline) or ct.load_plan(graph, path)")
     if files:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "
                   f"torchrun --nproc-per-node {args.devices} {args.out}/launch.py")
@@ -732,6 +743,9 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--swap", choices=("full", "selective"),
                          help="keep what the same ops save for backward in CPU memory "
                               "instead (activation swap); not with zero-*")
+        cmd.add_argument("--plan", metavar="PLAN.json", type=existing_file,
+                         help="a plan file (plan --save-plan, plan.save in Python) instead of "
+                              "--policy; it says how many devices")
         cmd.add_argument("--schedule", metavar="FILE.csv", type=existing_file,
                          help="pipeline order for --policy csv, in torch pipelining's CSV "
                               "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
@@ -748,6 +762,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "plan":
             cmd.add_argument("--out", type=new_folder,
                              help="directory for rank<r>.py files and launch.py")
+            cmd.add_argument("--save-plan", type=new_file, metavar="PLAN.json",
+                             help="write the plan's decisions to a plan file (--plan reads it)")
         elif name == "simulate":
             cmd.add_argument("--measure", action="store_true",
                              help="compute from each op's time measured here, and the "

@@ -53,6 +53,7 @@ class PlanOp:
     # each input's gradient this piece is part of (see ``Copies``); empty: none at all.
     copies: tuple[Copies, ...] = ()
     grad_copies: tuple[Copies, ...] = ()
+    algo: Algorithm | None = None  # what ``trans`` cut it with, once it has children
 
     @property
     def is_backward(self) -> bool:
@@ -186,6 +187,7 @@ class Plan:
         linear = opdef.linear_in(len(target.op.inputs)) if opdef is not None else ()
         pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
         target.children = []
+        target.algo = algo
         for i, p in enumerate(pieces):
             copies, grad_copies = _copies(target, p, i)
             target.children.append(PlanOp(f"{target.name}.{i}", target.op, p, target.order,
@@ -305,6 +307,13 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.ndevices * self.replicas
+
+    def save(self, path: str) -> None:
+        """Write this plan's decisions to a plan file (``chronotope.plan.files``), to apply
+        again to a freshly captured graph with ``ct.load_plan``."""
+        from chronotope.plan.files import save_plan
+
+        save_plan(self, path)
 
     # ---- resolving names ------------------------------------------------------------------
 
