@@ -30,6 +30,7 @@ from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.train import train
+from chronotope.search import SearchResult, search
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,5 @@ __all__ = [
     "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
-    "load_weights", "policies", "run", "train",
+    "load_weights", "policies", "run", "search", "SearchResult", "train",
 ]

@@ -62,6 +62,8 @@ from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, train
+from chronotope.search import METHODS
+from chronotope.search import search as find_plan
 from chronotope.viz import plot_losses, timeline
 
 EXIT_USAGE = 2
@@ -552,6 +554,45 @@ def cmd_plot(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return 0
 
 
+def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    workload = load_workload(args.model, device=default_device(args.model),
+                             batch_size=args.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(workload)
+    cluster = cluster_for(args.devices, args.cluster)
+    with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
+        result = find_plan(graph, args.devices, cluster,
+                        memory=args.memory * 2 ** 30 if args.memory else None,
+                        method=args.method)
+    if args.out:
+        result.plan.save(args.out)
+    if args.json:
+        emit({"plan": args.out, "method": result.method,
+              "predicted_step_s": result.predicted_step_s,
+              "peak_memory_bytes": result.peak_memory_bytes, "search_s": result.search_s,
+              "variables": result.variables, "candidates": result.candidates})
+        return 0
+    table = Table(title=f"{graph.name} over {args.devices} devices of {cluster.name}: the plan "
+                        f"found ({result.method}, {result.variables:,} variables, "
+                        f"{result.search_s:.2f} s) and the ready-made ones, simulated")
+    for col in ("plan", "step ms", "peak memory"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for c in result.candidates:
+        table.add_row(c["plan"], f"{c['predicted_step_s'] * 1e3:.3f}",
+                      format_bytes(c["peak_memory_bytes"]))
+    out.print(table)
+    counts: dict[str, int] = {}
+    for label in result.choices.values():
+        counts[label] = counts.get(label, 0) + 1
+    out.print("ops: " + ", ".join(f"{n} {label}" for label, n in
+                                  sorted(counts.items(), key=lambda kv: -kv[1])))
+    if args.out:
+        out.print(f"wrote {args.out}; run it with chronotope run {args.model} --plan {args.out} "
+                  "--check")
+    return 0
+
+
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
@@ -684,7 +725,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
     "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate, "train": cmd_train,
-    "export": cmd_export, "plot": cmd_plot,
+    "export": cmd_export, "plot": cmd_plot, "search": cmd_search,
 }
 
 
@@ -829,6 +870,22 @@ def parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=positive_int, default=20,
                       help="calls per size up to 1 MiB, fewer above (default 20)")
     _common_args(prof, model=False)
+
+    sea = sub.add_parser("search", help="find a plan: every op's cut over the devices by an "
+                                        "ILP under the cost model, within the memory limit")
+    sea.add_argument("model", nargs="?", default="gpt",
+                     help="a built-in name or path/to/file.py:factory (default: gpt)")
+    sea.add_argument("--devices", type=positive_int, default=4)
+    sea.add_argument("--cluster", type=cluster_spec, default=None,
+                     help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN) or a "
+                          "profile file (default: DGX A100 nodes enough for --devices)")
+    sea.add_argument("--memory", type=positive_float, default=None, metavar="GiB",
+                     help="per-device memory limit, by the plan's own estimate")
+    sea.add_argument("--method", choices=METHODS, default="auto",
+                     help="ilp: the intra-op ILP (auto: the same, for now)")
+    sea.add_argument("--out", type=new_file, metavar="PLAN.json",
+                     help="write the plan found (run, plan, simulate take --plan)")
+    _common_args(sea, model=True)
 
     exp = sub.add_parser("export", help="one state dict out of a checkpoint, for "
                                         "model.load_state_dict")

@@ -1,0 +1,96 @@
+"""Automatic plan search: the ILP's plan is the optimum of its model, fits the memory limit
+by the plan's own estimate, and trains like one device."""
+
+import itertools
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import chronotope as ct
+from chronotope.cli import main
+from chronotope.cost.network import cluster_for
+from chronotope.models import get_workload
+from chronotope.runtime.launch import run_processes
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+from chronotope.search import SearchError, search
+from chronotope.search.ilp import price, solve
+from chronotope.search.space import strategies
+
+
+def capture(w):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(w)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).square().mean()
+
+
+@pytest.mark.parametrize("batch,width,hidden", [(64, 8, 16), (4, 64, 256), (16, 32, 32)])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_the_ilp_finds_the_optimum_of_its_model_by_brute_force(batch, width, hidden, devices):
+    graph = capture(ct.Workload(MLP(width, hidden), (torch.randn(batch, width),)))
+    cluster = cluster_for(devices)
+    space = strategies(graph, devices, cluster)
+    ops = [op for op in graph.ops if space[op]]
+    best = min(price(graph, dict(zip(ops, pick)), devices, cluster)
+               for pick in itertools.product(*(space[op] for op in ops)))
+    found = solve(graph, space, devices, cluster, None)
+    assert found.seconds == pytest.approx(best, rel=1e-6)
+    assert price(graph, found.choice, devices, cluster) == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_plan_found_trains_like_one_device_and_beats_the_ready_made_ones(model):
+    w = get_workload(model)
+    result = search(capture(w), 2)
+    run = run_in_threads(ct.compile(result.plan), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+    assert [c["plan"] for c in result.candidates] == ["searched", "dp", "tp"]
+    assert result.predicted_step_s <= min(c["predicted_step_s"] for c in result.candidates)
+    assert result.variables > 0 and result.search_s < 30
+
+
+def test_a_memory_limit_is_met_by_the_plans_own_estimate_or_refused_naming_what_binds():
+    graph = capture(get_workload("gpt"))
+    free = search(graph, 2)
+    limit = 0.93 * max(free.peak_memory_bytes)
+    tight = search(graph, 2, memory=limit)
+    assert max(tight.peak_memory_bytes) <= limit
+    assert max(m.total for m in tight.plan.check().memory.values()) <= limit
+    with pytest.raises(SearchError, match="weights, gradients and optimizer state .* at their "
+                                          "best cut \\(the most: wte.weight"):
+        search(graph, 2, memory=2 ** 20)
+    with pytest.raises(SearchError, match="unknown search method 'greedy'"):
+        search(graph, 2, method="greedy")
+
+
+@pytest.mark.slow
+def test_a_searched_plan_trains_on_gloo_processes_like_one_device():
+    w = get_workload("llama")
+    result = search(capture(w), 2)
+    run = run_processes(ct.compile(result.plan), w, 2, Optim("adamw", 1e-3))
+    assert compare(run, train_reference(w, 2, Optim("adamw", 1e-3))).within(1e-5)
+
+
+def test_the_command_line_searches_writes_the_plan_and_runs_it(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["search", "gpt", "--devices", "2", "--out", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"plan", "method", "predicted_step_s", "peak_memory_bytes",
+                           "search_s", "variables", "candidates"}
+    assert report["plan"] == str(path) and len(report["peak_memory_bytes"]) == 2
+    assert main(["run", "gpt", "--plan", str(path), "--steps", "2", "--check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["match"]
+    assert main(["search", "gpt", "--devices", "2", "--memory", "0.001"]) == 2
+    assert "no plan over 2 devices fits" in capsys.readouterr().err
