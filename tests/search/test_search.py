@@ -18,7 +18,7 @@ from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import SearchError, search
 from chronotope.search.ilp import price, solve
-from chronotope.search.space import strategies
+from chronotope.search.space import repeated, strategies
 
 
 def capture(w):
@@ -94,3 +94,17 @@ def test_the_command_line_searches_writes_the_plan_and_runs_it(tmp_path, capsys)
     assert json.loads(capsys.readouterr().out)["match"]
     assert main(["search", "gpt", "--devices", "2", "--memory", "0.001"]) == 2
     assert "no plan over 2 devices fits" in capsys.readouterr().err
+
+
+def test_repeated_layers_share_one_decision_and_the_program_stays_small():
+    graph = capture(get_workload("gpt", n_layer=4))
+    cluster = cluster_for(2)
+    space = strategies(graph, 2, cluster)
+    groups = repeated(graph, space)
+    assert groups and all(k[0].startswith("h.*") for k in groups.values())
+    shared, alone = solve(graph, space, 2, cluster, None, groups=groups), \
+        solve(graph, space, 2, cluster, None)
+    assert shared.variables < alone.variables / 2
+    assert shared.seconds == pytest.approx(alone.seconds, rel=1e-6)  # the layers agree anyway
+    for key in set(groups.values()):  # one strategy per group
+        assert len({shared.choice[op] for op, k in groups.items() if k == key}) == 1

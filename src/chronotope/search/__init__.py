@@ -19,7 +19,7 @@ from chronotope.graph.ir import Graph
 from chronotope.plan.check import format_bytes
 from chronotope.plan.plan import Plan
 from chronotope.search.ilp import NoFit, Solution, solve
-from chronotope.search.space import nbytes, strategies
+from chronotope.search.space import nbytes, repeated, strategies
 
 METHODS = ("auto", "ilp")
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
@@ -55,10 +55,12 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
         cluster = cluster_for(devices, cluster)
     start = time.perf_counter()
     space = strategies(graph, devices, cluster)
+    groups = repeated(graph, space)
     budget, peaks = memory, []
     for _ in range(ROUNDS):
         try:
-            solution = solve(graph, space, devices, cluster, budget, time_limit=time_limit)
+            solution = solve(graph, space, devices, cluster, budget, time_limit=time_limit,
+                             groups=groups)
         except NoFit as e:
             if peaks:  # only after tightening: the plans the solver's model lets fit do not
                 raise SearchError(_too_big(memory, max(peaks))) from None

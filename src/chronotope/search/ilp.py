@@ -11,6 +11,7 @@ optimizer state, activations) is bounded by the limit.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,71 +43,78 @@ class NoFit(Exception):
 
 
 def solve(graph: Graph, space: dict[Op, list[Strategy]], n: int, cluster: Cluster,
-          memory: float | None, optimizer: str = "adam", time_limit: float = 60.0
-          ) -> Solution:
+          memory: float | None, optimizer: str = "adam", time_limit: float = 60.0,
+          groups: dict[Op, Hashable] | None = None) -> Solution:
+    """The cheapest choice within ``memory``; ops in one of ``groups`` (repeated layers'
+    ops, ``space.repeated``) share one decision, so the program grows with the distinct
+    ops, not with depth."""
     ops = [op for op in graph.ops if space[op]]
-    index: dict[tuple[Op, int], int] = {}
+    key = {op: (groups or {}).get(op, op) for op in ops}
+    members: dict[Hashable, list[Op]] = {}
+    for op in ops:
+        members.setdefault(key[op], []).append(op)
+    index: dict[tuple[Hashable, int], int] = {}
     costs: list[float] = []
     mem: list[float] = []
+    for k, group in members.items():
+        for s in range(len(space[group[0]])):
+            index[(k, s)] = len(costs)
+            costs.append(0.0)
+            mem.append(0.0)
     states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
     seen_params: set = set()
     for op in ops:
-        first_reads = [k for k, t in enumerate(op.inputs)
+        first_reads = [i for i, t in enumerate(op.inputs)
                        if t.kind is TensorKind.PARAM and t not in seen_params]
-        seen_params.update(op.inputs[k] for k in first_reads)
+        seen_params.update(op.inputs[i] for i in first_reads)
         for s, strat in enumerate(space[op]):
-            index[(op, s)] = len(costs)
-            sync = sum(_bucketed(nbytes(t), n, cluster) for t, g in zip(op.inputs, strat.grads)
-                       if t.kind is TensorKind.PARAM and not t.frozen and g == PARTIAL)
-            costs.append(strat.compute + sync)
-            held = sum(states * nbytes(op.inputs[k]) / (n if strat.inputs[k][0] == "S" else 1)
-                       for k in first_reads)
-            held += sum(nbytes(t) / (n if lay[0] == "S" else 1)
-                        for t, lay in zip(op.outputs, strat.outputs))
-            mem.append(held)
+            at = index[(key[op], s)]
+            costs[at] += strat.compute + sum(
+                _bucketed(nbytes(t), n, cluster) for t, g in zip(op.inputs, strat.grads)
+                if t.kind is TensorKind.PARAM and not t.frozen and g == PARTIAL)
+            mem[at] += sum(states * nbytes(op.inputs[i]) / (n if strat.inputs[i][0] == "S" else 1)
+                           for i in first_reads)
+            mem[at] += sum(nbytes(t) / (n if lay[0] == "S" else 1)
+                           for t, lay in zip(op.outputs, strat.outputs))
     choices = len(costs)
     needs_grad = differentiable(graph)
-    edges = []
+    edges: dict[tuple[Hashable, Hashable], np.ndarray] = {}  # summed over repeated edges
     for op in ops:
-        for k, t in enumerate(op.inputs):
+        for i, t in enumerate(op.inputs):
             producer = t.producer
-            if producer is None or producer not in space or not space[producer]:
+            if producer is None or not space.get(producer):
                 continue
             out = producer.outputs.index(t)
-            pairs = []
-            for a, ps in enumerate(space[producer]):
-                for b, cs in enumerate(space[op]):
-                    seconds = change_seconds(ps.outputs[out], cs.inputs[k], nbytes(t), n,
-                                             cluster)
-                    if t in needs_grad:  # and its gradient, back
-                        seconds += change_seconds(cs.grads[k], _wanted(ps.outputs[out]),
-                                                  nbytes(t), n, cluster)
-                    pairs.append((a, b, seconds))
-            edges.append((producer, op, pairs))
-    total = choices + sum(len(p) for _, _, p in edges)
+            table = np.array([[_edge(ps.outputs[out], cs, i, t, n, cluster, needs_grad)
+                               for cs in space[op]] for ps in space[producer]])
+            pair = (key[producer], key[op])
+            edges[pair] = edges[pair] + table if pair in edges else table
+    total = choices + sum(t.size for t in edges.values())
     c = np.zeros(total)
     c[:choices] = costs
-    rows = len(ops) + sum(len(space[u]) + len(space[v]) for u, v, _ in edges)
+    sizes = {k: len(space[g[0]]) for k, g in members.items()}
+    rows = len(members) + sum(sizes[u] + sizes[v] for u, v in edges)
     A = lil_matrix((rows + (1 if memory is not None else 0), total))
     lo, hi = np.zeros(A.shape[0]), np.zeros(A.shape[0])
     r = 0
-    for op in ops:  # one strategy per op
-        for s in range(len(space[op])):
-            A[r, index[(op, s)]] = 1
+    for k in members:  # one strategy per op (or group of repeated ops)
+        for s in range(sizes[k]):
+            A[r, index[(k, s)]] = 1
         lo[r] = hi[r] = 1
         r += 1
     col = choices
-    for u, v, pairs in edges:  # y[a, b] = x[u, a] * x[v, b] for one-hot x
-        for a in range(len(space[u])):
+    for (u, v), table in edges.items():  # y[a, b] = x[u, a] * x[v, b] for one-hot x
+        for a in range(sizes[u]):
             A[r + a, index[(u, a)]] = -1
-        for b in range(len(space[v])):
-            A[r + len(space[u]) + b, index[(v, b)]] = -1
-        for a, b, seconds in pairs:
-            c[col] = seconds
-            A[r + a, col] = 1
-            A[r + len(space[u]) + b, col] = 1
-            col += 1
-        r += len(space[u]) + len(space[v])
+        for b in range(sizes[v]):
+            A[r + sizes[u] + b, index[(v, b)]] = -1
+        for a in range(sizes[u]):
+            for b in range(sizes[v]):
+                c[col] = table[a, b]
+                A[r + a, col] = 1
+                A[r + sizes[u] + b, col] = 1
+                col += 1
+        r += sizes[u] + sizes[v]
     if memory is not None:
         for i, m in enumerate(mem):
             A[r, i] = m
@@ -116,12 +124,21 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], n: int, cluster: Cluste
     result = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
                   bounds=Bounds(0, 1), options={"time_limit": time_limit})
     if result.x is None:
-        raise NoFit(_least_memory(ops, space, index, mem))
+        raise NoFit(sum(min(mem[index[(k, s)]] for s in range(sizes[k])) for k in members))
     x = result.x
-    choice = {op: space[op][max(range(len(space[op])), key=lambda s: x[index[(op, s)]])]
-              for op in ops}
-    used = sum(mem[index[(op, space[op].index(s))]] for op, s in choice.items())
+    picked = {k: max(range(sizes[k]), key=lambda s: x[index[(k, s)]]) for k in members}
+    choice = {op: space[op][picked[key[op]]] for op in ops}
+    used = sum(mem[index[(k, s)]] for k, s in picked.items())
     return Solution(choice, float(result.fun), used, total, result.message)
+
+
+def _edge(made: str, consumer: Strategy, i: int, t, n: int, cluster: Cluster,
+          needs_grad: set) -> float:
+    """A tensor's layout change from its producer to a consumer, and its gradient's back."""
+    seconds = change_seconds(made, consumer.inputs[i], nbytes(t), n, cluster)
+    if t in needs_grad:
+        seconds += change_seconds(consumer.grads[i], _wanted(made), nbytes(t), n, cluster)
+    return seconds
 
 
 def price(graph: Graph, choice: dict[Op, Strategy], n: int, cluster: Cluster) -> float:
@@ -133,13 +150,10 @@ def price(graph: Graph, choice: dict[Op, Strategy], n: int, cluster: Cluster) ->
         total += s.compute + sum(_bucketed(nbytes(t), n, cluster)
                                  for t, g in zip(op.inputs, s.grads)
                                  if t.kind is TensorKind.PARAM and not t.frozen and g == PARTIAL)
-        for k, t in enumerate(op.inputs):
-            if t.producer not in choice:
-                continue
-            made = choice[t.producer].outputs[t.producer.outputs.index(t)]
-            total += change_seconds(made, s.inputs[k], nbytes(t), n, cluster)
-            if t in needs_grad:
-                total += change_seconds(s.grads[k], _wanted(made), nbytes(t), n, cluster)
+        for i, t in enumerate(op.inputs):
+            if t.producer in choice:
+                made = choice[t.producer].outputs[t.producer.outputs.index(t)]
+                total += _edge(made, s, i, t, n, cluster, needs_grad)
     return total
 
 
@@ -156,5 +170,3 @@ def _wanted(output: str) -> str:
     return "R" if output == PARTIAL else output
 
 
-def _least_memory(ops, space, index, mem) -> float:
-    return sum(min(mem[index[(op, s)]] for s in range(len(space[op]))) for op in ops)

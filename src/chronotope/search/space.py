@@ -11,6 +11,7 @@ is priced by the layout change between them under the cluster's alpha-beta model
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from chronotope.cost.compute import op_flops
@@ -53,7 +54,14 @@ def strategies(graph: Graph, n: int, cluster: Cluster,
     scratch = Plan(graph, n, registry=registry)  # the whole-op pieces Plan.trans starts from
     peak = cluster.peak()
     out: dict[Op, list[Strategy]] = {}
+    seen: dict[tuple, list[Strategy]] = {}  # ops alike (repeated layers') are cut alike
     for op in graph.ops:
+        alike = (id(op.target), op.kind, str(op.signature), tuple(map(tuple, op.input_shapes)),
+                 tuple(t.shape for t in op.outputs),
+                 None if op.region is None else tuple(b - a for a, b in op.region))
+        if alike in seen:
+            out[op] = seen[alike]
+            continue
         piece = scratch.roots[op.name].piece
         opdef = registry.of(op.target)
         additive = opdef.additive_inputs if opdef is not None else ()
@@ -72,7 +80,7 @@ def strategies(graph: Graph, n: int, cluster: Cluster,
             made = _strategy(op, algo, piece, pieces, n, peak)
             if made is not None and all(lay != IRREGULAR for lay in made.outputs):
                 found.append(made)
-        out[op] = found
+        out[op] = seen[alike] = found
     return out
 
 
@@ -135,3 +143,20 @@ def change_seconds(src: str, dst: str, size: int, n: int, cluster: Cluster) -> f
     if src.startswith("S") and dst.startswith("S"):
         return cluster.collective("all_to_all", size / n, group)  # each holds its slice
     return cluster.collective("all_gather", size, group)  # sliced -> whole or partial
+
+
+def repeated(graph: Graph, space: dict[Op, list[Strategy]]) -> dict[Op, tuple]:
+    """Ops of repeated layers (``h.0.attn``, ``h.1.attn``, ...) keyed alike where they are
+    the same op: the same kind, code line, signature, shapes and strategies. One decision
+    then serves every layer, as a hand-written plan treats them."""
+    keys: dict[Op, tuple] = {}
+    for op in graph.ops:
+        module = op.source.module if op.source else ""
+        layer = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", module)
+        if layer == module or not space.get(op):
+            continue
+        keys[op] = (layer, op.kind, op.source.line if op.source else None,
+                    str(op.signature), tuple(map(tuple, op.input_shapes)),
+                    tuple(t.shape for t in op.outputs), op.region is not None,
+                    tuple((s.algo, s.inputs, s.outputs, s.grads) for s in space[op]))
+    return keys
