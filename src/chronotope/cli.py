@@ -193,9 +193,7 @@ def cmd_capture(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     start = time.perf_counter()
     device = args.device or default_device(args.model)
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the unannotated ops are listed below instead
-        graph = capture(workload, frontend=args.frontend)
+    graph = _captured(workload, args.frontend)  # its unannotated ops are listed below
     seconds = time.perf_counter() - start
     unannotated = [
         {"op": op.name, "kind": op.kind, "source": str(op.source) if op.source else None}
@@ -335,11 +333,18 @@ def _plan(graph: Graph, args: argparse.Namespace) -> Plan:
         raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
 
 
-def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
-    workload = load_workload(args.model, device=device, batch_size=args.batch_size)
+def _captured(workload: Workload, frontend: str = "auto") -> Graph:
+    """The workload's graph, without capture's warnings: the commands report what matters
+    of them (`capture` lists the ops without a signature, the plans name what they could
+    not split)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = capture(workload)
+        return capture(workload, frontend=frontend)
+
+
+def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
+    workload = load_workload(args.model, device=device, batch_size=args.batch_size)
+    graph = _captured(workload)
     return workload, compile_plan(_plan(graph, args), args.comm, args.cluster)
 
 
@@ -474,9 +479,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                              seed=args.seed)
     if args.init:
         load_weights(workload.model, args.init)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(workload)
+    graph = _captured(workload)
     program = compile_plan(_plan(graph, args), args.comm, args.cluster)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
@@ -557,9 +560,7 @@ def cmd_plot(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(workload)
+    graph = _captured(workload)
     cluster = cluster_for(args.devices, args.cluster)
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
@@ -596,9 +597,7 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(workload)
+    graph = _captured(workload)
     measured = measure_ops(graph, workload) if args.measure else None
     drawn = timeline(_plan(graph, args), args.flops, measured=measured,
                      bytes_per_s=args.bandwidth or None)

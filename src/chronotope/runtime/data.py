@@ -233,11 +233,10 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def example_batches(workload: Workload) -> list[Any]:
-    """The example batch as the one batch of a data set (each pass reads it again)."""
-    if workload.kwargs and not workload.inputs and not workload.targets:
-        return [dict(workload.kwargs)]
-    inputs = workload.inputs if isinstance(workload.inputs, (tuple, list)) else \
-        (workload.inputs,)
-    if isinstance(workload.inputs, Mapping):
-        return [dict(workload.inputs)]
-    return [(*inputs, *workload.targets)]
+    """The example batch as the one batch of a data set (each pass reads it again), in the
+    form ``BatchLayout`` reads: keyword arguments alone as a dict, else a tuple of the
+    model's inputs then its targets."""
+    batch = Batch.of(workload.inputs, workload.kwargs, workload.targets)
+    if batch.kwargs and not batch.args and not batch.targets:
+        return [dict(batch.kwargs)]
+    return [(*batch.args, *batch.targets)]
