@@ -42,6 +42,7 @@ BUILTINS: dict[str, Callable[..., Workload]] = {
     "evoformer": evoformer,
     "gpt3-1.3b": partial(gpt, preset="gpt3-1.3b"),
     "gpt3-13b": partial(gpt, preset="gpt3-13b"),
+    "gpt3-39b": partial(gpt, preset="gpt3-39b"),
     "gpt3-175b": partial(gpt, preset="gpt3-175b"),
     "llama-70b": partial(llama, preset="llama-70b"),
     "hf-gpt2": hf_gpt2,
@@ -54,7 +55,7 @@ SPEC_FORM = "path/to/file.py:factory"
 
 
 # Configurations too large to allocate here: built on the meta device unless asked otherwise.
-LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-175b", "llama-70b"})
+LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-39b", "gpt3-175b", "llama-70b"})
 
 
 def default_device(spec: str) -> str:

@@ -27,10 +27,12 @@ class GPTConfig:
 
 
 # Sizes from the GPT-3 paper (Brown et al. 2020, table 2.1); 13B uses d=5120 so heads divide it.
+# 39B is the size automatic-search papers report on (48 layers of 8192, sequence 1024).
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
     "gpt3-1.3b": GPTConfig(50257, 2048, 24, 16, 2048, batch_size=8),
     "gpt3-13b": GPTConfig(50257, 2048, 40, 40, 5120, batch_size=8),
+    "gpt3-39b": GPTConfig(51200, 1024, 48, 64, 8192, batch_size=8),
     "gpt3-175b": GPTConfig(50257, 2048, 96, 96, 12288, batch_size=8),
 }
 
