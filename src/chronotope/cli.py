@@ -150,6 +150,17 @@ def new_folder(text: str) -> str:
     return text
 
 
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """``2x4``: a device mesh of two axes."""
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no mesh: write axis sizes as 2x4")
+    return shape
+
+
 def cluster_spec(text: str) -> str:
     """A cluster preset or profile file that loads."""
     try:
@@ -565,23 +576,25 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
                         memory=args.memory * 2 ** 30 if args.memory else None,
-                        method=args.method)
+                        method=args.method, mesh=args.mesh)
     if args.out:
         result.plan.save(args.out)
     if args.json:
         emit({"plan": args.out, "method": result.method,
               "predicted_step_s": result.predicted_step_s,
               "peak_memory_bytes": result.peak_memory_bytes, "search_s": result.search_s,
-              "variables": result.variables, "candidates": result.candidates})
+              "variables": result.variables, "candidates": result.candidates,
+              "mesh": result.mesh, "explored": result.explored})
         return 0
     table = Table(title=f"{graph.name} over {args.devices} devices of {cluster.name}: the plan "
-                        f"found ({result.method}, {result.variables:,} variables, "
+                        f"found ({result.method} on mesh {result.mesh}, "
+                        f"{result.variables:,} variables, "
                         f"{result.search_s:.2f} s) and the ready-made ones, simulated")
-    for col in ("plan", "step ms", "peak memory"):
+    for col in ("plan", "step ms", "peak memory", "fits"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for c in result.candidates:
         table.add_row(c["plan"], f"{c['predicted_step_s'] * 1e3:.3f}",
-                      format_bytes(c["peak_memory_bytes"]))
+                      format_bytes(c["peak_memory_bytes"]), "yes" if c["fits"] else "no")
     out.print(table)
     counts: dict[str, int] = {}
     for label in result.choices.values():
@@ -882,6 +895,9 @@ def parser() -> argparse.ArgumentParser:
                      help="per-device memory limit, by the plan's own estimate")
     sea.add_argument("--method", choices=METHODS, default="auto",
                      help="ilp: the intra-op ILP (auto: the same, for now)")
+    sea.add_argument("--mesh", type=mesh_shape, default=None, metavar="AxB",
+                     help="search this device mesh only, e.g. 2x4 (default: every factoring "
+                          "of --devices into one or two axes)")
     sea.add_argument("--out", type=new_file, metavar="PLAN.json",
                      help="write the plan found (run, plan, simulate take --plan)")
     _common_args(sea, model=True)

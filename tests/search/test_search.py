@@ -13,12 +13,13 @@ import chronotope as ct
 from chronotope.cli import main
 from chronotope.cost.network import cluster_for
 from chronotope.models import get_workload
+from chronotope.policies import data_parallel
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import SearchError, search
 from chronotope.search.ilp import price, solve
-from chronotope.search.space import repeated, strategies
+from chronotope.search.space import Mesh, meshes, repeated, strategies
 
 
 def capture(w):
@@ -88,7 +89,7 @@ def test_the_command_line_searches_writes_the_plan_and_runs_it(tmp_path, capsys)
     assert main(["search", "gpt", "--devices", "2", "--out", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"plan", "method", "predicted_step_s", "peak_memory_bytes",
-                           "search_s", "variables", "candidates"}
+                           "search_s", "variables", "candidates", "mesh", "explored"}
     assert report["plan"] == str(path) and len(report["peak_memory_bytes"]) == 2
     assert main(["run", "gpt", "--plan", str(path), "--steps", "2", "--check", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["match"]
@@ -108,3 +109,69 @@ def test_repeated_layers_share_one_decision_and_the_program_stays_small():
     assert shared.seconds == pytest.approx(alone.seconds, rel=1e-6)  # the layers agree anyway
     for key in set(groups.values()):  # one strategy per group
         assert len({shared.choice[op] for op, k in groups.items() if k == key}) == 1
+
+
+def test_a_mesh_numbers_devices_row_major_and_groups_each_axis():
+    mesh = Mesh((2, 4))
+    assert mesh.groups(0) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert mesh.groups(1) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [str(m) for m in meshes(8)] == ["8", "2x4", "4x2"]
+
+
+class Regression(nn.Module):
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.proj(x).square().mean()
+
+
+@pytest.mark.parametrize("batch,width,out", [(8, 4, 16), (2, 32, 8)])
+def test_on_a_two_axis_mesh_the_ilp_finds_the_optimum_by_brute_force(batch, width, out):
+    graph = capture(ct.Workload(Regression(width, out), (torch.randn(batch, width),)))
+    mesh, cluster = Mesh((2, 2)), cluster_for(4, "dgx1-v100x2")
+    space = strategies(graph, mesh, cluster)
+    ops = [op for op in graph.ops if space[op]]
+    assert all(len(s.algos) == 2 for op in ops for s in space[op])
+    best = min(price(graph, dict(zip(ops, pick)), mesh, cluster)
+               for pick in itertools.product(*(space[op] for op in ops)))
+    found = solve(graph, space, mesh, cluster, None)
+    assert found.seconds == pytest.approx(best, rel=1e-6)
+
+
+def test_a_plan_on_a_two_axis_mesh_trains_like_one_device():
+    w = get_workload("llama")
+    result = search(capture(w), 4, mesh=(2, 2))
+    assert result.mesh == "2x2"
+    assert any(" x " in label and "replicate x replicate" not in label
+               for label in result.choices.values())
+    run = run_in_threads(ct.compile(result.plan), w, 4, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5)
+    with pytest.raises(SearchError, match="mesh 2x3 has 6 devices, not 4"):
+        search(capture(w), 4, mesh=(2, 3))
+
+
+class Wide(nn.Module):
+    """Hidden features that do not halve: tensor parallelism has little room."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 255), nn.Linear(255, 64)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x))).square().mean()
+
+
+def test_when_memory_binds_weights_updates_are_cut_over_the_devices_and_train_alike():
+    w = ct.Workload(Wide(), (torch.randn(64, 64),))
+    graph = capture(w)
+    free = search(graph, 2)
+    assert not free.plan.updates  # summing gradients in one call is cheaper
+    dp = max(m.total for m in data_parallel(graph, 2).check().memory.values())
+    tight = search(graph, 2, memory=0.9 * dp, mesh=(2,))
+    assert tight.plan.updates and any("zero" in label for label in tight.choices.values())
+    assert max(tight.peak_memory_bytes) <= 0.9 * dp
+    assert [c["fits"] for c in tight.candidates] == [True, False, False]
+    run = run_in_threads(ct.compile(tight.plan), w, 2, Optim("adamw", 1e-2))
+    assert compare(run, train_reference(w, 2, Optim("adamw", 1e-2))).within(1e-5)

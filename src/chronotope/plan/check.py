@@ -150,9 +150,11 @@ class Sources:
         every: list[tuple[PlanOp, Mask]] = []
 
         def overlapping() -> list[tuple[PlanOp, Mask]]:
-            if not every:
-                every.extend((p, m) for group in by_index.values() for p, m in group
-                             if m.overlaps(v.mask))
+            if not every:  # replicas share an index: test each index once, then values
+                want, value = v.mask.index, v.mask.value
+                every.extend((p, m) for index, group in by_index.items()
+                             if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(index, want))
+                             for p, m in group if m.value.intersect(value) is not None)
             return every
 
         t, part = v.ptensor, not v.mask.value.is_full

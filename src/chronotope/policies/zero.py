@@ -26,13 +26,18 @@ def zero(graph: Graph, ndevices: int, stage: int = 1) -> Plan:
         raise PlanError(f"ZeRO has stages 1, 2 and 3, got stage={stage}")
     plan = data_parallel(graph, ndevices)
     for name, t in graph.params.items():
-        if t not in plan.requires_grad:
-            continue
-        update = plan.update(name, whole_grad=stage == 1)
-        axis = next((a for a, size in enumerate(t.shape) if size % ndevices == 0), None)
-        algo = Split(f"d{axis}", ndevices) if axis is not None else Replicate(ndevices)
-        for device, piece in enumerate(plan.trans(update, algo)):
-            plan.assign(piece, device)
+        if t in plan.requires_grad:
+            cut_update(plan, name, whole_grad=stage == 1)
     if stage == 3:
         plan.param_storage = "owned"
     return plan
+
+
+def cut_update(plan: Plan, param: str, *, whole_grad: bool = False) -> None:
+    """Cut ``param``'s update into one piece per device, along its first dim that divides
+    (each device keeps 1/n of its optimizer state), piece ``i`` on device ``i``."""
+    t, n = plan.graph.params[param], plan.ndevices
+    axis = next((a for a, size in enumerate(t.shape) if size % n == 0), None)
+    algo = Split(f"d{axis}", n) if axis is not None else Replicate(n)
+    for device, piece in enumerate(plan.trans(plan.update(param, whole_grad=whole_grad), algo)):
+        plan.assign(piece, device)

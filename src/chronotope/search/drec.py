@@ -249,17 +249,56 @@ def _round(ops: list[Op], options: dict[Op, list[_Cut]],
     """One bi-partition: ops by descending compromise price, each taking its cheapest
     cut given the ops decided before it in this round."""
     order = sorted(ops, key=lambda op: -_compromise(options[op], gamma))
+    free = {op for op in ops if _compromise(options[op], gamma) == 0 and
+            len({c.q_m(gamma) for c in options[op]}) == 1}
     taken: dict[Op, _Cut] = {}
     for op in order:
-        def price(cut: _Cut, op: Op = op) -> float:
-            total = cut.q_m(gamma)
-            for e, other in around[op]:
-                if other in taken:
-                    total += _edge_cost(e, cut, taken[other]) if e.producer is op else \
-                        _edge_cost(e, taken[other], cut)
-            return total
-        taken[op] = min(options[op], key=price)
+        taken[op] = min(options[op],
+                        key=lambda cut, op=op: cut.q_m(gamma) +
+                        _Walk(options, around, free, taken).cost(op, cut))
     return taken
+
+
+class _Walk:
+    """The ``q_r`` one cut of an op brings about in this round: on edges to decided ops,
+    and beyond ops whose cuts all cost alike (elementwise ones), which would copy it
+    (the thesis removes such ops from the graph first, joining their neighbours), for
+    up to ``FOLLOW`` ops away. Edges to other undecided ops cost nothing yet."""
+
+    FOLLOW = 8
+
+    def __init__(self, options: dict[Op, list[_Cut]],
+                 around: dict[Op, list[tuple[_Edge, Op]]], free: set[Op],
+                 taken: dict[Op, _Cut]) -> None:
+        self.options, self.around, self.free, self.taken = options, around, free, taken
+        self.cuts: dict[Op, _Cut] = {}
+        self.priced: set[_Edge] = set()
+
+    def cost(self, op: Op, cut: _Cut) -> float:
+        self.cuts[op] = cut
+        return self._from(op, self.FOLLOW)
+
+    def _from(self, op: Op, hops: int) -> float:
+        total = 0.0
+        for edge, other in self.around[op]:
+            if edge in self.priced:
+                continue
+            known = self.taken.get(other) or self.cuts.get(other)
+            if known is None and (other not in self.free or hops == 0):
+                continue
+            self.priced.add(edge)
+            if known is not None:
+                total += self._edge(edge, op, self.cuts[op], known)
+                continue
+            copy = min(self.options[other], key=lambda c: self._edge(edge, op, self.cuts[op], c))
+            self.cuts[other] = copy
+            total += self._edge(edge, op, self.cuts[op], copy) + self._from(other, hops - 1)
+        return total
+
+    @staticmethod
+    def _edge(edge: _Edge, op: Op, cut: _Cut, other: _Cut) -> float:
+        return _edge_cost(edge, cut, other) if edge.producer is op else \
+            _edge_cost(edge, other, cut)
 
 
 def _compromise(cuts: list[_Cut], gamma: float) -> float:

@@ -4,25 +4,34 @@ One binary per op and strategy, exactly one chosen per op; one continuous variab
 producer-consumer edge and pair of strategies, equal to the product of the two choices
 (its rows sum to the producer's choice, its columns to the consumer's), priced by the
 layout changes the pair needs forward (the tensor) and backward (its gradient). The
-objective adds each op's compute and the gradient all-reduce of every parameter it
-reads whole while cutting its batch; per-device memory (parameters, gradients,
-optimizer state, activations) is bounded by the limit.
+objective adds each op's compute and the gradient all-reduce of every weight it
+reads whole while cutting its batch; per-device memory (weights, gradients, optimizer
+state, activations) is bounded by the limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
+from scipy.sparse import coo_matrix
 
 from chronotope.cost.network import Cluster
 from chronotope.graph.ir import Graph, Op, TensorKind
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import differentiable
-from chronotope.search.space import PARTIAL, Strategy, change_seconds, nbytes
+from chronotope.search.space import (
+    PARTIAL,
+    WHOLE,
+    Layout,
+    Mesh,
+    Pricer,
+    Strategy,
+    nbytes,
+    sharded,
+)
 
 
 @dataclass
@@ -32,6 +41,7 @@ class Solution:
     memory: float  # the model's per-device bytes of the choice
     variables: int
     status: str
+    mesh: Mesh
 
 
 class NoFit(Exception):
@@ -42,131 +52,184 @@ class NoFit(Exception):
         self.least = least
 
 
-def solve(graph: Graph, space: dict[Op, list[Strategy]], n: int, cluster: Cluster,
+def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, cluster: Cluster,
           memory: float | None, optimizer: str = "adam", time_limit: float = 60.0,
-          groups: dict[Op, Hashable] | None = None) -> Solution:
+          groups: dict[Op, Hashable] | None = None, ops: Sequence[Op] | None = None
+          ) -> Solution:
     """The cheapest choice within ``memory``; ops in one of ``groups`` (repeated layers'
     ops, ``space.repeated``) share one decision, so the program grows with the distinct
-    ops, not with depth."""
-    ops = [op for op in graph.ops if space[op]]
+    ops, not with depth. ``ops``: decide only these (a pipeline stage's), the rest absent."""
+    mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
+    pricer = Pricer(mesh, cluster)
+    ops = [op for op in (graph.ops if ops is None else ops) if space[op]]
     key = {op: (groups or {}).get(op, op) for op in ops}
     members: dict[Hashable, list[Op]] = {}
     for op in ops:
         members.setdefault(key[op], []).append(op)
-    index: dict[tuple[Hashable, int], int] = {}
-    costs: list[float] = []
-    mem: list[float] = []
-    for k, group in members.items():
-        for s in range(len(space[group[0]])):
-            index[(k, s)] = len(costs)
-            costs.append(0.0)
-            mem.append(0.0)
-    states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
-    seen_params: set = set()
-    for op in ops:
-        first_reads = [i for i, t in enumerate(op.inputs)
-                       if t.kind is TensorKind.PARAM and t not in seen_params]
-        seen_params.update(op.inputs[i] for i in first_reads)
-        for s, strat in enumerate(space[op]):
-            at = index[(key[op], s)]
-            costs[at] += strat.compute + sum(
-                _bucketed(nbytes(t), n, cluster) for t, g in zip(op.inputs, strat.grads)
-                if t.kind is TensorKind.PARAM and not t.frozen and g == PARTIAL)
-            mem[at] += sum(states * nbytes(op.inputs[i]) / (n if strat.inputs[i][0] == "S" else 1)
-                           for i in first_reads)
-            mem[at] += sum(nbytes(t) / (n if lay[0] == "S" else 1)
-                           for t, lay in zip(op.outputs, strat.outputs))
-    choices = len(costs)
+    sizes = {k: len(space[g[0]]) for k, g in members.items()}
+    start, count = {}, 0
+    for k in members:
+        start[k] = count
+        count += sizes[k]
     needs_grad = differentiable(graph)
+    costs, mem, passing = np.zeros(count), np.zeros(count), np.zeros(count)
+    states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
+    first = _first_reads(ops)
+    for op in ops:
+        at = start[key[op]]
+        for s, strat in enumerate(space[op]):
+            costs[at + s] += _op_seconds(op, strat, pricer)
+            mem[at + s] += _op_bytes(op, strat, first[op], states, mesh)
+            passing[at + s] = max(passing[at + s], _gradient_bytes(op, strat, mesh, needs_grad))
     edges: dict[tuple[Hashable, Hashable], np.ndarray] = {}  # summed over repeated edges
+    edge_mem: dict[tuple[Hashable, Hashable], np.ndarray] = {}
+    chosen = set(ops)
     for op in ops:
         for i, t in enumerate(op.inputs):
             producer = t.producer
-            if producer is None or not space.get(producer):
+            if producer not in chosen:
                 continue
             out = producer.outputs.index(t)
-            table = np.array([[_edge(ps.outputs[out], cs, i, t, n, cluster, needs_grad)
+            table = np.array([[_edge(ps.outputs[out], cs, i, t, pricer, needs_grad)
                                for cs in space[op]] for ps in space[producer]])
+            # a consumer that reads another layout than made keeps its own copy (for backward)
+            held = np.array([[0.0 if ps.outputs[out] == cs.inputs[i] else
+                              nbytes(t) / sharded(cs.inputs[i], mesh)
+                              for cs in space[op]] for ps in space[producer]])
             pair = (key[producer], key[op])
             edges[pair] = edges[pair] + table if pair in edges else table
-    total = choices + sum(t.size for t in edges.values())
+            edge_mem[pair] = edge_mem[pair] + held if pair in edge_mem else held
+    # one more variable: the largest gradients an op's backward holds at once, on top of
+    # what is kept for backward (at least each chosen op's)
+    total = count + sum(t.size for t in edges.values()) + 1
     c = np.zeros(total)
-    c[:choices] = costs
-    sizes = {k: len(space[g[0]]) for k, g in members.items()}
-    rows = len(members) + sum(sizes[u] + sizes[v] for u, v in edges)
-    A = lil_matrix((rows + (1 if memory is not None else 0), total))
-    lo, hi = np.zeros(A.shape[0]), np.zeros(A.shape[0])
-    r = 0
+    c[:count] = costs
+    rows, cols, vals, lo, hi = [], [], [], [], []
     for k in members:  # one strategy per op (or group of repeated ops)
+        r = len(lo)
         for s in range(sizes[k]):
-            A[r, index[(k, s)]] = 1
-        lo[r] = hi[r] = 1
-        r += 1
-    col = choices
+            rows.append(r), cols.append(start[k] + s), vals.append(1.0)
+        lo.append(1.0), hi.append(1.0)
+    col = count
     for (u, v), table in edges.items():  # y[a, b] = x[u, a] * x[v, b] for one-hot x
-        for a in range(sizes[u]):
-            A[r + a, index[(u, a)]] = -1
-        for b in range(sizes[v]):
-            A[r + sizes[u] + b, index[(v, b)]] = -1
-        for a in range(sizes[u]):
-            for b in range(sizes[v]):
-                c[col] = table[a, b]
-                A[r + a, col] = 1
-                A[r + sizes[u] + b, col] = 1
-                col += 1
-        r += sizes[u] + sizes[v]
+        r = len(lo)
+        nu, nv = sizes[u], sizes[v]
+        for a in range(nu):
+            rows.append(r + a), cols.append(start[u] + a), vals.append(-1.0)
+        for b in range(nv):
+            rows.append(r + nu + b), cols.append(start[v] + b), vals.append(-1.0)
+        a_idx, b_idx = np.divmod(np.arange(nu * nv), nv)
+        rows.extend((r + a_idx).tolist()), cols.extend((col + np.arange(nu * nv)).tolist())
+        rows.extend((r + nu + b_idx).tolist()), cols.extend((col + np.arange(nu * nv)).tolist())
+        vals.extend([1.0] * (2 * nu * nv))
+        c[col:col + nu * nv] = table.ravel()
+        col += nu * nv
+        lo.extend([0.0] * (nu + nv)), hi.extend([0.0] * (nu + nv))
     if memory is not None:
-        for i, m in enumerate(mem):
-            A[r, i] = m
-        lo[r], hi[r] = 0, memory
+        for k in members:
+            r = len(lo)
+            for s in range(sizes[k]):
+                rows.append(r), cols.append(start[k] + s), vals.append(passing[start[k] + s])
+            rows.append(r), cols.append(total - 1), vals.append(-1.0)
+            lo.append(-np.inf), hi.append(0.0)
+        r = len(lo)
+        rows.append(r), cols.append(total - 1), vals.append(1.0)
+        for i in range(count):
+            rows.append(r), cols.append(i), vals.append(mem[i])
+        col = count
+        for held in edge_mem.values():
+            for j in np.flatnonzero(held.ravel()):
+                rows.append(r), cols.append(col + int(j)), vals.append(float(held.flat[j]))
+            col += held.size
+        lo.append(0.0), hi.append(memory)
+    A = coo_matrix((vals, (rows, cols)), shape=(len(lo), total)).tocsr()
     integrality = np.zeros(total)
-    integrality[:choices] = 1
-    result = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-                  bounds=Bounds(0, 1), options={"time_limit": time_limit})
+    integrality[:count] = 1
+    unit = float(np.abs(c).max()) or 1.0  # the solver's gaps are absolute as well as relative
+    result = milp(c / unit, constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
+                  integrality=integrality, bounds=Bounds(0, np.r_[np.ones(total - 1), np.inf]),
+                  options={"time_limit": time_limit})
     if result.x is None:
-        raise NoFit(sum(min(mem[index[(k, s)]] for s in range(sizes[k])) for k in members))
+        raise NoFit(sum(mem[start[k]:start[k] + sizes[k]].min() for k in members))
     x = result.x
-    picked = {k: max(range(sizes[k]), key=lambda s: x[index[(k, s)]]) for k in members}
+    picked = {k: int(np.argmax(x[start[k]:start[k] + sizes[k]])) for k in members}
     choice = {op: space[op][picked[key[op]]] for op in ops}
-    used = sum(mem[index[(k, s)]] for k, s in picked.items())
-    return Solution(choice, float(result.fun), used, total, result.message)
+    used = float(sum(mem[start[k] + s] for k, s in picked.items()) +
+                 sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) +
+                 max((passing[start[k] + s] for k, s in picked.items()), default=0.0))
+    return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh)
 
 
-def _edge(made: str, consumer: Strategy, i: int, t, n: int, cluster: Cluster,
-          needs_grad: set) -> float:
-    """A tensor's layout change from its producer to a consumer, and its gradient's back."""
-    seconds = change_seconds(made, consumer.inputs[i], nbytes(t), n, cluster)
-    if t in needs_grad:
-        seconds += change_seconds(consumer.grads[i], _wanted(made), nbytes(t), n, cluster)
-    return seconds
+def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
+    """The weights each op is the first to read (whose memory its choice decides)."""
+    seen: set = set()
+    out = {}
+    for op in ops:
+        out[op] = [i for i, t in enumerate(op.inputs)
+                   if t.kind is TensorKind.PARAM and t not in seen]
+        seen.update(op.inputs[i] for i in out[op])
+    return out
 
 
-def price(graph: Graph, choice: dict[Op, Strategy], n: int, cluster: Cluster) -> float:
-    """The objective of a choice, term by term as ``solve`` prices it (to check a solution
-    against, or to compare plans under the solver's model)."""
-    needs_grad = differentiable(graph)
-    total = 0.0
-    for op, s in choice.items():
-        total += s.compute + sum(_bucketed(nbytes(t), n, cluster)
-                                 for t, g in zip(op.inputs, s.grads)
-                                 if t.kind is TensorKind.PARAM and not t.frozen and g == PARTIAL)
-        for i, t in enumerate(op.inputs):
-            if t.producer in choice:
-                made = choice[t.producer].outputs[t.producer.outputs.index(t)]
-                total += _edge(made, s, i, t, n, cluster, needs_grad)
+def _op_seconds(op: Op, s: Strategy, pricer: Pricer) -> float:
+    """Compute, and the gradient reductions of the trainable weights it reads."""
+    total = s.compute
+    for t, lay, g in zip(op.inputs, s.inputs, s.grads):
+        if t.kind is TensorKind.PARAM and not t.frozen:
+            total += pricer.reduction(g, lay, nbytes(t))
+            if s.zero and all(x == WHOLE for x in lay):
+                total += pricer.zero_calls(g)
     return total
 
 
-def _bucketed(size: int, n: int, cluster: Cluster) -> float:
-    """A gradient's share of the all-reduce that sums all of them at once (the compiler
-    reduces a step's gradients in one call): its bytes' time, the call's latency aside."""
-    return change_seconds(PARTIAL, "R", size, n, cluster) - \
-        change_seconds(PARTIAL, "R", 0, n, cluster)
+def _op_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh) -> float:
+    """Per device: the weights it reads first (each with its gradient and optimizer state,
+    those cut over every device under ZeRO) and its outputs."""
+    total = 0.0
+    for i in first:
+        t, lay = op.inputs[i], s.inputs[i]
+        if s.zero and all(x == WHOLE for x in lay) and not t.frozen:
+            total += nbytes(t) * (1 + (states - 1) / mesh.devices)
+        else:
+            total += (states if not t.frozen else 1) * nbytes(t) / sharded(lay, mesh)
+    return total + sum(nbytes(t) / sharded(lay, mesh) for t, lay in zip(op.outputs, s.outputs))
 
 
-def _wanted(output: str) -> str:
+def _gradient_bytes(op: Op, s: Strategy, mesh: Mesh, needs_grad: set) -> float:
+    """Per device, the gradients an op's backward holds at once: its outputs' and its
+    activation inputs'."""
+    outs = sum(nbytes(t) / sharded(lay, mesh) for t, lay in zip(op.outputs, s.outputs)
+               if t in needs_grad)
+    return outs + sum(nbytes(t) / sharded(lay, mesh) for t, lay in zip(op.inputs, s.inputs)
+                      if t in needs_grad and t.kind is not TensorKind.PARAM)
+
+
+def _edge(made: Layout, consumer: Strategy, i: int, t, pricer: Pricer,
+          needs_grad: set) -> float:
+    """A tensor's layout change from its producer to a consumer, and its gradient's back."""
+    seconds = pricer.change(made, consumer.inputs[i], nbytes(t))
+    if t in needs_grad:
+        seconds += pricer.change(consumer.grads[i], _wanted(made), nbytes(t))
+    return seconds
+
+
+def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
+          cluster: Cluster) -> float:
+    """The objective of a choice, term by term as ``solve`` prices it (to check a solution
+    against, or to compare plans under the solver's model)."""
+    pricer = Pricer(Mesh((mesh,)) if isinstance(mesh, int) else mesh, cluster)
+    needs_grad = differentiable(graph)
+    total = 0.0
+    for op, s in choice.items():
+        total += _op_seconds(op, s, pricer)
+        for i, t in enumerate(op.inputs):
+            if t.producer in choice:
+                made = choice[t.producer].outputs[t.producer.outputs.index(t)]
+                total += _edge(made, s, i, t, pricer, needs_grad)
+    return total
+
+
+def _wanted(output: Layout) -> Layout:
     """The layout of the gradient a producer's pieces need for an output held as ``output``:
     as held, or whole where they made partial sums (an addend's gradient is the sum's)."""
-    return "R" if output == PARTIAL else output
-
-
+    return tuple(WHOLE if lay == PARTIAL else lay for lay in output)

@@ -1,24 +1,29 @@
-"""The search space: for every op, the ways to cut it over ``n`` devices, from its signature.
+"""The search space: for every op, the ways to cut it over a device mesh, from its signature.
 
-A strategy is an algorithm (``Split(dim, n)`` of a splittable dim, or ``Replicate(n)``)
-with what it implies, read off the pieces ``partition`` makes, exactly as ``Plan.trans``
-would cut them: the layout of every input and output over the devices (``R`` whole on
-each, ``P`` partial sums, ``S<a>`` sliced along axis ``a``) and of every input's
-gradient; its compute time (forward and backward) per device. What joins two strategies
-is priced by the layout change between them under the cluster's alpha-beta model.
+A mesh is a tuple of axis sizes (``(8,)``, or ``(nodes, per_node)``), devices numbered
+row-major. A strategy is one algorithm per mesh axis (``Split(dim, n)`` of a splittable
+dim, ``ValueSplit(n)`` or ``Replicate(n)``), nested as ``build`` nests them, with what it
+implies, read off the pieces ``partition`` makes exactly as ``Plan.trans`` would cut them:
+the layout of every input and output on each axis (``R`` whole, ``P`` partial sums,
+``S<a>`` sliced along tensor axis ``a``) and of every input's gradient; its compute time
+(forward and backward) per device. Data parallelism, Megatron's column and row splits,
+sequence parallelism and their products on two axes are all points of this space. What
+joins two strategies is priced by the layout change between them under the cluster's
+alpha-beta model, axis by axis.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chronotope.cost.compute import op_flops
 from chronotope.cost.network import Cluster
 from chronotope.errors import ChronotopeError
-from chronotope.graph.ir import Graph, Op, PTensor
-from chronotope.graph.mask import Mask, VTensor
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
+from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
 from chronotope.plan.algo import Algorithm, Piece, Replicate, Split, ValueSplit, partition
@@ -27,87 +32,165 @@ from chronotope.plan.plan import Plan
 WHOLE, PARTIAL, IRREGULAR = "R", "P", "?"
 TRAINING_FLOPS = 3.0  # a backward costs twice its forward
 
+Layout = tuple[str, ...]  # one of R, P, S<a> per mesh axis
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Devices as a grid: ``shape[0]`` the outermost axis (across nodes, where it spans them)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape)
+
+    def groups(self, axis: int) -> list[tuple[int, ...]]:
+        """The device groups along ``axis``, all of which run an axis collective at once."""
+        stride = math.prod(self.shape[axis + 1:])
+        others = [range(n) if a != axis else range(1) for a, n in enumerate(self.shape)]
+        out = []
+        for index in itertools.product(*others):
+            first = sum(i * math.prod(self.shape[a + 1:]) for a, i in enumerate(index))
+            out.append(tuple(first + k * stride for k in range(self.shape[axis])))
+        return out
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.shape))
+
+
+def meshes(devices: int) -> list[Mesh]:
+    """The meshes searched over ``devices``: one axis, and every two-axis factoring
+    (``(2, 4)``: two groups of four; the inner axis stays within a node where it fits)."""
+    two = [Mesh((a, devices // a)) for a in range(2, devices) if devices % a == 0]
+    return [Mesh((devices,)), *two]
+
 
 @dataclass(frozen=True)
 class Strategy:
-    algo: Algorithm
-    inputs: tuple[str, ...]  # layout of each input as the pieces read it
-    outputs: tuple[str, ...]
-    grads: tuple[str, ...]  # layout of each input's gradient as the backward pieces yield it
+    algos: tuple[Algorithm, ...]  # one per mesh axis, outermost first
+    inputs: tuple[Layout, ...]  # each input's layout as the pieces read it
+    outputs: tuple[Layout, ...]
+    grads: tuple[Layout, ...]  # each input's gradient as the backward pieces yield it
     compute: float  # seconds per device, forward and backward
+    zero: bool = False  # the weights it reads first: updates cut over the devices (ZeRO)
 
     @property
     def label(self) -> str:
-        if isinstance(self.algo, Split):
-            return f"split {self.algo.dim}"
-        return "value split" if isinstance(self.algo, ValueSplit) else "replicate"
+        text = " x ".join(_algo_label(a) for a in self.algos)
+        return text + " + zero" if self.zero else text
+
+
+def _algo_label(algo: Algorithm) -> str:
+    if isinstance(algo, Split):
+        return f"split {algo.dim}"
+    return "value split" if isinstance(algo, ValueSplit) else "replicate"
 
 
 def nbytes(t: PTensor) -> int:
     return math.prod(t.shape) * t.dtype.itemsize
 
 
-def strategies(graph: Graph, n: int, cluster: Cluster,
+def sharded(layout: Layout, mesh: Mesh) -> int:
+    """Into how many slices a tensor held as ``layout`` is cut (its per-device fraction)."""
+    return math.prod(n for lay, n in zip(layout, mesh.shape) if lay.startswith("S"))
+
+
+def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
                registry: OpRegistry | None = None) -> dict[Op, list[Strategy]]:
-    """Every op's strategies over ``n`` devices (at least ``Replicate(n)``)."""
+    """Every op's strategies over ``mesh`` (at least replicating it on every axis)."""
+    mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     registry = registry or DEFAULT_REGISTRY
-    scratch = Plan(graph, n, registry=registry)  # the whole-op pieces Plan.trans starts from
+    scratch = Plan(graph, 1, registry=registry)  # the whole-op pieces Plan.trans starts from
     peak = cluster.peak()
     out: dict[Op, list[Strategy]] = {}
     seen: dict[tuple, list[Strategy]] = {}  # ops alike (repeated layers') are cut alike
     for op in graph.ops:
         alike = (id(op.target), op.kind, str(op.signature), tuple(map(tuple, op.input_shapes)),
                  tuple(t.shape for t in op.outputs),
-                 None if op.region is None else tuple(b - a for a, b in op.region))
-        if alike in seen:
-            out[op] = seen[alike]
-            continue
-        piece = scratch.roots[op.name].piece
-        opdef = registry.of(op.target)
-        additive = opdef.additive_inputs if opdef is not None else ()
-        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
-        algos: list[Algorithm] = [Replicate(n)]
-        if op.signature is not None and n > 1:
-            algos += [Split(d, n) for d in op.signature.splittable()]
-        if linear and n > 1:
-            algos.append(ValueSplit(n))  # a mean loss: each piece its share of the sum
-        found = []
-        for algo in algos:
-            try:
-                pieces = partition(op.name, op.signature, piece, algo, additive, linear)
-            except ChronotopeError:
-                continue  # a dim that does not divide, or one this op cannot cut
-            made = _strategy(op, algo, piece, pieces, n, peak)
-            if made is not None and all(lay != IRREGULAR for lay in made.outputs):
-                found.append(made)
-        out[op] = seen[alike] = found
+                 None if op.region is None else tuple(b - a for a, b in op.region),
+                 tuple(t.kind for t in op.inputs), tuple(t.frozen for t in op.inputs))
+        if alike not in seen:
+            seen[alike] = _op_strategies(op, scratch.roots[op.name].piece, mesh, peak, registry)
+        out[op] = seen[alike]
     return out
 
 
-def _strategy(op: Op, algo: Algorithm, whole: Piece, pieces: list[Piece], n: int,
+def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,
+                   registry: OpRegistry) -> list[Strategy]:
+    opdef = registry.of(op.target)
+    additive = opdef.additive_inputs if opdef is not None else ()
+    linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
+    splits = op.signature.splittable() if op.signature is not None else []
+    found = []
+    for algos in itertools.product(*(_algos(n, splits, bool(linear)) for n in mesh.shape)):
+        levels, piece = [], whole
+        try:
+            for algo in algos:
+                pieces = partition(op.name, op.signature, piece, algo, additive, linear)
+                levels.append((piece, pieces))
+                piece = pieces[0]
+        except ChronotopeError:
+            continue  # a dim that does not divide, or one this op cannot cut
+        made = _strategy(op, algos, levels, peak)
+        if made is not None:
+            found.append(made)
+            if _zero_applies(op, made):
+                found.append(_with_zero(made))
+    return found
+
+
+def _algos(n: int, splits: list[str], linear: bool) -> list[Algorithm]:
+    if n == 1:
+        return [Replicate(1)]
+    return [Replicate(n), *(Split(d, n) for d in splits), *([ValueSplit(n)] if linear else [])]
+
+
+def _strategy(op: Op, algos: tuple[Algorithm, ...], levels: list[tuple[Piece, list[Piece]]],
               peak: float) -> Strategy | None:
-    if len(pieces) != n:
+    """The layouts, axis by axis: each level's pieces against the piece they were cut from."""
+    inputs: list[list[str]] = [[] for _ in op.inputs]
+    outputs: list[list[str]] = [[] for _ in op.outputs]
+    grads: list[list[str]] = [[] for _ in op.inputs]
+    for parent, pieces in levels:
+        for k in range(len(op.inputs)):
+            lay = _layout([p.inputs[k] for p in pieces], parent.inputs[k].mask)
+            inputs[k].append(lay)
+            grads[k].append(_grad_layout(lay, [p.grad_shares[k] if k < len(p.grad_shares)
+                                               else None for p in pieces],
+                                         parent.grad_shares[k]
+                                         if k < len(parent.grad_shares) else None))
+        for k in range(len(op.outputs)):
+            outputs[k].append(_layout([p.outputs[k] for p in pieces], parent.outputs[k].mask))
+    if any(IRREGULAR in lay for lay in outputs):
         return None
-    inputs = tuple(_layout([p.inputs[k] for p in pieces], whole.inputs[k].mask)
-                   for k in range(len(op.inputs)))
-    outputs = tuple(_layout([p.outputs[k] for p in pieces], whole.outputs[k].mask)
-                    for k in range(len(op.outputs)))
-    grads = tuple(_grad_layout(lay, [p.grad_shares[k] if k < len(p.grad_shares) else None
-                                     for p in pieces])
-                  for k, lay in enumerate(inputs))
-    parts = 1 if isinstance(algo, Replicate) else n
-    return Strategy(algo, inputs, outputs, grads, TRAINING_FLOPS * op_flops(op) / parts / peak)
+    parts = math.prod(a.parts for a in algos if not isinstance(a, Replicate))
+    return Strategy(tuple(algos), tuple(map(tuple, inputs)), tuple(map(tuple, outputs)),
+                    tuple(map(tuple, grads)), TRAINING_FLOPS * op_flops(op) / parts / peak)
+
+
+def _zero_applies(op: Op, s: Strategy) -> bool:
+    """A trainable weight the op reads whole on every device, its gradient a partial sum
+    on every axis (data parallel): its update can be cut over the devices (ZeRO-2)."""
+    return any(t.kind is TensorKind.PARAM and not t.frozen and
+               all(lay == WHOLE for lay in s.inputs[i]) and
+               all(g == PARTIAL for g in s.grads[i]) for i, t in enumerate(op.inputs))
+
+
+def _with_zero(s: Strategy) -> Strategy:
+    return Strategy(s.algos, s.inputs, s.outputs, s.grads, s.compute, zero=True)
 
 
 def _layout(views: list[VTensor], full: Mask) -> str:
-    """How the pieces hold what the whole op reads of a tensor (``full``: all of it, or
-    the region a view op takes): whole, partial sums, or sliced along one axis."""
+    """How the pieces hold what their parent (``full``: a whole tensor, the region a view
+    op takes, or a piece's slice) holds of a tensor: whole, partial sums, or sliced along
+    one axis."""
     masks = [v.mask for v in views]
     if all(m.index == full.index for m in masks):
-        if all(m.value.is_full for m in masks):
+        if all(m.value == full.value for m in masks):
             return WHOLE
         return PARTIAL if len({m.value for m in masks}) == len(masks) else IRREGULAR
-    if any(not m.value.is_full for m in masks):
+    if any(m.value != full.value for m in masks):
         return IRREGULAR
     axes = {a for m in masks for a, (rng, whole) in enumerate(zip(m.index, full.index))
             if rng != whole}
@@ -119,30 +202,73 @@ def _layout(views: list[VTensor], full: Mask) -> str:
         else IRREGULAR
 
 
-def _grad_layout(read: str, shares: list) -> str:
+def _grad_layout(read: str, shares: list, parent: ValueRange | None = None) -> str:
     """The gradient of an input read with layout ``read``: sliced as read, or partial
-    where the pieces each yield a share of it (an input read whole by cut pieces)."""
+    where the pieces each yield a share of their parent's (an input read whole by cut
+    pieces)."""
     if read.startswith("S"):
         return read
-    if any(s is not None and not s.is_full for s in shares):
+    if any(s is not None and s != (parent if parent is not None else ValueRange.FULL)
+           for s in shares):
         return PARTIAL
     return WHOLE
 
 
-def change_seconds(src: str, dst: str, size: int, n: int, cluster: Cluster) -> float:
-    """Seconds to turn a tensor of ``size`` bytes held as ``src`` into ``dst`` on ``n``
-    devices (one collective; free where each device already holds what it needs)."""
-    if src == dst or n == 1 or dst == PARTIAL and src == WHOLE:
-        return 0.0  # a value share of a whole tensor is a local scale
-    group = [tuple(range(n))]
-    if dst.startswith("S") and src == WHOLE:
-        return 0.0  # a local slice
-    if src == PARTIAL:
-        kind = "reduce_scatter" if dst.startswith("S") else "all_reduce"
-        return cluster.collective(kind, size, group)
-    if src.startswith("S") and dst.startswith("S"):
-        return cluster.collective("all_to_all", size / n, group)  # each holds its slice
-    return cluster.collective("all_gather", size, group)  # sliced -> whole or partial
+@dataclass
+class Pricer:
+    """Seconds of layout changes and gradient reductions on one mesh of one cluster,
+    remembered: the ILP asks the same few sizes many times."""
+
+    mesh: Mesh
+    cluster: Cluster
+    _seen: dict = field(default_factory=dict)
+
+    def collective(self, kind: str, size: float, axis: int) -> float:
+        key = (kind, size, axis)
+        if key not in self._seen:
+            self._seen[key] = self.cluster.collective(kind, size, self.mesh.groups(axis))
+        return self._seen[key]
+
+    def change(self, src: Layout, dst: Layout, size: int) -> float:
+        """Turn a tensor of ``size`` bytes held as ``src`` into ``dst``, one axis at a time
+        on the slice the other axes leave each device."""
+        total = 0.0
+        for axis, (s, d) in enumerate(zip(src, dst)):
+            n = self.mesh.shape[axis]
+            if s == d or n == 1:
+                continue
+            others = math.prod(m for a, (lay, m) in enumerate(zip(src, self.mesh.shape))
+                               if a != axis and lay.startswith("S"))
+            total += self._axis_change(s, d, size / others, axis, n)
+        return total
+
+    def _axis_change(self, src: str, dst: str, size: float, axis: int, n: int) -> float:
+        if dst == PARTIAL and src == WHOLE or dst.startswith("S") and src == WHOLE:
+            return 0.0  # a value share or a slice of a whole tensor: local
+        if src == PARTIAL:
+            kind = "reduce_scatter" if dst.startswith("S") else "all_reduce"
+            return self.collective(kind, size, axis)
+        if src.startswith("S") and dst.startswith("S"):
+            return self.collective("all_to_all", size / n, axis)  # each holds its slice
+        return self.collective("all_gather", size, axis)  # sliced -> whole or partial
+
+    def reduction(self, grads: Layout, read: Layout, size: int) -> float:
+        """A weight gradient's share of the all-reduces that sum a step's gradients at once
+        over each axis it is partial on: its bytes' time, the call's latency aside."""
+        total = 0.0
+        for axis, g in enumerate(grads):
+            if g == PARTIAL and self.mesh.shape[axis] > 1:
+                others = math.prod(m for a, (lay, m) in enumerate(zip(read, self.mesh.shape))
+                                   if a != axis and lay.startswith("S"))
+                total += self.collective("all_reduce", size / others, axis) - \
+                    self.collective("all_reduce", 0, axis)
+        return total
+
+    def zero_calls(self, grads: Layout) -> float:
+        """A weight updated in pieces is summed and gathered on its own, not in the step's
+        one all-reduce: two calls' latency per axis (the bytes are an all-reduce's)."""
+        return sum(self.collective("reduce_scatter", 0, a) + self.collective("all_gather", 0, a)
+                   for a, g in enumerate(grads) if g == PARTIAL and self.mesh.shape[a] > 1)
 
 
 def repeated(graph: Graph, space: dict[Op, list[Strategy]]) -> dict[Op, tuple]:
@@ -158,5 +284,5 @@ def repeated(graph: Graph, space: dict[Op, list[Strategy]]) -> dict[Op, tuple]:
         keys[op] = (layer, op.kind, op.source.line if op.source else None,
                     str(op.signature), tuple(map(tuple, op.input_shapes)),
                     tuple(t.shape for t in op.outputs), op.region is not None,
-                    tuple((s.algo, s.inputs, s.outputs, s.grads) for s in space[op]))
+                    id(space[op]))
     return keys
