@@ -22,8 +22,9 @@ apart). With ``E`` a tensor's elements at this round (what the piece being cut h
 
 An op's own cost is ``q_m = q_c + gamma * q_s``. Ops are visited by descending compromise
 price (how much their second-best cut costs over their best), each taking the cut with
-the least ``q_m`` plus ``q_r`` to the ops already decided in this round: an op whose cuts
-all cost alike (an elementwise one) comes late and follows its decided neighbours.
+the least ``q_m`` plus ``q_r`` to the ops already decided in this round. An op whose cuts
+all cost alike (an elementwise one) comes late and follows its decided neighbours; until
+then it passes ``q_r`` through, as if the ops on either side of it were joined.
 """
 
 from __future__ import annotations
