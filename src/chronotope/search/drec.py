@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from chronotope.errors import ChronotopeError
-from chronotope.graph.ir import Graph, Op, TensorKind
+from chronotope.graph.ir import Graph, Op
+from chronotope.graph.mask import ValueRange
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
 from chronotope.plan.algo import Algorithm, Piece, Replicate, Split, ValueSplit, partition
@@ -115,9 +116,9 @@ class _Cutter:
         self.registry = registry or DEFAULT_REGISTRY
         plan = Plan(graph, 1, registry=self.registry)
         self.whole = {op: plan.roots[op.name].piece for op in graph.ops}
-        self.trainable = {t for t in graph.trainable() if t.kind is TensorKind.PARAM}
+        self.trainable = set(graph.trainable())
         self.needs_grad = plan.requires_grad
-        self.kind = {op: _alike(op) for op in graph.ops}
+        self.alike = {op: _alike(op) for op in graph.ops}
         self._cuts: dict[tuple, _Cut | None] = {}
         self._options: dict[tuple, list[_Cut]] = {}
 
@@ -132,14 +133,14 @@ class _Cutter:
 
     def cut(self, op: Op, prefix: tuple[Algorithm, ...], algo: Algorithm) -> _Cut | None:
         """``algo`` applied after ``prefix``; None where it cannot cut the op."""
-        key = (self.kind[op], prefix, algo)
+        key = (self.alike[op], prefix, algo)
         if key not in self._cuts:
             self._cuts[key] = self._make(op, self.piece(op, prefix), algo)
         return self._cuts[key]
 
     def options(self, op: Op, prefix: tuple[Algorithm, ...]) -> list[_Cut]:
         """The cuts offered after ``prefix``: splits and value splits, else a replica."""
-        key = (self.kind[op], prefix)
+        key = (self.alike[op], prefix)
         if key not in self._options:
             found = [c for c in (self.cut(op, prefix, a) for a in self._candidates(op, prefix))
                      if c is not None]
@@ -180,7 +181,8 @@ class _Cutter:
         return _Cut(algo, inputs, outputs, grads, elements, q_c, q_s, pieces[0])
 
 
-def _share(piece: Piece, k: int):
+def _share(piece: Piece, k: int) -> ValueRange | None:
+    """The share of input ``k``'s gradient the piece yields (none where it records none)."""
     return piece.grad_shares[k] if k < len(piece.grad_shares) else None
 
 
@@ -250,8 +252,7 @@ def _round(ops: list[Op], options: dict[Op, list[_Cut]],
     """One bi-partition: ops by descending compromise price, each taking its cheapest
     cut given the ops decided before it in this round."""
     order = sorted(ops, key=lambda op: -_compromise(options[op], gamma))
-    free = {op for op in ops if _compromise(options[op], gamma) == 0 and
-            len({c.q_m(gamma) for c in options[op]}) == 1}
+    free = {op for op in ops if len({c.q_m(gamma) for c in options[op]}) == 1}
     taken: dict[Op, _Cut] = {}
     for op in order:
         taken[op] = min(options[op],
