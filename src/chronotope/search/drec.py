@@ -336,6 +336,7 @@ class Pricing:
         return found
 
     def cost(self, choice: Mapping[Op, Sequence[Algorithm]]) -> float:
+        """The ops' ``q_m`` and the ``q_r`` of edges between them, over every round."""
         bill = self.bill(choice)
         return sum(bill.own.values()) + self.gamma * sum(bill.sync.values()) + \
             sum(cost for _, _, cost in bill.moves)
