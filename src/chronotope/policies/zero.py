@@ -15,6 +15,8 @@ device keeps the optimizer state of 1/n of the weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph
 from chronotope.plan import Plan, Replicate, Split
@@ -33,11 +35,13 @@ def zero(graph: Graph, ndevices: int, stage: int = 1) -> Plan:
     return plan
 
 
-def cut_update(plan: Plan, param: str, *, whole_grad: bool = False) -> None:
-    """Cut ``param``'s update into one piece per device, along its first dim that divides
-    (each device keeps 1/n of its optimizer state), piece ``i`` on device ``i``."""
-    t, n = plan.graph.params[param], plan.ndevices
+def cut_update(plan: Plan, param: str, *, whole_grad: bool = False,
+               devices: Sequence[int] | None = None) -> None:
+    """Cut ``param``'s update into one piece per device of ``devices`` (default: all),
+    along its first dim that divides, so each keeps its share of the optimizer state."""
+    devices = range(plan.ndevices) if devices is None else devices
+    t, n = plan.graph.params[param], len(devices)
     axis = next((a for a, size in enumerate(t.shape) if size % n == 0), None)
     algo = Split(f"d{axis}", n) if axis is not None else Replicate(n)
-    for device, piece in enumerate(plan.trans(plan.update(param, whole_grad=whole_grad), algo)):
+    for device, piece in zip(devices, plan.trans(plan.update(param, whole_grad=whole_grad), algo)):
         plan.assign(piece, device)

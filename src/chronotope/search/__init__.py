@@ -1,10 +1,13 @@
 """Automatic plan search: a plan found by a solver goes through the same check, compile and
 runtime as one written by hand.
 
-``search(graph, devices, cluster=..., memory=...)`` cuts every op over the devices as the
-intra-op ILP (``search/ilp.py``) finds cheapest under the cluster's cost model, within the
-per-device memory limit, builds the plan with the primitives, and reports the
-simulator's step time next to the ready-made data- and tensor-parallel plans.
+``search(graph, devices, cluster=..., memory=...)`` prices two families under the cluster's
+cost model and keeps the cheapest that fits ``memory`` per device by the plan's own
+estimate: every op cut over all devices as the intra-op ILP (``search/ilp.py``) finds
+best on each device mesh, and pipelines whose stages the stage DP (``search/stages.py``)
+cuts, each stage cut by the ILP on its own devices. The plan is built with the
+primitives, simulated, and reported next to the ready-made data- and tensor-parallel
+plans.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from typing import Any
 
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
-from chronotope.graph.ir import Graph, TensorKind
+from chronotope.graph.ir import Graph, Op, TensorKind
 from chronotope.plan.check import format_bytes
 from chronotope.plan.plan import Plan
-from chronotope.search.build import build
+from chronotope.search.build import build, build_pipeline
 from chronotope.search.ilp import NoFit, Solution, solve
-from chronotope.search.space import WHOLE, Mesh, meshes, nbytes, repeated, strategies
+from chronotope.search.space import WHOLE, Mesh, Strategy, meshes, nbytes, repeated, strategies
+from chronotope.search.stages import Pipeline, pipelines
 
 METHODS = ("auto", "ilp")
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
@@ -39,20 +43,22 @@ class SearchResult:
     predicted_step_s: float  # the simulator's step time of the plan
     peak_memory_bytes: list[int]  # per device, the plan's estimate
     search_s: float
-    variables: int  # of the ILP
+    variables: int  # of the ILPs solved
     # what was explored: the plan found and the ready-made ones, each simulated
     candidates: list[dict[str, Any]] = field(default_factory=list)
     choices: dict[str, str] = field(default_factory=dict)  # op -> strategy, for reading
-    mesh: str = ""  # the device mesh of the plan found, e.g. "2x4"
-    explored: list[dict[str, Any]] = field(default_factory=list)  # each mesh's optimum
+    mesh: str = ""  # the layout of the plan found: "2x4", or "2 stages x 4, 8 micro-batches"
+    explored: list[dict[str, Any]] = field(default_factory=list)  # each option's optimum
 
 
 def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
-           time_limit: float = 60.0, mesh: Sequence[int] | None = None) -> SearchResult:
+           time_limit: float = 60.0, mesh: Sequence[int] | None = None,
+           pipeline: bool = True) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
-    device (by the plan's own estimate), over every mesh ``devices`` factors into, or
-    over ``mesh`` alone (``(2, 4)``: two groups of four)."""
+    device (by the plan's own estimate): over every mesh ``devices`` factors into (or
+    ``mesh`` alone, ``(2, 4)``: two groups of four), and pipelines of them unless
+    ``pipeline`` is off or a mesh is given."""
     if method not in METHODS:
         raise SearchError(f"unknown search method {method!r}: use {', '.join(METHODS)}")
     if devices < 1:
@@ -63,7 +69,8 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
     start = time.perf_counter()
-    solved, explored, least = [], [], None
+    options: list[tuple[float, Any]] = []
+    explored, least, variables = [], None, 0
     for shape in meshes(devices) if mesh is None else [Mesh(tuple(mesh))]:
         space = strategies(graph, shape, cluster)
         groups = repeated(graph, space)
@@ -72,35 +79,46 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
                              groups=groups)
         except NoFit as e:
             least = e.least if least is None else min(least, e.least)
-            explored.append({"mesh": str(shape), "model_step_s": None})
+            explored.append({"option": f"mesh {shape}", "model_step_s": None})
             continue
-        solved.append((solution, space, groups))
-        explored.append({"mesh": str(shape), "model_step_s": solution.seconds,
-                         "variables": solution.variables})
-    if not solved:
+        variables += solution.variables
+        options.append((solution.seconds, (solution, space, groups)))
+        explored.append({"option": f"mesh {shape}", "model_step_s": solution.seconds})
+    if pipeline and mesh is None and devices > 1:
+        for found in pipelines(graph, devices, cluster, memory, time_limit):
+            variables += sum(sol.variables for sol in found.solutions)
+            options.append((found.seconds, found))
+            explored.append({"option": found.label, "model_step_s": found.seconds})
+    if not options:
         space = strategies(graph, devices, cluster)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
-    solved.sort(key=lambda found: found[0].seconds)
-    peak = None
-    for solution, space, groups in solved:
+    options.sort(key=lambda option: option[0])
+    peak, why = None, []
+    for _, option in options:
         try:
-            solution, plan, peaks = _fitted(graph, solution, space, groups, cluster, memory,
-                                            time_limit)
+            if isinstance(option, Pipeline):
+                choice, plan, peaks = _pipeline_plan(graph, option, memory)
+                layout = option.label
+            else:
+                solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit)
+                choice, layout = solution.choice, str(solution.mesh)
             break
         except _TooBig as e:
             peak = e.peak if peak is None else min(peak, e.peak)
+        except PlanError as e:  # a cut that micro-batches do not divide, say
+            why.append(str(e))
     else:
-        raise SearchError(_too_big(memory, peak or 0.0))
+        raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
+                          "no plan found could be built: " + "; ".join(why[:2]))
     seconds = time.perf_counter() - start
-    candidates = [{**_simulated("searched", plan, cluster), "mesh": str(solution.mesh)}]
+    candidates = [{**_simulated("searched", plan, cluster), "layout": layout}]
     candidates += [c for c in (_ready_made(graph, devices, name, cluster)
                                for name in ("dp", "tp")) if c is not None]
     for c in candidates:
         c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
     return SearchResult(plan, "ilp", candidates[0]["predicted_step_s"], peaks, seconds,
-                        sum(e.get("variables", 0) for e in explored), candidates,
-                        {op.name: s.label for op, s in solution.choice.items()},
-                        str(solution.mesh), explored)
+                        variables, candidates, {op.name: s.label for op, s in choice.items()},
+                        layout, explored)
 
 
 class _TooBig(Exception):
@@ -115,9 +133,10 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
     estimate fits: the solver counts activations coarsely, the estimate by liveness."""
     budget = memory
     for _ in range(ROUNDS):
-        plan = build_solution(graph, solution)
-        checked = plan.check()
-        peaks = [checked.memory[d].total for d in range(plan.ndevices)]
+        plan = build(graph, solution.mesh.shape,
+                     {op: s.algos for op, s in solution.choice.items()},
+                     zero_weights(graph, solution.choice))
+        peaks = _peaks(plan)
         if memory is None or max(peaks) <= memory:
             return solution, plan, peaks
         assert budget is not None
@@ -130,24 +149,36 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
     raise _TooBig(max(peaks))
 
 
-def build_solution(graph: Graph, solution: Solution) -> Plan:
-    """The plan the choices make: each op cut as chosen over the solution's mesh; the
-    weights whose first reader chose ZeRO have their updates cut over the devices."""
+def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None
+                   ) -> tuple[dict[Op, Strategy], Plan, list[int]]:
+    choice = {op: s for sol in found.solutions for op, s in sol.choice.items()}
+    plan = build_pipeline(graph, found.stage_devices, found.stage_of, found.micro,
+                          {op: s.algos for op, s in choice.items()},
+                          zero=zero_weights(graph, choice))
+    peaks = _peaks(plan)
+    if memory is not None and max(peaks) > memory:
+        raise _TooBig(max(peaks))
+    return choice, plan, peaks
+
+
+def _peaks(plan: Plan) -> list[int]:
+    checked = plan.check()
+    return [checked.memory[d].total for d in range(plan.ndevices)]
+
+
+def zero_weights(graph: Graph, choice: dict[Op, Strategy]) -> list[str]:
+    """The weights whose first reader chose to cut their updates over its devices."""
+    names = {id(t): name for name, t in graph.params.items()}
     zero, seen = [], set()
     for op in graph.ops:
-        s = solution.choice.get(op)
+        s = choice.get(op)
         for i, t in enumerate(op.inputs):
             if t.kind is TensorKind.PARAM and t not in seen:
                 seen.add(t)
                 if s is not None and s.zero and not t.frozen and \
                         all(lay == WHOLE for lay in s.inputs[i]):
-                    zero.append(_param_name(graph, t))
-    return build(graph, solution.mesh.shape,
-                 {op: s.algos for op, s in solution.choice.items()}, zero)
-
-
-def _param_name(graph: Graph, t) -> str:
-    return next(name for name, p in graph.params.items() if p is t)
+                    zero.append(names[id(t)])
+    return zero
 
 
 def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:
@@ -196,4 +227,4 @@ def _no_fit(graph: Graph, space, devices: int, memory: float | None, least: floa
             "give more memory or devices")
 
 
-__all__ = ["METHODS", "SearchError", "SearchResult", "build", "build_solution", "search"]
+__all__ = ["METHODS", "SearchError", "SearchResult", "search"]

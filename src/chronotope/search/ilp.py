@@ -42,6 +42,7 @@ class Solution:
     variables: int
     status: str
     mesh: Mesh
+    sync: float = 0.0  # of ``seconds``, the gradient reductions (once a step)
 
 
 class NoFit(Exception):
@@ -54,11 +55,15 @@ class NoFit(Exception):
 
 def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, cluster: Cluster,
           memory: float | None, optimizer: str = "adam", time_limit: float = 60.0,
-          groups: dict[Op, Hashable] | None = None, ops: Sequence[Op] | None = None
-          ) -> Solution:
+          groups: dict[Op, Hashable] | None = None, ops: Sequence[Op] | None = None,
+          micro: int = 1, in_flight: int = 1) -> Solution:
     """The cheapest choice within ``memory``; ops in one of ``groups`` (repeated layers'
     ops, ``space.repeated``) share one decision, so the program grows with the distinct
-    ops, not with depth. ``ops``: decide only these (a pipeline stage's), the rest absent."""
+    ops, not with depth. ``ops``: decide only these (a pipeline stage's), the rest absent.
+
+    ``micro``: the ops run on micro-batches of 1/micro of the batch, and the objective is
+    one micro-batch's time plus the step's gradient reductions; ``in_flight`` micro-batches'
+    activations are held at once (a pipeline stage's)."""
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     pricer = Pricer(mesh, cluster)
     ops = [op for op in (graph.ops if ops is None else ops) if space[op]]
@@ -78,9 +83,11 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     for op in ops:
         at = start[key[op]]
         for s, strat in enumerate(space[op]):
-            costs[at + s] += _op_seconds(op, strat, pricer)
-            mem[at + s] += _op_bytes(op, strat, first[op], states, mesh)
-            passing[at + s] = max(passing[at + s], _gradient_bytes(op, strat, mesh, needs_grad))
+            costs[at + s] += strat.compute / micro + _op_sync(op, strat, pricer)
+            mem[at + s] += _weight_bytes(op, strat, first[op], states, mesh) + \
+                _output_bytes(op, strat, mesh) * in_flight / micro
+            passing[at + s] = max(passing[at + s],
+                                  _gradient_bytes(op, strat, mesh, needs_grad) / micro)
     edges: dict[tuple[Hashable, Hashable], np.ndarray] = {}  # summed over repeated edges
     edge_mem: dict[tuple[Hashable, Hashable], np.ndarray] = {}
     chosen = set(ops)
@@ -90,11 +97,11 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
             if producer not in chosen:
                 continue
             out = producer.outputs.index(t)
-            table = np.array([[_edge(ps.outputs[out], cs, i, t, pricer, needs_grad)
+            table = np.array([[_edge(ps.outputs[out], cs, i, t, pricer, needs_grad, micro)
                                for cs in space[op]] for ps in space[producer]])
             # a consumer that reads another layout than made keeps its own copy (for backward)
             held = np.array([[0.0 if ps.outputs[out] == cs.inputs[i] else
-                              nbytes(t) / sharded(cs.inputs[i], mesh)
+                              nbytes(t) / sharded(cs.inputs[i], mesh) * in_flight / micro
                               for cs in space[op]] for ps in space[producer]])
             pair = (key[producer], key[op])
             edges[pair] = edges[pair] + table if pair in edges else table
@@ -157,7 +164,8 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     used = float(sum(mem[start[k] + s] for k, s in picked.items()) +
                  sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) +
                  max((passing[start[k] + s] for k, s in picked.items()), default=0.0))
-    return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh)
+    sync = sum(_op_sync(op, s, pricer) for op, s in choice.items())
+    return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh, sync)
 
 
 def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
@@ -171,9 +179,9 @@ def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
     return out
 
 
-def _op_seconds(op: Op, s: Strategy, pricer: Pricer) -> float:
-    """Compute, and the gradient reductions of the trainable weights it reads."""
-    total = s.compute
+def _op_sync(op: Op, s: Strategy, pricer: Pricer) -> float:
+    """The gradient reductions of the trainable weights the op reads, once a step."""
+    total = 0.0
     for t, lay, g in zip(op.inputs, s.inputs, s.grads):
         if t.kind is TensorKind.PARAM and not t.frozen:
             total += pricer.reduction(g, lay, nbytes(t))
@@ -182,9 +190,9 @@ def _op_seconds(op: Op, s: Strategy, pricer: Pricer) -> float:
     return total
 
 
-def _op_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh) -> float:
-    """Per device: the weights it reads first (each with its gradient and optimizer state,
-    those cut over every device under ZeRO) and its outputs."""
+def _weight_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh) -> float:
+    """Per device: the weights the op reads first, each with its gradient and optimizer
+    state (those cut over every device under ZeRO)."""
     total = 0.0
     for i in first:
         t, lay = op.inputs[i], s.inputs[i]
@@ -192,7 +200,11 @@ def _op_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh) ->
             total += nbytes(t) * (1 + (states - 1) / mesh.devices)
         else:
             total += (states if not t.frozen else 1) * nbytes(t) / sharded(lay, mesh)
-    return total + sum(nbytes(t) / sharded(lay, mesh) for t, lay in zip(op.outputs, s.outputs))
+    return total
+
+
+def _output_bytes(op: Op, s: Strategy, mesh: Mesh) -> float:
+    return sum(nbytes(t) / sharded(lay, mesh) for t, lay in zip(op.outputs, s.outputs))
 
 
 def _gradient_bytes(op: Op, s: Strategy, mesh: Mesh, needs_grad: set) -> float:
@@ -205,11 +217,13 @@ def _gradient_bytes(op: Op, s: Strategy, mesh: Mesh, needs_grad: set) -> float:
 
 
 def _edge(made: Layout, consumer: Strategy, i: int, t, pricer: Pricer,
-          needs_grad: set) -> float:
-    """A tensor's layout change from its producer to a consumer, and its gradient's back."""
-    seconds = pricer.change(made, consumer.inputs[i], nbytes(t))
+          needs_grad: set, micro: int = 1) -> float:
+    """A tensor's layout change from its producer to a consumer, and its gradient's back
+    (on one micro-batch's share of it)."""
+    size = nbytes(t) // micro
+    seconds = pricer.change(made, consumer.inputs[i], size)
     if t in needs_grad:
-        seconds += pricer.change(consumer.grads[i], _wanted(made), nbytes(t))
+        seconds += pricer.change(consumer.grads[i], _wanted(made), size)
     return seconds
 
 
@@ -221,7 +235,7 @@ def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
     needs_grad = differentiable(graph)
     total = 0.0
     for op, s in choice.items():
-        total += _op_seconds(op, s, pricer)
+        total += s.compute + _op_sync(op, s, pricer)
         for i, t in enumerate(op.inputs):
             if t.producer in choice:
                 made = choice[t.producer].outputs[t.producer.outputs.index(t)]

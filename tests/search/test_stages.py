@@ -1,0 +1,64 @@
+"""The stage DP: its cuts are the best by brute force, and the pipelines it finds train
+like one device."""
+
+import itertools
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import chronotope as ct
+from chronotope.cost.network import cluster_for
+from chronotope.models import get_workload
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
+from chronotope.search import zero_weights
+from chronotope.search.build import build_pipeline
+from chronotope.search.stages import cut_positions, pipelines, split
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 10.0), min_size=2, max_size=9), st.integers(1, 4), st.data())
+def test_the_cuts_minimise_the_slowest_stage_as_brute_force_does(seconds, stages, data):
+    cuts = data.draw(st.lists(st.integers(1, len(seconds) - 1), unique=True).map(sorted))
+    if stages > len(cuts) + 1:
+        return
+    bounds = split(seconds, cuts, stages)
+    assert bounds[0] == 0 and bounds[-1] == len(seconds) and len(bounds) == stages + 1
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert set(bounds[1:-1]) <= set(cuts)
+
+    def slowest(bs):
+        return max(sum(seconds[a:b]) for a, b in zip(bs, bs[1:]))
+
+    best = min(slowest([0, *c, len(seconds)]) for c in itertools.combinations(cuts, stages - 1))
+    assert slowest(bounds) == pytest.approx(best)
+
+
+def test_stages_begin_between_blocks_where_only_the_residual_stream_crosses():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", n_layer=4))
+    cuts = cut_positions(graph)
+    assert len(cuts) >= 4  # at least one before each block after the first
+    modules = {graph.ops[i].source.module for i in cuts if graph.ops[i].source}
+    assert {"h.1", "h.2", "h.3"} <= {m.split(".ln")[0] for m in modules}
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_every_pipeline_found_trains_like_one_device(model):
+    w = get_workload(model, batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    found = pipelines(graph, 4, cluster_for(4), None)
+    assert {(p.stages, p.stage_devices) for p in found} == {(2, 2), (4, 1)}
+    assert [p.seconds for p in found] == sorted(p.seconds for p in found)
+    for p in (found[0], next(p for p in found if p.stages == 4)):
+        choice = {op: s for sol in p.solutions for op, s in sol.choice.items()}
+        plan = build_pipeline(graph, p.stage_devices, p.stage_of, p.micro,
+                              {op: s.algos for op, s in choice.items()},
+                              zero=zero_weights(graph, choice))
+        run = run_in_threads(ct.compile(plan), w, 4, Optim("sgd", 0.1))
+        assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5), p.label
