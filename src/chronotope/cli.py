@@ -894,7 +894,9 @@ def parser() -> argparse.ArgumentParser:
     sea.add_argument("--memory", type=positive_float, default=None, metavar="GiB",
                      help="per-device memory limit, by the plan's own estimate")
     sea.add_argument("--method", choices=METHODS, default="auto",
-                     help="ilp: the intra-op ILP (auto: the same, for now)")
+                     help="ilp: the intra-op ILP on every mesh and the stage DP's pipelines; "
+                          "drec: recursive halving by a symbolic cost (devices a power of "
+                          "two); auto: both, the faster by the simulator (default)")
     sea.add_argument("--mesh", type=mesh_shape, default=None, metavar="AxB",
                      help="search this device mesh only, e.g. 2x4 (default: every factoring "
                           "of --devices into one or two axes)")

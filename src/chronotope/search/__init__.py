@@ -18,17 +18,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from chronotope.cost.compute import op_flops
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph.ir import Graph, Op, TensorKind
 from chronotope.plan.check import format_bytes
 from chronotope.plan.plan import Plan
 from chronotope.search.build import build, build_pipeline
+from chronotope.search.drec import DRecError, joint
+from chronotope.search.drec import Pipeline as DRecPipeline
 from chronotope.search.ilp import NoFit, Solution, solve
-from chronotope.search.space import WHOLE, Mesh, Strategy, meshes, nbytes, repeated, strategies
+from chronotope.search.space import (
+    TRAINING_FLOPS,
+    WHOLE,
+    Mesh,
+    Strategy,
+    algo_label,
+    meshes,
+    nbytes,
+    repeated,
+    strategies,
+)
 from chronotope.search.stages import Pipeline, pipelines
 
-METHODS = ("auto", "ilp")
+METHODS = ("auto", "ilp", "drec")
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
 
 
@@ -56,9 +69,13 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
            pipeline: bool = True) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
-    device (by the plan's own estimate): over every mesh ``devices`` factors into (or
-    ``mesh`` alone, ``(2, 4)``: two groups of four), and pipelines of them unless
-    ``pipeline`` is off or a mesh is given."""
+    device (by the plan's own estimate).
+
+    ``method``: ``"ilp"`` (the intra-op ILP over every mesh ``devices`` factors into, or
+    ``mesh`` alone, ``(2, 4)``: two groups of four; and, unless ``pipeline`` is off or a
+    mesh is given, pipelines by the stage DP), ``"drec"`` (the recursive bi-partition
+    and its pipelines: no solver, devices a power of two), or ``"auto"``: both, the one
+    the simulator finds faster."""
     if method not in METHODS:
         raise SearchError(f"unknown search method {method!r}: use {', '.join(METHODS)}")
     if devices < 1:
@@ -69,8 +86,52 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
     start = time.perf_counter()
+    found: list[_Found] = []
+    explored: list[dict[str, Any]] = []
+    errors: list[SearchError] = []
+    runs = {"ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
+                                   pipeline, explored),
+            "drec": lambda: _by_drec(graph, devices, cluster, memory, explored)}
+    for name in ("ilp", "drec") if method == "auto" else (method,):
+        if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
+            continue  # D-Rec halves the devices: only powers of two, no given mesh
+        try:
+            found.append(runs[name]())
+        except SearchError as e:
+            errors.append(e)
+    if not found:
+        raise errors[0]
+    seconds = time.perf_counter() - start
+    simulated = [{**_simulated(f"searched ({f.method})", f.plan, cluster), "layout": f.layout}
+                 for f in found]
+    best = min(range(len(found)), key=lambda i: simulated[i]["predicted_step_s"])
+    candidates = [simulated[best], *simulated[:best], *simulated[best + 1:]]
+    candidates += [c for c in (_ready_made(graph, devices, name, cluster)
+                               for name in ("dp", "tp")) if c is not None]
+    for c in candidates:
+        c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
+    f = found[best]
+    return SearchResult(f.plan, f.method, simulated[best]["predicted_step_s"], f.peaks, seconds,
+                        f.variables, candidates, f.choices, f.layout, explored)
+
+
+@dataclass
+class _Found:
+    method: str
+    plan: Plan
+    peaks: list[int]
+    layout: str
+    choices: dict[str, str]
+    variables: int = 0
+
+
+def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
+            time_limit: float, mesh: Sequence[int] | None, pipeline: bool,
+            explored: list[dict[str, Any]]) -> _Found:
+    """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
+    whose plan the plan's own memory estimate fits."""
     options: list[tuple[float, Any]] = []
-    explored, least, variables = [], None, 0
+    least, variables = None, 0
     for shape in meshes(devices) if mesh is None else [Mesh(tuple(mesh))]:
         space = strategies(graph, shape, cluster)
         groups = repeated(graph, space)
@@ -79,16 +140,18 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
                              groups=groups)
         except NoFit as e:
             least = e.least if least is None else min(least, e.least)
-            explored.append({"option": f"mesh {shape}", "model_step_s": None})
+            explored.append({"method": "ilp", "option": f"mesh {shape}", "model_step_s": None})
             continue
         variables += solution.variables
         options.append((solution.seconds, (solution, space, groups)))
-        explored.append({"option": f"mesh {shape}", "model_step_s": solution.seconds})
+        explored.append({"method": "ilp", "option": f"mesh {shape}",
+                         "model_step_s": solution.seconds})
     if pipeline and mesh is None and devices > 1:
-        for found in pipelines(graph, devices, cluster, memory, time_limit):
-            variables += sum(sol.variables for sol in found.solutions)
-            options.append((found.seconds, found))
-            explored.append({"option": found.label, "model_step_s": found.seconds})
+        for stages in pipelines(graph, devices, cluster, memory, time_limit):
+            variables += sum(sol.variables for sol in stages.solutions)
+            options.append((stages.seconds, stages))
+            explored.append({"method": "ilp", "option": stages.label,
+                             "model_step_s": stages.seconds})
     if not options:
         space = strategies(graph, devices, cluster)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
@@ -102,23 +165,61 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
             else:
                 solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit)
                 choice, layout = solution.choice, str(solution.mesh)
-            break
+            return _Found("ilp", plan, peaks, layout,
+                          {op.name: s.label for op, s in choice.items()}, variables)
         except _TooBig as e:
             peak = e.peak if peak is None else min(peak, e.peak)
         except PlanError as e:  # a cut that micro-batches do not divide, say
             why.append(str(e))
-    else:
-        raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
-                          "no plan found could be built: " + "; ".join(why[:2]))
-    seconds = time.perf_counter() - start
-    candidates = [{**_simulated("searched", plan, cluster), "layout": layout}]
-    candidates += [c for c in (_ready_made(graph, devices, name, cluster)
-                               for name in ("dp", "tp")) if c is not None]
-    for c in candidates:
-        c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
-    return SearchResult(plan, "ilp", candidates[0]["predicted_step_s"], peaks, seconds,
-                        variables, candidates, {op.name: s.label for op, s in choice.items()},
-                        layout, explored)
+    raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
+                      "no plan found could be built: " + "; ".join(why[:2]))
+
+
+def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
+             explored: list[dict[str, Any]]) -> _Found:
+    """D-Rec's plan over all devices, or its pipeline of D-Rec plans over fewer (the
+    thesis's joint search), the cheapest by its symbolic cost that fits."""
+    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
+    micro = max(m for m in (1, 2, 4, 8, 16) if batch % m == 0)
+    # compute in the unit of the symbolic cost (an element sent within a node)
+    per_element = cluster.intra.bandwidth / 4 / cluster.peak()
+    compute = {op: TRAINING_FLOPS * op_flops(op) * per_element for op in graph.ops}
+    built: dict[int, tuple[Plan, list[int]]] = {}
+
+    def fits(stages: DRecPipeline) -> bool:
+        try:
+            plan = _drec_plan(graph, devices, stages, micro)
+        except PlanError:
+            return False
+        peaks = _peaks(plan)
+        explored.append({"method": "drec", "option": _drec_label(devices, stages, micro),
+                         "model_cost": stages.cost, "fits": memory is None or
+                         max(peaks) <= memory})
+        built[id(stages)] = plan, peaks
+        return memory is None or max(peaks) <= memory
+
+    try:
+        best = joint(graph, devices, micro=micro, compute=compute, fits=fits)
+    except DRecError as e:
+        raise SearchError(f"D-Rec: {e}") from None
+    plan, peaks = built[id(best)]
+    labels = {op: " x ".join(algo_label(a) for a in algos) for op, algos in best.choice.items()}
+    return _Found("drec", plan, peaks, _drec_label(devices, best, micro),
+                  {op.name: label or "whole" for op, label in labels.items()})
+
+
+def _drec_plan(graph: Graph, devices: int, found: DRecPipeline, micro: int) -> Plan:
+    width = devices // found.stages
+    rounds = width.bit_length() - 1
+    if found.stages == 1:
+        return build(graph, (2,) * rounds or (1,), found.choice)
+    return build_pipeline(graph, width, found.stage_of, micro, found.choice)
+
+
+def _drec_label(devices: int, found: DRecPipeline, micro: int) -> str:
+    width = devices // found.stages
+    return str(Mesh((2,) * (width.bit_length() - 1) or (1,))) if found.stages == 1 else \
+        f"{found.stages} stages x {width}, {micro} micro-batches"
 
 
 class _TooBig(Exception):

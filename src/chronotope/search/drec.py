@@ -427,7 +427,7 @@ class Pipeline:
 
 
 def joint(graph: Graph, devices: int, *, micro: int, compute: Mapping[Op, float],
-          fits: Callable[[int, Choice], bool], gamma: float = 1.0,
+          fits: Callable[[Pipeline], bool], gamma: float = 1.0,
           found: DRec | None = None, registry: OpRegistry | None = None) -> Pipeline:
     """The cheapest of ``2**i`` pipeline stages, each over ``devices / 2**i`` devices cut as
     D-Rec's plan for that many (the thesis's Algorithm 4), among those ``fits`` accepts.
@@ -447,7 +447,7 @@ def joint(graph: Graph, devices: int, *, micro: int, compute: Mapping[Op, float]
         if stages > len(graph.ops):
             break  # a stage would be left without ops
         made = _pipeline(pricing, stages, choice, compute, 2 ** (total - i), micro)
-        if (best is None or made.cost < best.cost) and fits(stages, choice):
+        if (best is None or made.cost < best.cost) and fits(made):
             best = made
     if best is None:
         raise DRecError(f"no pipeline of graph {graph.name!r} over {devices} devices fits")

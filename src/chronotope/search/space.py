@@ -77,11 +77,11 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        text = " x ".join(_algo_label(a) for a in self.algos)
+        text = " x ".join(algo_label(a) for a in self.algos)
         return text + " + zero" if self.zero else text
 
 
-def _algo_label(algo: Algorithm) -> str:
+def algo_label(algo: Algorithm) -> str:
     if isinstance(algo, Split):
         return f"split {algo.dim}"
     return "value split" if isinstance(algo, ValueSplit) else "replicate"
