@@ -10,12 +10,16 @@ from hypothesis import strategies as st
 
 import chronotope as ct
 from chronotope.cost.network import cluster_for
+from chronotope.errors import PlanError
 from chronotope.models import get_workload
+from chronotope.plan.algo import Split
+from chronotope.policies.axes import batch_dims
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import zero_weights
 from chronotope.search.build import build_pipeline
-from chronotope.search.stages import cut_positions, pipelines, split
+from chronotope.search.space import strategies
+from chronotope.search.stages import cut_positions, on_micro_batches, pipelines, split
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,3 +66,23 @@ def test_every_pipeline_found_trains_like_one_device(model):
                               zero=zero_weights(graph, choice))
         run = run_in_threads(ct.compile(plan), w, 4, Optim("sgd", 0.1))
         assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5), p.label
+
+
+
+def test_micro_batch_spaces_keep_the_cuts_a_micro_batch_divides():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", batch_size=8))
+    space = strategies(graph, 4, cluster_for(4))
+    kept = on_micro_batches(graph, space, 4)  # micro-batches of two: no batch cut by four
+    batch = batch_dims(graph)
+
+    def most_batch_cut(found):
+        return {op: max(ss, key=lambda s: sum(a.parts for a in s.algos
+                                              if isinstance(a, Split) and a.dim == batch[op])).algos
+                for op, ss in found.items() if ss}
+
+    stage_of = dict.fromkeys(graph.ops, 0)
+    build_pipeline(graph, 4, stage_of, 4, most_batch_cut(kept))
+    with pytest.raises(PlanError, match="does not split"):
+        build_pipeline(graph, 4, stage_of, 4, most_batch_cut(space))

@@ -132,7 +132,7 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     whose plan the plan's own memory estimate fits."""
     options: list[tuple[float, Any]] = []
     least, variables = None, 0
-    for shape in meshes(devices) if mesh is None else [Mesh(tuple(mesh))]:
+    for shape in meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]:
         space = strategies(graph, shape, cluster)
         groups = repeated(graph, space)
         try:

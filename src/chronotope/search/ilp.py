@@ -43,6 +43,7 @@ class Solution:
     status: str
     mesh: Mesh
     sync: float = 0.0  # of ``seconds``, the gradient reductions (once a step)
+    held: float = 0.0  # of ``memory``, one in-flight micro-batch's activations
 
 
 class NoFit(Exception):
@@ -56,14 +57,15 @@ class NoFit(Exception):
 def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, cluster: Cluster,
           memory: float | None, optimizer: str = "adam", time_limit: float = 60.0,
           groups: dict[Op, Hashable] | None = None, ops: Sequence[Op] | None = None,
-          micro: int = 1, in_flight: int = 1) -> Solution:
+          micro: int = 1, in_flight: int = 1, gap: float = 0.01) -> Solution:
     """The cheapest choice within ``memory``; ops in one of ``groups`` (repeated layers'
     ops, ``space.repeated``) share one decision, so the program grows with the distinct
     ops, not with depth. ``ops``: decide only these (a pipeline stage's), the rest absent.
 
     ``micro``: the ops run on micro-batches of 1/micro of the batch, and the objective is
     one micro-batch's time plus the step's gradient reductions; ``in_flight`` micro-batches'
-    activations are held at once (a pipeline stage's)."""
+    activations are held at once (a pipeline stage's). ``gap``: stop within this fraction of
+    the optimum (the cost model is no finer than that)."""
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     pricer = Pricer(mesh, cluster)
     ops = [op for op in (graph.ops if ops is None else ops) if space[op]]
@@ -91,19 +93,19 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     edges: dict[tuple[Hashable, Hashable], np.ndarray] = {}  # summed over repeated edges
     edge_mem: dict[tuple[Hashable, Hashable], np.ndarray] = {}
     chosen = set(ops)
+    tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # a repeated edge's, once
     for op in ops:
         for i, t in enumerate(op.inputs):
             producer = t.producer
             if producer not in chosen:
                 continue
             out = producer.outputs.index(t)
-            table = np.array([[_edge(ps.outputs[out], cs, i, t, pricer, needs_grad, micro)
-                               for cs in space[op]] for ps in space[producer]])
-            # a consumer that reads another layout than made keeps its own copy (for backward)
-            held = np.array([[0.0 if ps.outputs[out] == cs.inputs[i] else
-                              nbytes(t) / sharded(cs.inputs[i], mesh) * in_flight / micro
-                              for cs in space[op]] for ps in space[producer]])
             pair = (key[producer], key[op])
+            alike = (pair, out, i, t in needs_grad)
+            if alike not in tables:
+                tables[alike] = _edge_tables(space[producer], space[op], out, i, t, pricer,
+                                             needs_grad, micro, in_flight)
+            table, held = tables[alike]
             edges[pair] = edges[pair] + table if pair in edges else table
             edge_mem[pair] = edge_mem[pair] + held if pair in edge_mem else held
     # one more variable: the largest gradients an op's backward holds at once, on top of
@@ -132,30 +134,32 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
         c[col:col + nu * nv] = table.ravel()
         col += nu * nv
         lo.extend([0.0] * (nu + nv)), hi.extend([0.0] * (nu + nv))
-    if memory is not None:
+    if memory is not None:  # in units of the limit, so the solver's tolerances fit
         for k in members:
             r = len(lo)
             for s in range(sizes[k]):
-                rows.append(r), cols.append(start[k] + s), vals.append(passing[start[k] + s])
+                rows.append(r), cols.append(start[k] + s)
+                vals.append(passing[start[k] + s] / memory)
             rows.append(r), cols.append(total - 1), vals.append(-1.0)
             lo.append(-np.inf), hi.append(0.0)
         r = len(lo)
         rows.append(r), cols.append(total - 1), vals.append(1.0)
         for i in range(count):
-            rows.append(r), cols.append(i), vals.append(mem[i])
+            rows.append(r), cols.append(i), vals.append(mem[i] / memory)
         col = count
         for held in edge_mem.values():
             for j in np.flatnonzero(held.ravel()):
-                rows.append(r), cols.append(col + int(j)), vals.append(float(held.flat[j]))
+                rows.append(r), cols.append(col + int(j))
+                vals.append(float(held.flat[j]) / memory)
             col += held.size
-        lo.append(0.0), hi.append(memory)
+        lo.append(0.0), hi.append(1.0)
     A = coo_matrix((vals, (rows, cols)), shape=(len(lo), total)).tocsr()
     integrality = np.zeros(total)
     integrality[:count] = 1
     unit = float(np.abs(c).max()) or 1.0  # the solver's gaps are absolute as well as relative
     result = milp(c / unit, constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
                   integrality=integrality, bounds=Bounds(0, np.r_[np.ones(total - 1), np.inf]),
-                  options={"time_limit": time_limit})
+                  options={"time_limit": time_limit, "mip_rel_gap": gap})
     if result.x is None:
         raise NoFit(sum(mem[start[k]:start[k] + sizes[k]].min() for k in members))
     x = result.x
@@ -165,7 +169,23 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
                  sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) +
                  max((passing[start[k] + s] for k, s in picked.items()), default=0.0))
     sync = sum(_op_sync(op, s, pricer) for op, s in choice.items())
-    return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh, sync)
+    held_bytes = sum(_output_bytes(op, s, mesh) for op, s in choice.items()) / micro + \
+        sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) / in_flight
+    return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh, sync,
+                    held_bytes)
+
+
+def _edge_tables(made: list[Strategy], read: list[Strategy], out: int, i: int, t,
+                 pricer: Pricer, needs_grad: set, micro: int, in_flight: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """An edge's seconds per pair of strategies, and the bytes of the copy a consumer
+    keeps for backward when it reads another layout than made."""
+    table = np.array([[_edge(ps.outputs[out], cs, i, t, pricer, needs_grad, micro)
+                       for cs in read] for ps in made])
+    held = np.array([[0.0 if ps.outputs[out] == cs.inputs[i] else
+                      nbytes(t) / sharded(cs.inputs[i], pricer.mesh) * in_flight / micro
+                      for cs in read] for ps in made])
+    return table, held
 
 
 def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:

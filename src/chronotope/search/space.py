@@ -59,11 +59,13 @@ class Mesh:
         return "x".join(map(str, self.shape))
 
 
-def meshes(devices: int) -> list[Mesh]:
-    """The meshes searched over ``devices``: one axis, and every two-axis factoring
-    (``(2, 4)``: two groups of four; the inner axis stays within a node where it fits)."""
-    two = [Mesh((a, devices // a)) for a in range(2, devices) if devices % a == 0]
-    return [Mesh((devices,)), *two]
+def meshes(devices: int, per_node: int | None = None) -> list[Mesh]:
+    """The meshes searched over ``devices``: one axis, and two axes whose inner one has
+    2, 4, 8... devices, within a node (``per_node``) where one is given: tensor
+    parallelism inside a node, data parallelism across (``(16, 8)`` on DGX nodes)."""
+    inner = [k for k in (2 ** i for i in range(1, devices.bit_length()))
+             if devices % k == 0 and k < devices and (per_node is None or k <= per_node)]
+    return [Mesh((devices,)), *(Mesh((devices // k, k)) for k in inner)]
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,12 @@ class Pricer:
     def change(self, src: Layout, dst: Layout, size: int) -> float:
         """Turn a tensor of ``size`` bytes held as ``src`` into ``dst``, one axis at a time
         on the slice the other axes leave each device."""
+        key = (src, dst, size)
+        if key not in self._seen:
+            self._seen[key] = self._change(src, dst, size)
+        return self._seen[key]
+
+    def _change(self, src: Layout, dst: Layout, size: int) -> float:
         total = 0.0
         for axis, (s, d) in enumerate(zip(src, dst)):
             n = self.mesh.shape[axis]

@@ -15,14 +15,17 @@ For ``s`` stages of ``d = devices / s`` devices and ``B`` micro-batches:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chronotope.cost.network import Cluster
 from chronotope.graph.ir import Graph, Op
-from chronotope.plan.plan import differentiable
-from chronotope.policies.axes import batch_dims
-from chronotope.policies.mesh import _crossing
+from chronotope.graph.ops import DEFAULT_REGISTRY
+from chronotope.plan.algo import Split
+from chronotope.plan.plan import Plan, differentiable
+from chronotope.policies.axes import batch_dims, batch_start, trail
+from chronotope.policies.mesh import _crossing, loss_tails
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
     Mesh,
@@ -64,15 +67,33 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
     cuts = cut_positions(graph)
     found = []
-    spaces: dict[Mesh, tuple[dict, dict]] = {}
+    spaces: dict[tuple[Mesh, int], tuple[dict, dict]] = {}  # by mesh and micro-batches
+    solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
-        if devices % s:
+        micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
+        if devices % s or not micros:
             continue
-        for micro in (m for m in (s, 2 * s, 4 * s) if batch % m == 0):
-            best = _pipeline(graph, s, devices // s, micro, cuts, cluster, memory, spaces,
-                             time_limit)
-            if best is not None:
-                found.append(best)
+        d = devices // s
+        whole = None
+        for mesh in meshes(d, cluster.per_node):
+            space, groups = _space(graph, mesh, cluster, spaces, s)
+            solution = solve(graph, space, mesh, cluster, None, time_limit=time_limit,
+                             groups=groups, micro=s)
+            if whole is None or solution.seconds < whole.seconds:
+                whole = solution
+        assert whole is not None
+        bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s)
+        for micro in micros:
+            space, groups = _space(graph, whole.mesh, cluster, spaces, micro)
+            stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
+            solutions = [_stage(graph, ops, space, groups, whole.mesh, cluster, memory,
+                                micro, min(s - i, micro), time_limit, solved)
+                         for i, ops in enumerate(stages)]
+            if any(sol is None for sol in solutions):
+                continue
+            stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
+            found.append(Pipeline(stage_of, micro, solutions,
+                                  _step_seconds(graph, solutions, bounds, micro, cluster)))
     return sorted(found, key=lambda p: p.seconds)
 
 
@@ -90,37 +111,38 @@ def cut_positions(graph: Graph) -> list[int]:
     return [i for i in inner if crossing[i] == fewest]
 
 
-def _pipeline(graph: Graph, stages: int, d: int, micro: int, cuts: list[int],
-              cluster: Cluster, memory: float | None, spaces: dict, time_limit: float
-              ) -> Pipeline | None:
-    whole = None
-    for mesh in meshes(d):
-        space, groups = _space(graph, mesh, cluster, spaces)
-        solution = solve(graph, space, mesh, cluster, None, time_limit=time_limit,
-                         groups=groups, micro=micro)
-        if whole is None or solution.seconds < whole.seconds:
-            whole = solution
-    assert whole is not None
-    space, groups = _space(graph, whole.mesh, cluster, spaces)
-    bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, micro), cuts, stages)
-    stage_of = {op: next(s for s in range(stages) if op_index < bounds[s + 1])
-                for op_index, op in enumerate(graph.ops)}
-    solutions = []
-    for s in range(stages):
-        ops = graph.ops[bounds[s]:bounds[s + 1]]
-        try:
-            solutions.append(solve(graph, space, whole.mesh, cluster, memory,
-                                   time_limit=time_limit, groups=groups, ops=ops,
-                                   micro=micro, in_flight=min(stages - s, micro)))
-        except NoFit:
-            return None
+def _stage(graph: Graph, ops: list[Op], space, groups, mesh: Mesh, cluster: Cluster,
+           memory: float | None, micro: int, in_flight: int, time_limit: float,
+           solved: dict) -> Solution | None:
+    """A stage's fastest cut over its devices that holds ``in_flight`` micro-batches within
+    ``memory``: a stage made of the same ops as one solved before (the same layers)
+    reuses its solution where that fits."""
+    key = (tuple(groups.get(op, op) for op in ops), mesh, micro)
+    if key not in solved:
+        solved[key] = ops, solve(graph, space, mesh, cluster, None, time_limit=time_limit,
+                                 groups=groups, ops=ops, micro=micro)
+    alike, fastest = solved[key]
+    if memory is None or fastest.memory + (in_flight - 1) * fastest.held <= memory:
+        return replace(fastest, choice={op: fastest.choice[a] for op, a in zip(ops, alike)
+                                        if a in fastest.choice})
+    try:
+        return solve(graph, space, mesh, cluster, memory, time_limit=time_limit,
+                     groups=groups, ops=ops, micro=micro, in_flight=in_flight)
+    except NoFit:
+        return None
+
+
+def _step_seconds(graph: Graph, solutions: list[Solution], bounds: list[int], micro: int,
+                  cluster: Cluster) -> float:
+    """1F1B: every stage's micro-batch time once (fill and drain), the slowest stage's
+    ``micro - 1`` times more, and the slowest stage's gradient reductions."""
     times = [sol.seconds - sol.sync for sol in solutions]
-    for s in range(stages - 1):  # what crosses each cut, sent every micro-batch both ways
+    d = solutions[0].mesh.devices
+    for s in range(len(solutions) - 1):  # what crosses each cut, both ways, per micro-batch
         seconds = _crossing_seconds(graph, bounds[s + 1], micro, (s * d, (s + 1) * d), cluster)
         times[s] += seconds
         times[s + 1] += seconds
-    seconds = sum(times) + (micro - 1) * max(times) + max(sol.sync for sol in solutions)
-    return Pipeline(stage_of, micro, solutions, seconds)
+    return sum(times) + (micro - 1) * max(times) + max(sol.sync for sol in solutions)
 
 
 def _crossing_seconds(graph: Graph, cut: int, micro: int, pair: tuple[int, int],
@@ -135,12 +157,39 @@ def _crossing_seconds(graph: Graph, cut: int, micro: int, pair: tuple[int, int],
     return sum(cluster.collective("send", size, [pair]) for size in (forward, backward) if size)
 
 
-def _space(graph: Graph, mesh: Mesh, cluster: Cluster, spaces: dict
+def _space(graph: Graph, mesh: Mesh, cluster: Cluster, spaces: dict, micro: int
            ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]:
-    if mesh not in spaces:
-        space = strategies(graph, mesh, cluster)
-        spaces[mesh] = (space, repeated(graph, space))
-    return spaces[mesh]
+    if (mesh, micro) not in spaces:
+        space = strategies(graph, mesh, cluster) if micro == 1 else \
+            on_micro_batches(graph, _space(graph, mesh, cluster, spaces, 1)[0], micro)
+        spaces[(mesh, micro)] = (space, repeated(graph, space))
+    return spaces[(mesh, micro)]
+
+
+def on_micro_batches(graph: Graph, space: dict[Op, list[Strategy]], micro: int
+                     ) -> dict[Op, list[Strategy]]:
+    """The strategies that still divide an op's batch once it runs on ``1 / micro`` of it
+    (cut into micro-batches as ``build_pipeline`` cuts it)."""
+    batch_dim, _ = trail(graph, batch_start(graph))
+    tails = loss_tails(graph, batch_dim, DEFAULT_REGISTRY)
+    whole = Plan(graph, 1)
+    kept: dict[tuple, list[Strategy]] = {}  # alike ops keep one list, as ``repeated`` needs
+    out = {}
+    for op, found in space.items():
+        dim = batch_dim[op]
+        if dim is None or op in tails:
+            out[op] = found
+            continue
+        size = whole.roots[op.name].piece.sizes[dim]
+        key = (id(found), dim, size)
+        if key not in kept:
+            kept[key] = [s for s in found if size % (micro * _parts(s, dim)) == 0]
+        out[op] = kept[key]
+    return out
+
+
+def _parts(s: Strategy, dim: str) -> int:
+    return math.prod(a.parts for a in s.algos if isinstance(a, Split) and a.dim == dim)
 
 
 def op_seconds(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh, cluster: Cluster,
