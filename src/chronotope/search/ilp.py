@@ -82,14 +82,22 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     costs, mem, passing = np.zeros(count), np.zeros(count), np.zeros(count)
     states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
     first = _first_reads(ops)
+    terms: dict[tuple, np.ndarray] = {}  # a repeated op's, once
     for op in ops:
-        at = start[key[op]]
-        for s, strat in enumerate(space[op]):
-            costs[at + s] += strat.compute / micro + _op_sync(op, strat, pricer)
-            mem[at + s] += _weight_bytes(op, strat, first[op], states, mesh) + \
-                _output_bytes(op, strat, mesh) * in_flight / micro
-            passing[at + s] = max(passing[at + s],
-                                  _gradient_bytes(op, strat, mesh, needs_grad) / micro)
+        at, n = start[key[op]], sizes[key[op]]
+        alike = (key[op], tuple(first[op]),
+                 tuple(t in needs_grad for t in (*op.inputs, *op.outputs)))
+        if alike not in terms:
+            terms[alike] = np.array([
+                (strat.compute / micro + _op_sync(op, strat, pricer),
+                 _weight_bytes(op, strat, first[op], states, mesh) +
+                 _output_bytes(op, strat, mesh) * in_flight / micro,
+                 _gradient_bytes(op, strat, mesh, needs_grad) / micro)
+                for strat in space[op]]).reshape(n, 3)
+        term = terms[alike]
+        costs[at:at + n] += term[:, 0]
+        mem[at:at + n] += term[:, 1]
+        passing[at:at + n] = np.maximum(passing[at:at + n], term[:, 2])
     edges: dict[tuple[Hashable, Hashable], np.ndarray] = {}  # summed over repeated edges
     edge_mem: dict[tuple[Hashable, Hashable], np.ndarray] = {}
     chosen = set(ops)

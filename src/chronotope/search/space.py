@@ -99,11 +99,14 @@ def sharded(layout: Layout, mesh: Mesh) -> int:
 
 
 def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
-               registry: OpRegistry | None = None) -> dict[Op, list[Strategy]]:
-    """Every op's strategies over ``mesh`` (at least replicating it on every axis)."""
+               registry: OpRegistry | None = None, whole: Plan | None = None
+               ) -> dict[Op, list[Strategy]]:
+    """Every op's strategies over ``mesh`` (at least replicating it on every axis).
+    ``whole``: a one-device plan of the graph, whose whole-op pieces ``Plan.trans`` starts
+    from (made here if not given; a caller searching many meshes makes it once)."""
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     registry = registry or DEFAULT_REGISTRY
-    scratch = Plan(graph, 1, registry=registry)  # the whole-op pieces Plan.trans starts from
+    scratch = whole if whole is not None else Plan(graph, 1, registry=registry)
     peak = cluster.peak()
     out: dict[Op, list[Strategy]] = {}
     seen: dict[tuple, list[Strategy]] = {}  # ops alike (repeated layers') are cut alike

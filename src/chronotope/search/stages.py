@@ -67,7 +67,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
     cuts = cut_positions(graph)
     found = []
-    spaces: dict[tuple[Mesh, int], tuple[dict, dict]] = {}  # by mesh and micro-batches
+    spaces: dict = {}  # by mesh and micro-batches; and the graph's one-device plan
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
         micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
@@ -160,19 +160,22 @@ def _crossing_seconds(graph: Graph, cut: int, micro: int, pair: tuple[int, int],
 def _space(graph: Graph, mesh: Mesh, cluster: Cluster, spaces: dict, micro: int
            ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]:
     if (mesh, micro) not in spaces:
-        space = strategies(graph, mesh, cluster) if micro == 1 else \
-            on_micro_batches(graph, _space(graph, mesh, cluster, spaces, 1)[0], micro)
+        if "whole" not in spaces:
+            spaces["whole"] = Plan(graph, 1)
+        whole = spaces["whole"]
+        space = strategies(graph, mesh, cluster, whole=whole) if micro == 1 else \
+            on_micro_batches(graph, _space(graph, mesh, cluster, spaces, 1)[0], micro, whole)
         spaces[(mesh, micro)] = (space, repeated(graph, space))
     return spaces[(mesh, micro)]
 
 
-def on_micro_batches(graph: Graph, space: dict[Op, list[Strategy]], micro: int
-                     ) -> dict[Op, list[Strategy]]:
+def on_micro_batches(graph: Graph, space: dict[Op, list[Strategy]], micro: int,
+                     whole: Plan | None = None) -> dict[Op, list[Strategy]]:
     """The strategies that still divide an op's batch once it runs on ``1 / micro`` of it
     (cut into micro-batches as ``build_pipeline`` cuts it)."""
     batch_dim, _ = trail(graph, batch_start(graph))
     tails = loss_tails(graph, batch_dim, DEFAULT_REGISTRY)
-    whole = Plan(graph, 1)
+    whole = whole if whole is not None else Plan(graph, 1)
     kept: dict[tuple, list[Strategy]] = {}  # alike ops keep one list, as ``repeated`` needs
     out = {}
     for op, found in space.items():
