@@ -576,7 +576,7 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
                         memory=args.memory * 2 ** 30 if args.memory else None,
-                        method=args.method, mesh=args.mesh)
+                        method=args.method, mesh=args.mesh, simulate=args.simulate)
     if args.out:
         result.plan.save(args.out)
     if args.json:
@@ -584,12 +584,14 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               "predicted_step_s": result.predicted_step_s,
               "peak_memory_bytes": result.peak_memory_bytes, "search_s": result.search_s,
               "variables": result.variables, "candidates": result.candidates,
-              "mesh": result.mesh, "explored": result.explored})
+              "mesh": result.mesh, "explored": result.explored,
+              "timings": result.timings})
         return 0
     table = Table(title=f"{graph.name} over {args.devices} devices of {cluster.name}: the plan "
                         f"found ({result.method} on mesh {result.mesh}, "
                         f"{result.variables:,} variables, "
-                        f"{result.search_s:.2f} s) and the ready-made ones, simulated")
+                        f"{result.search_s:.2f} s) and the ready-made ones, "
+                        + ("simulated" if args.simulate else "by the search's cost model"))
     for col in ("plan", "step ms", "peak memory", "fits"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for c in result.candidates:
@@ -601,6 +603,7 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         counts[label] = counts.get(label, 0) + 1
     out.print("ops: " + ", ".join(f"{n} {label}" for label, n in
                                   sorted(counts.items(), key=lambda kv: -kv[1])))
+    out.print("seconds: " + ", ".join(f"{phase} {s:.2f}" for phase, s in result.timings.items()))
     if args.out:
         out.print(f"wrote {args.out}; run it with chronotope run {args.model} --plan {args.out} "
                   "--check")
@@ -902,6 +905,9 @@ def parser() -> argparse.ArgumentParser:
                           "of --devices into one or two axes)")
     sea.add_argument("--out", type=new_file, metavar="PLAN.json",
                      help="write the plan found (run, plan, simulate take --plan)")
+    sea.add_argument("--no-simulate", dest="simulate", action="store_false",
+                     help="compare plans by the search's own cost model instead of compiling "
+                          "and simulating them (for plans too large to compile quickly)")
     _common_args(sea, model=True)
 
     exp = sub.add_parser("export", help="one state dict out of a checkpoint, for "

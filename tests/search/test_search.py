@@ -91,7 +91,7 @@ def test_the_command_line_searches_writes_the_plan_and_runs_it(tmp_path, capsys)
     assert main(["search", "gpt", "--devices", "2", "--out", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"plan", "method", "predicted_step_s", "peak_memory_bytes",
-                           "search_s", "variables", "candidates", "mesh", "explored"}
+                           "search_s", "variables", "candidates", "mesh", "explored", "timings"}
     assert report["plan"] == str(path) and len(report["peak_memory_bytes"]) == 2
     assert main(["run", "gpt", "--plan", str(path), "--steps", "2", "--check", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["match"]
@@ -205,3 +205,13 @@ def test_drec_pipelines_train_like_one_device_and_need_a_power_of_two():
     assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5)
     with pytest.raises(SearchError, match="power of two; got 6"):
         search(graph, 6, method="drec")
+
+
+def test_without_simulating_the_plans_found_are_compared_by_the_search_model():
+    result = search(capture(get_workload("gpt", batch_size=4)), 2, simulate=False)
+    steps = [c["predicted_step_s"] for c in result.candidates]
+    assert {c["plan"] for c in result.candidates} == {"searched (ilp)", "searched (drec)"}
+    assert result.candidates[0]["plan"] == f"searched ({result.method})"  # no ready-made
+    assert result.predicted_step_s == steps[0] == min(steps)
+    assert {"decide", "build", "check"} <= set(result.timings)
+    assert result.search_s == result.timings["decide"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,21 +54,34 @@ class SearchError(ChronotopeError):
 class SearchResult:
     plan: Plan
     method: str
-    predicted_step_s: float  # the simulator's step time of the plan
+    predicted_step_s: float  # the simulator's step time of the plan (or the search's model's)
     peak_memory_bytes: list[int]  # per device, the plan's estimate
-    search_s: float
+    search_s: float  # deciding: strategies, solvers, stage DP (building, checking aside)
     variables: int  # of the ILPs solved
     # what was explored: the plan found and the ready-made ones, each simulated
     candidates: list[dict[str, Any]] = field(default_factory=list)
     choices: dict[str, str] = field(default_factory=dict)  # op -> strategy, for reading
     mesh: str = ""  # the layout of the plan found: "2x4", or "2 stages x 4, 8 micro-batches"
     explored: list[dict[str, Any]] = field(default_factory=list)  # each option's optimum
+    timings: dict[str, float] = field(default_factory=dict)  # decide, build, check, simulate
+
+
+class _Clock(dict):
+    """Seconds spent per phase of a search."""
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] = self.get(phase, 0.0) + time.perf_counter() - start
 
 
 def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
-           pipeline: bool = True) -> SearchResult:
+           pipeline: bool = True, simulate: bool = True) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
     device (by the plan's own estimate).
 
@@ -75,7 +89,11 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     ``mesh`` alone, ``(2, 4)``: two groups of four; and, unless ``pipeline`` is off or a
     mesh is given, pipelines by the stage DP), ``"drec"`` (the recursive bi-partition
     and its pipelines: no solver, devices a power of two), or ``"auto"``: both, the one
-    the simulator finds faster."""
+    the simulator finds faster.
+
+    ``simulate``: compile and simulate the plans found and the ready-made data- and
+    tensor-parallel plans to compare them (off: compare by the search's own cost model,
+    for plans too large to compile quickly)."""
     if method not in METHODS:
         raise SearchError(f"unknown search method {method!r}: use {', '.join(METHODS)}")
     if devices < 1:
@@ -85,13 +103,13 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
                           f"not {devices}")
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
-    start = time.perf_counter()
+    start, clock = time.perf_counter(), _Clock()
     found: list[_Found] = []
     explored: list[dict[str, Any]] = []
     errors: list[SearchError] = []
     runs = {"ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
-                                   pipeline, explored),
-            "drec": lambda: _by_drec(graph, devices, cluster, memory, explored)}
+                                   pipeline, explored, clock),
+            "drec": lambda: _by_drec(graph, devices, cluster, memory, explored, clock)}
     for name in ("ilp", "drec") if method == "auto" else (method,):
         if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
             continue  # D-Rec halves the devices: only powers of two, no given mesh
@@ -101,18 +119,24 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
             errors.append(e)
     if not found:
         raise errors[0]
-    seconds = time.perf_counter() - start
-    simulated = [{**_simulated(f"searched ({f.method})", f.plan, cluster), "layout": f.layout}
-                 for f in found]
-    best = min(range(len(found)), key=lambda i: simulated[i]["predicted_step_s"])
-    candidates = [simulated[best], *simulated[:best], *simulated[best + 1:]]
-    candidates += [c for c in (_ready_made(graph, devices, name, cluster)
-                               for name in ("dp", "tp")) if c is not None]
+    clock["decide"] = time.perf_counter() - start - clock.get("build", 0.0) - \
+        clock.get("check", 0.0)
+    with clock("simulate"):
+        priced = [{**(_simulated(f"searched ({f.method})", f.plan, cluster) if simulate else
+                      {"plan": f"searched ({f.method})", "predicted_step_s": f.model_s,
+                       "peak_memory_bytes": max(f.peaks)}), "layout": f.layout}
+                  for f in found]
+        best = min(range(len(found)), key=lambda i: priced[i]["predicted_step_s"])
+        candidates = [priced[best], *priced[:best], *priced[best + 1:]]
+        if simulate:
+            candidates += [c for c in (_ready_made(graph, devices, name, cluster)
+                                       for name in ("dp", "tp")) if c is not None]
     for c in candidates:
         c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
     f = found[best]
-    return SearchResult(f.plan, f.method, simulated[best]["predicted_step_s"], f.peaks, seconds,
-                        f.variables, candidates, f.choices, f.layout, explored)
+    return SearchResult(f.plan, f.method, priced[best]["predicted_step_s"], f.peaks,
+                        clock["decide"], f.variables, candidates, f.choices, f.layout, explored,
+                        dict(clock))
 
 
 @dataclass
@@ -122,12 +146,13 @@ class _Found:
     peaks: list[int]
     layout: str
     choices: dict[str, str]
+    model_s: float  # the step time by the search's own cost model
     variables: int = 0
 
 
 def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             time_limit: float, mesh: Sequence[int] | None, pipeline: bool,
-            explored: list[dict[str, Any]]) -> _Found:
+            explored: list[dict[str, Any]], clock: _Clock) -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits."""
     options: list[tuple[float, Any]] = []
@@ -157,16 +182,17 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
     options.sort(key=lambda option: option[0])
     peak, why = None, []
-    for _, option in options:
+    for seconds, option in options:
         try:
             if isinstance(option, Pipeline):
-                choice, plan, peaks = _pipeline_plan(graph, option, memory)
+                choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
                 layout = option.label
             else:
-                solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit)
-                choice, layout = solution.choice, str(solution.mesh)
+                solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit,
+                                                clock)
+                choice, layout, seconds = solution.choice, str(solution.mesh), solution.seconds
             return _Found("ilp", plan, peaks, layout,
-                          {op.name: s.label for op, s in choice.items()}, variables)
+                          {op.name: s.label for op, s in choice.items()}, seconds, variables)
         except _TooBig as e:
             peak = e.peak if peak is None else min(peak, e.peak)
         except PlanError as e:  # a cut that micro-batches do not divide, say
@@ -176,7 +202,7 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
 
 
 def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
-             explored: list[dict[str, Any]]) -> _Found:
+             explored: list[dict[str, Any]], clock: _Clock) -> _Found:
     """D-Rec's plan over all devices, or its pipeline of D-Rec plans over fewer (the
     thesis's joint search), the cheapest by its symbolic cost that fits."""
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
@@ -188,10 +214,11 @@ def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
 
     def fits(stages: DRecPipeline) -> bool:
         try:
-            plan = _drec_plan(graph, devices, stages, micro)
+            with clock("build"):
+                plan = _drec_plan(graph, devices, stages, micro)
         except PlanError:
             return False
-        peaks = _peaks(plan)
+        peaks = _peaks(plan, clock)
         explored.append({"method": "drec", "option": _drec_label(devices, stages, micro),
                          "model_cost": stages.cost, "fits": memory is None or
                          max(peaks) <= memory})
@@ -205,7 +232,8 @@ def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     plan, peaks = built[id(best)]
     labels = {op: " x ".join(algo_label(a) for a in algos) for op, algos in best.choice.items()}
     return _Found("drec", plan, peaks, _drec_label(devices, best, micro),
-                  {op.name: label or "whole" for op, label in labels.items()})
+                  {op.name: label or "whole" for op, label in labels.items()},
+                  best.cost * 4 / cluster.intra.bandwidth)  # elements sent within a node
 
 
 def _drec_plan(graph: Graph, devices: int, found: DRecPipeline, micro: int) -> Plan:
@@ -229,15 +257,17 @@ class _TooBig(Exception):
 
 
 def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
-            memory: float | None, time_limit: float) -> tuple[Solution, Plan, list[int]]:
+            memory: float | None, time_limit: float, clock: _Clock
+            ) -> tuple[Solution, Plan, list[int]]:
     """The solution's plan, solved again with a tighter budget until the plan's own memory
     estimate fits: the solver counts activations coarsely, the estimate by liveness."""
     budget = memory
     for _ in range(ROUNDS):
-        plan = build(graph, solution.mesh.shape,
-                     {op: s.algos for op, s in solution.choice.items()},
-                     zero_weights(graph, solution.choice))
-        peaks = _peaks(plan)
+        with clock("build"):
+            plan = build(graph, solution.mesh.shape,
+                         {op: s.algos for op, s in solution.choice.items()},
+                         zero_weights(graph, solution.choice))
+        peaks = _peaks(plan, clock)
         if memory is None or max(peaks) <= memory:
             return solution, plan, peaks
         assert budget is not None
@@ -250,20 +280,22 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
     raise _TooBig(max(peaks))
 
 
-def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None
+def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None, clock: _Clock
                    ) -> tuple[dict[Op, Strategy], Plan, list[int]]:
     choice = {op: s for sol in found.solutions for op, s in sol.choice.items()}
-    plan = build_pipeline(graph, found.stage_devices, found.stage_of, found.micro,
-                          {op: s.algos for op, s in choice.items()},
-                          zero=zero_weights(graph, choice))
-    peaks = _peaks(plan)
+    with clock("build"):
+        plan = build_pipeline(graph, found.stage_devices, found.stage_of, found.micro,
+                              {op: s.algos for op, s in choice.items()},
+                              zero=zero_weights(graph, choice))
+    peaks = _peaks(plan, clock)
     if memory is not None and max(peaks) > memory:
         raise _TooBig(max(peaks))
     return choice, plan, peaks
 
 
-def _peaks(plan: Plan) -> list[int]:
-    checked = plan.check()
+def _peaks(plan: Plan, clock: _Clock) -> list[int]:
+    with clock("check"):
+        checked = plan.check()
     return [checked.memory[d].total for d in range(plan.ndevices)]
 
 
