@@ -155,10 +155,42 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             explored: list[dict[str, Any]], clock: _Clock) -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits."""
+    options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
+                                     pipeline, explored)
+    peak, why = None, []
+    for seconds, option in options:
+        try:
+            if isinstance(option, Pipeline):
+                choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
+                layout = option.label
+            else:
+                solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit,
+                                                clock)
+                choice, layout, seconds = solution.choice, str(solution.mesh), solution.seconds
+            return _Found("ilp", plan, peaks, layout,
+                          {op.name: s.label for op, s in choice.items()}, seconds, variables)
+        except _TooBig as e:
+            peak = e.peak if peak is None else min(peak, e.peak)
+        except PlanError as e:  # a cut that micro-batches do not divide, say
+            why.append(str(e))
+    raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
+                      "no plan found could be built: " + "; ".join(why[:2]))
+
+
+def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
+                time_limit: float = 60.0, mesh: Sequence[int] | None = None,
+                pipeline: bool = True, explored: list[dict[str, Any]] | None = None
+                ) -> tuple[list[tuple[float, Any]], int]:
+    """The ILP's decision, nothing built: its optimum on every mesh (or ``mesh``) as
+    ``(solution, space, groups)`` and the stage DP's pipelines, cheapest first by the cost
+    model; and the variables solved.
+    Raises SearchError naming what binds when nothing fits ``memory``."""
+    explored = [] if explored is None else explored
     options: list[tuple[float, Any]] = []
     least, variables = None, 0
+    whole = Plan(graph, 1)  # the whole-op pieces every mesh's strategies start from
     for shape in meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]:
-        space = strategies(graph, shape, cluster)
+        space = strategies(graph, shape, cluster, whole=whole)
         groups = repeated(graph, space)
         try:
             solution = solve(graph, space, shape, cluster, memory, time_limit=time_limit,
@@ -178,27 +210,10 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             explored.append({"method": "ilp", "option": stages.label,
                              "model_step_s": stages.seconds})
     if not options:
-        space = strategies(graph, devices, cluster)
+        space = strategies(graph, devices, cluster, whole=whole)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
     options.sort(key=lambda option: option[0])
-    peak, why = None, []
-    for seconds, option in options:
-        try:
-            if isinstance(option, Pipeline):
-                choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
-                layout = option.label
-            else:
-                solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit,
-                                                clock)
-                choice, layout, seconds = solution.choice, str(solution.mesh), solution.seconds
-            return _Found("ilp", plan, peaks, layout,
-                          {op.name: s.label for op, s in choice.items()}, seconds, variables)
-        except _TooBig as e:
-            peak = e.peak if peak is None else min(peak, e.peak)
-        except PlanError as e:  # a cut that micro-batches do not divide, say
-            why.append(str(e))
-    raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
-                      "no plan found could be built: " + "; ".join(why[:2]))
+    return options, variables
 
 
 def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
@@ -360,4 +375,4 @@ def _no_fit(graph: Graph, space, devices: int, memory: float | None, least: floa
             "give more memory or devices")
 
 
-__all__ = ["METHODS", "SearchError", "SearchResult", "search"]
+__all__ = ["METHODS", "SearchError", "SearchResult", "ilp_options", "search"]
