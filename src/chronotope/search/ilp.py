@@ -19,6 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from chronotope.cost.network import Cluster
+from chronotope.cost.simulate import OPTIMIZER_PASSES
 from chronotope.graph.ir import Graph, Op, TensorKind
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import differentiable
@@ -89,7 +90,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
                  tuple(t in needs_grad for t in (*op.inputs, *op.outputs)))
         if alike not in terms:
             terms[alike] = np.array([
-                (strat.compute / micro + _op_sync(op, strat, pricer),
+                (strat.compute / micro + _op_sync(op, strat, first[op], pricer),
                  _weight_bytes(op, strat, first[op], states, mesh) +
                  _output_bytes(op, strat, mesh) * in_flight / micro,
                  _gradient_bytes(op, strat, mesh, needs_grad) / micro)
@@ -176,7 +177,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     used = float(sum(mem[start[k] + s] for k, s in picked.items()) +
                  sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) +
                  max((passing[start[k] + s] for k, s in picked.items()), default=0.0))
-    sync = sum(_op_sync(op, s, pricer) for op, s in choice.items())
+    sync = sum(_op_sync(op, s, first[op], pricer) for op, s in choice.items())
     held_bytes = sum(_output_bytes(op, s, mesh) for op, s in choice.items()) / micro + \
         sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) / in_flight
     return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh, sync,
@@ -207,14 +208,20 @@ def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
     return out
 
 
-def _op_sync(op: Op, s: Strategy, pricer: Pricer) -> float:
-    """The gradient reductions of the trainable weights the op reads, once a step."""
+def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
+    """Once a step: the gradient reductions of the trainable weights the op reads, and the
+    optimizer's update of those it reads first (memory bound, as the simulator prices it:
+    a few passes over the bytes each device owns, a ZeRO share or its slice)."""
     total = 0.0
-    for t, lay, g in zip(op.inputs, s.inputs, s.grads):
+    for i, (t, lay, g) in enumerate(zip(op.inputs, s.inputs, s.grads)):
         if t.kind is TensorKind.PARAM and not t.frozen:
             total += pricer.reduction(g, lay, nbytes(t))
-            if s.zero and all(x == WHOLE for x in lay):
+            whole = all(x == WHOLE for x in lay)
+            if s.zero and whole:
                 total += pricer.zero_calls(g)
+            if i in first:
+                owned = pricer.mesh.devices if s.zero and whole else sharded(lay, pricer.mesh)
+                total += OPTIMIZER_PASSES * nbytes(t) / owned / pricer.cluster.copy_bandwidth
     return total
 
 
@@ -262,8 +269,9 @@ def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
     pricer = Pricer(Mesh((mesh,)) if isinstance(mesh, int) else mesh, cluster)
     needs_grad = differentiable(graph)
     total = 0.0
+    first = _first_reads([op for op in graph.ops if op in choice])
     for op, s in choice.items():
-        total += s.compute + _op_sync(op, s, pricer)
+        total += s.compute + _op_sync(op, s, first[op], pricer)
         for i, t in enumerate(op.inputs):
             if t.producer in choice:
                 made = choice[t.producer].outputs[t.producer.outputs.index(t)]

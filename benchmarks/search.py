@@ -1,0 +1,153 @@
+"""Automatic plan search: how long it takes to decide, and how good its plans are.
+
+    python benchmarks/search.py [--quick] [--skip-scale]
+
+One table, everything priced on this machine without a GPU or profiling:
+
+* speed rows: the time to decide (strategies, the ILP on every mesh, the stage DP's
+  pipelines; D-Rec alone) for GPT-3 39B on 64 devices (8 x DGX A100) and GPT-3 175B and
+  Llama-70B on 1,024; where the plan is small enough to build, building it and checking
+  its memory estimate are timed apart. Goals: 39B <= 10 s, D-Rec <= 2 s, 1,024 <= 60 s.
+* quality rows: for each model and cluster, the ILP's and D-Rec's plans against the
+  best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, tp,
+  tp with sequence parallel, dp x tp, pipelines x schedules x micro-batches) that fits
+  the device's memory, all compiled and priced by the same simulator. Goal: <= 1.00x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+from rich.console import Console
+from rich.table import Table
+
+import chronotope as ct
+from chronotope.cost.network import cluster_for
+from chronotope.cost.simulate import simulate
+from chronotope.errors import ChronotopeError
+from chronotope.models import get_workload
+from chronotope.search import ilp_options, search
+from chronotope.search.drec import drec
+
+SCALE = [("gpt3-39b", 64, 16), ("gpt3-175b", 1024, 1024), ("llama-70b", 1024, 1024)]
+MODELS = {  # name: (built-in, batch, overrides): the tiny t5 and swin at base sizes
+    "gpt3-1.3b": ("gpt3-1.3b", 16, {}),
+    "t5-base": ("t5", 16, dict(vocab_size=32128, d_model=768, d_kv=64, d_ffn=3072, n_head=12,
+                               n_enc_layer=12, n_dec_layer=12, src_len=512, tgt_len=128)),
+    "swin-base": ("swin", 32, dict(img_size=224, patch_size=4, embed_dim=128,
+                                   depths=(2, 2, 18, 2), n_heads=(4, 8, 16, 32), window=7,
+                                   num_classes=1000)),
+}
+CLUSTERS = ["dgx-a100x1", "dgx1-v100x2"]
+
+
+def captured(name: str, batch: int, **overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(get_workload(name, device="meta", batch_size=batch, **overrides))
+
+
+def grid(graph, devices: int, per_node: int):
+    """Every built-in policy and degree: (label, plan maker)."""
+    mesh = ct.policies.mesh
+    out = [("dp", lambda: mesh(graph, dp=devices))]
+    out += [(f"zero-{s}", lambda s=s: ct.policies.zero(graph, devices, stage=s)) for s in (1, 2, 3)]
+    for tp in (t for t in (2, 4, 8) if t <= per_node and devices % t == 0):
+        dp = devices // tp
+        out.append((f"dp {dp} x tp {tp}", lambda dp=dp, tp=tp: mesh(graph, dp=dp, tp=tp)))
+        out.append((f"dp {dp} x tp {tp} + sp",
+                    lambda dp=dp, tp=tp: mesh(graph, dp=dp, tp=tp, sequence=True)))
+    for pp in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            for micro in (pp, 2 * pp):
+                dp = devices // pp
+                out.append((f"dp {dp} x pp {pp} {schedule} {micro}mb",
+                            lambda dp=dp, pp=pp, s=schedule, m=micro:
+                            mesh(graph, dp=dp, pp=pp, micro=m, schedule=s)))
+    return out
+
+
+def priced(plan, cluster) -> tuple[float, float]:
+    """(simulated step seconds, the plan's peak memory estimate per device)."""
+    peak = max(m.total for m in plan.check().memory.values())
+    return simulate(ct.compile(plan, cluster=cluster), cluster).step_time, peak
+
+
+def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
+    for model in models:
+        name, batch, overrides = MODELS[model]
+        graph = captured(name, batch, **overrides)
+        for spec in clusters:
+            cluster = cluster_for(0, spec)
+            devices = cluster.nodes * cluster.per_node
+            best = None
+            for label, make in grid(graph, devices, cluster.per_node):
+                try:
+                    step, peak = priced(make(), cluster)
+                except ChronotopeError:
+                    continue  # a degree the model does not divide
+                if peak <= cluster.memory and (best is None or step < best[1]):
+                    best = (label, step)
+            found = {}
+            for method in ("ilp", "drec"):
+                start = time.perf_counter()
+                try:
+                    r = search(graph, devices, cluster, memory=cluster.memory, method=method)
+                except ChronotopeError as e:
+                    found[method] = (str(e)[:40], None, time.perf_counter() - start)
+                    continue
+                found[method] = (r.mesh, r.predicted_step_s, r.search_s)
+            ilp, dr = found["ilp"], found["drec"]
+
+            def ratio(step):
+                return "-" if step is None or best is None else f"{step / best[1]:.3f}x"
+            table.add_row(
+                f"{model} on {spec}", f"{devices}",
+                f"{ilp[0]}: {ratio(ilp[1])} ({ilp[2]:.1f} s)",
+                f"{dr[0]}: {ratio(dr[1])} ({dr[2]:.1f} s)",
+                "nothing fits" if best is None else f"{best[0]}: {best[1] * 1e3:.0f} ms", "")
+
+
+def scale_rows(table: Table, cases) -> None:
+    for model, devices, batch in cases:
+        graph = captured(model, batch)
+        cluster = cluster_for(devices)
+        start = time.perf_counter()
+        options, variables = ilp_options(graph, devices, cluster, cluster.memory)
+        decided = time.perf_counter() - start
+        start = time.perf_counter()
+        drec(graph, devices)
+        drec_s = time.perf_counter() - start
+        seconds, best = options[0]
+        label = best.label if hasattr(best, "label") else f"mesh {best[0].mesh}"
+        note = f"{variables:,} variables; model step {seconds:.2f} s"
+        if devices <= 64:  # small enough to build and check here
+            r = search(graph, devices, cluster, memory=cluster.memory, method="ilp",
+                       simulate=False)
+            note += (f"; build {r.timings.get('build', 0):.1f} s, check "
+                     f"{r.timings.get('check', 0):.1f} s")
+        table.add_row(f"{model} on {cluster.name}", f"{devices:,}",
+                      f"decide {decided:.1f} s: {label}", f"D-Rec alone {drec_s:.2f} s",
+                      "", note)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="gpt3-1.3b on one DGX A100 only")
+    p.add_argument("--skip-scale", action="store_true", help="no 39B / 1,024-device rows")
+    args = p.parse_args()
+    table = Table(title="plan search: time to decide, and simulated step vs the best "
+                        "built-in policy that fits (ratio < 1 is better)")
+    for col in ("case", "devices", "ILP (stage DP)", "D-Rec", "best built-in", "notes"):
+        table.add_column(col, justify="right" if col == "devices" else "left")
+    if not args.skip_scale:
+        scale_rows(table, SCALE[:1] if args.quick else SCALE)
+    quality_rows(table, ["gpt3-1.3b"] if args.quick else list(MODELS),
+                 CLUSTERS[:1] if args.quick else CLUSTERS)
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
