@@ -8,6 +8,9 @@ One table, everything priced on this machine without a GPU or profiling:
   pipelines; D-Rec alone) for GPT-3 39B on 64 devices (8 x DGX A100) and GPT-3 175B and
   Llama-70B on 1,024; where the plan is small enough to build, building it and checking
   its memory estimate are timed apart. Goals: 39B <= 10 s, D-Rec <= 2 s, 1,024 <= 60 s.
+* end to end (``--end-to-end``, a second table): each tiny built-in model and a user's
+  model file searched for 2 and 4 processes and run with ``run --plan PLAN --check``
+  on gloo processes against one device.
 * quality rows: for each model and cluster, the ILP's and D-Rec's plans against the
   best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, tp,
   tp with sequence parallel, dp x tp, pipelines x schedules x micro-batches) that fits
@@ -17,8 +20,13 @@ One table, everything priced on this machine without a GPU or profiling:
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -41,6 +49,8 @@ MODELS = {  # name: (built-in, batch, overrides): the tiny t5 and swin at base s
                                    num_classes=1000)),
 }
 CLUSTERS = ["dgx-a100x1", "dgx1-v100x2"]
+TINY = ["gpt", "llama", "bert", "t5", "swin", "evoformer",
+        "examples/shakespeare/model.py:char_gpt"]
 
 
 def captured(name: str, batch: int, **overrides):
@@ -100,14 +110,15 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
                     continue
                 found[method] = (r.mesh, r.predicted_step_s, r.search_s)
             ilp, dr = found["ilp"], found["drec"]
-
-            def ratio(step):
-                return "-" if step is None or best is None else f"{step / best[1]:.3f}x"
             table.add_row(
                 f"{model} on {spec}", f"{devices}",
-                f"{ilp[0]}: {ratio(ilp[1])} ({ilp[2]:.1f} s)",
-                f"{dr[0]}: {ratio(dr[1])} ({dr[2]:.1f} s)",
+                f"{ilp[0]}: {_ratio(ilp[1], best)} ({ilp[2]:.1f} s)",
+                f"{dr[0]}: {_ratio(dr[1], best)} ({dr[2]:.1f} s)",
                 "nothing fits" if best is None else f"{best[0]}: {best[1] * 1e3:.0f} ms", "")
+
+
+def _ratio(step: float | None, best: tuple[str, float] | None) -> str:
+    return "-" if step is None or best is None else f"{step / best[1]:.3f}x"
 
 
 def scale_rows(table: Table, cases) -> None:
@@ -133,10 +144,37 @@ def scale_rows(table: Table, cases) -> None:
                       "", note)
 
 
+def end_to_end(models: list[str]) -> Table:
+    """Search, write the plan, run it on gloo processes checked against one device."""
+    table = Table(title="searched plans run end to end: run --plan PLAN --check (gloo)")
+    for col in ("model", "processes", "plan found", "search s", "matches one device"):
+        table.add_column(col)
+    cli = [sys.executable, "-m", "chronotope.cli"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            for n in (2, 4):
+                path = Path(tmp) / f"{model.replace('/', '_')}-{n}.json"
+                found = subprocess.run([*cli, "search", model, "--devices", str(n), "--out",
+                                        str(path), "--json"], capture_output=True, text=True)
+                if found.returncode:
+                    table.add_row(model, str(n), found.stderr.strip()[-60:], "-", "no")
+                    continue
+                report = json.loads(found.stdout)
+                ran = subprocess.run([*cli, "run", model, "--plan", str(path), "--steps", "2",
+                                      "--check", "--json"], capture_output=True, text=True)
+                match = not ran.returncode and json.loads(ran.stdout).get("match")
+                table.add_row(model, str(n), f"{report['method']} {report['mesh']}",
+                              f"{report['search_s']:.1f}",
+                              "yes" if match else f"NO: {ran.stderr.strip()[-60:]}")
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gpt3-1.3b on one DGX A100 only")
     p.add_argument("--skip-scale", action="store_true", help="no 39B / 1,024-device rows")
+    p.add_argument("--end-to-end", action="store_true",
+                   help="also run each tiny model's searched plan on 2 and 4 processes")
     args = p.parse_args()
     table = Table(title="plan search: time to decide, and simulated step vs the best "
                         "built-in policy that fits (ratio < 1 is better)")
@@ -147,6 +185,8 @@ def main() -> None:
     quality_rows(table, ["gpt3-1.3b"] if args.quick else list(MODELS),
                  CLUSTERS[:1] if args.quick else CLUSTERS)
     Console(width=200).print(table)
+    if args.end_to_end:
+        Console(width=200).print(end_to_end(TINY[:1] if args.quick else TINY))
 
 
 if __name__ == "__main__":
