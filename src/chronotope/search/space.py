@@ -129,10 +129,13 @@ def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,
     splits = op.signature.splittable() if op.signature is not None else []
     found = []
     for algos in itertools.product(*(_algos(n, splits, bool(linear)) for n in mesh.shape)):
+        if not _divides(whole, algos):
+            continue
         levels, piece = [], whole
         try:
-            for algo in algos:
-                pieces = partition(op.name, op.signature, piece, algo, additive, linear)
+            for algo in algos:  # the layouts, read off as few pieces as show them
+                pieces = partition(op.name, op.signature, piece, _fewest(algo), additive,
+                                   linear)
                 levels.append((piece, pieces))
                 piece = pieces[0]
         except ChronotopeError:
@@ -143,6 +146,28 @@ def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,
             if _zero_applies(op, made):
                 found.append(_with_zero(made))
     return found
+
+
+def _divides(whole: Piece, algos: tuple[Algorithm, ...]) -> bool:
+    """Whether each split's dim divides into its parts, level after level."""
+    sizes = dict(whole.sizes)
+    for a in algos:
+        if isinstance(a, Split) and a.dim in sizes:  # an unknown dim: partition says so
+            if sizes[a.dim] % a.parts:
+                return False
+            sizes[a.dim] //= a.parts
+    return True
+
+
+def _fewest(algo: Algorithm) -> Algorithm:
+    """The same cut into its smallest prime number of parts: a dim that divides into
+    ``n`` parts divides into any factor of ``n``, and the layouts are the same (read off
+    two pieces rather than a thousand)."""
+    n = algo.n if isinstance(algo, Replicate) else algo.parts
+    p = next((k for k in range(2, math.isqrt(n) + 1) if n % k == 0), n)
+    if isinstance(algo, Replicate):
+        return Replicate(p)
+    return Split(algo.dim, p) if isinstance(algo, Split) else ValueSplit(p)
 
 
 def _algos(n: int, splits: list[str], linear: bool) -> list[Algorithm]:
