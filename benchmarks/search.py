@@ -36,7 +36,7 @@ from chronotope.cost.network import cluster_for
 from chronotope.cost.simulate import simulate
 from chronotope.errors import ChronotopeError
 from chronotope.models import get_workload
-from chronotope.search import ilp_options, search
+from chronotope.search import SearchError, ilp_options, search
 from chronotope.search.drec import drec
 
 SCALE = [("gpt3-39b", 64, 16), ("gpt3-175b", 1024, 1024), ("llama-70b", 1024, 1024)]
@@ -125,15 +125,20 @@ def scale_rows(table: Table, cases) -> None:
     for model, devices, batch in cases:
         graph = captured(model, batch)
         cluster = cluster_for(devices)
-        start = time.perf_counter()
-        options, variables = ilp_options(graph, devices, cluster, cluster.memory)
+        start, note = time.perf_counter(), ""
+        try:
+            options, variables = ilp_options(graph, devices, cluster, cluster.memory)
+        except SearchError as e:  # say so, and time the search without the limit
+            note = f"nothing fits ({str(e).split(': ')[1]}); unbounded: "
+            start = time.perf_counter()
+            options, variables = ilp_options(graph, devices, cluster, None)
         decided = time.perf_counter() - start
         start = time.perf_counter()
         drec(graph, devices)
         drec_s = time.perf_counter() - start
         seconds, best = options[0]
         label = best.label if hasattr(best, "label") else f"mesh {best[0].mesh}"
-        note = f"{variables:,} variables; model step {seconds:.2f} s"
+        note += f"{variables:,} variables; model step {seconds:.2f} s"
         if devices <= 64:  # small enough to build and check here
             r = search(graph, devices, cluster, memory=cluster.memory, method="ilp",
                        simulate=False)

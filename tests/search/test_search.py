@@ -215,3 +215,10 @@ def test_without_simulating_the_plans_found_are_compared_by_the_search_model():
     assert result.predicted_step_s == steps[0] == min(steps)
     assert {"decide", "build", "check"} <= set(result.timings)
     assert result.search_s == result.timings["decide"]
+
+
+def test_the_simulator_picks_among_the_cheapest_options_that_fit():
+    result = search(capture(get_workload("gpt", batch_size=8)), 4, method="ilp")
+    finals = [e for e in result.explored if "simulated_step_s" in e]
+    assert len(finals) == 3
+    assert result.predicted_step_s == min(e["simulated_step_s"] for e in finals)
