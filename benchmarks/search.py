@@ -110,6 +110,8 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
                     continue
                 found[method] = (r.mesh, r.predicted_step_s, r.search_s)
             ilp, dr = found["ilp"], found["drec"]
+            print(f"{model} on {spec}: ilp {ilp}, drec {dr}, best {best}", file=sys.stderr,
+                  flush=True)
             table.add_row(
                 f"{model} on {spec}", f"{devices}",
                 f"{ilp[0]}: {_ratio(ilp[1], best)} ({ilp[2]:.1f} s)",
