@@ -4,12 +4,12 @@ follow the thesis's algorithms."""
 
 import itertools
 import time
-import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from search_testing import capture
 from torch import nn
 
 import chronotope as ct
@@ -28,12 +28,6 @@ from chronotope.search.drec import (
     split_stages,
     tail_factors,
 )
-
-
-def capture(w):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ct.capture(w)
 
 
 class MatMul(nn.Module):

@@ -3,10 +3,10 @@ by the plan's own estimate, and trains like one device."""
 
 import itertools
 import json
-import warnings
 
 import pytest
 import torch
+from search_testing import capture
 from torch import nn
 
 import chronotope as ct
@@ -21,12 +21,6 @@ from chronotope.search import SearchError, search, zero_weights
 from chronotope.search.build import build
 from chronotope.search.ilp import price, solve
 from chronotope.search.space import Mesh, meshes, repeated, strategies
-
-
-def capture(w):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ct.capture(w)
 
 
 class MLP(nn.Module):

@@ -2,11 +2,11 @@
 like one device."""
 
 import itertools
-import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from search_testing import capture
 
 import chronotope as ct
 from chronotope.cost.network import cluster_for
@@ -41,9 +41,7 @@ def test_the_cuts_minimise_the_slowest_stage_as_brute_force_does(seconds, stages
 
 
 def test_stages_begin_between_blocks_where_only_the_residual_stream_crosses():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(get_workload("gpt", n_layer=4))
+    graph = capture(get_workload("gpt", n_layer=4))
     cuts = cut_positions(graph)
     assert len(cuts) >= 4  # at least one before each block after the first
     modules = {graph.ops[i].source.module for i in cuts if graph.ops[i].source}
@@ -53,9 +51,7 @@ def test_stages_begin_between_blocks_where_only_the_residual_stream_crosses():
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_every_pipeline_found_trains_like_one_device(model):
     w = get_workload(model, batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(w)
+    graph = capture(w)
     found = pipelines(graph, 4, cluster_for(4), None)
     assert {(p.stages, p.stage_devices) for p in found} == {(2, 2), (4, 1)}
     assert [p.seconds for p in found] == sorted(p.seconds for p in found)
@@ -70,9 +66,7 @@ def test_every_pipeline_found_trains_like_one_device(model):
 
 
 def test_micro_batch_spaces_keep_the_cuts_a_micro_batch_divides():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(get_workload("gpt", batch_size=8))
+    graph = capture(get_workload("gpt", batch_size=8))
     space = strategies(graph, 4, cluster_for(4))
     kept = on_micro_batches(graph, space, 4)  # micro-batches of two: no batch cut by four
     batch = batch_dims(graph)
