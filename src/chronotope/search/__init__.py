@@ -22,16 +22,15 @@ from typing import Any
 from chronotope.cost.compute import op_flops
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
-from chronotope.graph.ir import Graph, Op, TensorKind
+from chronotope.graph.ir import Graph, Op
 from chronotope.plan.check import format_bytes
 from chronotope.plan.plan import Plan
 from chronotope.search.build import build, build_pipeline
 from chronotope.search.drec import DRecError, joint
 from chronotope.search.drec import Pipeline as DRecPipeline
-from chronotope.search.ilp import NoFit, Solution, solve
+from chronotope.search.ilp import NoFit, Solution, first_reads, solve, updates_cut
 from chronotope.search.space import (
     TRAINING_FLOPS,
-    WHOLE,
     Mesh,
     Strategy,
     algo_label,
@@ -332,16 +331,8 @@ def _peaks(plan: Plan, clock: _Clock) -> list[int]:
 def zero_weights(graph: Graph, choice: dict[Op, Strategy]) -> list[str]:
     """The weights whose first reader chose to cut their updates over its devices."""
     names = {id(t): name for name, t in graph.params.items()}
-    zero, seen = [], set()
-    for op in graph.ops:
-        s = choice.get(op)
-        for i, t in enumerate(op.inputs):
-            if t.kind is TensorKind.PARAM and t not in seen:
-                seen.add(t)
-                if s is not None and s.zero and not t.frozen and \
-                        all(lay == WHOLE for lay in s.inputs[i]):
-                    zero.append(names[id(t)])
-    return zero
+    return [names[id(op.inputs[i])] for op, first in first_reads(graph.ops).items()
+            if op in choice for i in first if updates_cut(op, choice[op], i)]
 
 
 def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:

@@ -43,7 +43,7 @@ class Solution:
     variables: int
     status: str
     mesh: Mesh
-    sync: float = 0.0  # of ``seconds``, the gradient reductions (once a step)
+    sync: float = 0.0  # of ``seconds``, what runs once a step: gradient reductions, update
     held: float = 0.0  # of ``memory``, one in-flight micro-batch's activations
 
 
@@ -82,7 +82,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     needs_grad = differentiable(graph)
     costs, mem, passing = np.zeros(count), np.zeros(count), np.zeros(count)
     states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
-    first = _first_reads(ops)
+    first = first_reads(ops)
     terms: dict[tuple, np.ndarray] = {}  # a repeated op's, once
     for op in ops:
         at, n = start[key[op]], sizes[key[op]]
@@ -197,7 +197,7 @@ def _edge_tables(made: list[Strategy], read: list[Strategy], out: int, i: int, t
     return table, held
 
 
-def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
+def first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
     """The weights each op is the first to read (whose memory its choice decides)."""
     seen: set = set()
     out = {}
@@ -208,6 +208,12 @@ def _first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
     return out
 
 
+def updates_cut(op: Op, s: Strategy, i: int) -> bool:
+    """Whether ``s`` cuts the update of the weight ``op`` reads as input ``i`` over the
+    devices (ZeRO): a trainable weight it reads whole."""
+    return s.zero and not op.inputs[i].frozen and all(x == WHOLE for x in s.inputs[i])
+
+
 def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
     """Once a step: the gradient reductions of the trainable weights the op reads, and the
     optimizer's update of those it reads first (memory bound, as the simulator prices it:
@@ -216,11 +222,11 @@ def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
     for i, (t, lay, g) in enumerate(zip(op.inputs, s.inputs, s.grads)):
         if t.kind is TensorKind.PARAM and not t.frozen:
             total += pricer.reduction(g, lay, nbytes(t))
-            whole = all(x == WHOLE for x in lay)
-            if s.zero and whole:
+            cut = updates_cut(op, s, i)
+            if cut:
                 total += pricer.zero_calls(g)
             if i in first:
-                owned = pricer.mesh.devices if s.zero and whole else sharded(lay, pricer.mesh)
+                owned = pricer.mesh.devices if cut else sharded(lay, pricer.mesh)
                 total += OPTIMIZER_PASSES * nbytes(t) / owned / pricer.cluster.copy_bandwidth
     return total
 
@@ -231,7 +237,7 @@ def _weight_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh
     total = 0.0
     for i in first:
         t, lay = op.inputs[i], s.inputs[i]
-        if s.zero and all(x == WHOLE for x in lay) and not t.frozen:
+        if updates_cut(op, s, i):
             total += nbytes(t) * (1 + (states - 1) / mesh.devices)
         else:
             total += (states if not t.frozen else 1) * nbytes(t) / sharded(lay, mesh)
@@ -269,7 +275,7 @@ def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
     pricer = Pricer(Mesh((mesh,)) if isinstance(mesh, int) else mesh, cluster)
     needs_grad = differentiable(graph)
     total = 0.0
-    first = _first_reads([op for op in graph.ops if op in choice])
+    first = first_reads([op for op in graph.ops if op in choice])
     for op, s in choice.items():
         total += s.compute + _op_sync(op, s, first[op], pricer)
         for i, t in enumerate(op.inputs):

@@ -251,21 +251,22 @@ class Pricer:
 
     mesh: Mesh
     cluster: Cluster
-    _seen: dict = field(default_factory=dict)
+    _calls: dict = field(default_factory=dict)  # (kind, bytes, axis) -> seconds
+    _changes: dict = field(default_factory=dict)  # (src, dst, bytes) -> seconds
 
     def collective(self, kind: str, size: float, axis: int) -> float:
         key = (kind, size, axis)
-        if key not in self._seen:
-            self._seen[key] = self.cluster.collective(kind, size, self.mesh.groups(axis))
-        return self._seen[key]
+        if key not in self._calls:
+            self._calls[key] = self.cluster.collective(kind, size, self.mesh.groups(axis))
+        return self._calls[key]
 
     def change(self, src: Layout, dst: Layout, size: int) -> float:
         """Turn a tensor of ``size`` bytes held as ``src`` into ``dst``, one axis at a time
         on the slice the other axes leave each device."""
         key = (src, dst, size)
-        if key not in self._seen:
-            self._seen[key] = self._change(src, dst, size)
-        return self._seen[key]
+        if key not in self._changes:
+            self._changes[key] = self._change(src, dst, size)
+        return self._changes[key]
 
     def _change(self, src: Layout, dst: Layout, size: int) -> float:
         total = 0.0

@@ -21,10 +21,9 @@ from dataclasses import dataclass, replace
 
 from chronotope.cost.network import Cluster
 from chronotope.graph.ir import Graph, Op
-from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.plan.algo import Split
 from chronotope.plan.plan import Plan, differentiable
-from chronotope.policies.axes import batch_dims, batch_start, trail
+from chronotope.policies.axes import batch_dims
 from chronotope.policies.mesh import _crossing, loss_tails
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
@@ -67,7 +66,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
     cuts = cut_positions(graph)
     found = []
-    spaces: dict = {}  # by mesh and micro-batches; and the graph's one-device plan
+    spaces = _Spaces(graph, cluster)
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
         micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
@@ -76,7 +75,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         d = devices // s
         whole = None
         for mesh in meshes(d, cluster.per_node):
-            space, groups = _space(graph, mesh, cluster, spaces, s)
+            space, groups = spaces.on(mesh, s)
             solution = solve(graph, space, mesh, cluster, None, time_limit=time_limit,
                              groups=groups, micro=s)
             if whole is None or solution.seconds < whole.seconds:
@@ -84,7 +83,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         assert whole is not None
         bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s)
         for micro in micros:
-            space, groups = _space(graph, whole.mesh, cluster, spaces, micro)
+            space, groups = spaces.on(whole.mesh, micro)
             stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
             solutions = [_stage(graph, ops, space, groups, whole.mesh, cluster, memory,
                                 micro, min(s - i, micro), time_limit, solved)
@@ -157,33 +156,52 @@ def _crossing_seconds(graph: Graph, cut: int, micro: int, pair: tuple[int, int],
     return sum(cluster.collective("send", size, [pair]) for size in (forward, backward) if size)
 
 
-def _space(graph: Graph, mesh: Mesh, cluster: Cluster, spaces: dict, micro: int
+class _Spaces:
+    """The search space on each mesh for each micro-batch count, made once: the graph's
+    one-device plan and batch dims are shared by all of them."""
+
+    def __init__(self, graph: Graph, cluster: Cluster) -> None:
+        self.graph, self.cluster = graph, cluster
+        self.whole = Plan(graph, 1)
+        self.batch = _batch_sizes(graph, self.whole)
+        self.made: dict[tuple[Mesh, int], tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]] = {}
+
+    def on(self, mesh: Mesh, micro: int
            ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]:
-    if (mesh, micro) not in spaces:
-        if "whole" not in spaces:
-            spaces["whole"] = Plan(graph, 1)
-        whole = spaces["whole"]
-        space = strategies(graph, mesh, cluster, whole=whole) if micro == 1 else \
-            on_micro_batches(graph, _space(graph, mesh, cluster, spaces, 1)[0], micro, whole)
-        spaces[(mesh, micro)] = (space, repeated(graph, space))
-    return spaces[(mesh, micro)]
+        """The strategies over ``mesh`` of ops on ``1 / micro`` of the batch, and their
+        groups of repeated ops."""
+        if (mesh, micro) not in self.made:
+            space = strategies(self.graph, mesh, self.cluster, whole=self.whole) \
+                if micro == 1 else _dividing(self.on(mesh, 1)[0], micro, self.batch)
+            self.made[(mesh, micro)] = space, repeated(self.graph, space)
+        return self.made[(mesh, micro)]
 
 
-def on_micro_batches(graph: Graph, space: dict[Op, list[Strategy]], micro: int,
-                     whole: Plan | None = None) -> dict[Op, list[Strategy]]:
+def on_micro_batches(graph: Graph, space: dict[Op, list[Strategy]], micro: int
+                     ) -> dict[Op, list[Strategy]]:
     """The strategies that still divide an op's batch once it runs on ``1 / micro`` of it
     (cut into micro-batches as ``build_pipeline`` cuts it)."""
-    batch_dim, _ = trail(graph, batch_start(graph))
-    tails = loss_tails(graph, batch_dim, DEFAULT_REGISTRY)
-    whole = whole if whole is not None else Plan(graph, 1)
+    return _dividing(space, micro, _batch_sizes(graph, Plan(graph, 1)))
+
+
+def _batch_sizes(graph: Graph, whole: Plan) -> dict[Op, tuple[str, int]]:
+    """Each op cut into micro-batches along a dim of its signature: that dim and its size
+    (not loss tails: they are cut along values)."""
+    batch_dim = batch_dims(graph)
+    tails = loss_tails(graph, batch_dim, whole.registry)
+    return {op: (dim, whole.roots[op.name].piece.sizes[dim]) for op in graph.ops
+            if (dim := batch_dim[op]) is not None and op not in tails}
+
+
+def _dividing(space: dict[Op, list[Strategy]], micro: int,
+              batch: dict[Op, tuple[str, int]]) -> dict[Op, list[Strategy]]:
     kept: dict[tuple, list[Strategy]] = {}  # alike ops keep one list, as ``repeated`` needs
     out = {}
     for op, found in space.items():
-        dim = batch_dim[op]
-        if dim is None or op in tails:
+        if op not in batch:
             out[op] = found
             continue
-        size = whole.roots[op.name].piece.sizes[dim]
+        dim, size = batch[op]
         key = (id(found), dim, size)
         if key not in kept:
             kept[key] = [s for s in found if size % (micro * _parts(s, dim)) == 0]
