@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
-from chronotope.compile.program import AllToAll, Broadcast, Recv, Send
+from chronotope.compile.program import AllReduce, AllToAll, Broadcast, Recv, ReduceScatter, Send
+from chronotope.policies.zero import cut_update
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
@@ -54,6 +56,35 @@ def one_to_all(w: ct.Workload) -> ct.Plan:
     return plan
 
 
+class TiedEmbedding(nn.Module):
+    """One weight read by two ops: the embedding and the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(idx))
+        return F.linear(h, self.emb.weight).pow(2).mean()
+
+
+def tied(zero: bool) -> tuple[ct.Workload, ct.Plan]:
+    """The embedding cut along its width (each device makes a slice of the weight's
+    gradient), the projection along the batch (each makes a partial sum of all of it);
+    ``zero``: the weight's update cut over the devices too."""
+    torch.manual_seed(0)
+    w = ct.Workload(TiedEmbedding(), (torch.randint(0, 32, (4, 8)),), name="tied")
+    graph = ct.capture(w)
+    plan = ct.Plan(graph, 2)
+    for op in graph:
+        dim = "d" if op.name == "embedding" else "b0" if op.name == "linear" else "d0"
+        for device, piece in enumerate(plan.trans(op, ct.Split(dim, 2))):
+            plan.assign(piece, device)
+    if zero:
+        cut_update(plan, "emb.weight")
+    return w, plan
+
+
 def kinds(program: ct.Program, rank: int) -> set[type]:
     return {type(ins) for ins in program.ranks[rank]}
 
@@ -88,6 +119,21 @@ def test_one_piece_read_whole_by_many_is_a_broadcast():
     assert casts[0][0].src is not None and casts[1][0].var is not None  # root sends, others get
     assert {c[0].ranks for c in casts} == {(0, 1, 2)}
     assert "rt.broadcast(" in program.code(1)
+    assert_trains_like_one_device(program, w, processes=False)
+
+
+@pytest.mark.parametrize("zero,collective", [(False, AllReduce), (True, ReduceScatter)])
+def test_a_gradient_made_in_pieces_of_two_layouts_is_summed_locally_then_reduced_once(
+        zero, collective):
+    """Each rank adds its slice into its partial sum, and one collective reduces that:
+    no rank sends its gradient to every other."""
+    w, plan = tied(zero)
+    program = ct.compile(plan)
+    for rank in range(2):
+        code = program.ranks[rank]
+        assert not any(isinstance(i, Send) and i.var.startswith("d_emb") for i in code)
+        assert any(isinstance(i, collective) for i in code)
+        assert "emb_weight__local = rt.assemble(" in program.code(rank)
     assert_trains_like_one_device(program, w, processes=False)
 
 

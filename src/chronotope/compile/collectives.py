@@ -222,7 +222,8 @@ def coalesce(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
 
 
 def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Receives nobody reads any more, their sends, and loads only those sends read."""
+    """Receives nobody reads any more, their sends, sums nobody reads, and loads only those
+    read."""
     read = [{var for ins in code for var in reads(ins)} for code in ranks]
     dead = {(r, ins.tag) for r, code in enumerate(ranks) for ins in code
             if isinstance(ins, Recv) and ins.var not in read[r]}
@@ -232,6 +233,9 @@ def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instructi
          and not (isinstance(ins, Send) and (ins.dst, ins.tag) in dead)]
         for rank, code in enumerate(ranks)
     ]
+    read = [{var for ins in code for var in reads(ins)} for code in kept]
+    kept = [[ins for ins in code if not (isinstance(ins, Assemble) and ins.var not in read[rank])]
+            for rank, code in enumerate(kept)]  # a local sum made for a collective not taken
     read = [{var for ins in code for var in reads(ins)} for code in kept]
     return [[ins for ins in code if not (isinstance(ins, Load) and ins.var not in read[rank])]
             for rank, code in enumerate(kept)]

@@ -46,7 +46,7 @@ from chronotope.compile.program import (
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor, TensorKind
-from chronotope.graph.mask import Mask, ValueRange, VTensor, equal_runs
+from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
 
@@ -359,9 +359,8 @@ class Materializer:
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                  pre: list[Instruction]) -> str:
-        pattern = self.pattern(rank, v, found)
-        if pattern is None:  # a collective takes every piece as it is
-            found = self.presum(rank, v, found)
+        pattern = self.pattern(rank, v, found, pre)  # taken, the messages below go unread
+        found = self.presum(rank, v, found)
         parts = []
         for producer, m in found:
             region = _overlap(m, v.mask)
@@ -415,7 +414,8 @@ class Materializer:
             out.append(self.combined[key])
         return out
 
-    def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]]) -> Pattern | None:
+    def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
+                pre: list[Instruction]) -> Pattern | None:
         """What this read does in terms every rank involved can agree on (see ``Pattern``)."""
         devices = [p.device for p, _ in found]
         if len(set(devices)) < 2 or rank not in devices or not v.mask.value.is_full:
@@ -436,19 +436,37 @@ class Materializer:
                 return Pattern("all_gather", (t.name, v.mask.index, sources),
                                [devices[i] for i in order], local, dim)
             return _all_to_all(t.name, v.mask, masks, devices, sources, local)
-        whole = Mask(masks[0].index)
-        if any(m.index != whole.index for m in masks) or sum(m.value.width for m in masks) != 1:
+        whole = _partial_sums(masks)
+        if whole is None:
             return None
-        dims = [d for d, (a, b) in enumerate(zip(v.mask.index, whole.index)) if a != b]
-        if len(dims) != 1:
-            return None
-        d = dims[0]
-        size = v.mask.shape[d]
-        lo, hi = whole.index[d]
-        if (hi - lo) != size * len(set(devices)) or (v.mask.index[d][0] - lo) % size:
-            return None
-        return Pattern("reduce_scatter", (t.name, whole.index, sources), [], local, d,
-                       (v.mask.index[d][0] - lo) // size)
+        if whole.index == v.mask.index:
+            kind, dim, chunk = "all_reduce", 0, 0
+        else:
+            dims = [d for d, (a, b) in enumerate(zip(v.mask.index, whole.index)) if a != b]
+            if len(dims) != 1:
+                return None
+            dim = dims[0]
+            size = v.mask.shape[dim]
+            lo, hi = whole.index[dim]
+            if (hi - lo) != size * len(set(devices)) or (v.mask.index[dim][0] - lo) % size:
+                return None
+            kind, chunk = "reduce_scatter", (v.mask.index[dim][0] - lo) // size
+        if any(m.index != whole.index for p, m in found if p.device == rank):
+            local = (self.padded(rank, t, whole, [(p, m) for p, m in found if p.device == rank],
+                                 pre),)
+        return Pattern(kind, (t.name, whole.index, sources),
+                       sorted(set(devices)) if kind == "all_reduce" else [], local, dim, chunk)
+
+    def padded(self, rank: int, t: PTensor, whole: Mask, pieces: list[tuple[PlanOp, Mask]],
+               pre: list[Instruction]) -> str:
+        """This rank's pieces of partial sums added into one partial sum of ``whole`` (zeros
+        where it holds none): a weight two readers cut differently, say, has its gradient's
+        pieces summed here and then reduced in one collective."""
+        var = self.name(rank, f"{t.name}_local", whole.shape)
+        pre.append(Assemble(var, whole.shape, t.dtype, [
+            Part(self.piece_var[(p, m, t)], tuple(slice(0, n) for n in m.shape),
+                 Mask(m.index).local_slices(whole), Fraction(1)) for p, m in pieces]))
+        return var
 
     def fetch(self, rank: int, producer: PlanOp, m: Mask, region: Mask, t: PTensor,
               pre: list[Instruction]) -> tuple[str, Mask]:
@@ -465,6 +483,16 @@ class Materializer:
             pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)
+
+
+def _partial_sums(masks: list[Mask]) -> Mask | None:
+    """The region ``masks`` hold partial sums of, when together they are exactly one whole
+    value of it (each element's pieces split its value with no gap and no overlap)."""
+    whole = Mask(tuple((min(m.index[d][0] for m in masks), max(m.index[d][1] for m in masks))
+                       for d in range(masks[0].ndim)))
+    shifted = [Mask(tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(m.index, whole.index)),
+                    m.value) for m in masks]
+    return whole if covers_exactly_once(shifted, whole.shape) else None
 
 
 def _all_to_all(name: str, want: Mask, masks: list[Mask], devices: list[int],
