@@ -46,6 +46,34 @@ def test_the_ilp_finds_the_optimum_of_its_model_by_brute_force(batch, width, hid
     assert price(graph, found.choice, devices, cluster) == pytest.approx(best, rel=1e-6)
 
 
+class TiedEmbedding(nn.Module):
+    """One weight read by two ops: the embedding and the output projection."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+
+    def forward(self, idx):
+        return nn.functional.linear(torch.tanh(self.emb(idx)), self.emb.weight).square().mean()
+
+
+def test_a_weight_two_ops_read_is_read_by_both_in_one_layout():
+    """Their gradients then add up where they are made and reduce once (priced once). Here
+    a cut the projection's weight and a whole one for the embedding would be cheapest if
+    each reader's gradient were reduced on its own; the ILP is still the optimum of its
+    model."""
+    w = ct.Workload(TiedEmbedding(32768, 64), (torch.randint(0, 32768, (4, 128)),))
+    graph, cluster = capture(w), cluster_for(2)
+    space = strategies(graph, 2, cluster)
+    ops = [op for op in graph.ops if space[op]]
+    best = min(price(graph, dict(zip(ops, pick)), 2, cluster)
+               for pick in itertools.product(*(space[op] for op in ops)))
+    found = solve(graph, space, 2, cluster, None, gap=0)
+    assert found.seconds == pytest.approx(best, rel=1e-6)
+    embedding, linear = (next(op for op in ops if op.name == n) for n in ("embedding", "linear"))
+    assert found.choice[embedding].inputs[1] == found.choice[linear].inputs[1]
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_the_plan_found_trains_like_one_device_and_beats_the_ready_made_ones(model):
     w = get_workload(model)

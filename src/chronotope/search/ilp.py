@@ -6,7 +6,9 @@ producer-consumer edge and pair of strategies, equal to the product of the two c
 layout changes the pair needs forward (the tensor) and backward (its gradient). The
 objective adds each op's compute and the gradient all-reduce of every weight it
 reads whole while cutting its batch; per-device memory (weights, gradients, optimizer
-state, activations) is bounded by the limit.
+state, activations) is bounded by the limit. A weight read by two ops (tied embeddings)
+is read by both in one layout: their gradients then add up where they are made and are
+reduced once, as the compiler sums them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from scipy.sparse import coo_matrix
 
 from chronotope.cost.network import Cluster
 from chronotope.cost.simulate import OPTIMIZER_PASSES
-from chronotope.graph.ir import Graph, Op, TensorKind
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import differentiable
 from chronotope.search.space import (
@@ -117,6 +119,14 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
             table, held = tables[alike]
             edges[pair] = edges[pair] + table if pair in edges else table
             edge_mem[pair] = edge_mem[pair] + held if pair in edge_mem else held
+    forbidden: dict[tuple[Hashable, Hashable], np.ndarray] = {}
+    for op, i, reader, j in later_reads(ops):  # a weight read again: the same layout
+        pair = (key[reader], key[op])
+        if pair[0] == pair[1]:
+            continue  # one decision: one layout
+        table, apart = _shared_tables(space[reader], space[op], j, i, reader.inputs[j], pricer)
+        edges[pair] = edges[pair] + table if pair in edges else table
+        forbidden[pair] = forbidden[pair] | apart if pair in forbidden else apart
     # one more variable: the largest gradients an op's backward holds at once, on top of
     # what is kept for backward (at least each chosen op's)
     total = count + sum(t.size for t in edges.values()) + 1
@@ -129,6 +139,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
             rows.append(r), cols.append(start[k] + s), vals.append(1.0)
         lo.append(1.0), hi.append(1.0)
     col = count
+    upper = np.r_[np.ones(total - 1), np.inf]
     for (u, v), table in edges.items():  # y[a, b] = x[u, a] * x[v, b] for one-hot x
         r = len(lo)
         nu, nv = sizes[u], sizes[v]
@@ -141,6 +152,8 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
         rows.extend((r + nu + b_idx).tolist()), cols.extend((col + np.arange(nu * nv)).tolist())
         vals.extend([1.0] * (2 * nu * nv))
         c[col:col + nu * nv] = table.ravel()
+        if (u, v) in forbidden:
+            upper[col:col + nu * nv][forbidden[(u, v)].ravel()] = 0.0
         col += nu * nv
         lo.extend([0.0] * (nu + nv)), hi.extend([0.0] * (nu + nv))
     if memory is not None:  # in units of the limit, so the solver's tolerances fit
@@ -167,7 +180,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     integrality[:count] = 1
     unit = float(np.abs(c).max()) or 1.0  # the solver's gaps are absolute as well as relative
     result = milp(c / unit, constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
-                  integrality=integrality, bounds=Bounds(0, np.r_[np.ones(total - 1), np.inf]),
+                  integrality=integrality, bounds=Bounds(0, upper),
                   options={"time_limit": time_limit, "mip_rel_gap": gap})
     if result.x is None:
         raise NoFit(sum(mem[start[k]:start[k] + sizes[k]].min() for k in members))
@@ -177,7 +190,9 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
     used = float(sum(mem[start[k] + s] for k, s in picked.items()) +
                  sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) +
                  max((passing[start[k] + s] for k, s in picked.items()), default=0.0))
-    sync = sum(_op_sync(op, s, first[op], pricer) for op, s in choice.items())
+    sync = sum(_op_sync(op, s, first[op], pricer) for op, s in choice.items()) + \
+        sum(_shared(choice[reader], choice[op], j, i, reader.inputs[j], pricer)[0]
+            for op, i, reader, j in later_reads(ops))
     held_bytes = sum(_output_bytes(op, s, mesh) for op, s in choice.items()) / micro + \
         sum(held[picked[u], picked[v]] for (u, v), held in edge_mem.items()) / in_flight
     return Solution(choice, float(result.fun) * unit, used, total, result.message, mesh, sync,
@@ -208,6 +223,40 @@ def first_reads(ops: Sequence[Op]) -> dict[Op, list[int]]:
     return out
 
 
+def later_reads(ops: Sequence[Op]) -> list[tuple[Op, int, Op, int]]:
+    """Each read of a trainable weight an earlier op read first: (op, input, first reader,
+    its input)."""
+    first: dict[PTensor, tuple[Op, int]] = {}
+    out = []
+    for op in ops:
+        for i, t in enumerate(op.inputs):
+            if t.kind is not TensorKind.PARAM or t.frozen:
+                continue
+            if t in first:
+                out.append((op, i, *first[t]))
+            else:
+                first[t] = (op, i)
+    return out
+
+
+def _shared_tables(first: list[Strategy], later: list[Strategy], j: int, i: int, t: PTensor,
+                   pricer: Pricer) -> tuple[np.ndarray, np.ndarray]:
+    """A weight's second reader against its first: the reduction its gradient adds to the
+    first's, and the pairs that read the weight in different layouts (not allowed)."""
+    pairs = [[_shared(a, b, j, i, t, pricer) for b in later] for a in first]
+    return (np.array([[x for x, _ in row] for row in pairs]),
+            np.array([[apart for _, apart in row] for row in pairs]))
+
+
+def _shared(first: Strategy, later: Strategy, j: int, i: int, t: PTensor, pricer: Pricer
+            ) -> tuple[float, bool]:
+    if first.inputs[j] != later.inputs[i]:
+        return 0.0, True
+    size = nbytes(t)
+    return max(0.0, pricer.reduction(later.grads[i], later.inputs[i], size) -
+               pricer.reduction(first.grads[j], first.inputs[j], size)), False
+
+
 def updates_cut(op: Op, s: Strategy, i: int) -> bool:
     """Whether ``s`` cuts the update of the weight ``op`` reads as input ``i`` over the
     devices (ZeRO): a trainable weight it reads whole."""
@@ -215,19 +264,19 @@ def updates_cut(op: Op, s: Strategy, i: int) -> bool:
 
 
 def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
-    """Once a step: the gradient reductions of the trainable weights the op reads, and the
-    optimizer's update of those it reads first (memory bound, as the simulator prices it:
-    a few passes over the bytes each device owns, a ZeRO share or its slice)."""
+    """Once a step, for the trainable weights the op reads first: their gradient reductions
+    (what a later reader adds: ``_shared``) and the optimizer's update (memory bound, as
+    the simulator prices it: a few passes over the bytes each device owns, a ZeRO share or
+    its slice)."""
     total = 0.0
     for i, (t, lay, g) in enumerate(zip(op.inputs, s.inputs, s.grads)):
-        if t.kind is TensorKind.PARAM and not t.frozen:
+        if t.kind is TensorKind.PARAM and not t.frozen and i in first:
             total += pricer.reduction(g, lay, nbytes(t))
             cut = updates_cut(op, s, i)
             if cut:
                 total += pricer.zero_calls(g)
-            if i in first:
-                owned = pricer.mesh.devices if cut else sharded(lay, pricer.mesh)
-                total += OPTIMIZER_PASSES * nbytes(t) / owned / pricer.cluster.copy_bandwidth
+            owned = pricer.mesh.devices if cut else sharded(lay, pricer.mesh)
+            total += OPTIMIZER_PASSES * nbytes(t) / owned / pricer.cluster.copy_bandwidth
     return total
 
 
@@ -271,11 +320,18 @@ def _edge(made: Layout, consumer: Strategy, i: int, t, pricer: Pricer,
 def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
           cluster: Cluster) -> float:
     """The objective of a choice, term by term as ``solve`` prices it (to check a solution
-    against, or to compare plans under the solver's model)."""
+    against, or to compare plans under the solver's model); infinite where a weight's
+    readers read it in different layouts."""
     pricer = Pricer(Mesh((mesh,)) if isinstance(mesh, int) else mesh, cluster)
     needs_grad = differentiable(graph)
+    ops = [op for op in graph.ops if op in choice]
     total = 0.0
-    first = first_reads([op for op in graph.ops if op in choice])
+    for op, i, reader, j in later_reads(ops):
+        extra, apart = _shared(choice[reader], choice[op], j, i, reader.inputs[j], pricer)
+        if apart:
+            return float("inf")
+        total += extra
+    first = first_reads(ops)
     for op, s in choice.items():
         total += s.compute + _op_sync(op, s, first[op], pricer)
         for i, t in enumerate(op.inputs):
