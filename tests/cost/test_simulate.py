@@ -3,10 +3,15 @@
 from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
+
+import chronotope as ct
 
 from chronotope.compile import compile
+from chronotope.compile.program import AllReduce
 from chronotope.cost.network import Link, load_cluster
-from chronotope.cost.simulate import simulate
+from chronotope.cost.simulate import _priced, simulate
 from chronotope.errors import PlanError
 from chronotope.policies import mesh, pipeline
 from tests.policies.plan_testing import captured
@@ -66,3 +71,21 @@ def test_profiled_calls_after_compute_cost_what_they_were_measured_at(gpt):
     after = simulate(program, replace(here, fitted_busy=slower, busy=1e-12))
     assert max(r.comm for r in after.ranks) > max(r.comm for r in back_to_back.ranks)
     assert after.step_time > back_to_back.step_time
+
+
+def test_collectives_of_two_groups_crossing_nodes_share_the_network():
+    """dp 2 x tp 2 on nodes of two: both tensor-parallel ranks' data-parallel all-reduces
+    cross the nodes at once, so the node networks carry them one after the other."""
+    torch.manual_seed(0)
+    graph = ct.capture(ct.Workload(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)),
+                                   (torch.randn(8, 16),), targets=(torch.randn(8, 1),),
+                                   loss_fn=nn.functional.mse_loss, name="mlp"))
+    slow_net = replace(A100, name="slow-net", nodes=2, per_node=2, inter=Link(1e-3, 1e6))
+    program = compile(mesh(graph, dp=2, tp=2))
+    crossing = {ins.ranks: slow_net.collective("all_reduce", _priced(ins, graph.params)[1],
+                                               [ins.ranks])
+                for code in program.ranks for ins in code
+                if isinstance(ins, AllReduce) and len({slow_net.node(r) for r in ins.ranks}) > 1}
+    assert set(crossing) == {(0, 2), (1, 3)}
+    step = simulate(program, slow_net).step_time
+    assert step >= sum(crossing.values())  # alone, each would take its own time at once

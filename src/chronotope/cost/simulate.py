@@ -6,10 +6,11 @@ at the device's peak (or its share of its op's measured time, plus what the
 runtime adds per instruction as ``cost.calibrate`` fitted it); a message leaves
 when its sender reaches the ``Send`` and takes the link's alpha-beta time, one
 at a time per sending and receiving device and per node network; a receive
-waits for it; a collective starts when its last member arrives and takes what
-``Cluster.collective`` says. Waiting on a message longer than it travels, or on
-a collective's late members, is bubble. After the step, the optimizer reads and
-writes each owned parameter a few times (memory bound, or as calibrated), and
+waits for it; a collective starts when its last member arrives (and, crossing nodes,
+when their networks are free) and takes what ``Cluster.collective`` says. Waiting on a
+message longer than it travels, or on a collective's late members, is bubble. After
+the step, the optimizer reads and writes each owned parameter a few times (memory
+bound, or as calibrated), and
 the refresh of stored copies runs like the step. A profiled cluster prices each
 call by the compute its members did since they last communicated.
 """
@@ -147,7 +148,8 @@ class _Replay:
                                 break
                             start = max(clock for clock, _ in arrived[key].values())
                             busy = max(since for _, since in arrived[key].values())
-                            done[key] = (start, start + self._collective(ins, busy))
+                            done[key] = self._network(ins.ranks, start,
+                                                      self._collective(ins, busy))
                         start, end = done[key]
                         self.comm[r] += end - start
                         self.clock[r] = end
@@ -176,6 +178,17 @@ class _Replay:
         for x in busy:
             self.free[x] = start + duration
         sent[(r, dst, tag)] = (start + duration, duration)
+
+    def _network(self, ranks, start: float, duration: float) -> tuple[float, float]:
+        """(start, end) of a collective: one that crosses nodes waits for their networks,
+        which carry one cross-node transfer at a time (two groups' rings share them)."""
+        nodes = {self.cluster.node(r) for r in ranks}
+        links = [(way, n) for n in nodes for way in ("net out", "net in")] \
+            if len(nodes) > 1 else []
+        start = max([start, *(self.free.get(x, 0.0) for x in links)])
+        for x in links:
+            self.free[x] = start + duration
+        return start, start + duration
 
     def _collective(self, ins, busy: float) -> float:
         kind, nbytes = _priced(ins, self.params)
