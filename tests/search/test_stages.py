@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from search_testing import capture
 
 import chronotope as ct
+from chronotope.compile.program import AllReduce, Send
 from chronotope.cost.network import cluster_for
 from chronotope.errors import PlanError
 from chronotope.models import get_workload
@@ -63,6 +64,26 @@ def test_every_pipeline_found_trains_like_one_device(model):
         run = run_in_threads(ct.compile(plan), w, 4, Optim("sgd", 0.1))
         assert compare(run, train_reference(w, 4, Optim("sgd", 0.1))).within(1e-5), p.label
 
+def test_a_weight_two_stages_read_is_read_as_data_parallel_and_reduced_once_over_both():
+    """GPT's tied embedding: the embedding on the first stage, the projection on the last."""
+    graph = capture(get_workload("gpt", batch_size=8))
+    found = pipelines(graph, 4, cluster_for(4), None)[0]
+    assert found.stages == 2
+    wte = graph.params["wte.weight"]
+    choice = {op: s for sol in found.solutions for op, s in sol.choice.items()}
+    readers = [op for op in graph.ops if wte in op.inputs]
+    assert len({found.stage_of[op] for op in readers}) == 2
+    for op in readers:
+        i = op.inputs.index(wte)
+        assert set(choice[op].inputs[i]) == {"R"} and set(choice[op].grads[i]) == {"P"}
+    plan = build_pipeline(graph, found.stage_devices, found.stage_of, found.micro,
+                          {op: s.algos for op, s in choice.items()},
+                          zero=zero_weights(graph, choice))
+    program = ct.compile(plan)
+    for code in program.ranks:
+        assert not any(isinstance(i, Send) and "wte" in i.var for i in code)
+        assert [i.ranks for i in code if isinstance(i, AllReduce)
+                and "grad_wte_weight" in i.vars] == [(0, 1, 2, 3)]
 
 
 def test_micro_batch_spaces_keep_the_cuts_a_micro_batch_divides():

@@ -11,6 +11,10 @@ For ``s`` stages of ``d = devices / s`` devices and ``B`` micro-batches:
    micro-batches' activations at once as 1F1B keeps in flight on it (``s - i``);
 4. the step takes ``sum(t_i) + (B - 1) * max(t_i)`` (1F1B's fill, steady state and
    drain) plus the slowest stage's gradient reductions.
+
+A weight two stages read (tied embeddings) is read as data parallelism reads it on
+both, its update not cut: its gradient is then one all-reduce over both stages'
+devices, priced as such.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from chronotope.cost.network import Cluster
-from chronotope.graph.ir import Graph, Op
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.algo import Split
 from chronotope.plan.plan import Plan, differentiable
 from chronotope.policies.axes import batch_dims
 from chronotope.policies.mesh import _crossing, loss_tails
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
+    PARTIAL,
+    WHOLE,
     Mesh,
     Pricer,
     Strategy,
@@ -82,17 +88,19 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
                 whole = solution
         assert whole is not None
         bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s)
+        stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
+        stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
+        shared = shared_weights(graph, stage_of)
         for micro in micros:
-            space, groups = spaces.on(whole.mesh, micro)
-            stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
+            space, groups = _whole_where_shared(*spaces.on(whole.mesh, micro), shared)
             solutions = [_stage(graph, ops, space, groups, whole.mesh, cluster, memory,
                                 micro, min(s - i, micro), time_limit, solved)
                          for i, ops in enumerate(stages)]
             if any(sol is None for sol in solutions):
                 continue
-            stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
             found.append(Pipeline(stage_of, micro, solutions,
-                                  _step_seconds(graph, solutions, bounds, micro, cluster)))
+                                  _step_seconds(graph, solutions, bounds, micro, cluster) +
+                                  _shared_seconds(shared, stage_of, whole.mesh, cluster)))
     return sorted(found, key=lambda p: p.seconds)
 
 
@@ -110,13 +118,58 @@ def cut_positions(graph: Graph) -> list[int]:
     return [i for i in inner if crossing[i] == fewest]
 
 
+def shared_weights(graph: Graph, stage_of: dict[Op, int]) -> dict[PTensor, list[Op]]:
+    """Trainable weights read by ops of two or more stages, and those ops."""
+    readers: dict[PTensor, list[Op]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            if t.kind is TensorKind.PARAM and not t.frozen:
+                readers.setdefault(t, []).append(op)
+    return {t: ops for t, ops in readers.items() if len({stage_of[op] for op in ops}) > 1}
+
+
+def _whole_where_shared(space: dict[Op, list[Strategy]], groups: dict[Op, Hashable],
+                        shared: dict[PTensor, list[Op]]
+                        ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]:
+    """Readers of a weight two stages share keep only the strategies that read it as data
+    parallelism does (whole, its gradient a partial sum on every axis) with its update
+    not cut: each such reader decided on its own, out of its group."""
+    if not shared:
+        return space, groups
+    space, groups = dict(space), dict(groups)
+    for t, readers in shared.items():
+        for op in readers:
+            kept = [st for st in space[op] if not st.zero and all(
+                all(lay == WHOLE for lay in st.inputs[i]) and
+                all(g == PARTIAL for g in st.grads[i])
+                for i, x in enumerate(op.inputs) if x is t)]
+            space[op] = kept or space[op]
+            groups.pop(op, None)
+    return space, groups
+
+
+def _shared_seconds(shared: dict[PTensor, list[Op]], stage_of: dict[Op, int], mesh: Mesh,
+                    cluster: Cluster) -> float:
+    """What a shared weight's all-reduce over its stages' devices adds to the one over a
+    stage's own (which the stage's solution priced)."""
+    d = mesh.devices
+    total = 0.0
+    for t, readers in shared.items():
+        stages = sorted({stage_of[op] for op in readers})
+        ranks = tuple(r for st in stages for r in range(st * d, (st + 1) * d))
+        total += max(0.0, cluster.collective("all_reduce", nbytes(t), [ranks]) -
+                     cluster.collective("all_reduce", nbytes(t), [ranks[:d]]))
+    return total
+
+
 def _stage(graph: Graph, ops: list[Op], space, groups, mesh: Mesh, cluster: Cluster,
            memory: float | None, micro: int, in_flight: int, time_limit: float,
            solved: dict) -> Solution | None:
     """A stage's fastest cut over its devices that holds ``in_flight`` micro-batches within
     ``memory``: a stage made of the same ops as one solved before (the same layers)
     reuses its solution where that fits."""
-    key = (tuple(groups.get(op, op) for op in ops), mesh, micro)
+    key = (tuple(groups.get(op, op) for op in ops), mesh, micro,
+           tuple(len(space[op]) for op in ops))  # readers of a shared weight choose from fewer
     if key not in solved:
         solved[key] = ops, solve(graph, space, mesh, cluster, None, time_limit=time_limit,
                                  groups=groups, ops=ops, micro=micro)
