@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import chronotope as ct
-
 from chronotope.compile import compile
 from chronotope.compile.program import AllReduce
 from chronotope.cost.network import Link, load_cluster
