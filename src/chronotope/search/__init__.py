@@ -43,7 +43,8 @@ from chronotope.search.stages import Pipeline, pipelines
 
 METHODS = ("auto", "ilp", "drec")
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
-FINALISTS = 3  # the ILP's cheapest options that fit, built and simulated to pick one
+FINALISTS = 3  # the ILP's cheapest options that fit, built and simulated to pick one (and
+# the cheapest pipeline, or plan over all devices, if none of them is one)
 
 
 class SearchError(ChronotopeError):
@@ -156,13 +157,18 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             explored: list[dict[str, Any]], clock: _Clock, simulate: bool) -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits; simulating, the fastest in the
-    simulator of the cheapest few that fit."""
+    simulator of the cheapest few that fit and the cheapest of the other family."""
     options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
                                      pipeline, explored)
     peak, why, fitting = None, [], []
+    families: set[bool] = set()  # pipelines or not, among those that fit
     for seconds, option in options:
-        if len(fitting) == (FINALISTS if simulate else 1):
-            break
+        family = isinstance(option, Pipeline)
+        if len(fitting) >= (FINALISTS if simulate else 1):
+            if not simulate or len(families) == 2:
+                break
+            if family in families:
+                continue  # one more: the best of the other family, should the model err
         try:
             if isinstance(option, Pipeline):
                 choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
@@ -174,6 +180,7 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             fitting.append(_Found("ilp", plan, peaks, layout,
                                   {op.name: s.label for op, s in choice.items()}, seconds,
                                   variables))
+            families.add(family)
         except _TooBig as e:
             peak = e.peak if peak is None else min(peak, e.peak)
         except PlanError as e:  # a cut that micro-batches do not divide, say
