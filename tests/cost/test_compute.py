@@ -2,6 +2,8 @@
 
 import warnings
 
+import torch
+
 import chronotope as ct
 from chronotope.cost import op_flops, piece_flops
 from chronotope.models import get_workload
@@ -29,3 +31,18 @@ def test_a_lookup_costs_one_row_per_index():
         graph = ct.capture(get_workload("gpt", block_size=32, d_model=64, batch_size=2))
     lookup = next(op for op in graph if op.kind == "embedding")
     assert op_flops(lookup) == 2 * 32 * 64
+
+
+class Join(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([x, 2 * x, 3 * x, 4 * x], dim=-1).sum()
+
+
+def test_dims_of_one_tensor_alone_do_not_multiply_with_another_tensors():
+    """A concatenation's inputs each have their own run of the joined dim: it moves one
+    element per output element, not the product of every input's run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(ct.Workload(Join(), (torch.randn(2, 3, 512),)))
+    cat = next(op for op in graph if op.name == "cat")
+    assert op_flops(cat) == 2 * 3 * 4 * 512

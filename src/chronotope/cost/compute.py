@@ -40,13 +40,20 @@ def op_flops(op: Op) -> float:
 
 
 def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
-    """One operation per combination of the dims, two where a dim is reduced; attention
-    is two contractions (scores over ``E``, then values over ``S``), not one over all,
-    and a lookup copies one row per index, whatever the table's length ``v``."""
+    """One operation per combination of the dims, two where a dim is reduced; dims that
+    each belong to one tensor alone (a concatenation's inputs' and output's) are not
+    combined with each other: the tensor with most of them counts. Attention is two
+    contractions (scores over ``E``, then values over ``S``), not one over all, and a
+    lookup copies one row per index, whatever the table's length ``v``."""
     if kind == "attention" and {"L", "S", "E", "Ev"} <= set(sizes):
         rows = math.prod(v for n, v in sizes.items() if n not in ("L", "S", "E", "Ev"))
         return 2.0 * rows * sizes["L"] * sizes["S"] * (sizes["E"] + sizes["Ev"])
     if kind == "embedding":
         return float(math.prod(v for n, v in sizes.items() if n != "v"))
     reduced = any(d.reduce for d in sig.dims())
-    return float(math.prod(sizes.get(n, 1) for n in sig.names())) * (2 if reduced else 1)
+    tensors = [{d.name for a in t for d in a.factors if d.size is None}
+               for t in (*sig.inputs, *sig.outputs)]
+    shared = [n for n in sig.names() if sum(n in t for t in tensors) > 1]
+    own = max((math.prod(sizes.get(n, 1) for n in t if n not in shared) for t in tensors),
+              default=1)
+    return float(math.prod(sizes.get(n, 1) for n in shared) * own) * (2 if reduced else 1)
