@@ -93,8 +93,9 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     the simulator finds faster.
 
     ``simulate``: compile and simulate the plans found and the ready-made data- and
-    tensor-parallel plans to compare them (off: compare by the search's own cost model,
-    for plans too large to compile quickly)."""
+    tensor-parallel plans to compare them (off, for plans too large to compile quickly:
+    the ILP's cheapest by its own cost model; ``"auto"`` then takes D-Rec's plan only
+    where the ILP finds none, its symbolic cost not being seconds)."""
     if method not in METHODS:
         raise SearchError(f"unknown search method {method!r}: use {', '.join(METHODS)}")
     if devices < 1:
@@ -114,6 +115,8 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     for name in ("ilp", "drec") if method == "auto" else (method,):
         if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
             continue  # D-Rec halves the devices: only powers of two, no given mesh
+        if name == "drec" and method == "auto" and found and not simulate:
+            continue  # its symbolic cost knows no latency: not comparable to the ILP's
         try:
             found.append(runs[name]())
         except SearchError as e:
