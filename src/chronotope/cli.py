@@ -279,7 +279,7 @@ def _micro(graph: Graph, args: argparse.Namespace, stages: int, dp: int) -> int:
     """--micro, or up to two per stage, as many as each group's batch allows."""
     if args.micro > 1:
         return args.micro
-    batch = graph.inputs[0].shape[0] // dp if graph.inputs and graph.inputs[0].shape else 1
+    batch = graph.batch_size // dp if graph.batch_size else 1
     return max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
 
 

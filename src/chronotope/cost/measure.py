@@ -192,7 +192,7 @@ def calibrate(graph: Graph, workload: Workload, times: dict[str, OpTime], steps:
     from chronotope.runtime.launch import spawn
     from chronotope.runtime.local import rank_specs
 
-    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
+    batch = graph.batch_size or 1
     specs, codes = [], []
     for micro in dict.fromkeys((1, max(k for k in (1, 2, 4) if batch % k == 0))):
         program = compile(mesh(graph, dp=1, micro=micro), comm="p2p")

@@ -176,6 +176,11 @@ class Graph:
     def num_params(self) -> int:
         return sum(p.meta.numel for p in self.params.values())
 
+    @property
+    def batch_size(self) -> int:
+        """Samples in the example batch: the first input's leading dim (0 without one)."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 0
+
     def consumers(self) -> dict[PTensor, list[Op]]:
         users: dict[PTensor, list[Op]] = {}
         for op in self.ops:

@@ -72,7 +72,7 @@ def interlaced(graph: Graph, stages: int, microbatches: int) -> Plan:
 
 def _interlaced(graph: Graph, pp: int, micro: int, lead: int) -> Plan:
     table, lookups, head = shared_table(graph)
-    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
+    batch = graph.batch_size
     if micro > 1 and batch % micro:
         raise PlanError(f"{micro} micro-batches need a batch divisible by {micro}; the example "
                         f"batch has {batch} samples")

@@ -212,7 +212,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if chunks < 1 or (chunks > 1 and isinstance(schedule, str) and schedule not in MULTI_STAGE):
         raise PlanError(f"{chunks} stages per rank need a schedule for several stages per "
                         f"rank ({', '.join(sorted(MULTI_STAGE))}), not {schedule!r}")
-    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 0
+    batch = graph.batch_size
     if (dp > 1 or micro > 1) and batch % (dp * micro):
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")

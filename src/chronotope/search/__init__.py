@@ -244,7 +244,7 @@ def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
              explored: list[dict[str, Any]], clock: _Clock) -> _Found:
     """D-Rec's plan over all devices, or its pipeline of D-Rec plans over fewer (the
     thesis's joint search), the cheapest by its symbolic cost that fits."""
-    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
+    batch = graph.batch_size or 1
     micro = max(m for m in (1, 2, 4, 8, 16) if batch % m == 0)
     # compute in the unit of the symbolic cost (an element sent within a node)
     per_element = cluster.intra.bandwidth / 4 / cluster.peak()

@@ -69,7 +69,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
               time_limit: float = 60.0) -> list[Pipeline]:
     """Every pipeline the DP finds that fits, cheapest first: stage counts that divide the
     devices, micro-batches from one to four per stage that divide the batch."""
-    batch = graph.inputs[0].shape[0] if graph.inputs and graph.inputs[0].shape else 1
+    batch = graph.batch_size or 1
     cuts = cut_positions(graph)
     found = []
     spaces = _Spaces(graph, cluster)
