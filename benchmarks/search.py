@@ -1,6 +1,6 @@
 """Automatic plan search: how long it takes to decide, and how good its plans are.
 
-    python benchmarks/search.py [--quick] [--skip-scale]
+    python benchmarks/search.py [--quick] [--skip-scale] [--model M] [--cluster C]
 
 One table, everything priced on this machine without a GPU or profiling:
 
@@ -40,15 +40,19 @@ from chronotope.search import SearchError, ilp_options, search
 from chronotope.search.drec import drec
 
 SCALE = [("gpt3-39b", 64, 16), ("gpt3-175b", 1024, 1024), ("llama-70b", 1024, 1024)]
-MODELS = {  # name: (built-in, batch, overrides): the tiny t5 and swin at base sizes
+MODELS = {  # name: (built-in, batch, overrides): the tiny t5 and swin at base sizes; the
+    # large models with fewer layers of their real width, so that their grids compile here
     "gpt3-1.3b": ("gpt3-1.3b", 16, {}),
+    "gpt3-13b (8 of 40 layers)": ("gpt3-13b", 16, dict(n_layer=8)),
+    "llama-70b (4 of 80 layers)": ("llama-70b", 16, dict(n_layer=4)),
     "t5-base": ("t5", 16, dict(vocab_size=32128, d_model=768, d_kv=64, d_ffn=3072, n_head=12,
                                n_enc_layer=12, n_dec_layer=12, src_len=512, tgt_len=128)),
     "swin-base": ("swin", 32, dict(img_size=224, patch_size=4, embed_dim=128,
                                    depths=(2, 2, 18, 2), n_heads=(4, 8, 16, 32), window=7,
                                    num_classes=1000)),
 }
-CLUSTERS = ["dgx-a100x1", "dgx1-v100x2"]
+CLUSTERS = ["dgx-a100x1", "dgx1-v100x2", "dgx-a100x4"]
+WIDE = {"gpt3-1.3b", "gpt3-13b (8 of 40 layers)"}  # the models also priced on 32 devices
 TINY = ["gpt", "llama", "bert", "t5", "swin", "evoformer",
         "examples/shakespeare/model.py:char_gpt"]
 
@@ -90,6 +94,8 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
         name, batch, overrides = MODELS[model]
         graph = captured(name, batch, **overrides)
         for spec in clusters:
+            if spec == CLUSTERS[2] and model not in WIDE:
+                continue
             cluster = cluster_for(0, spec)
             devices = cluster.nodes * cluster.per_node
             best = None
@@ -109,6 +115,12 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
                     found[method] = (str(e)[:40], None, time.perf_counter() - start)
                     continue
                 found[method] = (r.mesh, r.predicted_step_s, r.search_s)
+                finals = [(e["option"], round(e["model_step_s"] * 1e3),
+                           round(e["simulated_step_s"] * 1e3))
+                          for e in r.explored if "simulated_step_s" in e]
+                if finals:  # the cost model against the simulator, in ms
+                    print(f"  {method} finalists (option, model ms, simulated ms): {finals}",
+                          file=sys.stderr, flush=True)
             ilp, dr = found["ilp"], found["drec"]
             print(f"{model} on {spec}: ilp {ilp}, drec {dr}, best {best}", file=sys.stderr,
                   flush=True)
@@ -182,6 +194,10 @@ def main() -> None:
     p.add_argument("--skip-scale", action="store_true", help="no 39B / 1,024-device rows")
     p.add_argument("--end-to-end", action="store_true",
                    help="also run each tiny model's searched plan on 2 and 4 processes")
+    p.add_argument("--model", action="append", choices=list(MODELS),
+                   help="quality rows of this model only (repeatable)")
+    p.add_argument("--cluster", action="append", choices=CLUSTERS,
+                   help="quality rows on this cluster only (repeatable)")
     args = p.parse_args()
     table = Table(title="plan search: time to decide, and simulated step vs the best "
                         "built-in policy that fits (ratio < 1 is better)")
@@ -189,8 +205,8 @@ def main() -> None:
         table.add_column(col, justify="right" if col == "devices" else "left")
     if not args.skip_scale:
         scale_rows(table, SCALE[:1] if args.quick else SCALE)
-    quality_rows(table, ["gpt3-1.3b"] if args.quick else list(MODELS),
-                 CLUSTERS[:1] if args.quick else CLUSTERS)
+    quality_rows(table, args.model or (["gpt3-1.3b"] if args.quick else list(MODELS)),
+                 args.cluster or (CLUSTERS[:1] if args.quick else CLUSTERS))
     Console(width=200).print(table)
     if args.end_to_end:
         Console(width=200).print(end_to_end(TINY[:1] if args.quick else TINY))
