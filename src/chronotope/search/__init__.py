@@ -165,13 +165,15 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
                                      pipeline, explored)
     peak, why, fitting = None, [], []
     families: set[bool] = set()  # pipelines or not, among those that fit
+    other = 0  # tries at one more, the cheapest of the other family, should the model err
     for seconds, option in options:
         family = isinstance(option, Pipeline)
         if len(fitting) >= (FINALISTS if simulate else 1):
-            if not simulate or len(families) == 2:
+            if not simulate or len(families) == 2 or other == FINALISTS:
                 break
             if family in families:
-                continue  # one more: the best of the other family, should the model err
+                continue
+            other += 1
         try:
             if isinstance(option, Pipeline):
                 choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
