@@ -86,6 +86,23 @@ def test_a_weight_two_stages_read_is_read_as_data_parallel_and_reduced_once_over
                 and "grad_wte_weight" in i.vars] == [(0, 1, 2, 3)]
 
 
+def test_a_weight_a_stage_reads_transposed_keeps_stages_one_device_wide():
+    """T5's output projection reads the shared embedding through a transpose, which cannot
+    read it as data parallelism does: one-device stages, whose copies all-reduce it."""
+    graph = capture(get_workload("t5", batch_size=8))
+    found = pipelines(graph, 4, cluster_for(4), None)
+    assert {(p.stages, p.stage_devices) for p in found} == {(4, 1)}
+    choice = {op: s for sol in found[0].solutions for op, s in sol.choice.items()}
+    plan = build_pipeline(graph, 1, found[0].stage_of, found[0].micro,
+                          {op: s.algos for op, s in choice.items()})
+    readers = {found[0].stage_of[op] for op in graph.ops
+               if graph.params["shared.weight"] in op.inputs}
+    for rank, code in enumerate(ct.compile(plan).ranks):
+        assert [i.ranks for i in code if isinstance(i, AllReduce)
+                and "grad_shared_weight" in i.vars] == ([tuple(sorted(readers))]
+                                                        if rank in readers else [])
+
+
 def test_micro_batch_spaces_keep_the_cuts_a_micro_batch_divides():
     graph = capture(get_workload("gpt", batch_size=8))
     space = strategies(graph, 4, cluster_for(4))

@@ -14,7 +14,8 @@ For ``s`` stages of ``d = devices / s`` devices and ``B`` micro-batches:
 
 A weight two stages read (tied embeddings) is read as data parallelism reads it on
 both, its update not cut: its gradient is then one all-reduce over both stages'
-devices, priced as such.
+devices, priced as such. Where a reader cannot read it so (a transpose of the weight),
+stages are one device wide.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
         shared = shared_weights(graph, stage_of)
         for micro in micros:
-            space, groups = _whole_where_shared(*spaces.on(whole.mesh, micro), shared)
+            restricted = _whole_where_shared(*spaces.on(whole.mesh, micro), shared, whole.mesh)
+            if restricted is None:
+                break
+            space, groups = restricted
             solutions = [_stage(graph, ops, space, groups, whole.mesh, cluster, memory,
                                 micro, min(s - i, micro), time_limit, solved)
                          for i, ops in enumerate(stages)]
@@ -129,21 +133,24 @@ def shared_weights(graph: Graph, stage_of: dict[Op, int]) -> dict[PTensor, list[
 
 
 def _whole_where_shared(space: dict[Op, list[Strategy]], groups: dict[Op, Hashable],
-                        shared: dict[PTensor, list[Op]]
-                        ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]:
+                        shared: dict[PTensor, list[Op]], mesh: Mesh
+                        ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]] | None:
     """Readers of a weight two stages share keep only the strategies that read it as data
     parallelism does (whole, its gradient a partial sum on every axis) with its update
-    not cut: each such reader decided on its own, out of its group."""
-    if not shared:
+    not cut: each such reader decided on its own, out of its group. None where a reader
+    has no such strategy (a transpose of the weight, replicated): its copies' gradients
+    would reach the other stage as messages, not one all-reduce."""
+    if not shared or mesh.devices == 1:
         return space, groups
     space, groups = dict(space), dict(groups)
     for t, readers in shared.items():
         for op in readers:
-            kept = [st for st in space[op] if not st.zero and all(
+            space[op] = [st for st in space[op] if not st.zero and all(
                 all(lay == WHOLE for lay in st.inputs[i]) and
                 all(g == PARTIAL for g in st.grads[i])
                 for i, x in enumerate(op.inputs) if x is t)]
-            space[op] = kept or space[op]
+            if not space[op]:
+                return None
             groups.pop(op, None)
     return space, groups
 
