@@ -7,6 +7,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.compile.program import AllReduce, AllToAll, Broadcast, Recv, ReduceScatter, Send
+from chronotope.policies.axes import batch_dims
 from chronotope.policies.zero import cut_update
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
@@ -134,6 +135,25 @@ def test_a_gradient_made_in_pieces_of_two_layouts_is_summed_locally_then_reduced
         assert not any(isinstance(i, Send) and i.var.startswith("d_emb") for i in code)
         assert any(isinstance(i, collective) for i in code)
         assert "emb_weight__local = rt.assemble(" in program.code(rank)
+    assert_trains_like_one_device(program, w, processes=False)
+
+
+def test_readers_of_replicated_partial_sums_each_reduce_among_their_own_replicas():
+    """Every op cut along the batch over two groups and copied within each (a 2 x 2 mesh):
+    each weight's gradient is partial over the groups and copied in them. A reader takes
+    the copies at its own position, so copies 0 and copies 1 each run one all-reduce."""
+    w = workload(4)
+    graph = ct.capture(w)
+    batch = batch_dims(graph)
+    plan = ct.Plan(graph, 4)
+    for op in graph:
+        for i, half in enumerate(plan.trans(op, ct.Split(batch[op], 2))):
+            for j, copy in enumerate(plan.trans(half, ct.Replicate(2))):
+                plan.assign(copy, 2 * i + j)
+    program = ct.compile(plan)
+    for rank, code in enumerate(program.ranks):
+        assert not any(isinstance(i, Send) and i.var.startswith("d_") for i in code)
+        assert {i.ranks for i in code if isinstance(i, AllReduce)} == {(rank % 2, rank % 2 + 2)}
     assert_trains_like_one_device(program, w, processes=False)
 
 

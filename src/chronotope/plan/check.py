@@ -178,35 +178,61 @@ class Sources:
     def one_copy(self, t: PTensor, found: list[tuple[PlanOp, Mask]], device: int | None,
                  ) -> list[tuple[PlanOp, Mask]]:
         """The pieces of one copy wherever pieces are copies of each other (the copy with
-        the most pieces on ``device``, else the first): copies cut differently have regions
-        that overlap without being equal, and pieces of two copies would count a value
-        twice."""
+        the most pieces on ``device``; else the copy at the position ``device``'s own copy
+        holds among as many, so that readers of the same position read from one another
+        alone; else the first): copies cut differently have regions that overlap without
+        being equal, and pieces of two copies would count a value twice."""
         def copies(p: PlanOp, m: Mask) -> Copies:
             return self.copies.get((p, m, t), ())
 
         kept, chosen = list(found), {}
+        aligned: dict[int, int] = {}  # copies of a node -> the position device's own holds
         while True:
-            node = next((n for p, m in kept for n, _ in copies(p, m) if n not in chosen), None)
-            if node is None:
+            nodes = [n for p, m in sorted(kept, key=lambda pm: pm[0].device != device)
+                     for n, _ in copies(p, m) if n not in chosen]
+            if not nodes:
                 return kept
+            node = nodes[0]
             local: dict[int, int] = defaultdict(int)
             for p, m in kept:
                 for i in (i for n, i in copies(p, m) if n == node):
                     local[i] += p.device == device
-            chosen[node] = max(sorted(local), key=local.__getitem__)
+            order = sorted(local)
+            best = max(order, key=local.__getitem__)
+            if local[best]:
+                aligned.setdefault(len(order), order.index(best))
+            elif len(order) in aligned:
+                best = order[aligned[len(order)]]
+            chosen[node] = best
             kept = [(p, m) for p, m in kept
                     if all(chosen.get(n, i) == i for n, i in copies(p, m))]
 
 
 def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
                     ) -> list[tuple[PlanOp, Mask]]:
-    """One replica of each region, on ``device`` when there is one; else the first by name,
-    whatever order ``found`` came in: the checker and the compiler must pick the same."""
+    """One replica of each region: on ``device`` when there is one; else, where ``device``
+    holds the ``k``-th replica of a region as many devices hold, the ``k``-th of this one
+    too (so that the readers holding the ``k``-th replicas read from one another alone:
+    one collective among them); else the first by name, whatever order ``found`` came in.
+    The checker and the compiler must pick the same."""
     regions: dict[Mask, list[PlanOp]] = {}
     for p, m in found:
         regions.setdefault(m, []).append(p)
-    return [(min(ps, key=lambda p: (p.device != device, p.name)), m)
-            for m, ps in regions.items()]
+    rank: dict[int, int] = {}  # replicas per region -> the position of device's own
+    for ps in regions.values():
+        devices = sorted(p.device for p in ps)
+        if device in devices and len(set(devices)) == len(devices):
+            rank.setdefault(len(devices), devices.index(device))
+    out = []
+    for m, ps in regions.items():
+        local = [p for p in ps if p.device == device]
+        if local:
+            out.append((min(local, key=lambda p: p.name), m))
+        elif len(ps) in rank and len({p.device for p in ps}) == len(ps):
+            out.append((sorted(ps, key=lambda p: p.device)[rank[len(ps)]], m))
+        else:
+            out.append((min(ps, key=lambda p: p.name), m))
+    return out
 
 
 def _overlapping(masks: list[Mask]) -> bool:
