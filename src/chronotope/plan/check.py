@@ -187,12 +187,13 @@ class Sources:
 
         kept, chosen = list(found), {}
         aligned: dict[int, int] = {}  # copies of a node -> the position device's own holds
+        own_first = sorted(found, key=lambda pm: pm[0].device != device)
         while True:
-            nodes = [n for p, m in sorted(kept, key=lambda pm: pm[0].device != device)
-                     for n, _ in copies(p, m) if n not in chosen]
-            if not nodes:
+            node = next((n for p, m in own_first for n, _ in copies(p, m)
+                         if n not in chosen and all(chosen.get(k, j) == j
+                                                    for k, j in copies(p, m))), None)
+            if node is None:
                 return kept
-            node = nodes[0]
             local: dict[int, int] = defaultdict(int)
             for p, m in kept:
                 for i in (i for n, i in copies(p, m) if n == node):
