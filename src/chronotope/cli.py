@@ -568,6 +568,14 @@ def cmd_plot(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return 0
 
 
+def constraint(text: str) -> tuple[str, str]:
+    """``OPS=CUT`` of ``--constrain``."""
+    ops, sep, cut = text.partition("=")
+    if not sep or not ops or not cut:
+        raise argparse.ArgumentTypeError(f"{text!r} is not OPS=CUT, e.g. 'h.*.mlp.*=split b*'")
+    return ops, cut
+
+
 def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
@@ -576,7 +584,8 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
                         memory=args.memory * 2 ** 30 if args.memory else None,
-                        method=args.method, mesh=args.mesh, simulate=args.simulate)
+                        method=args.method, mesh=args.mesh, simulate=args.simulate,
+                        constraints=dict(args.constrain or ()))
     if args.out:
         result.plan.save(args.out)
     if args.json:
@@ -905,6 +914,10 @@ def parser() -> argparse.ArgumentParser:
                           "of --devices into one or two axes)")
     sea.add_argument("--out", type=new_file, metavar="PLAN.json",
                      help="write the plan found (run, plan, simulate take --plan)")
+    sea.add_argument("--constrain", type=constraint, action="append", metavar="OPS=CUT",
+                     help="ops or modules matching OPS (shell-style) may only be cut as CUT "
+                          "says on every mesh axis: 'h.*.mlp.*=split b*', 'lm_head=replicate'; "
+                          "repeatable (ILP only)")
     sea.add_argument("--no-simulate", dest="simulate", action="store_false",
                      help="compare plans by the search's own cost model instead of compiling "
                           "and simulating them (for plans too large to compile quickly)")

@@ -244,3 +244,19 @@ def test_the_simulator_picks_among_the_cheapest_options_that_fit():
     finals = [e for e in result.explored if "simulated_step_s" in e]
     assert len(finals) == 3
     assert result.predicted_step_s == min(e["simulated_step_s"] for e in finals)
+
+
+def test_constraints_keep_the_cuts_they_allow_or_name_what_they_refuse(capsys):
+    graph = capture(get_workload("gpt", batch_size=4))
+    mlp = [op.name for op in graph.ops if op.source and ".mlp." in f"{op.source.module}."]
+    result = search(graph, 2, method="ilp", constraints={"h.*.mlp*": "replicate"})
+    assert mlp and all(result.choices[name] == "replicate" for name in mlp)
+    with pytest.raises(SearchError, match="'nothing.*' matches no op or module"):
+        search(graph, 2, constraints={"nothing.*": "replicate"})
+    with pytest.raises(SearchError, match="leaves op .* no strategy; it has: "):
+        search(graph, 2, method="ilp", constraints={"h.*.mlp*": "split q*"})
+    with pytest.raises(SearchError, match="takes no constraints"):
+        search(graph, 2, method="drec", constraints={"h.*": "replicate"})
+    assert main(["search", "gpt", "--devices", "2", "--constrain", "lm_head=replicate",
+                 "--method", "ilp", "--no-simulate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "ilp"

@@ -31,9 +31,11 @@ from chronotope.search.drec import Pipeline as DRecPipeline
 from chronotope.search.ilp import NoFit, Solution, first_reads, solve, updates_cut
 from chronotope.search.space import (
     TRAINING_FLOPS,
+    ConstraintError,
     Mesh,
     Strategy,
     algo_label,
+    constrain,
     meshes,
     nbytes,
     repeated,
@@ -82,7 +84,8 @@ class _Clock(dict):
 def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
-           pipeline: bool = True, simulate: bool = True) -> SearchResult:
+           pipeline: bool = True, simulate: bool = True,
+           constraints: dict[str, str] | None = None) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
     device (by the plan's own estimate).
 
@@ -91,6 +94,11 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     mesh is given, pipelines by the stage DP), ``"drec"`` (the recursive bi-partition
     and its pipelines: no solver, devices a power of two), or ``"auto"``: both, the one
     the simulator finds faster.
+
+    ``constraints``: ``{pattern: strategies}``, shell-style, for the ILP: ops whose name or
+    module matches ``pattern`` keep the strategies whose label matches (``{"h.*.mlp.*":
+    "split b*"}``: the MLPs only cut along a batch dim; ``{"lm_head": "replicate"}``).
+    D-Rec searches its own space and takes none.
 
     ``simulate``: compile and simulate the plans found and the ready-made data- and
     tensor-parallel plans to compare them (off, for plans too large to compile quickly:
@@ -103,6 +111,9 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if mesh is not None and math.prod(mesh) != devices:
         raise SearchError(f"mesh {'x'.join(map(str, mesh))} has {math.prod(mesh)} devices, "
                           f"not {devices}")
+    if constraints and method == "drec":
+        raise SearchError("D-Rec searches its own space and takes no constraints: use "
+                          "method='ilp'")
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
     start, clock = time.perf_counter(), _Clock()
@@ -110,13 +121,15 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     explored: list[dict[str, Any]] = []
     errors: list[SearchError] = []
     runs = {"ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
-                                   pipeline, explored, clock, simulate),
+                                   pipeline, explored, clock, simulate, constraints),
             "drec": lambda: _by_drec(graph, devices, cluster, memory, explored, clock)}
     for name in ("ilp", "drec") if method == "auto" else (method,):
         if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
             continue  # D-Rec halves the devices: only powers of two, no given mesh
         if name == "drec" and method == "auto" and found and not simulate:
             continue  # its symbolic cost knows no latency: not comparable to the ILP's
+        if name == "drec" and constraints:
+            continue
         try:
             found.append(runs[name]())
         except SearchError as e:
@@ -157,12 +170,13 @@ class _Found:
 
 def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             time_limit: float, mesh: Sequence[int] | None, pipeline: bool,
-            explored: list[dict[str, Any]], clock: _Clock, simulate: bool) -> _Found:
+            explored: list[dict[str, Any]], clock: _Clock, simulate: bool,
+            constraints: dict[str, str] | None) -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits; simulating, the fastest in the
     simulator of the cheapest few that fit and the cheapest of the other family."""
     options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
-                                     pipeline, explored)
+                                     pipeline, explored, constraints)
     peak, why, fitting = None, [], []
     families: set[bool] = set()  # pipelines or not, among those that fit
     other = 0  # tries at one more, the cheapest of the other family, should the model err
@@ -205,7 +219,8 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
 
 def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
                 time_limit: float = 60.0, mesh: Sequence[int] | None = None,
-                pipeline: bool = True, explored: list[dict[str, Any]] | None = None
+                pipeline: bool = True, explored: list[dict[str, Any]] | None = None,
+                constraints: dict[str, str] | None = None
                 ) -> tuple[list[tuple[float, Any]], int]:
     """The ILP's decision, nothing built: its optimum on every mesh (or ``mesh``) as
     ``(solution, space, groups)`` and the stage DP's pipelines, cheapest first by the cost
@@ -213,10 +228,15 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
     Raises SearchError naming what binds when nothing fits ``memory``."""
     explored = [] if explored is None else explored
     options: list[tuple[float, Any]] = []
-    least, variables = None, 0
+    least, variables, refused = None, 0, []
     whole = Plan(graph, 1)  # the whole-op pieces every mesh's strategies start from
     for shape in meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]:
-        space = strategies(graph, shape, cluster, whole=whole)
+        try:
+            space = constrain(graph, strategies(graph, shape, cluster, whole=whole),
+                              constraints)
+        except ConstraintError as e:  # a cut the constraints name that this mesh has not
+            refused.append(f"mesh {shape}: {e}")
+            continue
         groups = repeated(graph, space)
         try:
             solution = solve(graph, space, shape, cluster, memory, time_limit=time_limit,
@@ -230,11 +250,13 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
         explored.append({"method": "ilp", "option": f"mesh {shape}",
                          "model_step_s": solution.seconds})
     if pipeline and mesh is None and devices > 1:
-        for stages in pipelines(graph, devices, cluster, memory, time_limit):
+        for stages in pipelines(graph, devices, cluster, memory, time_limit, constraints):
             variables += sum(sol.variables for sol in stages.solutions)
             options.append((stages.seconds, stages))
             explored.append({"method": "ilp", "option": stages.label,
                              "model_step_s": stages.seconds})
+    if not options and least is None and refused:
+        raise SearchError("; ".join(refused[:2]))
     if not options:
         space = strategies(graph, devices, cluster, whole=whole)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))

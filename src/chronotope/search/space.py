@@ -18,6 +18,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 
 from chronotope.cost.compute import op_flops
 from chronotope.cost.network import Cluster
@@ -119,6 +120,45 @@ def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
             seen[alike] = _op_strategies(op, scratch.roots[op.name].piece, mesh, peak, registry)
         out[op] = seen[alike]
     return out
+
+
+class ConstraintError(ChronotopeError):
+    """A search constraint names no op, or leaves one no way to run."""
+
+
+def constrain(graph: Graph, space: dict[Op, list[Strategy]],
+              constraints: dict[str, str] | None) -> dict[Op, list[Strategy]]:
+    """``space`` where each op whose name or module matches a pattern of ``constraints``
+    keeps the strategies it allows, shell-style: ``"split b*"`` cuts every mesh axis
+    along a batch dim, ``"replicate"`` none; ``"split b0 x split n"`` names each axis'
+    cut. ZeRO's cut of the update is allowed either way. Ops alike keep one list, as
+    ``repeated`` needs."""
+    if not constraints:
+        return space
+    out, kept = dict(space), {}
+    for pattern, allowed in constraints.items():
+        matched = [op for op in graph.ops if space.get(op) and (
+            fnmatch(op.name, pattern) or op.source and fnmatch(op.source.module, pattern))]
+        if not matched:
+            raise ConstraintError(f"the constraint {pattern!r} matches no op or module of "
+                                  f"{graph.name!r} that a plan cuts")
+        for op in matched:
+            key = (id(out[op]), allowed)
+            if key not in kept:
+                kept[key] = [s for s in out[op] if _allows(allowed, s)]
+            if not kept[key]:
+                labels = ", ".join(sorted({s.label for s in out[op]}))
+                raise ConstraintError(f"the constraint {pattern!r}: {allowed!r} leaves op "
+                                      f"{op.name} no strategy; it has: {labels}")
+            out[op] = kept[key]
+    return out
+
+
+def _allows(allowed: str, s: Strategy) -> bool:
+    labels = [algo_label(a) for a in s.algos]
+    if " x " in allowed:
+        return fnmatch(" x ".join(labels), allowed)
+    return all(fnmatch(label, allowed) for label in labels)
 
 
 def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,

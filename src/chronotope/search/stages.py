@@ -34,9 +34,11 @@ from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
     PARTIAL,
     WHOLE,
+    ConstraintError,
     Mesh,
     Pricer,
     Strategy,
+    constrain,
     meshes,
     nbytes,
     repeated,
@@ -67,13 +69,15 @@ class Pipeline:
 
 
 def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
-              time_limit: float = 60.0) -> list[Pipeline]:
+              time_limit: float = 60.0, constraints: dict[str, str] | None = None
+              ) -> list[Pipeline]:
     """Every pipeline the DP finds that fits, cheapest first: stage counts that divide the
-    devices, micro-batches from one to four per stage that divide the batch."""
+    devices, micro-batches from one to four per stage that divide the batch
+    (``constraints``: as ``space.constrain`` takes them)."""
     batch = graph.batch_size or 1
     cuts = cut_positions(graph)
     found = []
-    spaces = _Spaces(graph, cluster)
+    spaces = _Spaces(graph, cluster, constraints)
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
         micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
@@ -82,12 +86,16 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         d = devices // s
         whole = None
         for mesh in meshes(d, cluster.per_node):
-            space, groups = spaces.on(mesh, s)
+            try:
+                space, groups = spaces.on(mesh, s)
+            except ConstraintError:
+                continue  # a cut the constraints name that this mesh does not have
             solution = solve(graph, space, mesh, cluster, None, time_limit=time_limit,
                              groups=groups, micro=s)
             if whole is None or solution.seconds < whole.seconds:
                 whole = solution
-        assert whole is not None
+        if whole is None:
+            continue
         bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s)
         stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
         stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
@@ -220,8 +228,9 @@ class _Spaces:
     """The search space on each mesh for each micro-batch count, made once: the graph's
     one-device plan and batch dims are shared by all of them."""
 
-    def __init__(self, graph: Graph, cluster: Cluster) -> None:
-        self.graph, self.cluster = graph, cluster
+    def __init__(self, graph: Graph, cluster: Cluster,
+                 constraints: dict[str, str] | None = None) -> None:
+        self.graph, self.cluster, self.constraints = graph, cluster, constraints
         self.whole = Plan(graph, 1)
         self.batch = _batch_sizes(graph, self.whole)
         self.made: dict[tuple[Mesh, int], tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]] = {}
@@ -231,7 +240,8 @@ class _Spaces:
         """The strategies over ``mesh`` of ops on ``1 / micro`` of the batch, and their
         groups of repeated ops."""
         if (mesh, micro) not in self.made:
-            space = strategies(self.graph, mesh, self.cluster, whole=self.whole) \
+            space = constrain(self.graph, strategies(self.graph, mesh, self.cluster,
+                                                     whole=self.whole), self.constraints) \
                 if micro == 1 else _dividing(self.on(mesh, 1)[0], micro, self.batch)
             self.made[(mesh, micro)] = space, repeated(self.graph, space)
         return self.made[(mesh, micro)]
