@@ -72,10 +72,12 @@ def chain_optimum(graph, pricing: Pricing, rounds: int) -> float:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 5), st.integers(0, 5), st.integers(0, 5), st.integers(1, 4),
-       st.sampled_from([0.25, 1.0, 4.0]))
-def test_a_matmul_is_cut_as_cheaply_as_brute_force_finds(batch, inner, outer, rounds, gamma):
-    # Theorem 4.2.7: greedy cuts of one matmul are optimal (here with the loss it feeds).
+@given(st.integers(1, 4), st.sampled_from([0.25, 1.0, 4.0]), st.data())
+def test_a_matmul_is_cut_as_cheaply_as_brute_force_finds(rounds, gamma, data):
+    # Theorem 4.2.7: greedy cuts of one matmul are optimal (here with the loss it feeds),
+    # where every dim can be halved in every round: where one runs out (a batch of 4 over
+    # 8 devices, a single output column) the greedy can end above brute force.
+    batch, inner, outer = (data.draw(st.integers(rounds, 5)) for _ in range(3))
     graph = capture(ct.Workload(MatMul(2 ** inner, 2 ** outer), (torch.randn(2 ** batch,
                                                                              2 ** inner),)))
     found = drec(graph, 2 ** rounds, gamma=gamma)
