@@ -174,9 +174,7 @@ class _Replay:
         busy = [("out", r), ("in", dst)]
         if self.cluster.node(r) != self.cluster.node(dst):
             busy += [("net out", self.cluster.node(r)), ("net in", self.cluster.node(dst))]
-        start = max([self.clock[r], *(self.free.get(x, 0.0) for x in busy)])
-        for x in busy:
-            self.free[x] = start + duration
+        start = self._take(busy, self.clock[r], duration)
         sent[(r, dst, tag)] = (start + duration, duration)
 
     def _network(self, ranks, start: float, duration: float) -> tuple[float, float]:
@@ -185,10 +183,16 @@ class _Replay:
         nodes = {self.cluster.node(r) for r in ranks}
         links = [(way, n) for n in nodes for way in ("net out", "net in")] \
             if len(nodes) > 1 else []
-        start = max([start, *(self.free.get(x, 0.0) for x in links)])
+        start = self._take(links, start, duration)
+        return start, start + duration
+
+    def _take(self, links: list[tuple], ready: float, duration: float) -> float:
+        """Hold ``links`` for ``duration`` from when they are all free, ``ready`` at the
+        earliest: when the transfer starts."""
+        start = max([ready, *(self.free.get(x, 0.0) for x in links)])
         for x in links:
             self.free[x] = start + duration
-        return start, start + duration
+        return start
 
     def _collective(self, ins, busy: float) -> float:
         kind, nbytes = _priced(ins, self.params)

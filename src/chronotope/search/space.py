@@ -240,11 +240,16 @@ def _strategy(op: Op, algos: tuple[Algorithm, ...], levels: list[tuple[Piece, li
 
 
 def _zero_applies(op: Op, s: Strategy) -> bool:
-    """A trainable weight the op reads whole on every device, its gradient a partial sum
-    on every axis (data parallel): its update can be cut over the devices (ZeRO-2)."""
-    return any(t.kind is TensorKind.PARAM and not t.frozen and
-               all(lay == WHOLE for lay in s.inputs[i]) and
-               all(g == PARTIAL for g in s.grads[i]) for i, t in enumerate(op.inputs))
+    """A trainable weight the op reads as data parallelism does: its update can be cut
+    over the devices (ZeRO-2)."""
+    return any(t.kind is TensorKind.PARAM and not t.frozen and data_parallel_read(s, i)
+               for i, t in enumerate(op.inputs))
+
+
+def data_parallel_read(s: Strategy, i: int) -> bool:
+    """Whether ``s`` reads input ``i`` as data parallelism does: whole on every device,
+    its gradient a partial sum on every axis."""
+    return all(lay == WHOLE for lay in s.inputs[i]) and all(g == PARTIAL for g in s.grads[i])
 
 
 def _with_zero(s: Strategy) -> Strategy:

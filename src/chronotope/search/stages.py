@@ -32,13 +32,12 @@ from chronotope.policies.axes import batch_dims
 from chronotope.policies.mesh import _crossing, loss_tails
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
-    PARTIAL,
-    WHOLE,
     ConstraintError,
     Mesh,
     Pricer,
     Strategy,
     constrain,
+    data_parallel_read,
     meshes,
     nbytes,
     repeated,
@@ -154,9 +153,7 @@ def _whole_where_shared(space: dict[Op, list[Strategy]], groups: dict[Op, Hashab
     for t, readers in shared.items():
         for op in readers:
             space[op] = [st for st in space[op] if not st.zero and all(
-                all(lay == WHOLE for lay in st.inputs[i]) and
-                all(g == PARTIAL for g in st.grads[i])
-                for i, x in enumerate(op.inputs) if x is t)]
+                data_parallel_read(st, i) for i, x in enumerate(op.inputs) if x is t)]
             if not space[op]:
                 return None
             groups.pop(op, None)
