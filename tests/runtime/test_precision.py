@@ -69,13 +69,13 @@ class Recording(ThreadTransport):
         super().__init__(60.0)
         self.reduced: list[torch.dtype] = []
 
-    def all_reduce(self, t, ranks, rank):
+    def all_reduce(self, t, ranks, rank, *args, **kwargs):
         self.reduced.append(t.dtype)
-        return super().all_reduce(t, ranks, rank)
+        return super().all_reduce(t, ranks, rank, *args, **kwargs)
 
-    def reduce_scatter(self, t, ranks, rank, dim):
+    def reduce_scatter(self, t, ranks, rank, dim, *args, **kwargs):
         self.reduced.append(t.dtype)
-        return super().reduce_scatter(t, ranks, rank, dim)
+        return super().reduce_scatter(t, ranks, rank, dim, *args, **kwargs)
 
 
 def ranks_in_threads(plan: str, precision: Precision, optim: Optim = SGD,

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from chronotope.compile.program import (
+    STARTED,
     AllGather,
     AllReduce,
     AllToAll,
     Assemble,
     Backward,
-    Broadcast,
     Forward,
     Free,
     GatherParams,
@@ -38,6 +38,7 @@ from chronotope.compile.program import (
     ReduceScatter,
     Send,
     SetBuffer,
+    Wait,
     WeightGrad,
 )
 from chronotope.graph import rng
@@ -84,6 +85,18 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
 
 
 def _render(ins: Instruction) -> list[str]:
+    if isinstance(ins, STARTED):
+        call = _communication(ins)
+        if ins.handle is not None:  # waited on later
+            return [f"{ins.handle} = {call[:-1]}, async_op=True)"]
+        if isinstance(ins, AllReduce):
+            return [f"{_targets(ins.vars)} = {call}"]
+        return [f"{ins.var} = {call}" if ins.var is not None else call]
+    if isinstance(ins, Wait):
+        if not ins.vars:
+            return [f"{ins.handle}.wait()"]
+        targets = _targets(ins.vars) if ins.unpack else ", ".join(ins.vars)
+        return [f"{targets} = {ins.handle}.wait()"]
     if isinstance(ins, Load):
         return [f"{ins.var} = {_load(ins)}"]
     if isinstance(ins, Forward):
@@ -95,9 +108,6 @@ def _render(ins: Instruction) -> list[str]:
                 f"{_targets(ins.outs)} = rt.weight({ins.op.forward.name!r})"]
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
-    if isinstance(ins, Recv):
-        return [f"{ins.var} = rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, "
-                f"tag={ins.tag})"]
     if isinstance(ins, Assemble):
         if ins.is_view:
             p = ins.parts[0]
@@ -105,24 +115,6 @@ def _render(ins: Instruction) -> list[str]:
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
-    if isinstance(ins, AllReduce):
-        pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
-        return [f"{_targets(ins.vars)} = rt.all_reduce([{pieces}], ranks={ins.ranks}"
-                f"{_grads(ins.keys)})"]
-    if isinstance(ins, AllGather):
-        return [f"{ins.var} = rt.all_gather({ins.src}, ranks={ins.ranks}, dim={ins.dim})"]
-    if isinstance(ins, ReduceScatter):
-        return [f"{ins.var} = rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, "
-                f"dim={ins.dim}{_grads((ins.key,))})"]
-    if isinstance(ins, AllToAll):
-        return [f"{ins.var} = rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
-                f"readers={ins.readers}, split={ins.split})"]
-    if isinstance(ins, Broadcast):
-        if ins.src is not None:
-            return [f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, "
-                    f"ranks={ins.ranks})"]
-        return [f"{ins.var} = rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, "
-                f"shape={tuple(ins.shape)}, dtype={ins.dtype})"]
     if isinstance(ins, Grad):
         return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)})"]
     if isinstance(ins, GatherParams):
@@ -144,6 +136,27 @@ def _render(ins: Instruction) -> list[str]:
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     raise TypeError(f"cannot render {ins!r}")
+
+
+def _communication(ins: Instruction) -> str:
+    """The runtime call that receives or runs a collective (what it gives aside)."""
+    if isinstance(ins, Recv):
+        return f"rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag})"
+    if isinstance(ins, AllReduce):
+        pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
+        return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
+    if isinstance(ins, AllGather):
+        return f"rt.all_gather({ins.src}, ranks={ins.ranks}, dim={ins.dim})"
+    if isinstance(ins, ReduceScatter):
+        return (f"rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, dim={ins.dim}"
+                f"{_grads((ins.key,))})")
+    if isinstance(ins, AllToAll):
+        return (f"rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
+                f"readers={ins.readers}, split={ins.split})")
+    if ins.src is not None:  # a broadcast's root
+        return f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, ranks={ins.ranks})"
+    return (f"rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, shape={tuple(ins.shape)}, "
+            f"dtype={ins.dtype})")
 
 
 def _grads(keys: tuple[tuple, ...]) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from chronotope.compile.program import (
-    COLLECTIVES,
     AllGather,
     AllReduce,
     AllToAll,
@@ -31,6 +30,7 @@ from chronotope.compile.program import (
     Send,
     reads,
 )
+from chronotope.compile.replay import replay
 
 
 class Stuck(Exception):
@@ -129,41 +129,9 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
 
 
 def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
-    """Run the ranks' code with blocking receives and collectives (sends do not block);
-    the keys of the collectives (or receives) ranks wait in when none can move on
-    (empty: it finishes). The members of a group meet in its collectives in the order
-    they call them, as a process group does: the n-th call of each must be the same one."""
-    pc = [0] * len(ranks)
-    sent: set[tuple[int, int, int]] = set()
-    calls: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (rank, group) -> passed
-    arrived: dict[tuple, dict[int, tuple]] = defaultdict(dict)  # (group, n) -> rank -> call
-    moved = True
-    while moved:
-        moved = False
-        for r, code in enumerate(ranks):
-            while pc[r] < len(code):
-                ins = code[pc[r]]
-                if isinstance(ins, Send):
-                    sent.add((r, ins.dst, ins.tag))
-                elif isinstance(ins, Recv) and (ins.src, r, ins.tag) not in sent:
-                    break
-                elif isinstance(ins, COLLECTIVES):
-                    group = tuple(sorted(ins.ranks))
-                    met = arrived[(group, calls[(r, group)])]
-                    met[r] = (type(ins), collective_key(ins))  # one key can name two kinds
-                    if len(met) < len(group) or len(set(met.values())) > 1:
-                        break
-                    calls[(r, group)] += 1
-                pc[r] += 1
-                moved = True
-    return {collective_key(code[pc[r]]) if isinstance(code[pc[r]], COLLECTIVES)
-            else ("recv", code[pc[r]].src, code[pc[r]].tag)
-            for r, code in enumerate(ranks) if pc[r] < len(code)}
-
-
-def collective_key(ins: Instruction) -> tuple:
-    """What names a collective call, the same on every member."""
-    return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
+    """What ranks wait in forever (collective keys, or ("recv", src, tag)) when the code
+    runs with blocking receives and collectives; empty: it finishes."""
+    return set(replay(ranks).stuck.values())
 
 
 def _members(kind: str, key: tuple, members: list[tuple[int, Assemble]]) -> tuple | None:

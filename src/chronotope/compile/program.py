@@ -5,6 +5,9 @@ Instructions say what a rank does and nothing about how bytes move: ``Send`` /
 reader's piece from overlapping parts (concatenating regions, summing partial
 values), ``Forward`` / ``Backward`` run one plan piece. Codegen turns a rank's
 list into a Python module; the runtime executes that module.
+
+A receive or collective with a ``handle`` is only started where it stands: its
+results exist from the ``Wait`` on that handle on (see ``compile/overlap.py``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class Recv:
     dtype: torch.dtype
     src: int
     tag: int
+    handle: str | None = None  # posted here, waited on by ``Wait(handle)``
 
 
 @dataclass
@@ -170,6 +174,7 @@ class AllReduce:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     keys: tuple[tuple, ...] = ()  # what each output is, the same on every member rank
+    handle: str | None = None
 
 
 @dataclass
@@ -183,6 +188,7 @@ class AllGather:
     dtype: torch.dtype
     dim: int
     key: tuple = ()
+    handle: str | None = None
 
 
 @dataclass
@@ -196,6 +202,7 @@ class ReduceScatter:
     dtype: torch.dtype
     dim: int
     key: tuple = ()
+    handle: str | None = None
 
 
 @dataclass
@@ -213,6 +220,7 @@ class AllToAll:
     dim: int
     split: int
     key: tuple = ()
+    handle: str | None = None
 
 
 @dataclass
@@ -228,6 +236,7 @@ class Broadcast:
     shape: tuple[int, ...]
     dtype: torch.dtype
     key: tuple = ()
+    handle: str | None = None
 
 
 @dataclass
@@ -286,14 +295,34 @@ class SetBuffer:
 
 
 @dataclass
+class Wait:
+    """Where what a receive or collective started earlier is first needed: ``vars`` are
+    its results (an all-reduce's as a tuple, ``unpack``)."""
+
+    handle: str
+    vars: tuple[str, ...]
+    unpack: bool = False
+
+
+@dataclass
 class Free:
     vars: tuple[str, ...]
 
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
                | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
-               | Free | PushParam | PullParam | GatherParams)
+               | Free | PushParam | PullParam | GatherParams | Wait)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
+STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
+
+
+def results(ins: Instruction) -> tuple[str, ...]:
+    """What a receive or collective gives, whether it is waited on at once or later."""
+    if isinstance(ins, AllReduce):
+        return ins.vars
+    if isinstance(ins, Broadcast):
+        return (ins.var,) if ins.var is not None else ()
+    return (ins.var,)
 
 
 def groups_of(*programs: list[list[Instruction]]) -> list[tuple[int, ...]]:
@@ -327,23 +356,27 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return ins.srcs
     if isinstance(ins, (Send, Grad, Loss, SetBuffer)):
         return (ins.var,)
+    if isinstance(ins, Wait):
+        return (ins.handle,)
     return ()
 
 
 def writes(ins: Instruction) -> tuple[str, ...]:
-    """The local tensors an instruction defines."""
+    """The local tensors an instruction defines (a started one: its handle)."""
+    if isinstance(ins, STARTED) and ins.handle is not None:
+        return (ins.handle,)
+    if isinstance(ins, Wait):
+        return ins.vars
     if isinstance(ins, Forward):
         return ins.outs
     if isinstance(ins, Backward):
         return tuple(v for vs in ins.outs for v in vs if v is not None)
     if isinstance(ins, WeightGrad):
         return ins.outs
-    if isinstance(ins, AllReduce):
-        return ins.vars
-    if isinstance(ins, (Load, Recv, Assemble, AllGather, ReduceScatter, AllToAll)):
+    if isinstance(ins, STARTED):
+        return results(ins)
+    if isinstance(ins, (Load, Assemble)):
         return (ins.var,)
-    if isinstance(ins, Broadcast):
-        return (ins.var,) if ins.var is not None else ()
     return ()
 
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from chronotope.compile.collectives import collective_key
 from chronotope.compile.program import (
-    COLLECTIVES,
     AllGather,
     AllReduce,
     AllToAll,
@@ -30,12 +28,9 @@ from chronotope.compile.program import (
     Free,
     GatherParams,
     Program,
-    PullParam,
-    PushParam,
-    Recv,
     ReduceScatter,
-    Send,
 )
+from chronotope.compile.replay import Costs, Replayed, replay
 from chronotope.cost.measure import Calibration, OpTime, instruction_compute
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
@@ -78,112 +73,67 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    state = _Replay(program.ndevices, cluster, measured, cluster.peak(dtype), params,
-                    calibration)
-    state.run(program.ranks)
+    prices = _Prices(cluster, measured, cluster.peak(dtype), params, calibration)
+    step = _played(program.ranks, prices, [0.0] * program.ndevices)
+    clock = list(step.clock)
+    compute, comm = list(step.compute), list(step.comm)
     per_byte = calibration.optimizer_per_byte or OPTIMIZER_PASSES / cluster.copy_bandwidth
     for rank, owned in enumerate(program.owned):
         nbytes = sum(o.region.numel * params[name].dtype.itemsize
                      for name, regions in owned.items() for o in regions)
         seconds = per_byte * nbytes
-        state.clock[rank] += seconds
-        state.compute[rank] += seconds
-    state.run(program.refresh)
+        clock[rank] += seconds
+        compute[rank] += seconds
+    after = _played(program.refresh, prices, clock)
     checked = program.plan.check()
-    end = max(state.clock)
+    end = max(after.clock)
     return Simulation(cluster.name, [
-        RankTimes(r, state.clock[r], state.compute[r], state.comm[r],
-                  max(0.0, end - state.compute[r] - state.comm[r]), checked.memory[r].total)
+        RankTimes(r, after.clock[r], compute[r] + after.compute[r], comm[r] + after.comm[r],
+                  max(0.0, end - compute[r] - after.compute[r] - comm[r] - after.comm[r]),
+                  checked.memory[r].total)
         for r in range(program.ndevices)])
 
 
-class _Replay:
-    def __init__(self, n: int, cluster: Cluster, measured, peak: float, params: dict,
+def _played(ranks: list[list], prices: _Prices, start: list[float]) -> Replayed:
+    played = replay(ranks, prices, start)
+    if played.stuck:
+        r, what = min(played.stuck.items())
+        raise PlanError(f"ranks {sorted(played.stuck)} wait forever in the replay (rank {r} "
+                        f"in {what!r:.120})")
+    return played
+
+
+class _Prices(Costs):
+    """A cluster's prices: links and node networks carry one transfer at a time each."""
+
+    def __init__(self, cluster: Cluster, measured, peak: float, params: dict,
                  calibration: Calibration):
         self.params, self.calibration = params, calibration
         self.cluster, self.measured, self.peak = cluster, measured, peak
-        self.clock = [0.0] * n
-        self.compute = [0.0] * n
-        self.comm = [0.0] * n
-        self.since = [0.0] * n  # compute since the rank last communicated (profiles price it)
         self.free: dict[tuple, float] = {}  # link resources: when each is free again
 
-    def run(self, ranks: list[list]) -> None:
-        sizes = {}  # (src, dst, tag) -> bytes, as the receiver expects them
-        for r, code in enumerate(ranks):
-            for ins in code:
-                if isinstance(ins, Recv):
-                    sizes[(ins.src, r, ins.tag)] = math.prod(ins.shape) * ins.dtype.itemsize
-                elif isinstance(ins, PullParam):
-                    sizes[(ins.src, r, ins.tag)] = ins.region.numel * ins.dtype.itemsize
-        pc = [0] * len(ranks)
-        sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (arrival, duration)
-        arrived: dict[tuple, dict[int, tuple[float, float]]] = {}  # -> rank: (clock, since)
-        done: dict[tuple, tuple[float, float]] = {}  # collective -> (start, end)
-        moved = True
-        while moved:
-            moved = False
-            for r, code in enumerate(ranks):
-                while pc[r] < len(code):
-                    ins = code[pc[r]]
-                    if isinstance(ins, (Send, PushParam)):
-                        self._send(r, ins.dst, ins.tag, sizes.get((r, ins.dst, ins.tag), 0.0),
-                                   sent)
-                        self.since[r] = 0.0
-                    elif isinstance(ins, (Recv, PullParam)):
-                        got = sent.get((ins.src, r, ins.tag))
-                        if got is None:
-                            break
-                        arrival, duration = got
-                        wait = max(0.0, arrival - self.clock[r])
-                        self.comm[r] += min(wait, duration)
-                        self.clock[r] = max(self.clock[r], arrival)
-                        self.since[r] = 0.0
-                    elif isinstance(ins, (*COLLECTIVES, GatherParams)):
-                        key = _key(ins)
-                        arrived.setdefault(key, {}).setdefault(r, (self.clock[r],
-                                                                   self.since[r]))
-                        if key not in done:
-                            if len(arrived[key]) < len(ins.ranks):
-                                break
-                            start = max(clock for clock, _ in arrived[key].values())
-                            busy = max(since for _, since in arrived[key].values())
-                            done[key] = self._network(ins.ranks, start,
-                                                      self._collective(ins, busy))
-                        start, end = done[key]
-                        self.comm[r] += end - start
-                        self.clock[r] = end
-                        self.since[r] = 0.0
-                    else:
-                        seconds = self._local(ins)
-                        self.clock[r] += seconds
-                        self.compute[r] += seconds
-                        self.since[r] += seconds
-                    pc[r] += 1
-                    moved = True
-        stuck = [r for r, code in enumerate(ranks) if pc[r] < len(code)]
-        if stuck:
-            raise PlanError(f"ranks {stuck} wait forever in the replay (at "
-                            f"{ranks[stuck[0]][pc[stuck[0]]]!r:.120})")
-
-    def _send(self, r: int, dst: int, tag: int, nbytes: float, sent: dict) -> None:
-        if "send" in self.cluster.fitted and self.cluster.node(r) == self.cluster.node(dst):
-            duration = self.cluster.measured("send", nbytes, 2, self.since[r])
+    def message(self, src: int, dst: int, nbytes: float, ready: float, since: float,
+                ) -> tuple[float, float]:
+        if "send" in self.cluster.fitted and self.cluster.node(src) == self.cluster.node(dst):
+            duration = self.cluster.measured("send", nbytes, 2, since)
         else:
-            duration = self.cluster.link(r, dst).seconds("send", 2, nbytes)
-        busy = [("out", r), ("in", dst)]
-        if self.cluster.node(r) != self.cluster.node(dst):
-            busy += [("net out", self.cluster.node(r)), ("net in", self.cluster.node(dst))]
-        start = self._take(busy, self.clock[r], duration)
-        sent[(r, dst, tag)] = (start + duration, duration)
+            duration = self.cluster.link(src, dst).seconds("send", 2, nbytes)
+        busy = [("out", src), ("in", dst)]
+        if self.cluster.node(src) != self.cluster.node(dst):
+            busy += [("net out", self.cluster.node(src)), ("net in", self.cluster.node(dst))]
+        start = self._take(busy, ready, duration)
+        return start + duration, duration
 
-    def _network(self, ranks, start: float, duration: float) -> tuple[float, float]:
-        """(start, end) of a collective: one that crosses nodes waits for their networks,
-        which carry one cross-node transfer at a time (two groups' rings share them)."""
-        nodes = {self.cluster.node(r) for r in ranks}
+    def collective(self, ins, start: float, busy: float) -> tuple[float, float]:
+        """A group's collectives run one at a time, in the order they were called; one
+        that crosses nodes waits for their networks, which carry one cross-node transfer
+        at a time (two groups' rings share them)."""
+        kind, nbytes = _priced(ins, self.params)
+        duration = self.cluster.collective(kind, nbytes, [tuple(ins.ranks)], busy)
+        nodes = {self.cluster.node(r) for r in ins.ranks}
         links = [(way, n) for n in nodes for way in ("net out", "net in")] \
             if len(nodes) > 1 else []
-        start = self._take(links, start, duration)
+        start = self._take([("group", tuple(sorted(ins.ranks))), *links], start, duration)
         return start, start + duration
 
     def _take(self, links: list[tuple], ready: float, duration: float) -> float:
@@ -194,21 +144,11 @@ class _Replay:
             self.free[x] = start + duration
         return start
 
-    def _collective(self, ins, busy: float) -> float:
-        kind, nbytes = _priced(ins, self.params)
-        return self.cluster.collective(kind, nbytes, [tuple(ins.ranks)], busy)
-
-    def _local(self, ins) -> float:
+    def local(self, rank: int, ins, since: float) -> float:
         if isinstance(ins, Free):
             return 0.0
         compute = instruction_compute(ins, self.measured, self.peak)
         return self.calibration.seconds(ins, compute, self.cluster.copy_bandwidth)
-
-
-def _key(ins) -> tuple:
-    if isinstance(ins, GatherParams):
-        return ("gather_params", ins.ranks, tuple(name for name, _, _ in ins.params))
-    return collective_key(ins)
 
 
 def _priced(ins, params: dict) -> tuple[str, float]:

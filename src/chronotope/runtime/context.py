@@ -26,6 +26,7 @@ from torch import nn
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
 from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
+from chronotope.runtime.transport import Started
 
 
 class StepContext:
@@ -187,14 +188,16 @@ class StepContext:
     def send(self, t: torch.Tensor, to: int, tag: int) -> None:
         self.transport.send(self._wire(t), self.rank, to, tag)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+             async_op: bool = False) -> Any:
         if self.precision is None:
-            return self.transport.recv(shape, dtype, src, self.rank, tag, self.device)
-        got = self.transport.recv(shape, wire_dtype(dtype), src, self.rank, tag, self.device)
-        return got if got.dtype == dtype else got.to(dtype)
+            return self.transport.recv(shape, dtype, src, self.rank, tag, self.device, async_op)
+        got = self.transport.recv(shape, wire_dtype(dtype), src, self.rank, tag, self.device,
+                                  True)
+        return _result(got.then(lambda t: _as(t, dtype)), async_op)
 
     def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]],
-                   ranks: tuple[int, ...], grads: bool = False) -> tuple[torch.Tensor, ...]:
+                   ranks: tuple[int, ...], grads: bool = False, async_op: bool = False) -> Any:
         """For each entry, the sum of its local pieces and the other ``ranks``' pieces
         (``grads``: they are gradients, summed in the precision's reduce dtype).
 
@@ -202,32 +205,39 @@ class StepContext:
         """
         if self.precision is None:
             local = [_sum(pieces) for pieces in tensors]
-            flat = local[0].reshape(-1) if len(local) == 1 else \
-                torch.cat([t.reshape(-1) for t in local])
-            flat = self.transport.all_reduce(flat, ranks, self.rank)
-            return tuple(part.view_as(t) for part, t in
-                         zip(flat.split([t.numel() for t in local]), local))
-        summed = [self._summed(pieces, grads) for pieces in tensors]
-        wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
-        local = [_as(t, wide) for t, _ in summed]  # one flat buffer: one dtype
-        flat = torch.cat([t.reshape(-1) for t in local])
-        flat = self.transport.all_reduce(flat, ranks, self.rank)
-        return tuple(_as(part.view_as(t), given) for part, t, (_, given) in
-                     zip(flat.split([t.numel() for t in local]), local, summed))
+            given = [t.dtype for t in local]
+        else:
+            summed = [self._summed(pieces, grads) for pieces in tensors]
+            wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
+            local = [_as(t, wide) for t, _ in summed]  # one flat buffer: one dtype
+            given = [dtype for _, dtype in summed]
+        fresh = len(local) > 1  # a buffer made here: the transport may sum into it
+        flat = torch.cat([t.reshape(-1) for t in local]) if fresh else local[0].reshape(-1)
+        started = self.transport.all_reduce(flat, ranks, self.rank, True, fresh)
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int) -> torch.Tensor:
+        def parts(total: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(_as(part.view_as(t), dtype) for part, t, dtype in
+                         zip(total.split([t.numel() for t in local]), local, given))
+
+        return _result(started.then(parts), async_op)
+
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
+                   async_op: bool = False) -> Any:
         """The members' pieces side by side along ``dim``, in ``ranks`` order."""
         members = tuple(sorted(ranks))
-        pieces = self.transport.all_gather(self._wire(t.detach()).contiguous(), members,
-                                           self.rank)
-        if pieces.dtype != t.dtype:  # back to the dtype this rank's piece had
-            pieces = pieces.to(t.dtype)
-        if dim == 0 and tuple(ranks) == members:  # already side by side: no copy
-            return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
-        return torch.cat([pieces[members.index(r)] for r in ranks], dim)
+        started = self.transport.all_gather(self._wire(t.detach()).contiguous(), members,
+                                            self.rank, True)
+
+        def joined(pieces: torch.Tensor) -> torch.Tensor:
+            pieces = _as(pieces, t.dtype)  # back to the dtype this rank's piece had
+            if dim == 0 and tuple(ranks) == members:  # already side by side: no copy
+                return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
+            return torch.cat([pieces[members.index(r)] for r in ranks], dim)
+
+        return _result(started.then(joined), async_op)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                       dim: int, grads: bool = False) -> torch.Tensor:
+                       dim: int, grads: bool = False, async_op: bool = False) -> Any:
         """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members
         (``grads``: gradients, summed in the precision's reduce dtype)."""
         local, given = self._summed(tensors, grads)
@@ -237,30 +247,32 @@ class StepContext:
             # The transport hands member i (in rank order) run i: put each member's run there.
             runs = local.chunk(len(ranks), dim)
             ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
-        return _as(self.transport.reduce_scatter(ordered, members, self.rank, dim), given)
+        started = self.transport.reduce_scatter(ordered, members, self.rank, dim, True)
+        return _result(started.then(lambda run: _as(run, given)), async_op)
 
     def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
-                   readers: tuple[int, ...], split: int) -> torch.Tensor:
+                   readers: tuple[int, ...], split: int, async_op: bool = False) -> Any:
         """Member ``readers[k]`` gets run ``k`` along ``split`` of the region the members'
         pieces make side by side along ``dim`` (in ``ranks`` order); this is this rank's."""
         members = tuple(sorted(ranks))
         given = t.dtype
         runs = self._wire(t.detach()).chunk(len(readers), split)
-        blocks = self.transport.all_to_all([runs[readers.index(m)].contiguous() for m in members],
-                                           members, self.rank)
-        return torch.cat([blocks[members.index(r)].to(given) for r in ranks], dim)
+        started = self.transport.all_to_all(
+            [runs[readers.index(m)].contiguous() for m in members], members, self.rank, True)
+        return _result(started.then(lambda blocks: torch.cat(
+            [blocks[members.index(r)].to(given) for r in ranks], dim)), async_op)
 
     def broadcast(self, t: torch.Tensor | None, root: int, ranks: tuple[int, ...],
                   shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-                  ) -> torch.Tensor:
+                  async_op: bool = False) -> Any:
         """``root``'s tensor on every member (the root passes it, the others its shape)."""
         if t is None:
             t = torch.empty(shape, dtype=wire_dtype(dtype) if self.precision else dtype,
                             device=self.device)
-            got = self.transport.broadcast(t, root, ranks, self.rank)
-            return got if got.dtype == dtype else got.to(dtype)
+            started = self.transport.broadcast(t, root, ranks, self.rank, True)
+            return _result(started.then(lambda got: _as(got, dtype)), async_op)
         return self.transport.broadcast(self._wire(t.detach()).contiguous(), root, ranks,
-                                        self.rank)
+                                        self.rank, async_op)
 
     def gather_params(self, ranks: tuple[int, ...], params: Sequence[tuple[str, tuple, int]],
                       ) -> None:
@@ -309,6 +321,10 @@ class StepContext:
     def set_buffer(self, name: str, value: torch.Tensor) -> None:
         """Buffer ``name`` after this step (running statistics): what the next step reads."""
         self.state[name] = value.detach().clone()
+
+
+def _result(started: Started, async_op: bool) -> Any:
+    return started if async_op else started.wait()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

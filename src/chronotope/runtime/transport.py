@@ -1,13 +1,17 @@
 """Point-to-point messages between ranks: threads in one process, or torch.distributed.
 
-Every wait has a timeout, so a rank that died shows up as an error naming it.
+Every wait has a timeout, so a rank that died shows up as an error naming it. A
+receive or collective called with ``async_op=True`` is only started: it returns a
+``Started`` whose ``wait()`` gives what the call would have returned.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,29 @@ from chronotope.errors import ChronotopeError
 
 class RankFailed(ChronotopeError):
     """A rank stopped answering (crashed, killed, or stuck) while others waited on it."""
+
+
+class OrderError(ChronotopeError):
+    """Ranks disagree on the order of their messages or collectives: NCCL would hang, or
+    hand one message's bytes to another's receive."""
+
+
+class Started:
+    """A receive or collective under way; ``wait()`` gives its result (once)."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish = finish
+
+    def wait(self) -> Any:
+        return self._finish()
+
+    def then(self, after: Callable[[Any], Any]) -> Started:
+        """The same call, its result passed through ``after`` when waited on."""
+        return Started(lambda: after(self._finish()))
+
+
+def _result(started: Started, async_op: bool) -> Any:
+    return started if async_op else started.wait()
 
 
 def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) -> torch.Tensor:
@@ -46,6 +73,7 @@ class ThreadTransport:
         self.calls: dict[tuple, int] = defaultdict(int)  # collectives each rank entered
         self.pending: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)
         self.taken: dict[tuple, int] = defaultdict(int)
+        self.kinds: dict[tuple, tuple[int, str]] = {}  # call -> (first member, its collective)
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
@@ -53,7 +81,10 @@ class ThreadTransport:
             self.cond.notify_all()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
-             tag: int, device: torch.device) -> torch.Tensor:
+             tag: int, device: torch.device, async_op: bool = False) -> Any:
+        return _result(Started(lambda: self._take(src, dst, tag).to(device)), async_op)
+
+    def _take(self, src: int, dst: int, tag: int) -> torch.Tensor:
         key = (src, dst, tag)
         with self.cond:
             ok = self.cond.wait_for(lambda: self.box[key] or src in self.failed, self.timeout)
@@ -63,18 +94,29 @@ class ThreadTransport:
             if not ok:
                 raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
                                  f"from rank {src}; rank {src} is dead or stuck")
-            return self.box[key].popleft().to(device)
+            return self.box[key].popleft()
 
-    def _exchange(self, t, ranks: tuple[int, ...], rank: int, what: str) -> list:
+    def _exchange(self, t, ranks: tuple[int, ...], rank: int, what: str) -> Started:
         """Every member's contribution (a tensor or list of them), in ``ranks`` order,
-        once all of them arrived."""
+        once all of them arrived: this rank's is handed in now, the others' waited for."""
         with self.cond:
             seq = self.calls[(ranks, rank)]
             self.calls[(ranks, rank)] += 1
             key = (ranks, seq)
+            first, kind = self.kinds.setdefault(key, (rank, what))
+            if kind != what:  # a process group would hang, or mix up the two calls
+                error = OrderError(f"call {seq} over ranks {list(ranks)} is an {what} on rank "
+                                   f"{rank} but an {kind} on rank {first}")
+                self.failed[rank] = error
+                self.cond.notify_all()
+                raise error
             self.pending[key][rank] = [x.detach().clone() for x in t] \
                 if isinstance(t, list) else t.detach().clone()
             self.cond.notify_all()
+        return Started(lambda: self._collect(key, ranks, rank, what))
+
+    def _collect(self, key: tuple, ranks: tuple[int, ...], rank: int, what: str) -> list:
+        with self.cond:
             ok = self.cond.wait_for(
                 lambda: len(self.pending[key]) == len(ranks)
                 or any(r in self.failed for r in ranks), self.timeout)
@@ -87,30 +129,35 @@ class ThreadTransport:
             pieces = [self.pending[key][r] for r in ranks]
             self.taken[key] += 1
             if self.taken[key] == len(ranks):
-                del self.pending[key], self.taken[key]
+                del self.pending[key], self.taken[key], self.kinds[key]
             return pieces
 
-    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False, inplace: bool = False) -> Any:
         """Sum over ``ranks`` in rank order, so every member gets the same bits."""
-        return sum(self._exchange(t, ranks, rank, "all-reduce"))
+        return _result(self._exchange(t, ranks, rank, "all-reduce").then(sum), async_op)
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False) -> Any:
         """The members' tensors stacked along a new first dim, in ``ranks`` order."""
-        return torch.stack(self._exchange(t, ranks, rank, "all-gather"))
+        return _result(self._exchange(t, ranks, rank, "all-gather").then(torch.stack), async_op)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
-                       dim: int) -> torch.Tensor:
-        return _run_of(sum(self._exchange(t, ranks, rank, "reduce-scatter")), ranks, rank, dim)
+                       dim: int, async_op: bool = False) -> Any:
+        started = self._exchange(t, ranks, rank, "reduce-scatter")
+        return _result(started.then(lambda got: _run_of(sum(got), ranks, rank, dim)), async_op)
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
-                   rank: int) -> list[torch.Tensor]:
+                   rank: int, async_op: bool = False) -> Any:
         """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here."""
-        sent = self._exchange(blocks, ranks, rank, "all-to-all")
-        return [theirs[ranks.index(rank)] for theirs in sent]
+        started = self._exchange(blocks, ranks, rank, "all-to-all")
+        return _result(started.then(lambda sent: [theirs[ranks.index(rank)] for theirs in sent]),
+                       async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
-                  rank: int) -> torch.Tensor:
-        return self._exchange(t, ranks, rank, "broadcast")[ranks.index(root)]
+                  rank: int, async_op: bool = False) -> Any:
+        started = self._exchange(t, ranks, rank, "broadcast")
+        return _result(started.then(lambda got: got[ranks.index(root)]), async_op)
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -119,6 +166,71 @@ class ThreadTransport:
 
     def flush(self) -> None:
         pass
+
+
+class OrderedTransport(ThreadTransport):
+    """Messages matched as NCCL matches them: by order per pair of ranks, not by tag.
+
+    The n-th receive a rank posts from a peer gets the n-th message that peer sent it,
+    and the two ranks must post their messages to each other in one order (a send on one
+    side where the other posts its receive): NCCL runs a pair's sends and receives on one
+    stream each side, so any other order can hang. A tag that does not match, or two
+    orders that disagree, is an ``OrderError`` naming both ranks and messages.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        super().__init__(timeout)
+        self.queue: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = defaultdict(deque)
+        self.sides: dict[tuple[int, int], deque[tuple[int, str, int]]] = defaultdict(deque)
+
+    def _order(self, rank: int, peer: int, what: str, tag: int) -> None:
+        """Rank ``rank`` posts a message to or from ``peer``: it must be the one ``peer``
+        posts at the same place in its own order with ``rank``."""
+        side = self.sides[(rank, peer)]
+        other = self.sides[(peer, rank)]
+        if other:
+            _, theirs, their_tag = other.popleft()
+            if (theirs, their_tag) != ({"send": "recv", "recv": "send"}[what], tag):
+                error = OrderError(
+                    f"rank {rank} posts a {what} of message {tag} with rank {peer} where "
+                    f"rank {peer} posted a {theirs} of message {their_tag}: the two ranks "
+                    f"order their messages differently")
+                self.failed[rank] = error
+                self.cond.notify_all()
+                raise error
+        else:
+            side.append((rank, what, tag))
+
+    def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
+        with self.cond:
+            self._order(src, dst, "send", tag)
+            self.queue[(src, dst)].append((tag, t.detach().clone()))
+            self.cond.notify_all()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
+             tag: int, device: torch.device, async_op: bool = False) -> Any:
+        with self.cond:
+            self._order(dst, src, "recv", tag)
+        return _result(Started(lambda: self._in_order(src, dst, tag).to(device)), async_op)
+
+    def _in_order(self, src: int, dst: int, tag: int) -> torch.Tensor:
+        key = (src, dst)
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.queue[key] or src in self.failed, self.timeout)
+            if src in self.failed:
+                raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
+                                 f"{self.failed[src]!r}")
+            if not ok:
+                raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
+                                 f"from rank {src}; rank {src} is dead or stuck")
+            got, t = self.queue[key].popleft()
+            if got != tag:
+                error = OrderError(f"rank {dst}'s receive of message {tag} from rank {src} "
+                                   f"matches message {got}, which rank {src} sent first")
+                self.failed[dst] = error
+                self.cond.notify_all()
+                raise error
+            return t
 
 
 class DistTransport:
@@ -149,65 +261,82 @@ class DistTransport:
         except RuntimeError as e:
             raise RankFailed(f"{what} within {self.timeout.total_seconds():.0f} s: {e}") from e
 
-    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
-        out = t.detach().clone()
-        work = dist.all_reduce(out, group=self._group(ranks), async_op=True)
-        self._wait(work, f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}")
-        return out
+    def _started(self, work: dist.Work | None, what: str, result: Callable[[], Any]) -> Started:
+        def finish() -> Any:
+            if work is not None:
+                self._wait(work, what)
+            return result()
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int) -> torch.Tensor:
+        return Started(finish)
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False, inplace: bool = False) -> Any:
+        """The sum over ``ranks``; ``inplace``: into ``t`` itself (a buffer the caller made
+        for it), else into a copy."""
+        out = t.detach() if inplace else t.detach().clone()
+        work = dist.all_reduce(out, group=self._group(ranks), async_op=True)
+        what = f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}"
+        return _result(self._started(work, what, lambda: out), async_op)
+
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False) -> Any:
         """The members' tensors stacked along a new first dim, in ``ranks`` order (one
         buffer, no copy, when ``ranks`` are in rank order)."""
         out = torch.empty((len(ranks), *t.shape), dtype=t.dtype, device=t.device)
-        if t.numel() == 0:
-            return out
-        work = dist.all_gather_single(out.view(-1), t.contiguous().view(-1),
-                                      group=self._group(ranks), async_op=True)
-        self._wait(work, f"rank {rank} did not finish an all-gather over ranks {list(ranks)}")
-        if list(ranks) == sorted(ranks):
-            return out
-        return torch.stack(_from_sorted(list(out.unbind(0)), ranks))
+        work = None if t.numel() == 0 else dist.all_gather_single(
+            out.view(-1), t.contiguous().view(-1), group=self._group(ranks), async_op=True)
+
+        def result() -> torch.Tensor:
+            if list(ranks) == sorted(ranks):
+                return out
+            return torch.stack(_from_sorted(list(out.unbind(0)), ranks))
+
+        what = f"rank {rank} did not finish an all-gather over ranks {list(ranks)}"
+        return _result(self._started(work, what, result), async_op)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
-                       dim: int) -> torch.Tensor:
-        what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
+                       dim: int, async_op: bool = False) -> Any:
         group = self._group(ranks)
         if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
-            return _run_of(self.all_reduce(t, ranks, rank), ranks, rank, dim)
+            started = self.all_reduce(t, ranks, rank, async_op=True)
+            return _result(started.then(lambda total: _run_of(total, ranks, rank, dim)),
+                           async_op)
         rows = torch.cat(_to_sorted(list(t.chunk(len(ranks), dim)), ranks), dim)
         rows = rows.movedim(dim, 0).contiguous()
         out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
                           device=t.device)
-        self._wait(dist.reduce_scatter_tensor(out, rows, group=group, async_op=True), what)
-        return out.movedim(0, dim).contiguous()
+        work = dist.reduce_scatter_single(out, rows, group=group, async_op=True)
+        what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
+        return _result(self._started(work, what, lambda: out.movedim(0, dim).contiguous()),
+                       async_op)
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
-                   rank: int) -> list[torch.Tensor]:
+                   rank: int, async_op: bool = False) -> Any:
         """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here
         (every block of one call has the same shape)."""
         flat = torch.cat([b.reshape(-1) for b in _to_sorted(blocks, ranks)])
         out = torch.empty_like(flat)
         work = dist.all_to_all_single(out, flat, group=self._group(ranks), async_op=True)
-        self._wait(work, f"rank {rank} did not finish an all-to-all over ranks {list(ranks)}")
-        return _from_sorted([x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks)
+        what = f"rank {rank} did not finish an all-to-all over ranks {list(ranks)}"
+        return _result(self._started(work, what, lambda: _from_sorted(
+            [x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks)), async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
-                  rank: int) -> torch.Tensor:
+                  rank: int, async_op: bool = False) -> Any:
         out = t.clone() if rank == root else t
         work = dist.broadcast(out, root, group=self._group(ranks), async_op=True)
-        self._wait(work, f"rank {rank} did not finish a broadcast from rank {root} over ranks "
-                         f"{list(ranks)}")
-        return out
+        what = f"rank {rank} did not finish a broadcast from rank {root} over ranks {list(ranks)}"
+        return _result(self._started(work, what, lambda: out), async_op)
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
-             tag: int, device: torch.device) -> torch.Tensor:
+             tag: int, device: torch.device, async_op: bool = False) -> Any:
         buf = torch.empty(shape, dtype=dtype, device=device)
-        self._wait(dist.irecv(buf, src, tag=tag),
-                   f"rank {dst} got no message {tag} from rank {src}")
-        return buf
+        work = dist.irecv(buf, src, tag=tag)
+        return _result(self._started(work, f"rank {dst} got no message {tag} from rank {src}",
+                                     lambda: buf), async_op)
 
     def flush(self) -> None:
         """Wait until every message this rank sent was taken."""

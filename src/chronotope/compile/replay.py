@@ -1,0 +1,180 @@
+"""One engine that plays compiled per-rank code against itself.
+
+Each rank runs its instructions in order on its own clock. A send never blocks; a
+receive waits for its message; a collective starts when its last member calls it,
+and the members of a process group meet in its collectives in the order they call
+them, as torch.distributed does (the n-th call of each must be the same one). A
+receive or collective with a handle is only started where it stands, and the rank
+waits for it at its ``Wait``. What each step costs comes from a ``Costs``: the
+simulator's prices, or none at all for the compiler's question of whether the code
+runs through. A rank that cannot move on when no other can is stuck: the replay
+names where.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from chronotope.compile.program import (
+    COLLECTIVES,
+    AllReduce,
+    GatherParams,
+    Instruction,
+    PullParam,
+    PushParam,
+    Recv,
+    Send,
+    Wait,
+)
+
+
+class Costs:
+    """What each step takes: nothing, unless a subclass prices it (``cost.simulate``)."""
+
+    def local(self, rank: int, ins: Instruction, since: float) -> float:
+        return 0.0
+
+    def message(self, src: int, dst: int, nbytes: float, ready: float, since: float,
+                ) -> tuple[float, float]:
+        """(arrival, duration) of ``nbytes`` sent from ``src`` at ``ready``."""
+        return ready, 0.0
+
+    def collective(self, ins: Instruction, start: float, busy: float) -> tuple[float, float]:
+        """(start, end) of a collective whose last member arrived at ``start``, after
+        ``busy`` seconds of compute since the members last communicated."""
+        return start, start
+
+
+def collective_key(ins: Instruction) -> tuple:
+    """What names a collective call, the same on every member."""
+    if isinstance(ins, GatherParams):
+        return ("gather_params", ins.ranks, tuple(name for name, _, _ in ins.params))
+    return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
+
+
+@dataclass
+class Replayed:
+    clock: list[float]  # when each rank is done
+    compute: list[float]
+    comm: list[float]  # waiting on bytes while they travel, or in collectives
+    stuck: dict[int, tuple] = field(default_factory=dict)  # rank -> what it waits on forever
+    sends: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, tag), in order
+
+    @property
+    def runs_through(self) -> bool:
+        return not self.stuck
+
+
+def replay(ranks: list[list[Instruction]], costs: Costs | None = None,
+           start: list[float] | None = None) -> Replayed:
+    """Play ``ranks`` (one instruction list per rank) from ``start`` (each rank's clock)."""
+    return _Engine(ranks, costs or Costs(), start).run()
+
+
+class _Engine:
+    def __init__(self, ranks: list[list[Instruction]], costs: Costs,
+                 start: list[float] | None) -> None:
+        self.ranks, self.costs = ranks, costs
+        n = len(ranks)
+        self.clock = list(start) if start is not None else [0.0] * n
+        self.compute = [0.0] * n
+        self.comm = [0.0] * n
+        self.since = [0.0] * n  # compute since the rank last communicated (profiles price it)
+        self.sizes: dict[tuple[int, int, int], float] = {}  # bytes, as the receiver expects
+        for r, code in enumerate(ranks):
+            for ins in code:
+                if isinstance(ins, Recv):
+                    self.sizes[(ins.src, r, ins.tag)] = math.prod(ins.shape) * ins.dtype.itemsize
+                elif isinstance(ins, PullParam):
+                    self.sizes[(ins.src, r, ins.tag)] = ins.region.numel * ins.dtype.itemsize
+        self.sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (arrival, took)
+        self.order: list[tuple[int, int, int]] = []
+        self.calls: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # rank, group
+        self.met: dict[tuple, dict[int, tuple]] = defaultdict(dict)  # (group, n) -> rank -> ...
+        self.done: dict[tuple, tuple[float, float]] = {}  # (group, n) -> (start, end)
+        self.started: list[dict[str, tuple]] = [{} for _ in ranks]  # handle -> what it awaits
+        self.calling: dict[int, tuple] = {}  # rank -> the call it made and waits in now
+        self.waiting: dict[int, tuple] = {}  # rank -> what it is blocked on, as stuck names it
+
+    def run(self) -> Replayed:
+        pc = [0] * len(self.ranks)
+        moved = True
+        while moved:
+            moved = False
+            for r, code in enumerate(self.ranks):
+                while pc[r] < len(code) and self.step(r, code[pc[r]]):
+                    pc[r] += 1
+                    moved = True
+        stuck = {r: self.waiting[r] for r, code in enumerate(self.ranks) if pc[r] < len(code)}
+        return Replayed(self.clock, self.compute, self.comm, stuck, self.order)
+
+    def step(self, r: int, ins: Instruction) -> bool:
+        """Run ``ins`` on rank ``r``; False if it must wait here."""
+        if isinstance(ins, (Send, PushParam)):
+            key = (r, ins.dst, ins.tag)
+            self.sent[key] = self.costs.message(r, ins.dst, self.sizes.get(key, 0.0),
+                                                self.clock[r], self.since[r])
+            self.order.append(key)
+            self.since[r] = 0.0
+            return True
+        if isinstance(ins, (Recv, PullParam)):
+            awaited = ("recv", ins.src, ins.tag)
+        elif isinstance(ins, (*COLLECTIVES, GatherParams)):
+            awaited = self.calling.pop(r, None) or self.call(r, ins)
+        elif isinstance(ins, Wait):
+            if not self.finish(r, self.started[r][ins.handle]):
+                return False
+            del self.started[r][ins.handle]
+            return True
+        else:
+            seconds = self.costs.local(r, ins, self.since[r])
+            self.clock[r] += seconds
+            self.compute[r] += seconds
+            self.since[r] += seconds
+            return True
+        if getattr(ins, "handle", None) is not None:
+            self.started[r][ins.handle] = awaited
+            return True
+        if self.finish(r, awaited):
+            return True
+        if awaited[0] == "call":
+            self.calling[r] = awaited
+        return False
+
+    def call(self, r: int, ins: Instruction) -> tuple:
+        """Rank ``r`` calls collective ``ins``: its place among its group's calls."""
+        group = tuple(sorted(ins.ranks))
+        n = self.calls[(r, group)]
+        self.calls[(r, group)] += 1
+        self.met[(group, n)][r] = (type(ins), collective_key(ins), self.clock[r], self.since[r],
+                                   ins)
+        return ("call", (group, n), collective_key(ins))
+
+    def finish(self, r: int, awaited: tuple) -> bool:
+        """Rank ``r`` waits until what it ``awaited`` has happened; False: not yet."""
+        if awaited[0] == "recv":
+            got = self.sent.get((awaited[1], r, awaited[2]))
+            if got is None:
+                self.waiting[r] = awaited
+                return False
+            arrival, took = got
+            self.comm[r] += min(max(0.0, arrival - self.clock[r]), took)
+            self.clock[r] = max(self.clock[r], arrival)
+        else:
+            _, call, key = awaited
+            if call not in self.done:
+                met = self.met[call]
+                if len(met) < len(call[0]) or len({m[:2] for m in met.values()}) > 1:
+                    self.waiting[r] = key
+                    return False
+                first = next(iter(met.values()))
+                self.done[call] = self.costs.collective(first[4], max(m[2] for m in met.values()),
+                                                        max(m[3] for m in met.values()))
+            start, end = self.done[call]
+            self.comm[r] += max(0.0, end - max(start, self.clock[r]))
+            self.clock[r] = max(self.clock[r], end)
+        self.waiting.pop(r, None)
+        self.since[r] = 0.0
+        return True
