@@ -1,6 +1,6 @@
 """Step time of chronotope vs PyTorch's own parallel training, same model, same run.
 
-    python benchmarks/runtime_overhead.py [--devices 4] [--steps 10] [--d-model 128]
+    python benchmarks/runtime_overhead.py [--devices 2 4] [--steps 10] [--d-model 128]
 
 On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
 
@@ -106,7 +106,7 @@ def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -116,18 +116,20 @@ def main() -> None:
     overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
                  "batch_size": args.batch}
     rows = []
-    for name, kind, policy in (("data parallel", "ddp", "dp"), ("tensor parallel", "tp", "tp")):
-        base = baseline_step_time(kind, args.devices, args.steps, overrides)
-        ours = chronotope_step_time(policy, args.devices, args.steps, overrides)
-        rows.append((name, "DistributedDataParallel" if kind == "ddp"
-                     else "parallelize_module (DTensor)", base, ours))
+    for world in args.devices:
+        for name, kind, policy in (("data parallel", "ddp", "dp"),
+                                   ("tensor parallel", "tp", "tp")):
+            base = baseline_step_time(kind, world, args.steps, overrides)
+            ours = chronotope_step_time(policy, world, args.steps, overrides)
+            rows.append((name, world, "DistributedDataParallel" if kind == "ddp"
+                         else "parallelize_module (DTensor)", base, ours))
     table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} x "
-                        f"{args.seq} tokens, on {args.devices} gloo processes "
+                        f"{args.seq} tokens, on gloo processes "
                         f"(median of {args.steps - 1} steps)")
-    for col in ("parallelism", "baseline", "baseline ms", "chronotope ms", "ratio"):
-        table.add_column(col, justify="right" if col.endswith(("ms", "ratio")) else "left")
-    for name, baseline, base, ours in rows:
-        table.add_row(name, baseline, f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}",
+    for col in ("parallelism", "processes", "baseline", "baseline ms", "chronotope ms", "ratio"):
+        table.add_column(col, justify="right" if col.endswith(("ms", "ratio", "es")) else "left")
+    for name, world, baseline, base, ours in rows:
+        table.add_row(name, str(world), baseline, f"{base * 1e3:.1f}", f"{ours * 1e3:.1f}",
                       f"{ours / base:.2f}")
     Console(width=120).print(table)
 

@@ -32,6 +32,7 @@ from rich.text import Text
 from chronotope import bench
 from chronotope.compile import COMMS, Program
 from chronotope.compile import compile as compile_plan
+from chronotope.compile.buckets import BUCKET_MB
 from chronotope.compile.rvd_search import p2p, search
 from chronotope.cost import calibrate, measure_ops
 from chronotope.cost.network import ClusterError, cluster_for, load_cluster
@@ -356,7 +357,7 @@ def _captured(workload: Workload, frontend: str = "auto") -> Graph:
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
     graph = _captured(workload)
-    return workload, compile_plan(_plan(graph, args), args.comm, args.cluster)
+    return workload, compile_plan(_plan(graph, args), args.comm, args.cluster, args.bucket_mb)
 
 
 def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
@@ -491,7 +492,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     if args.init:
         load_weights(workload.model, args.init)
     graph = _captured(workload)
-    program = compile_plan(_plan(graph, args), args.comm, args.cluster)
+    program = compile_plan(_plan(graph, args), args.comm, args.cluster, args.bucket_mb)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
                   args.warmup, args.min_lr)
@@ -823,6 +824,9 @@ def parser() -> argparse.ArgumentParser:
                              help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN "
                                   "for N nodes) or a profile file from `chronotope profile` "
                                   "(default: DGX A100 nodes enough for --devices)")
+            cmd.add_argument("--bucket-mb", type=positive_float, default=BUCKET_MB,
+                             help="gradient reductions start in buckets of this many MiB as "
+                                  f"the backward makes them (default {BUCKET_MB:g}, as DDP)")
         _common_args(cmd, model=True)
         if name == "plan":
             cmd.add_argument("--out", type=new_folder,

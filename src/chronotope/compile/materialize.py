@@ -16,9 +16,11 @@ from collections import defaultdict
 from dataclasses import replace
 from fractions import Fraction
 
+from chronotope.compile.buckets import BUCKET_MB, buckets
 from chronotope.compile.collectives import Stuck, collectives
 from chronotope.compile.fuse import fuse
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
+from chronotope.compile.overlap import overlap
 from chronotope.compile.program import (
     Assemble,
     Backward,
@@ -64,8 +66,9 @@ def _overlap(a: Mask, b: Mask) -> Mask | None:
 
 class Materializer:
     def __init__(self, checked: CheckedPlan, cluster: Cluster | None = None,
-                 skip: frozenset = frozenset()) -> None:
+                 skip: frozenset = frozenset(), bucket_mb: float = BUCKET_MB) -> None:
         self.cluster = cluster  # None: no searched layout changes (plain messages)
+        self.bucket_bytes = bucket_mb * 2**20  # gradient reductions started in buckets
         self.skip = skip  # layout changes that deadlocked: per-reader messages instead
         self.changes: list[Change] = []
         self.change_tags: dict[tuple, tuple] = {}  # ("recv", src, tag) -> change key
@@ -147,8 +150,9 @@ class Materializer:
             for op in seq:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks = [with_frees(self.running_sums(rank, fuse(code)))
-                 for rank, code in enumerate(collectives(ranks))]
+        ranks = buckets(collectives(ranks), self.bucket_bytes)
+        ranks = [self.running_sums(rank, fuse(code)) for rank, code in enumerate(ranks)]
+        ranks = [with_frees(code) for code in overlap(ranks)]
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)
@@ -552,12 +556,14 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
     return out
 
 
-def materialize(checked: CheckedPlan, cluster: Cluster | None = None) -> Program:
+def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
+                bucket_mb: float = BUCKET_MB) -> Program:
     """Every rank's program; with a ``cluster``, layout changes by searched RVD paths
-    priced by its cost model where they beat plain messages."""
+    priced by its cost model where they beat plain messages; gradient reductions in
+    buckets of ``bucket_mb`` MiB."""
     skip: frozenset = frozenset()
     while True:
-        m = Materializer(checked, cluster, skip)
+        m = Materializer(checked, cluster, skip, bucket_mb)
         try:
             return m.run()
         except Stuck as e:

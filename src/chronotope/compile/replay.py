@@ -1,7 +1,9 @@
 """One engine that plays compiled per-rank code against itself.
 
 Each rank runs its instructions in order on its own clock. A send never blocks; a
-receive waits for its message; a collective starts when its last member calls it,
+message travels once it is sent and its receive is posted (NCCL's rendezvous: the
+bytes need a place to go), and the receive waits for it; a collective starts when
+its last member calls it,
 and the members of a process group meet in its collectives in the order they call
 them, as torch.distributed does (the n-th call of each must be the same one). A
 receive or collective with a handle is only started where it stands, and the rank
@@ -60,7 +62,8 @@ class Replayed:
     compute: list[float]
     comm: list[float]  # waiting on bytes while they travel, or in collectives
     stuck: dict[int, tuple] = field(default_factory=dict)  # rank -> what it waits on forever
-    sends: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, tag), in order
+    # (src, dst, tag) of every message, by when it was sent (ties: in causal order)
+    sends: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def runs_through(self) -> bool:
@@ -89,7 +92,9 @@ class _Engine:
                     self.sizes[(ins.src, r, ins.tag)] = math.prod(ins.shape) * ins.dtype.itemsize
                 elif isinstance(ins, PullParam):
                     self.sizes[(ins.src, r, ins.tag)] = ins.region.numel * ins.dtype.itemsize
-        self.sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (arrival, took)
+        self.sent: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (clock, since)
+        self.posted: dict[tuple[int, int, int], float] = {}  # receive -> when posted
+        self.arrived: dict[tuple[int, int, int], tuple[float, float]] = {}  # (arrival, took)
         self.order: list[tuple[int, int, int]] = []
         self.calls: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # rank, group
         self.met: dict[tuple, dict[int, tuple]] = defaultdict(dict)  # (group, n) -> rank -> ...
@@ -108,19 +113,21 @@ class _Engine:
                     pc[r] += 1
                     moved = True
         stuck = {r: self.waiting[r] for r, code in enumerate(self.ranks) if pc[r] < len(code)}
-        return Replayed(self.clock, self.compute, self.comm, stuck, self.order)
+        order = sorted(range(len(self.order)), key=lambda i: (self.sent[self.order[i]][0], i))
+        return Replayed(self.clock, self.compute, self.comm, stuck,
+                        [self.order[i] for i in order])
 
     def step(self, r: int, ins: Instruction) -> bool:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
         if isinstance(ins, (Send, PushParam)):
             key = (r, ins.dst, ins.tag)
-            self.sent[key] = self.costs.message(r, ins.dst, self.sizes.get(key, 0.0),
-                                                self.clock[r], self.since[r])
+            self.sent[key] = (self.clock[r], self.since[r])
             self.order.append(key)
             self.since[r] = 0.0
             return True
         if isinstance(ins, (Recv, PullParam)):
             awaited = ("recv", ins.src, ins.tag)
+            self.posted.setdefault((ins.src, r, ins.tag), self.clock[r])
         elif isinstance(ins, (*COLLECTIVES, GatherParams)):
             awaited = self.calling.pop(r, None) or self.call(r, ins)
         elif isinstance(ins, Wait):
@@ -155,11 +162,15 @@ class _Engine:
     def finish(self, r: int, awaited: tuple) -> bool:
         """Rank ``r`` waits until what it ``awaited`` has happened; False: not yet."""
         if awaited[0] == "recv":
-            got = self.sent.get((awaited[1], r, awaited[2]))
-            if got is None:
+            key = (awaited[1], r, awaited[2])
+            if key not in self.sent:
                 self.waiting[r] = awaited
                 return False
-            arrival, took = got
+            if key not in self.arrived:
+                ready, since = self.sent[key]
+                self.arrived[key] = self.costs.message(key[0], r, self.sizes.get(key, 0.0),
+                                                       max(ready, self.posted[key]), since)
+            arrival, took = self.arrived[key]
             self.comm[r] += min(max(0.0, arrival - self.clock[r]), took)
             self.clock[r] = max(self.clock[r], arrival)
         else:

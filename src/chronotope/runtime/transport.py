@@ -180,7 +180,10 @@ class OrderedTransport(ThreadTransport):
 
     def __init__(self, timeout: float = 60.0) -> None:
         super().__init__(timeout)
-        self.queue: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = defaultdict(deque)
+        # per (src, dst): every message sent, in order (taken ones dropped), and receives posted
+        self.queue: dict[tuple[int, int], dict[int, tuple[int, torch.Tensor]]] = defaultdict(dict)
+        self.count: dict[tuple[int, int], int] = defaultdict(int)
+        self.posted: dict[tuple[int, int], int] = defaultdict(int)
         self.sides: dict[tuple[int, int], deque[tuple[int, str, int]]] = defaultdict(deque)
 
     def _order(self, rank: int, peer: int, what: str, tag: int) -> None:
@@ -204,26 +207,31 @@ class OrderedTransport(ThreadTransport):
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
             self._order(src, dst, "send", tag)
-            self.queue[(src, dst)].append((tag, t.detach().clone()))
+            n = self.count[(src, dst)]
+            self.count[(src, dst)] += 1
+            self.queue[(src, dst)][n] = (tag, t.detach().clone())
             self.cond.notify_all()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device, async_op: bool = False) -> Any:
         with self.cond:
             self._order(dst, src, "recv", tag)
-        return _result(Started(lambda: self._in_order(src, dst, tag).to(device)), async_op)
+            n = self.posted[(src, dst)]
+            self.posted[(src, dst)] += 1
+        return _result(Started(lambda: self._in_order(src, dst, tag, n).to(device)), async_op)
 
-    def _in_order(self, src: int, dst: int, tag: int) -> torch.Tensor:
-        key = (src, dst)
+    def _in_order(self, src: int, dst: int, tag: int, n: int) -> torch.Tensor:
+        """The ``n``-th message ``src`` sent ``dst``, which must be message ``tag``."""
+        box = self.queue[(src, dst)]
         with self.cond:
-            ok = self.cond.wait_for(lambda: self.queue[key] or src in self.failed, self.timeout)
+            ok = self.cond.wait_for(lambda: n in box or src in self.failed, self.timeout)
             if src in self.failed:
                 raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
                                  f"{self.failed[src]!r}")
             if not ok:
                 raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
                                  f"from rank {src}; rank {src} is dead or stuck")
-            got, t = self.queue[key].popleft()
+            got, t = box.pop(n)
             if got != tag:
                 error = OrderError(f"rank {dst}'s receive of message {tag} from rank {src} "
                                    f"matches message {got}, which rank {src} sent first")

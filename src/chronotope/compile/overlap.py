@@ -1,0 +1,154 @@
+"""Communication that runs while the rank computes, in an order NCCL can match.
+
+A receive or collective is started where it stands and waited on where its result
+is first read (``Wait``), so the compute between the two runs while the bytes move.
+A receive is also posted ahead of the compute that precedes its first reader, within
+one rule: NCCL matches a pair of ranks' messages by order, not by tag, and runs each
+pair's sends and receives in the order they were posted, so both ranks must post the
+messages between them in one order. That order is the one a replay of the code sends
+them in: whoever sends a message posts it when the replay does, and the receiver
+posts its receive after the pair's earlier messages and before its later ones (a
+receive can always be posted early; a send is where its data is made). The replay
+prices compute by its FLOPs, so the order is roughly the one the messages will be
+sent in, and a receive is posted before the compute it can hide behind.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from chronotope.compile.program import (
+    STARTED,
+    AllReduce,
+    Backward,
+    Forward,
+    Instruction,
+    Recv,
+    Send,
+    Wait,
+    WeightGrad,
+    reads,
+    results,
+)
+from chronotope.compile.replay import Costs, replay
+from chronotope.cost.compute import piece_flops
+from chronotope.errors import PlanError
+
+_COMPUTE = (Forward, Backward, WeightGrad)
+
+
+class _Flops(Costs):
+    """Compute priced by its FLOPs (and 1 per piece, so that none is free); messages free."""
+
+    def local(self, rank: int, ins: Instruction, since: float) -> float:
+        if isinstance(ins, Backward):
+            ops = [*(f.op for f in ins.recompute if isinstance(f, Forward)), *ins.ops]
+            return sum(piece_flops(op) + 1.0 for op in ops)
+        if isinstance(ins, (Forward, WeightGrad)):
+            return piece_flops(ins.op) + 1.0
+        return 0.0
+
+
+def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Every rank's code with its receives posted in the pairs' common order, ahead of
+    the compute before their use, and every communication waited on where first read."""
+    played = replay(ranks, _Flops())
+    if played.stuck:
+        raise PlanError(f"the compiled program would wait forever in "
+                        f"{sorted(map(str, played.stuck.values()))}; this is a bug in "
+                        f"chronotope, please report it with the plan")
+    order = {key: i for i, key in enumerate(played.sends)}  # (src, dst, tag) -> when sent
+    return [_started(rank, code, order) for rank, code in enumerate(ranks)]
+
+
+def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> list[Instruction]:
+    first_read = _first_reads(code)
+    # Slots: instruction i sits at 2i + 1; a posted receive goes into slot 2i (before i).
+    posted = _posting_slots(rank, code, order, first_read)
+    handles: set[str] = set()
+    out: list[tuple[tuple, Instruction]] = []  # (slot, then receives in the pairs' order)
+    for i, ins in enumerate(code):
+        use = first_read.get(i, len(code))
+        if isinstance(ins, Recv):
+            slot = posted[i]
+            if slot < 2 * use:
+                ins = replace(ins, handle=_handle(ins.var, handles))
+                out.append(((2 * use, 1), Wait(ins.handle, (ins.var,))))
+            out.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
+            continue
+        if isinstance(ins, STARTED) and use > i + 1:
+            made = results(ins)  # none on a broadcast's root: waited on at the end
+            ins = replace(ins, handle=_handle(made[0] if made else f"{ins.src}_sent", handles))
+            out.append(((2 * use, 1), Wait(ins.handle, results(ins),
+                                           unpack=isinstance(ins, AllReduce))))
+        out.append(((2 * i + 1,), ins))
+    out.sort(key=lambda x: x[0])
+    code = []
+    for _, ins in out:  # started and waited on back to back: a plain blocking call
+        last = code[-1] if code else None
+        if isinstance(ins, Wait) and isinstance(last, STARTED) and last.handle == ins.handle:
+            code[-1] = replace(last, handle=None)
+        else:
+            code.append(ins)
+    return code
+
+
+def _handle(var: str, taken: set[str]) -> str:
+    name, i = f"{var}_pending", 1
+    while name in taken:
+        name, i = f"{var}_pending_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def _first_reads(code: list[Instruction]) -> dict[int, int]:
+    """For each receive or collective (by index), the index of the first instruction that
+    reads what it gives."""
+    made: dict[str, int] = {}
+    first: dict[int, int] = {}
+    for i, ins in enumerate(code):
+        for var in reads(ins):
+            if var in made and made[var] not in first:
+                first[made[var]] = i
+        if isinstance(ins, STARTED):
+            for var in results(ins):
+                made[var] = i
+    return first
+
+
+def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],
+                   first_read: dict[int, int]) -> dict[int, int]:
+    """Where each receive (by index) is posted: ahead of the compute before its first
+    reader, as far as the order of its pair's messages allows."""
+    compute = [i for i, ins in enumerate(code) if isinstance(ins, _COMPUTE)]
+    pairs: dict[int, list[tuple[int, int, bool]]] = defaultdict(list)  # peer -> (when, i, recv)
+    for i, ins in enumerate(code):
+        if isinstance(ins, Send):
+            pairs[ins.dst].append((order[(rank, ins.dst, ins.tag)], i, False))
+        elif isinstance(ins, Recv):
+            pairs[ins.src].append((order[(ins.src, rank, ins.tag)], i, True))
+    slots: dict[int, int] = {}
+    for messages in pairs.values():
+        messages.sort()
+        upper = []  # latest slot each may take, so the pair's later messages stay after it
+        bound = 2 * len(code)
+        for _, i, is_recv in reversed(messages):
+            bound = min(bound, 2 * first_read.get(i, len(code))) if is_recv else 2 * i
+            upper.append(bound)
+        upper.reverse()
+        lower = 0
+        for (_, i, is_recv), most in zip(messages, upper):
+            if not is_recv:
+                lower = 2 * i + 2
+                continue
+            use = first_read.get(i, len(code))
+            before = [c for c in compute if c < use]
+            wanted = 2 * before[-1] if before else 2 * use
+            slot = max(lower, min(wanted, most))
+            if slot > most:
+                raise PlanError(f"rank {rank} cannot post message {code[i].tag} from rank "
+                                f"{code[i].src} in the order its pair sends: this is a bug in "
+                                f"chronotope, please report it with the plan")
+            slots[i] = lower = slot
+    return slots

@@ -1,0 +1,76 @@
+"""Gradient reductions in buckets, started while the rest of the backward runs."""
+
+import math
+import warnings
+
+import pytest
+
+import chronotope as ct
+from chronotope.compile.program import AllReduce, Backward, ReduceScatter
+from chronotope.errors import PlanError
+from chronotope.models import get_workload
+from chronotope.policies import data_parallel, mesh, zero
+from tests.policies.plan_testing import trains_like_one_device
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+def gradient_reductions(code):
+    return [(i, ins) for i, ins in enumerate(code) if isinstance(ins, (AllReduce, ReduceScatter))
+            and all(str(k[0]).startswith("grad(") for k in (ins.keys if isinstance(ins, AllReduce)
+                                                         else (ins.key,)))]
+
+
+def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gpt):
+    w, graph = gpt
+    cap = 0.01  # MiB: a few small gradients, or one large one, per bucket
+    program = ct.compile(data_parallel(graph, 2), bucket_mb=cap)
+    code = program.ranks[0]
+    found = gradient_reductions(code)
+    last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
+    assert sum(i < last_backward for i, _ in found) >= 5
+    for _, ins in found:
+        sizes = [math.prod(s) * 4 for s in ins.shapes]
+        assert len(sizes) == 1 or sum(sizes) <= cap * 2**20
+    keys = [k for _, ins in found for k in ins.keys]
+    # every weight's but wpe's, whose input's gradient is summed instead (one per rank)
+    assert len(keys) == len(set(keys)) == len(graph.params)
+    trains_like_one_device(w, program)
+
+
+def test_a_model_smaller_than_a_bucket_reduces_in_the_fewest_calls_the_backward_allows(gpt):
+    """One bucket before the embeddings' backward, which reads the summed gradient of the
+    position embedding's output; the tied embedding's gradient, made last, after it."""
+    _, graph = gpt
+    code = ct.compile(data_parallel(graph, 2)).ranks[1]
+    found = gradient_reductions(code)
+    last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
+    assert len(found) == 2 and found[0][0] < last_backward < found[1][0]
+    assert [k[0] for k in found[1][1].keys] == ["grad(wte.weight)"]
+
+
+def test_zero_reduce_scatters_start_as_their_gradients_are_made(gpt):
+    w, graph = gpt
+    program = ct.compile(zero(graph, 2, stage=2), bucket_mb=0.01)
+    code = program.ranks[0]
+    last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
+    early = [ins for i, ins in gradient_reductions(code) if i < last_backward]
+    assert any(isinstance(ins, ReduceScatter) for ins in early)
+    trains_like_one_device(w, program)
+
+
+def test_buckets_in_a_pipeline_with_replicas_train_like_one_device(gpt):
+    w, graph = gpt
+    trains_like_one_device(w, ct.compile(mesh(graph, dp=2, pp=2, micro=2, schedule="1f1b"),
+                                         bucket_mb=0.01))
+
+
+def test_a_bucket_size_that_is_not_positive_is_refused(gpt):
+    with pytest.raises(PlanError, match="bucket_mb"):
+        ct.compile(data_parallel(gpt[1], 2), bucket_mb=0)
