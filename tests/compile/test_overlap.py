@@ -20,7 +20,7 @@ from chronotope.compile.program import (
 )
 from chronotope.compile.replay import Costs, replay
 from chronotope.models import get_workload
-from chronotope.policies import mesh, sequence_parallel, zero
+from chronotope.policies import data_parallel, mesh, sequence_parallel, zero
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,16 @@ def test_the_replay_overlaps_a_started_receive_with_the_compute_before_its_wait(
     assert (played.clock[1], played.comm[1]) == (5.0, 3.0)
     played = replay(started, Fixed())
     assert (played.clock[1], played.comm[1]) == (3.0, 1.0)
+
+
+def test_a_loss_count_all_reduce_starts_with_the_step_and_is_waited_on_at_the_loss(gpt):
+    """The token count needs only the targets: summed while the whole forward runs, not in
+    the middle of it (where every replica would wait for the slowest)."""
+    code = ct.compile(data_parallel(gpt, 2)).ranks[0]
+    start = next(i for i, ins in enumerate(code) if isinstance(ins, STARTED))
+    assert "count" in code[start].keys[0][0] and code[start].handle is not None
+    first_forward = next(i for i, ins in enumerate(code)
+                         if isinstance(ins, Forward) and any(ins.grad))
+    wait = next(i for i, ins in enumerate(code)
+                if isinstance(ins, Wait) and ins.handle == code[start].handle)
+    assert start < first_forward < wait

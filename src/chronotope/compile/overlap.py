@@ -2,6 +2,8 @@
 
 A receive or collective is started where it stands and waited on where its result
 is first read (``Wait``), so the compute between the two runs while the bytes move.
+A collective of values no parameter touches (a loss's count of tokens) starts with
+the step, together with the local work that makes it.
 A receive is also posted ahead of the compute that precedes its first reader, within
 one rule: NCCL matches a pair of ranks' messages by order, not by tag, and runs each
 pair's sends and receives in the order they were posted, so both ranks must post the
@@ -19,17 +21,21 @@ from collections import defaultdict
 from dataclasses import replace
 
 from chronotope.compile.program import (
+    COLLECTIVES,
     STARTED,
     AllReduce,
+    Assemble,
     Backward,
     Forward,
     Instruction,
+    Load,
     Recv,
     Send,
     Wait,
     WeightGrad,
     reads,
     results,
+    writes,
 )
 from chronotope.compile.replay import Costs, replay
 from chronotope.cost.compute import piece_flops
@@ -53,6 +59,9 @@ class _Flops(Costs):
 def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with its receives posted in the pairs' common order, ahead of
     the compute before their use, and every communication waited on where first read."""
+    early = [_hoisted(code) for code in ranks]
+    if replay(early).runs_through:  # the members of each group still call alike
+        ranks = early
     played = replay(ranks, _Flops())
     if played.stuck:
         raise PlanError(f"the compiled program would wait forever in "
@@ -92,6 +101,34 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> lis
         else:
             code.append(ins)
     return code
+
+
+def _hoisted(code: list[Instruction]) -> list[Instruction]:
+    """``code`` with each collective whose inputs only batch data and constants make moved
+    to the start, with what makes them (in their order)."""
+    made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
+    moved: set[int] = set()
+    for i, ins in enumerate(code):
+        if not isinstance(ins, COLLECTIVES):
+            continue
+        chain, todo = set(), [made[v] for v in reads(ins) if v in made]
+        while todo:
+            j = todo.pop()
+            if j not in chain:
+                chain.add(j)
+                todo += [made[v] for v in reads(code[j]) if v in made]
+        if chain and all(_untouched(code[j]) for j in chain):
+            moved |= {*chain, i}
+    return [code[i] for i in sorted(moved)] + [x for i, x in enumerate(code) if i not in moved]
+
+
+def _untouched(ins: Instruction) -> bool:
+    """Local work on values no parameter and no gradient reach."""
+    if isinstance(ins, Load):
+        return ins.source in ("input", "constant")
+    if isinstance(ins, Forward):
+        return not (any(ins.grad) or any(ins.out_grad) or ins.recompute)
+    return isinstance(ins, Assemble)
 
 
 def _handle(var: str, taken: set[str]) -> str:
