@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 import chronotope as ct
+from chronotope.compile.simulate import simulate
 from chronotope.cost.network import cluster_for
-from chronotope.cost.simulate import simulate
 from chronotope.errors import ChronotopeError
 from chronotope.models import get_workload
 from chronotope.search import SearchError, ilp_options, search

@@ -6,8 +6,8 @@
 Profiles this machine's collectives on ``--devices`` gloo processes (as
 ``chronotope profile`` does), measures every op's forward and backward here with
 the threads each worker gets and calibrates the runtime's own work on as many
-processes (``cost.calibrate``), then for each plan predicts one step
-(``cost.simulate``) and trains it on gloo processes (median step time of the
+processes (``measure.calibrate``), then for each plan predicts one step
+(``compile.simulate``) and trains it on gloo processes (median step time of the
 steps after the first, slowest rank). Prints both and the error (goal: within
 15%). This machine's speed drifts by 10% or more from minute to minute, so each
 round profiles, calibrates and runs anew, and the error is the median of the
@@ -31,9 +31,9 @@ from rich.table import Table
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.cost import calibrate, measure_ops
-from chronotope.cost.profile import profile
-from chronotope.cost.simulate import simulate
+from chronotope.compile.simulate import simulate
+from chronotope.measure import calibrate, measure_ops
+from chronotope.measure.profile import profile
 from chronotope.models import get_workload
 from chronotope.policies import mesh, pipeline, zero
 from chronotope.runtime.launch import launch

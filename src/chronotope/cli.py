@@ -34,13 +34,13 @@ from chronotope.compile import COMMS, Program
 from chronotope.compile import compile as compile_plan
 from chronotope.compile.buckets import BUCKET_MB
 from chronotope.compile.rvd_search import p2p, search
-from chronotope.cost import calibrate, measure_ops
+from chronotope.compile.simulate import simulate
 from chronotope.cost.network import ClusterError, cluster_for, load_cluster
-from chronotope.cost.profile import profile, save_profile
-from chronotope.cost.simulate import simulate
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.graph.convert import torch_random
+from chronotope.measure import calibrate, measure_ops
+from chronotope.measure.profile import profile, save_profile
 from chronotope.models import Workload, default_device, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from chronotope.cost.network import Cluster, ClusterError, Link, load_cluster, steps_and_volume
-from chronotope.cost.profile import fit, profile, save_profile
+from chronotope.measure.profile import fit, profile, save_profile
 
 
 def test_a_dgx1_ring_of_eight_uses_the_double_nvlinks():

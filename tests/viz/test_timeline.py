@@ -7,7 +7,8 @@ import pytest
 
 import chronotope as ct
 from chronotope.cli import main
-from chronotope.cost import measure_ops, piece_seconds
+from chronotope.cost import piece_seconds
+from chronotope.measure import measure_ops
 from chronotope.models import get_workload
 from chronotope.policies import pipeline
 from chronotope.viz import timeline

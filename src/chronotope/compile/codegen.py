@@ -51,7 +51,7 @@ _RNG = r"rng\."  # the counter-based random ops, as generated code calls them
 
 def render(program: Program, rank: int, ticks: bool = False) -> str:
     """Rank ``rank``'s module; with ``ticks``, ``rt.tick()`` after each instruction (how
-    ``cost.calibrate`` times the runtime's own work per instruction)."""
+    ``measure.calibrate`` times the runtime's own work per instruction)."""
     plan = program.plan
     lines = [
         f'"""Rank {rank} of {plan.ndevices}: one training step of {plan.graph.name}.',

@@ -33,7 +33,7 @@ from chronotope.compile.program import (
 
 
 class Costs:
-    """What each step takes: nothing, unless a subclass prices it (``cost.simulate``)."""
+    """What each step takes: nothing, unless a subclass prices it (``compile.simulate``)."""
 
     def local(self, rank: int, ins: Instruction, since: float) -> float:
         return 0.0

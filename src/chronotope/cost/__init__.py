@@ -1,7 +1,8 @@
-"""Cost estimates: compute from op signatures, or measured per op on this machine."""
+"""The cost model: compute from op signatures or measured op times, and the alpha-beta
+network model. Pure: measuring lives in ``chronotope.measure``, replaying programs on
+these prices in ``chronotope.compile.simulate``."""
 
 from chronotope.cost.compute import op_flops, piece_flops
-from chronotope.cost.measure import Calibration, OpTime, calibrate, measure_ops, piece_seconds
+from chronotope.cost.times import Calibration, OpTime, piece_seconds
 
-__all__ = ["Calibration", "OpTime", "calibrate", "measure_ops", "op_flops", "piece_flops",
-           "piece_seconds"]
+__all__ = ["Calibration", "OpTime", "op_flops", "piece_flops", "piece_seconds"]

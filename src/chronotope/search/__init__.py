@@ -371,7 +371,7 @@ def zero_weights(graph: Graph, choice: dict[Op, Strategy]) -> list[str]:
 
 def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     from chronotope.compile import compile as compile_plan
-    from chronotope.cost.simulate import simulate
+    from chronotope.compile.simulate import simulate
 
     sim = simulate(compile_plan(plan, cluster=cluster), cluster)
     checked = plan.check()

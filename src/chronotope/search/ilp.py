@@ -20,8 +20,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
-from chronotope.cost.simulate import OPTIMIZER_PASSES
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import differentiable

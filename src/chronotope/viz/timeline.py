@@ -3,7 +3,7 @@ plan's order.
 
 A step (``1F0``: stage 1's forward of micro-batch 0) lasts what its pieces cost
 (``cost.piece_flops`` at ``flops_per_s``, or their share of each op's measured
-time, ``cost.measure_ops``) and starts when its rank is free and
+time, ``measure.measure_ops``) and starts when its rank is free and
 the steps it reads from have ended (data edges between the pieces; steps of the
 same name on other ranks of a tensor-parallel group run alongside it), plus,
 with ``bytes_per_s``, the time the bytes it reads from another rank take on

@@ -1,18 +1,19 @@
 """Replay a compiled Program on a cost model: step time, compute, communication and
 bubble per device, without running it.
 
-Each rank's instructions run in order on its own clock. A piece costs its FLOPs
-at the device's peak (or its share of its op's measured time, plus what the
-runtime adds per instruction as ``cost.calibrate`` fitted it); a message leaves
-when its sender reaches the ``Send`` and takes the link's alpha-beta time, one
-at a time per sending and receiving device and per node network; a receive
-waits for it; a collective starts when its last member arrives (and, crossing nodes,
-when their networks are free) and takes what ``Cluster.collective`` says. Waiting on a
-message longer than it travels, or on a collective's late members, is bubble. After
-the step, the optimizer reads and writes each owned parameter a few times (memory
-bound, or as calibrated), and
-the refresh of stored copies runs like the step. A profiled cluster prices each
-call by the compute its members did since they last communicated.
+Each rank's instructions run in order on its own clock (``compile/replay.py``). A
+piece costs its FLOPs at the device's peak (or its share of its op's measured time,
+plus what the runtime adds per instruction as ``measure.calibrate`` fitted it); a
+message leaves once its sender reaches the ``Send`` and its receive is posted, and
+takes the link's alpha-beta time, one at a time per sending and receiving device
+and per node network; a collective starts when its last member calls it (after the
+group's earlier ones and, crossing nodes, when their networks are free) and takes
+what ``Cluster.collective`` says; a started one runs while its rank computes until
+the ``Wait``. Waiting on a message longer than it travels, or on a collective's late
+members, is bubble. After the step, the optimizer reads and writes each owned
+parameter a few times (memory bound, or as calibrated), and the refresh of stored
+copies runs like the step. A profiled cluster prices each call by the compute its
+members did since they last communicated.
 """
 
 from __future__ import annotations
@@ -24,16 +25,22 @@ from chronotope.compile.program import (
     AllGather,
     AllReduce,
     AllToAll,
+    Assemble,
+    Backward,
     Broadcast,
+    Forward,
     Free,
     GatherParams,
     Program,
     ReduceScatter,
+    WeightGrad,
 )
 from chronotope.compile.replay import Costs, Replayed, replay
-from chronotope.cost.measure import Calibration, OpTime, instruction_compute
+from chronotope.cost.compute import piece_flops
 from chronotope.cost.network import Cluster
+from chronotope.cost.times import Calibration, OpTime, piece_seconds
 from chronotope.errors import PlanError
+from chronotope.plan.plan import PlanOp
 
 OPTIMIZER_PASSES = 4  # parameter, gradient and state read, parameter written: bytes moved
 
@@ -66,7 +73,7 @@ class Simulation:
 def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | None = None,
              dtype: str = "float32", calibration: Calibration | None = None) -> Simulation:
     """Predicted times of one training step of ``program`` on ``cluster``, pieces from
-    ``measured`` op times (with what the runtime adds, as ``cost.calibrate`` fits it)
+    ``measured`` op times (with what the runtime adds, as ``measure.calibrate`` fits it)
     or FLOPs at the peak."""
     calibration = calibration or Calibration()
     if cluster.ndevices < program.ndevices:
@@ -148,7 +155,7 @@ class _Prices(Costs):
         if isinstance(ins, Free):
             return 0.0
         compute = instruction_compute(ins, self.measured, self.peak)
-        return self.calibration.seconds(ins, compute, self.cluster.copy_bandwidth)
+        return self.calibration.seconds(*features(ins), compute, self.cluster.copy_bandwidth)
 
 
 def _priced(ins, params: dict) -> tuple[str, float]:
@@ -168,3 +175,32 @@ def _priced(ins, params: dict) -> tuple[str, float]:
         return "all_gather", sum(math.prod(b - a for a, b in region) * params[name].dtype.itemsize
                                  for name, region, _ in ins.params)
     raise PlanError(f"not a collective: {ins!r:.80}")
+
+
+def features(ins: object) -> tuple[str, int, int]:
+    """An instruction's kind (a split backward's weight part is one more autograd call),
+    the pieces an autograd call runs through, and the bytes an ``Assemble`` writes."""
+    if isinstance(ins, Backward):
+        return "Backward", len(ins.ops) + len(ins.recompute), 0
+    if isinstance(ins, WeightGrad):
+        return "Backward", 1, 0
+    if isinstance(ins, Assemble):
+        return "Assemble", 0, 0 if ins.is_view else math.prod(ins.shape) * ins.dtype.itemsize
+    return type(ins).__name__, 0, 0
+
+
+def instruction_compute(ins: object, times: dict[str, OpTime] | None,
+                        flops_per_s: float) -> float:
+    """Seconds of the pieces an instruction runs: their share of ``times``, or their FLOPs
+    at ``flops_per_s`` (a recomputing backward runs its forwards again first)."""
+    def piece(op: PlanOp) -> float:
+        if times is not None and (op.forward or op).op.name in times:
+            return piece_seconds(op, times)
+        return piece_flops(op) / flops_per_s
+
+    if isinstance(ins, (Forward, WeightGrad)):
+        return piece(ins.op)
+    if isinstance(ins, Backward):
+        return sum(piece(f.op) for f in ins.recompute if isinstance(f, Forward)) + \
+            sum(piece(op) for op in ins.ops)
+    return 0.0

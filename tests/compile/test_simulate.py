@@ -9,8 +9,8 @@ from torch import nn
 import chronotope as ct
 from chronotope.compile import compile
 from chronotope.compile.program import AllReduce
+from chronotope.compile.simulate import _priced, simulate
 from chronotope.cost.network import Link, load_cluster
-from chronotope.cost.simulate import _priced, simulate
 from chronotope.errors import PlanError
 from chronotope.policies import mesh, pipeline
 from tests.policies.plan_testing import captured

@@ -25,8 +25,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from chronotope.cost.measure import call_times
 from chronotope.cost.network import KINDS, Cluster, Link, steps_and_volume
+from chronotope.measure.ops import call_times
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.launch import spawn
 from chronotope.runtime.transport import DistTransport

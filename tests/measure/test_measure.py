@@ -5,7 +5,10 @@ import pytest
 from chronotope.compile import compile
 from chronotope.compile.codegen import render
 from chronotope.compile.program import Free
-from chronotope.cost.measure import Calibration, _nonnegative_least_squares, calibrate, measure_ops
+from chronotope.compile.simulate import features
+from chronotope.cost.times import Calibration
+from chronotope.measure import calibrate, measure_ops
+from chronotope.measure.calibrate import _nonnegative_least_squares
 from chronotope.policies import mesh
 from chronotope.runtime.local import Optim, Rank, rank_specs
 from chronotope.runtime.transport import ThreadTransport
@@ -44,13 +47,14 @@ def test_calibration_prices_instructions_by_kind():
     code = [i for i in program.ranks[0] if not isinstance(i, Free)]
     forward = next(i for i in code if type(i).__name__ == "Forward")
     backward = next(i for i in code if type(i).__name__ == "Backward")
-    assert cal.seconds(forward, 1e-3, 1e9) == pytest.approx(1e-5 + 2e-3)
-    assert cal.seconds(backward, 0.0, 1e9) == pytest.approx(3e-5 + 1e-6 * len(backward.ops))
+    assert cal.seconds(*features(forward), 1e-3, 1e9) == pytest.approx(1e-5 + 2e-3)
+    pieces = 1e-6 * len(backward.ops)
+    assert cal.seconds(*features(backward), 0.0, 1e9) == pytest.approx(3e-5 + pieces)
     copying = next(i for i in code if type(i).__name__ == "Assemble" and not i.is_view)
     nbytes = copying.dtype.itemsize
     for n in copying.shape:
         nbytes *= n
-    assert cal.seconds(copying, 0.0, 1e9) == pytest.approx(1e-9 * nbytes)
+    assert cal.seconds(*features(copying), 0.0, 1e9) == pytest.approx(1e-9 * nbytes)
 
 
 @pytest.mark.slow
