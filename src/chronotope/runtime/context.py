@@ -26,7 +26,6 @@ from torch import nn
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
 from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
-from chronotope.runtime.transport import Started
 
 
 class StepContext:
@@ -194,7 +193,7 @@ class StepContext:
             return self.transport.recv(shape, dtype, src, self.rank, tag, self.device, async_op)
         got = self.transport.recv(shape, wire_dtype(dtype), src, self.rank, tag, self.device,
                                   True)
-        return _result(got.then(lambda t: _as(t, dtype)), async_op)
+        return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
     def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]],
                    ranks: tuple[int, ...], grads: bool = False, async_op: bool = False) -> Any:
@@ -219,7 +218,7 @@ class StepContext:
             return tuple(_as(part.view_as(t), dtype) for part, t, dtype in
                          zip(total.split([t.numel() for t in local]), local, given))
 
-        return _result(started.then(parts), async_op)
+        return started.then(parts).returned(async_op)
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
                    async_op: bool = False) -> Any:
@@ -234,7 +233,7 @@ class StepContext:
                 return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
             return torch.cat([pieces[members.index(r)] for r in ranks], dim)
 
-        return _result(started.then(joined), async_op)
+        return started.then(joined).returned(async_op)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                        dim: int, grads: bool = False, async_op: bool = False) -> Any:
@@ -248,7 +247,7 @@ class StepContext:
             runs = local.chunk(len(ranks), dim)
             ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
         started = self.transport.reduce_scatter(ordered, members, self.rank, dim, True)
-        return _result(started.then(lambda run: _as(run, given)), async_op)
+        return started.then(lambda run: _as(run, given)).returned(async_op)
 
     def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
                    readers: tuple[int, ...], split: int, async_op: bool = False) -> Any:
@@ -259,8 +258,8 @@ class StepContext:
         runs = self._wire(t.detach()).chunk(len(readers), split)
         started = self.transport.all_to_all(
             [runs[readers.index(m)].contiguous() for m in members], members, self.rank, True)
-        return _result(started.then(lambda blocks: torch.cat(
-            [blocks[members.index(r)].to(given) for r in ranks], dim)), async_op)
+        return started.then(lambda blocks: torch.cat(
+            [blocks[members.index(r)].to(given) for r in ranks], dim)).returned(async_op)
 
     def broadcast(self, t: torch.Tensor | None, root: int, ranks: tuple[int, ...],
                   shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
@@ -270,7 +269,7 @@ class StepContext:
             t = torch.empty(shape, dtype=wire_dtype(dtype) if self.precision else dtype,
                             device=self.device)
             started = self.transport.broadcast(t, root, ranks, self.rank, True)
-            return _result(started.then(lambda got: _as(got, dtype)), async_op)
+            return started.then(lambda got: _as(got, dtype)).returned(async_op)
         return self.transport.broadcast(self._wire(t.detach()).contiguous(), root, ranks,
                                         self.rank, async_op)
 
@@ -321,10 +320,6 @@ class StepContext:
     def set_buffer(self, name: str, value: torch.Tensor) -> None:
         """Buffer ``name`` after this step (running statistics): what the next step reads."""
         self.state[name] = value.detach().clone()
-
-
-def _result(started: Started, async_op: bool) -> Any:
-    return started if async_op else started.wait()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.precision import Precision, check_precision, step_error
 from chronotope.runtime.targets import Target, portable, resolve
-from chronotope.runtime.transport import OrderedTransport, RankFailed, ThreadTransport
+from chronotope.runtime.transport import OrderedTransport, RankFailed
 
 
 @dataclass
@@ -240,14 +240,13 @@ class RunResult:
 def run_in_threads(program: Program, workload: Workload, steps: int,
                    optim: Optim | None = None, timeout: float = 60.0,
                    measure_memory: bool = False,
-                   precision: Precision | None = None,
-                   transport: ThreadTransport | None = None) -> RunResult:
-    """Every rank as a thread of this process: the same generated code, messages in memory
-    (``transport``: how they are matched; ``OrderedTransport`` as NCCL does). With
-    ``measure_memory``, each rank's peak of what its steps made (``PeakMemory``); with
-    ``precision``, mixed precision (refused first if an op cannot run in it)."""
+                   precision: Precision | None = None) -> RunResult:
+    """Every rank as a thread of this process: the same generated code, messages in memory,
+    matched by order as NCCL matches them (``OrderedTransport``). With ``measure_memory``,
+    each rank's peak of what its steps made (``PeakMemory``); with ``precision``, mixed
+    precision (refused first if an op cannot run in it)."""
     check_precision(program.plan.graph, precision, "cpu")
-    transport = transport or OrderedTransport(timeout)
+    transport = OrderedTransport(timeout)
     ranks = [Rank(spec, transport, optim or Optim(), precision=precision)
              for spec in rank_specs(program, workload)]
     losses: list[float] = []

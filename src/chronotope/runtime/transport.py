@@ -41,9 +41,9 @@ class Started:
         """The same call, its result passed through ``after`` when waited on."""
         return Started(lambda: after(self._finish()))
 
-
-def _result(started: Started, async_op: bool) -> Any:
-    return started if async_op else started.wait()
+    def returned(self, async_op: bool) -> Any:
+        """What a call made with ``async_op`` returns: this, or its result now."""
+        return self if async_op else self.wait()
 
 
 def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) -> torch.Tensor:
@@ -82,19 +82,29 @@ class ThreadTransport:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device, async_op: bool = False) -> Any:
-        return _result(Started(lambda: self._take(src, dst, tag).to(device)), async_op)
+        return Started(lambda: self._take(src, dst, tag).to(device)).returned(async_op)
 
     def _take(self, src: int, dst: int, tag: int) -> torch.Tensor:
-        key = (src, dst, tag)
+        box = self.box[(src, dst, tag)]
         with self.cond:
-            ok = self.cond.wait_for(lambda: self.box[key] or src in self.failed, self.timeout)
-            if src in self.failed:
-                raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
-                                 f"{self.failed[src]!r}")
-            if not ok:
-                raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
-                                 f"from rank {src}; rank {src} is dead or stuck")
-            return self.box[key].popleft()
+            self._await_message(src, dst, tag, lambda: bool(box))
+            return box.popleft()
+
+    def _await_message(self, src: int, dst: int, tag: int, arrived: Callable[[], bool]) -> None:
+        """Wait (holding ``cond``) until message ``tag`` from ``src`` has ``arrived``; a
+        sender that failed, or the timeout, is a ``RankFailed`` naming it."""
+        ok = self.cond.wait_for(lambda: arrived() or src in self.failed, self.timeout)
+        if src in self.failed:
+            raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
+                             f"{self.failed[src]!r}")
+        if not ok:
+            raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
+                             f"from rank {src}; rank {src} is dead or stuck")
+
+    def _refuse(self, rank: int, error: OrderError) -> None:
+        """Rank ``rank`` stops on ``error``; the ranks waiting on it are told."""
+        self.fail(rank, error)
+        raise error
 
     def _exchange(self, t, ranks: tuple[int, ...], rank: int, what: str) -> Started:
         """Every member's contribution (a tensor or list of them), in ``ranks`` order,
@@ -105,11 +115,9 @@ class ThreadTransport:
             key = (ranks, seq)
             first, kind = self.kinds.setdefault(key, (rank, what))
             if kind != what:  # a process group would hang, or mix up the two calls
-                error = OrderError(f"call {seq} over ranks {list(ranks)} is an {what} on rank "
-                                   f"{rank} but an {kind} on rank {first}")
-                self.failed[rank] = error
-                self.cond.notify_all()
-                raise error
+                self._refuse(rank, OrderError(f"call {seq} over ranks {list(ranks)} is an "
+                                              f"{what} on rank {rank} but an {kind} on rank "
+                                              f"{first}"))
             self.pending[key][rank] = [x.detach().clone() for x in t] \
                 if isinstance(t, list) else t.detach().clone()
             self.cond.notify_all()
@@ -135,29 +143,30 @@ class ThreadTransport:
     def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                    async_op: bool = False, inplace: bool = False) -> Any:
         """Sum over ``ranks`` in rank order, so every member gets the same bits."""
-        return _result(self._exchange(t, ranks, rank, "all-reduce").then(sum), async_op)
+        return self._exchange(t, ranks, rank, "all-reduce").then(sum).returned(async_op)
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                    async_op: bool = False) -> Any:
         """The members' tensors stacked along a new first dim, in ``ranks`` order."""
-        return _result(self._exchange(t, ranks, rank, "all-gather").then(torch.stack), async_op)
+        started = self._exchange(t, ranks, rank, "all-gather")
+        return started.then(torch.stack).returned(async_op)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int, async_op: bool = False) -> Any:
         started = self._exchange(t, ranks, rank, "reduce-scatter")
-        return _result(started.then(lambda got: _run_of(sum(got), ranks, rank, dim)), async_op)
+        return started.then(lambda got: _run_of(sum(got), ranks, rank, dim)).returned(async_op)
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
                    rank: int, async_op: bool = False) -> Any:
         """``blocks[i]`` goes to ``ranks[i]``; returns the block each member sent here."""
         started = self._exchange(blocks, ranks, rank, "all-to-all")
-        return _result(started.then(lambda sent: [theirs[ranks.index(rank)] for theirs in sent]),
-                       async_op)
+        mine = ranks.index(rank)
+        return started.then(lambda sent: [theirs[mine] for theirs in sent]).returned(async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:
         started = self._exchange(t, ranks, rank, "broadcast")
-        return _result(started.then(lambda got: got[ranks.index(root)]), async_op)
+        return started.then(lambda got: got[ranks.index(root)]).returned(async_op)
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -184,25 +193,22 @@ class OrderedTransport(ThreadTransport):
         self.queue: dict[tuple[int, int], dict[int, tuple[int, torch.Tensor]]] = defaultdict(dict)
         self.count: dict[tuple[int, int], int] = defaultdict(int)
         self.posted: dict[tuple[int, int], int] = defaultdict(int)
-        self.sides: dict[tuple[int, int], deque[tuple[int, str, int]]] = defaultdict(deque)
+        # per (rank, peer): what ``rank`` posted with ``peer`` that ``peer`` has not yet
+        self.sides: dict[tuple[int, int], deque[tuple[str, int]]] = defaultdict(deque)
 
     def _order(self, rank: int, peer: int, what: str, tag: int) -> None:
         """Rank ``rank`` posts a message to or from ``peer``: it must be the one ``peer``
         posts at the same place in its own order with ``rank``."""
-        side = self.sides[(rank, peer)]
         other = self.sides[(peer, rank)]
-        if other:
-            _, theirs, their_tag = other.popleft()
-            if (theirs, their_tag) != ({"send": "recv", "recv": "send"}[what], tag):
-                error = OrderError(
-                    f"rank {rank} posts a {what} of message {tag} with rank {peer} where "
-                    f"rank {peer} posted a {theirs} of message {their_tag}: the two ranks "
-                    f"order their messages differently")
-                self.failed[rank] = error
-                self.cond.notify_all()
-                raise error
-        else:
-            side.append((rank, what, tag))
+        if not other:
+            self.sides[(rank, peer)].append((what, tag))
+            return
+        theirs, their_tag = other.popleft()
+        if (theirs, their_tag) != ({"send": "recv", "recv": "send"}[what], tag):
+            self._refuse(rank, OrderError(
+                f"rank {rank} posts a {what} of message {tag} with rank {peer} where rank "
+                f"{peer} posted a {theirs} of message {their_tag}: the two ranks order their "
+                f"messages differently"))
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
@@ -218,26 +224,18 @@ class OrderedTransport(ThreadTransport):
             self._order(dst, src, "recv", tag)
             n = self.posted[(src, dst)]
             self.posted[(src, dst)] += 1
-        return _result(Started(lambda: self._in_order(src, dst, tag, n).to(device)), async_op)
+        return Started(lambda: self._in_order(src, dst, tag, n).to(device)).returned(async_op)
 
     def _in_order(self, src: int, dst: int, tag: int, n: int) -> torch.Tensor:
         """The ``n``-th message ``src`` sent ``dst``, which must be message ``tag``."""
         box = self.queue[(src, dst)]
         with self.cond:
-            ok = self.cond.wait_for(lambda: n in box or src in self.failed, self.timeout)
-            if src in self.failed:
-                raise RankFailed(f"rank {dst} waited on rank {src}, which failed: "
-                                 f"{self.failed[src]!r}")
-            if not ok:
-                raise RankFailed(f"rank {dst} waited {self.timeout:.0f} s for message {tag} "
-                                 f"from rank {src}; rank {src} is dead or stuck")
+            self._await_message(src, dst, tag, lambda: n in box)
             got, t = box.pop(n)
             if got != tag:
-                error = OrderError(f"rank {dst}'s receive of message {tag} from rank {src} "
-                                   f"matches message {got}, which rank {src} sent first")
-                self.failed[dst] = error
-                self.cond.notify_all()
-                raise error
+                self._refuse(dst, OrderError(f"rank {dst}'s receive of message {tag} from rank "
+                                             f"{src} matches message {got}, which rank {src} "
+                                             f"sent first"))
             return t
 
 
@@ -284,7 +282,7 @@ class DistTransport:
         out = t.detach() if inplace else t.detach().clone()
         work = dist.all_reduce(out, group=self._group(ranks), async_op=True)
         what = f"rank {rank} did not finish an all-reduce over ranks {list(ranks)}"
-        return _result(self._started(work, what, lambda: out), async_op)
+        return self._started(work, what, lambda: out).returned(async_op)
 
     def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                    async_op: bool = False) -> Any:
@@ -300,23 +298,23 @@ class DistTransport:
             return torch.stack(_from_sorted(list(out.unbind(0)), ranks))
 
         what = f"rank {rank} did not finish an all-gather over ranks {list(ranks)}"
-        return _result(self._started(work, what, result), async_op)
+        return self._started(work, what, result).returned(async_op)
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int, async_op: bool = False) -> Any:
         group = self._group(ranks)
         if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
             started = self.all_reduce(t, ranks, rank, async_op=True)
-            return _result(started.then(lambda total: _run_of(total, ranks, rank, dim)),
-                           async_op)
+            run = started.then(lambda total: _run_of(total, ranks, rank, dim))
+            return run.returned(async_op)
         rows = torch.cat(_to_sorted(list(t.chunk(len(ranks), dim)), ranks), dim)
         rows = rows.movedim(dim, 0).contiguous()
         out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
                           device=t.device)
         work = dist.reduce_scatter_single(out, rows, group=group, async_op=True)
         what = f"rank {rank} did not finish a reduce-scatter over ranks {list(ranks)}"
-        return _result(self._started(work, what, lambda: out.movedim(0, dim).contiguous()),
-                       async_op)
+        started = self._started(work, what, lambda: out.movedim(0, dim).contiguous())
+        return started.returned(async_op)
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
                    rank: int, async_op: bool = False) -> Any:
@@ -326,15 +324,16 @@ class DistTransport:
         out = torch.empty_like(flat)
         work = dist.all_to_all_single(out, flat, group=self._group(ranks), async_op=True)
         what = f"rank {rank} did not finish an all-to-all over ranks {list(ranks)}"
-        return _result(self._started(work, what, lambda: _from_sorted(
-            [x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks)), async_op)
+        started = self._started(work, what, lambda: _from_sorted(
+            [x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks))
+        return started.returned(async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:
         out = t.clone() if rank == root else t
         work = dist.broadcast(out, root, group=self._group(ranks), async_op=True)
         what = f"rank {rank} did not finish a broadcast from rank {root} over ranks {list(ranks)}"
-        return _result(self._started(work, what, lambda: out), async_op)
+        return self._started(work, what, lambda: out).returned(async_op)
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))
@@ -343,8 +342,8 @@ class DistTransport:
              tag: int, device: torch.device, async_op: bool = False) -> Any:
         buf = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(buf, src, tag=tag)
-        return _result(self._started(work, f"rank {dst} got no message {tag} from rank {src}",
-                                     lambda: buf), async_op)
+        what = f"rank {dst} got no message {tag} from rank {src}"
+        return self._started(work, what, lambda: buf).returned(async_op)
 
     def flush(self) -> None:
         """Wait until every message this rank sent was taken."""
