@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import chronotope as ct
-from chronotope.compile.program import AllReduce, Backward, ReduceScatter
+from chronotope.compile.program import AllReduce, Backward, ReduceScatter, sums_gradients
 from chronotope.errors import PlanError
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, zero
@@ -23,8 +23,7 @@ def gpt():
 
 def gradient_reductions(code):
     return [(i, ins) for i, ins in enumerate(code) if isinstance(ins, (AllReduce, ReduceScatter))
-            and all(str(k[0]).startswith("grad(") for k in (ins.keys if isinstance(ins, AllReduce)
-                                                         else (ins.key,)))]
+            and sums_gradients(ins.keys if isinstance(ins, AllReduce) else (ins.key,))]
 
 
 def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gpt):

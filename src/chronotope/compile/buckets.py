@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
-from chronotope.compile.program import AllReduce, Instruction, ReduceScatter, reads, writes
+from chronotope.compile.program import (
+    AllReduce,
+    Instruction,
+    ReduceScatter,
+    reads,
+    sums_gradients,
+    writes,
+)
 from chronotope.compile.replay import replay
 
 BUCKET_MB = 25.0  # DDP's default bucket size
@@ -26,29 +34,20 @@ BUCKET_MB = 25.0  # DDP's default bucket size
 def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2**20,
             ) -> list[list[Instruction]]:
     """Every rank's code with its gradient reductions bucketed and moved up."""
-    entries: dict[tuple[int, ...], dict[int, list[tuple]]] = defaultdict(dict)
+    sums: dict[tuple[int, ...], dict[int, list[_Sum]]] = defaultdict(dict)
     for rank, code in enumerate(ranks):
-        made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
-        read: dict[str, int] = {}
-        for i, ins in reversed(list(enumerate(code))):
-            read.update((var, i) for var in reads(ins))
-        found: dict[tuple[int, ...], list[tuple]] = defaultdict(list)
-        for at, ins in enumerate(code):
-            for entry in _gradient_sums(ins):
-                ready = max(made.get(v, at) for v in entry[-1])
-                found[ins.ranks].append((ready, *entry, read.get(entry[0].var, len(code))))
-        for group, items in found.items():
-            entries[group][rank] = sorted(items, key=lambda e: e[0])
+        for group, found in _gradient_sums(code).items():
+            sums[group][rank] = sorted(found, key=lambda e: e.ready)
     moves: list[dict[int, list[Instruction]]] = [defaultdict(list) for _ in ranks]
     moved: list[set[int]] = [set() for _ in ranks]
-    for group, per_rank in entries.items():
-        orders = {tuple(e[1].key_of for e in items) for items in per_rank.values()}
+    for group, per_rank in sums.items():
+        orders = {tuple(e.key for e in found) for found in per_rank.values()}
         if len(per_rank) != len(group) or len(orders) != 1:
             continue  # the members would not make the same buckets
-        for rank, items in per_rank.items():
-            for at, ins in _bucketed(items, group, bucket_bytes):
+        for rank, found in per_rank.items():
+            for at, ins in _bucketed(found, group, bucket_bytes):
                 moves[rank][at].append(ins)
-            moved[rank] |= {id(e[1].instruction) for e in items}
+            moved[rank] |= {id(e.instruction) for e in found}
     out = [[x for i, ins in enumerate(code) if id(ins) not in moved[rank]
             for x in (ins, *moves[rank].get(i, ()))] for rank, code in enumerate(ranks)]
     if all(_in_order(code) for code in out) and replay(out).runs_through:
@@ -62,61 +61,79 @@ def _in_order(code: list[Instruction]) -> bool:
     return all(made.get(var, -1) < i for i, ins in enumerate(code) for var in reads(ins))
 
 
+@dataclass(frozen=True)
 class _Sum:
-    """One gradient sum of a reduction instruction: what it makes, from what."""
+    """One gradient sum of a reduction instruction: its gradients are all made by
+    instruction ``ready``, and instruction ``needed`` is the first to read the sum."""
 
-    def __init__(self, instruction: Instruction, index: int) -> None:
-        self.instruction, self.index = instruction, index
-        ins = instruction
-        self.key_of = ins.keys[index] if isinstance(ins, AllReduce) else ins.key
-        self.var = ins.vars[index] if isinstance(ins, AllReduce) else ins.var
+    instruction: AllReduce | ReduceScatter
+    index: int  # which of an all-reduce's sums
+    srcs: tuple[str, ...]
+    ready: int
+    needed: int
 
+    @property
+    def key(self) -> tuple:
+        ins = self.instruction
+        return ins.keys[self.index] if isinstance(ins, AllReduce) else ins.key
 
-def _gradient_sums(ins: Instruction) -> list[tuple[_Sum, tuple[str, ...]]]:
-    """The gradient sums an all-reduce or reduce-scatter makes (none if it sums anything
-    else: a loss's count, a forward partial sum)."""
-    if isinstance(ins, AllReduce) and _gradients(ins.keys):
-        return [(_Sum(ins, i), srcs) for i, srcs in enumerate(ins.srcs)]
-    if isinstance(ins, ReduceScatter) and _gradients((ins.key,)):
-        return [(_Sum(ins, 0), ins.srcs)]
-    return []
-
-
-def _gradients(keys: tuple[tuple, ...]) -> bool:
-    return bool(keys) and all(k and str(k[0]).startswith("grad(") for k in keys)
+    @property
+    def var(self) -> str:
+        ins = self.instruction
+        return ins.vars[self.index] if isinstance(ins, AllReduce) else ins.var
 
 
-def _bucketed(items: list[tuple], group: tuple[int, ...], bucket_bytes: float,
+def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]:
+    """By group, the gradient sums this rank's all-reduces and reduce-scatters make (not
+    those of anything else: a loss's count, a forward partial sum)."""
+    made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
+    needed: dict[str, int] = {}
+    for i, ins in reversed(list(enumerate(code))):
+        needed.update((var, i) for var in reads(ins))
+    out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
+    for at, ins in enumerate(code):
+        if isinstance(ins, AllReduce) and sums_gradients(ins.keys):
+            entries = list(zip(ins.srcs, ins.vars))
+        elif isinstance(ins, ReduceScatter) and sums_gradients((ins.key,)):
+            entries = [(ins.srcs, ins.var)]
+        else:
+            continue
+        for index, (srcs, var) in enumerate(entries):
+            ready = max(made.get(v, at) for v in srcs)
+            out[ins.ranks].append(_Sum(ins, index, srcs, ready, needed.get(var, len(code))))
+    return out
+
+
+def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
               ) -> list[tuple[int, Instruction]]:
-    """(where, instruction): the reductions of ``items`` (by readiness), all-reduces in
+    """(where, instruction): the reductions of ``found`` (by readiness), all-reduces in
     buckets of at most ``bucket_bytes``, each after its last gradient is made and before
     any of its sums is read (a sum the backward itself reads ends its bucket)."""
     out: list[tuple[int, Instruction]] = []
-    bucket: list[tuple] = []
+    bucket: list[_Sum] = []
     size = 0.0
 
     def close() -> None:
         nonlocal bucket, size
         if bucket:
-            first = bucket[0][1].instruction
-            out.append((bucket[-1][0], AllReduce(
-                tuple(e[1].instruction.vars[e[1].index] for e in bucket),
-                tuple(e[2] for e in bucket), group,
-                tuple(e[1].instruction.shapes[e[1].index] for e in bucket), first.dtype,
-                tuple(e[1].key_of for e in bucket))))
+            ins = bucket[0].instruction
+            out.append((bucket[-1].ready, AllReduce(
+                tuple(e.var for e in bucket), tuple(e.srcs for e in bucket), group,
+                tuple(e.instruction.shapes[e.index] for e in bucket), ins.dtype,
+                tuple(e.key for e in bucket))))
         bucket, size = [], 0.0
 
-    for item in items:
-        ready, entry, _, _ = item
+    for entry in found:
         ins = entry.instruction
         if isinstance(ins, ReduceScatter):
-            out.append((ready, ins))
+            out.append((entry.ready, ins))
             continue
         nbytes = math.prod(ins.shapes[entry.index]) * ins.dtype.itemsize
-        if bucket and (size + nbytes > bucket_bytes or ready >= min(e[3] for e in bucket)
-                       or bucket[0][1].instruction.dtype != ins.dtype):
+        if bucket and (size + nbytes > bucket_bytes
+                       or entry.ready >= min(e.needed for e in bucket)
+                       or bucket[0].instruction.dtype != ins.dtype):
             close()
-        bucket.append(item)
+        bucket.append(entry)
         size += nbytes
     close()
     return out

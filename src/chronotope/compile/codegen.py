@@ -40,6 +40,7 @@ from chronotope.compile.program import (
     SetBuffer,
     Wait,
     WeightGrad,
+    sums_gradients,
 )
 from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
@@ -160,10 +161,7 @@ def _communication(ins: Instruction) -> str:
 
 
 def _grads(keys: tuple[tuple, ...]) -> str:
-    """``, grads=True`` for a reduction of gradients only (they sum in the reduce dtype of
-    a mixed precision; a forward partial sum or a loss's count does not)."""
-    names = [k[0] for k in keys if k]
-    return ", grads=True" if names and all(str(n).startswith("grad(") for n in names) else ""
+    return ", grads=True" if sums_gradients(keys) else ""
 
 
 def _no_grad(ins: Forward) -> list[str]:

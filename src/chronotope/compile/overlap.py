@@ -17,6 +17,7 @@ sent in, and a receive is posted before the compute it can hide behind.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import replace
 
@@ -60,9 +61,11 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with its receives posted in the pairs' common order, ahead of
     the compute before their use, and every communication waited on where first read."""
     early = [_hoisted(code) for code in ranks]
-    if replay(early).runs_through:  # the members of each group still call alike
+    played = replay(early, _Flops())
+    if played.runs_through:  # the members of each group still call alike
         ranks = early
-    played = replay(ranks, _Flops())
+    else:
+        played = replay(ranks, _Flops())
     if played.stuck:
         raise PlanError(f"the compiled program would wait forever in "
                         f"{sorted(map(str, played.stuck.values()))}; this is a bug in "
@@ -111,14 +114,18 @@ def _hoisted(code: list[Instruction]) -> list[Instruction]:
     for i, ins in enumerate(code):
         if not isinstance(ins, COLLECTIVES):
             continue
-        chain, todo = set(), [made[v] for v in reads(ins) if v in made]
-        while todo:
+        chain: set[int] = set()
+        todo = [made[v] for v in reads(ins) if v in made]
+        while todo:  # what makes its inputs, back to the leaves, while none is touched
             j = todo.pop()
+            if not _untouched(code[j]):
+                break
             if j not in chain:
                 chain.add(j)
                 todo += [made[v] for v in reads(code[j]) if v in made]
-        if chain and all(_untouched(code[j]) for j in chain):
-            moved |= {*chain, i}
+        else:
+            if chain:
+                moved |= {*chain, i}
     return [code[i] for i in sorted(moved)] + [x for i, x in enumerate(code) if i not in moved]
 
 
@@ -180,8 +187,8 @@ def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],
                 lower = 2 * i + 2
                 continue
             use = first_read.get(i, len(code))
-            before = [c for c in compute if c < use]
-            wanted = 2 * before[-1] if before else 2 * use
+            before = bisect_left(compute, use)  # computes ahead of the first reader
+            wanted = 2 * compute[before - 1] if before else 2 * use
             slot = max(lower, min(wanted, most))
             if slot > most:
                 raise PlanError(f"rank {rank} cannot post message {code[i].tag} from rank "

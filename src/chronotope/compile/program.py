@@ -325,6 +325,12 @@ def results(ins: Instruction) -> tuple[str, ...]:
     return (ins.var,)
 
 
+def sums_gradients(keys: tuple[tuple, ...]) -> bool:
+    """Whether a reduction with these keys sums gradients only (not a forward partial sum
+    or a loss's count): they sum in a mixed precision's reduce dtype, and in buckets."""
+    return bool(keys) and all(k and str(k[0]).startswith("grad(") for k in keys)
+
+
 def groups_of(*programs: list[list[Instruction]]) -> list[tuple[int, ...]]:
     """The rank sets the collectives of these per-rank codes run over (each rank must make
     every process group before use, in one order)."""
