@@ -70,7 +70,7 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
     ]
     body = []
     for ins in program.ranks[rank]:
-        body += _render(ins)
+        body += render_instruction(ins)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
     if any(re.search(rf"\b{_RNG}", line) for line in body):
@@ -81,11 +81,13 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
         lines += ["", "", "def refresh(rt):",
                   '    """After the optimizer step: parameter regions this rank stores but '
                   'others update."""']
-        lines += ["    " + line for ins in program.refresh[rank] for line in _render(ins)]
+        lines += ["    " + line for ins in program.refresh[rank]
+                  for line in render_instruction(ins)]
     return "\n".join(lines) + "\n"
 
 
-def _render(ins: Instruction) -> list[str]:
+def render_instruction(ins: Instruction) -> list[str]:
+    """The lines of Python that run ``ins`` (``rt`` is the rank's ``StepContext``)."""
     if isinstance(ins, STARTED):
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
@@ -180,7 +182,7 @@ def _backward(ins: Backward) -> list[str]:
     if ins.recompute:
         lines.append(f"# recompute {len(ins.recompute)} forward pieces, with their graph")
         for f in ins.recompute:
-            lines += _forward(f)[1:] if isinstance(f, Forward) else _render(f)
+            lines += _forward(f)[1:] if isinstance(f, Forward) else render_instruction(f)
     return lines + _backward_call(ins)
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
+import torch
+
 from chronotope.compile.program import (
     AllGather,
     AllReduce,
@@ -148,22 +150,23 @@ def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
 
 
 class Emitter:
-    """Each rank's instructions for a change, named and tagged by the materializer."""
+    """Each rank's instructions for a path, named and tagged by the materializer."""
 
     def __init__(self, name, next_tag) -> None:
         self.name = name  # (rank, hint, shape) -> a fresh local name
         self.next_tag = next_tag  # () -> a fresh message tag
 
-    def emit(self, change: Change, inputs: dict[int, str]) -> tuple[dict[int, list[Instruction]],
-                                                                   dict[int, str]]:
-        """Per rank, its instructions, and the name of each reader's piece at the end."""
+    def emit(self, path: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+             key: tuple, inputs: dict[int, str],
+             ) -> tuple[dict[int, list[Instruction]], dict[int, str]]:
+        """Per rank, its instructions taking tensor ``name``'s pieces (``inputs``: their names)
+        of a box of ``shape`` along ``path``, and the name of each reader's piece at the end;
+        ``key`` names the path's collectives."""
         code: dict[int, list[Instruction]] = defaultdict(list)
         held = dict(inputs)  # rank -> name of its current piece
-        t, shape = change.tensor, change.box.shape
-        for i, step in enumerate(change.path.steps):
-            key = (*change.key, i)
+        for i, step in enumerate(path.steps):
             if step.kind == "send":
-                held = self._messages(step, held, t, shape, code)
+                held = self._messages(step, held, name, dtype, shape, code)
                 continue
             after = dict(step.after.pieces(shape))
             new = {}
@@ -174,16 +177,16 @@ class Emitter:
                     if step.kind == "zeros" and g == 0:
                         new[rank] = x
                         continue
-                    out = self.name(rank, f"{t.name}_{step.kind}", out_shape)
-                    code[rank].append(_collective(step, key + (group,), group, g, x, out,
-                                                  out_shape, t, dict(step.before.pieces(shape))[
-                                                      rank].shape))
+                    out = self.name(rank, f"{name}_{step.kind}", out_shape)
+                    before = dict(step.before.pieces(shape))[rank].shape
+                    code[rank].append(_collective(step, (*key, i, group), group, g, x, out,
+                                                  out_shape, dtype, before))
                     new[rank] = out
             held = new
         return code, held
 
-    def _messages(self, step: Step, held: dict[int, str], t: PTensor, shape,
-                  code: dict[int, list[Instruction]]) -> dict[int, str]:
+    def _messages(self, step: Step, held: dict[int, str], name: str, dtype: torch.dtype,
+                  shape, code: dict[int, list[Instruction]]) -> dict[int, str]:
         before, after = dict(step.before.pieces(shape)), dict(step.after.pieces(shape))
         parts: dict[int, list[Part]] = defaultdict(list)
         for m in step.messages:
@@ -194,39 +197,40 @@ class Emitter:
                                          box.local_slices(Mask(after[m.dst].index)), Fraction(1)))
                 continue
             tag = self.next_tag()
-            var = self.name(m.dst, f"{t.name}_from{m.src}", box.shape)
+            var = self.name(m.dst, f"{name}_from{m.src}", box.shape)
             code[m.src].append(Send(held[m.src], src_slices, m.dst, tag))
-            code[m.dst].append(Recv(var, box.shape, t.dtype, m.src, tag))
+            code[m.dst].append(Recv(var, box.shape, dtype, m.src, tag))
             whole = tuple(slice(0, n) for n in box.shape)
             parts[m.dst].append(Part(var, whole, box.local_slices(Mask(after[m.dst].index)),
                                      Fraction(1)))
         new = {}
         for rank, mask in after.items():
-            out = self.name(rank, t.name, mask.shape)
-            code[rank].append(Assemble(out, mask.shape, t.dtype, parts.get(rank, [])))
+            out = self.name(rank, name, mask.shape)
+            code[rank].append(Assemble(out, mask.shape, dtype, parts.get(rank, [])))
             new[rank] = out
         return new
 
 
 def _collective(step: Step, key: tuple, group: tuple[int, ...], g: int, x: str, out: str,
-                out_shape: tuple[int, ...], t: PTensor, in_shape: tuple[int, ...]) -> Instruction:
+                out_shape: tuple[int, ...], dtype: torch.dtype, in_shape: tuple[int, ...],
+                ) -> Instruction:
     if step.kind == "all_reduce":
-        return AllReduce((out,), ((x,),), group, (out_shape,), t.dtype, (key,))
+        return AllReduce((out,), ((x,),), group, (out_shape,), dtype, (key,))
     if step.kind == "all_gather":
-        return AllGather(out, x, group, out_shape, t.dtype, step.dims[0], key)
+        return AllGather(out, x, group, out_shape, dtype, step.dims[0], key)
     if step.kind == "reduce_scatter":
-        return ReduceScatter(out, (x,), group, out_shape, t.dtype, step.dims[0], key)
+        return ReduceScatter(out, (x,), group, out_shape, dtype, step.dims[0], key)
     if step.kind == "all_to_all":
         cat, split = step.dims
-        return AllToAll(out, x, group, group, out_shape, t.dtype, cat, split, key)
+        return AllToAll(out, x, group, group, out_shape, dtype, cat, split, key)
     if step.kind == "chunk":
         run = in_shape[step.dims[0]] // len(group)
         src = tuple(slice(g * run, (g + 1) * run) if d == step.dims[0] else slice(0, n)
                     for d, n in enumerate(in_shape))
-        return Assemble(out, out_shape, t.dtype,
+        return Assemble(out, out_shape, dtype,
                         [Part(x, src, tuple(slice(0, n) for n in out_shape), Fraction(1))])
     if step.kind == "zeros":
-        return Assemble(out, out_shape, t.dtype, [])
+        return Assemble(out, out_shape, dtype, [])
     raise PlanError(f"unknown layout step {step.kind!r}")
 
 

@@ -167,7 +167,9 @@ class Materializer:
             start = self.tag
             inputs = {op.device: self.piece_var[(op, m, change.tensor)]
                       for op, m in change.producers}
-            code, held = emitter.emit(change, inputs)
+            t = change.tensor
+            code, held = emitter.emit(change.path, t.name, t.dtype, change.box.shape,
+                                      change.key, inputs)
             for rank, (when, op) in where.items():
                 (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
             for rank, mask in change.readers:

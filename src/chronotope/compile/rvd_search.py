@@ -26,8 +26,6 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import torch
-
 from chronotope.compile.rvd import RVD, Layout
 from chronotope.cost.network import Cluster, load_cluster
 from chronotope.errors import PlanError
@@ -328,65 +326,3 @@ def _check(layout: Layout, shape: tuple[int, ...], cluster: Cluster) -> None:
                         f"{cluster.name} ({cluster.ndevices} devices): pick a larger cluster "
                         f"(e.g. {cluster.name.split('x')[0]}x{nodes})")
     layout.pieces(shape)  # dims that do not divide raise here
-
-
-# ---- running a path ----------------------------------------------------------------------------
-
-
-def run_path(path: Path, rank: int, x: torch.Tensor | None, shape: tuple[int, ...],
-             transport, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", tag: int = 0) -> torch.Tensor | None:
-    """This rank's piece of the target, from its piece of the source (None where it holds
-    none), by the transport's collectives and messages."""
-    for i, step in enumerate(path.steps):
-        x = _run_step(step, rank, x, shape, transport, dtype, device, tag + i * 100_000)
-    transport.flush()
-    return x
-
-
-def _run_step(step: Step, rank: int, x, shape, transport, dtype, device, tag: int):
-    if step.kind == "send":
-        return _run_messages(step, rank, x, shape, transport, dtype, device, tag)
-    group = next((g for g in step.groups if rank in g), None)
-    if group is None:
-        return x
-    g = group.index(rank)
-    if step.kind == "all_reduce":
-        return transport.all_reduce(x, group, rank)
-    if step.kind == "all_gather":
-        return torch.cat(transport.all_gather(x.contiguous(), group, rank).unbind(0),
-                         step.dims[0])
-    if step.kind == "reduce_scatter":
-        return transport.reduce_scatter(x, group, rank, step.dims[0])
-    if step.kind == "all_to_all":
-        cat, split = step.dims
-        blocks = [b.contiguous() for b in x.chunk(len(group), split)]
-        return torch.cat(transport.all_to_all(blocks, group, rank), cat)
-    if step.kind == "chunk":
-        return x.chunk(len(group), step.dims[0])[g].contiguous()
-    if step.kind == "zeros":
-        return x if g == 0 else torch.zeros_like(x)
-    raise PlanError(f"unknown layout step {step.kind!r}")
-
-
-def _run_messages(step: Step, rank: int, x, shape, transport, dtype, device, tag: int):
-    before = dict(_pieces(step.before, shape))
-    after = dict(_pieces(step.after, shape))
-    for i, m in enumerate(step.messages):
-        if m.src == rank and m.dst != rank:
-            transport.send(x[_local(m.box, before[rank])].contiguous(), rank, m.dst, tag + i)
-    if rank not in after:
-        return None
-    out = torch.zeros(after[rank].shape, dtype=dtype, device=device)
-    for i, m in enumerate(step.messages):
-        if m.dst != rank:
-            continue
-        size = tuple(b - a for a, b in m.box)
-        piece = x[_local(m.box, before[rank])] if m.src == rank else \
-            transport.recv(size, dtype, m.src, rank, tag + i, torch.device(device))
-        out[_local(m.box, after[rank])] += piece
-    return out
-
-
-def _local(box: Index, mask: Mask) -> tuple[slice, ...]:
-    return tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(box, mask.index))
