@@ -76,13 +76,13 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
     if any(re.search(rf"\b{_RNG}", line) for line in body):
         at = lines.index("import torch") + 1
         lines[at:at] = ["", "from chronotope.graph import rng"]
-    lines += ["    " + line for line in body] or ["    pass"]
+    lines += [wrapped for line in body for wrapped in _wrap("    " + line)] or ["    pass"]
     if program.refresh and program.refresh[rank]:
         lines += ["", "", "def refresh(rt):",
                   '    """After the optimizer step: parameter regions this rank stores but '
                   'others update."""']
-        lines += ["    " + line for ins in program.refresh[rank]
-                  for line in render_instruction(ins)]
+        lines += [wrapped for ins in program.refresh[rank] for line in render_instruction(ins)
+                  for wrapped in _wrap("    " + line)]
     return "\n".join(lines) + "\n"
 
 
@@ -139,6 +139,71 @@ def render_instruction(ins: Instruction) -> list[str]:
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     raise TypeError(f"cannot render {ins!r}")
+
+
+def _wrap(line: str, width: int = 100) -> list[str]:
+    """``line`` cut after commas inside brackets into lines of at most ``width`` (where
+    it can be); a long target list, or what ``del`` deletes, is put in parentheses first,
+    and a long comment goes on as further comments."""
+    if len(line) <= width:
+        return [line]
+    indent = line[:len(line) - len(line.lstrip())]
+    text = line.lstrip()
+    if text.startswith("#"):
+        out, words = [], text[1:].split()
+        while words:
+            out.append(indent + "#")
+            while words and (len(out[-1]) == len(indent) + 1
+                             or len(out[-1]) + 1 + len(words[0]) <= width):
+                out[-1] += " " + words.pop(0)
+        return out
+    if text.startswith("del "):
+        text = f"del ({text[4:]})"
+    else:
+        assign = _top_level(text, " = ")
+        if assign is not None and _top_level(text[:assign], ",") is not None:
+            text = f"({text[:assign]}){text[assign:]}"
+    pieces, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote and text[i - 1] != "\\" else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+            if depth == 1:  # a break right after the opening bracket of a call or list
+                pieces.append(text[start:i + 1])
+                start = i + 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth >= 1:
+            pieces.append(text[start:i + 1])
+            start = i + 1
+    pieces.append(text[start:])
+    out = [indent + pieces[0]]
+    for piece in pieces[1:]:
+        if len(out[-1]) + len(piece) <= width or not out[-1].strip():
+            out[-1] += piece
+        else:
+            out.append(indent + "        " + piece.lstrip())
+    return out
+
+
+def _top_level(text: str, token: str) -> int | None:
+    """Where ``token`` first stands outside brackets and strings in ``text``."""
+    depth, quote = 0, ""
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote and text[i - 1] != "\\" else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and text.startswith(token, i):
+            return i
+    return None
 
 
 def _communication(ins: Instruction) -> str:
@@ -325,8 +390,10 @@ def _qualified(fn: Any, op_name: str) -> str:
     names = [n for n in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)) if n]
     if module == "builtins" and names and getattr(builtins, names[-1], None) is fn:
         return names[-1]
-    for candidate in dict.fromkeys((module, "torch", "torch.nn.functional", "operator")):
-        if candidate.split(".")[0] not in ("torch", "operator"):
+    # public namespaces first: F.linear's own module is the private torch._C._nn
+    for candidate in dict.fromkeys(("torch.nn.functional", "torch", module, "operator")):
+        if candidate.split(".")[0] not in ("torch", "operator") or \
+                any(part.startswith("_") for part in candidate.split(".")):
             continue
         for name in names:
             obj: Any = importlib.import_module(candidate)

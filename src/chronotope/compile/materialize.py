@@ -134,7 +134,8 @@ class Materializer:
                 for owned in self.owned[rank].get(pname, ()):
                     var = self.read(rank, VTensor(self.plan.grad(param), owned.grad),
                                     self.tail[rank])
-                    grads.append(Grad(pname, owned.region, var,
+                    whole = owned.region.index == owned.grad.index  # no slice to take
+                    grads.append(Grad(pname, owned.region, var, () if whole else
                                       Mask(owned.region.index).local_slices(owned.grad)))
             self.tail[rank] += grads
         loss = self.plan.graph.loss

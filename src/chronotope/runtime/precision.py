@@ -44,6 +44,7 @@ a ``PrecisionError`` naming the piece, its op kind and its source line.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -324,6 +325,18 @@ _PIECE = re.compile(r"^\s*# (\S+): (\S+)(?:, recomputed in backward)?\s*(?:\((.*
 _PIECES = re.compile(r"rt\.backward\(.*\((\s*'[^)]*)\)\)")
 
 
+def _statement(code: str, line: int) -> str:
+    """The innermost statement of ``code`` that spans ``line``, on one line (the generated
+    code cuts long calls over several)."""
+    found = None
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or line):
+            if found is None or node.lineno >= found.lineno:
+                found = node
+    text = ast.get_source_segment(code, found) if found is not None else None
+    return " ".join((text or code.splitlines()[line - 1]).split())
+
+
 def step_error(error: BaseException, code: str, filename: str, rank: int,
                precision: Precision, device_type: str) -> PrecisionError | None:
     """A ``PrecisionError`` naming the op whose piece raised ``error`` (a dtype error in
@@ -340,7 +353,7 @@ def step_error(error: BaseException, code: str, filename: str, rank: int,
     lines = code.splitlines()
     what = "an op"
     if line is not None and 0 < line <= len(lines):
-        called = _PIECES.search(lines[line - 1])
+        called = _PIECES.search(_statement(code, line))
         if called:
             what = f"the backward of {called.group(1).strip()}"
         else:
