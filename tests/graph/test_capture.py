@@ -225,6 +225,33 @@ def test_registered_user_op_is_one_annotated_node():
     assert_same_step(graph, ct.Workload(model, (x,)))
 
 
+def test_registering_an_op_changes_no_shared_registry():
+    from chronotope.graph import DEFAULT_REGISTRY
+
+    known = dict(DEFAULT_REGISTRY._defs)
+    ct.register_op("b d -> b d", name="shifted")(lambda x: x + 1)
+    assert DEFAULT_REGISTRY._defs == known
+    with pytest.raises(ct.SignatureError, match="frozen"):
+        DEFAULT_REGISTRY.add([torch.atan], "atan", "... -> ...")
+
+
+def test_plans_look_ops_up_in_the_registry_the_graph_was_captured_with():
+    from chronotope.graph import DEFAULT_REGISTRY
+
+    class Atan(nn.Module):
+        def forward(self, x):
+            return torch.atan(x).sum()
+
+    registry = DEFAULT_REGISTRY.copy()
+    registry.add([torch.atan, torch.ops.aten.atan], "atan", "b d -> b d")
+    graph = ct.capture(Atan(), torch.randn(4, 4), registry=registry)
+    assert graph.registry is registry and not graph.unannotated_ops()
+    plan = ct.Plan(graph, 2)
+    (atan,) = [op for op in graph if op.kind == "atan"]
+    assert plan.registry is registry
+    assert len(plan.trans(atan.name, ct.Split("b", 2))) == 2  # split by its signature
+
+
 def test_bad_signature_strings_fail_at_registration():
     with pytest.raises(ct.SignatureError):
         ct.register_op("a b+ -> a b+")(lambda x: x)

@@ -14,7 +14,6 @@ from exported import exported
 from torch import nn
 
 import chronotope as ct
-from chronotope.graph.ops import default_registry
 from chronotope.models import Workload, load_workload
 from chronotope.runtime.launch import WorkerError, launch, spawn
 from chronotope.runtime.local import rank_specs
@@ -64,15 +63,13 @@ def test_a_target_that_cannot_load_names_the_op_and_the_file():
 
 
 def local_op_graph():
-    registry = default_registry()
-
-    @registry.register("b d -> b d")
+    @ct.register_op("b d -> b d")
     def doubled(x):
         return 2 * x
 
     model = nn.Linear(4, 4)
     w = Workload(model, (torch.randn(2, 4),), loss_fn=lambda out: doubled(out).sum())
-    return w, ct.capture(w, registry=registry)
+    return w, ct.capture(w)
 
 
 def test_an_op_defined_inside_a_function_is_refused_before_workers_start(tmp_path):

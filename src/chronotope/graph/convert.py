@@ -398,6 +398,7 @@ class Converter:
             input_names=input_names,
             name=name,
             frontend=self.frontend,
+            registry=self.registry,
         )
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chronotope.graph.signature import Signature
+
+if TYPE_CHECKING:
+    from chronotope.graph.registry import OpRegistry
 
 
 class TensorKind(StrEnum):
@@ -151,6 +154,8 @@ class Graph:
     input_names: list[str] = field(default_factory=list)  # argument names, for binding
     name: str = "model"
     frontend: str = "fx"
+    # The registry the graph was captured with: plans look its ops' signatures up there.
+    registry: OpRegistry | None = field(default=None, repr=False, compare=False)
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)

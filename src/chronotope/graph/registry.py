@@ -1,9 +1,11 @@
 """The op registry: which calls chronotope knows, and their signatures.
 
 An entry maps a call target (a torch function, a ``Tensor`` method name, an
-``aten`` op, or a user function) to a canonical kind and a signature rule. The
-rule is a fixed string, or a function of the call (``OpCall``) that returns one
-(a reshape's signature depends on its shapes).
+``aten`` op) to a canonical kind and a signature rule. The rule is a fixed
+string, or a function of the call (``OpCall``) that returns one (a reshape's
+signature depends on its shapes). The built-in registry is frozen once built; a
+user's op made with ``register_op`` carries its entry on itself, so registering
+changes no shared state and every registry knows it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class OpDef:
         return outs[0] if len(outs) == 1 else outs
 
 
+OP_DEF = "__chronotope_op__"  # the attribute of a registered user op that holds its entry
+
+
 def iter_leaves(tree: Any) -> Iterable[Any]:
     """Leaves of nested tuples/lists/dicts/slices, in argument order."""
     if isinstance(tree, (tuple, list)):
@@ -143,8 +148,13 @@ class OpRegistry:
 
     def __init__(self) -> None:
         self._defs: dict[Any, OpDef] = {}
+        self.frozen = False
 
     def add(self, targets: Iterable[Any], kind: str, rule: SignatureRule, **kw: Any) -> OpDef:
+        if self.frozen:
+            raise SignatureError("the built-in op registry is frozen: decorate your function "
+                                 "with @chronotope.register_op, or add to a copy() of the "
+                                 "registry and capture with it")
         op = OpDef(kind, rule, **kw)
         for t in targets:
             self._defs[t] = op
@@ -153,7 +163,10 @@ class OpRegistry:
     def lookup(self, target: Any) -> OpDef | None:
         """The entry for a target; an operator overload falls back to its packet, then to
         its qualified name (``"transformers::grouped_mm_fallback"``: an op of a library
-        that registers it only once imported)."""
+        that registers it only once imported). A user op carries its own entry."""
+        own = getattr(target, OP_DEF, None)
+        if isinstance(own, OpDef):
+            return own
         try:
             found = self._defs.get(target)
         except TypeError:  # unhashable target
@@ -170,36 +183,43 @@ class OpRegistry:
         return self.lookup(f"method:{target}" if isinstance(target, str) else target)
 
     def copy(self) -> OpRegistry:
+        """An unfrozen copy, to add entries to."""
         new = OpRegistry()
         new._defs = dict(self._defs)
         return new
 
-    def register(self, signature: SignatureRule, *, name: str | None = None) -> Callable:
-        """Decorator: make a function one op of the graph, whatever it does inside.
+    def freeze(self) -> OpRegistry:
+        self.frozen = True
+        return self
 
-        ``signature`` is a string (or a function of ``OpCall`` returning one);
-        strings are parsed now so a typo fails at import, not at capture. The
-        returned function records itself as a single node when traced.
-        """
-        if isinstance(signature, str):
-            Signature.parse(signature)
 
-        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            if not callable(fn):
-                raise SignatureError(f"register_op decorates a function, got {fn!r}")
+def register_op(signature: SignatureRule, *, name: str | None = None) -> Callable:
+    """Decorator: make a function one op of the graph, whatever it does inside.
 
-            @functools.wraps(fn)
-            def op(*args: Any, **kwargs: Any) -> Any:
-                proxy = next((x for x in iter_leaves((args, kwargs))
-                              if isinstance(x, torch.fx.Proxy)), None)
-                if proxy is not None:
-                    return proxy.tracer.create_proxy("call_function", op, args, kwargs)
-                return fn(*args, **kwargs)
+    ``signature`` is a string (or a function of ``OpCall`` returning one); strings are
+    parsed now so a typo fails at import, not at capture. The returned function records
+    itself as a single node when traced, and carries its entry (``OP_DEF``), which
+    every registry finds.
+    """
+    if isinstance(signature, str):
+        Signature.parse(signature)
 
-            self.add([op], name or fn.__name__, signature, user=True)
-            return op
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise SignatureError(f"register_op decorates a function, got {fn!r}")
 
-        return wrap
+        @functools.wraps(fn)
+        def op(*args: Any, **kwargs: Any) -> Any:
+            proxy = next((x for x in iter_leaves((args, kwargs))
+                          if isinstance(x, torch.fx.Proxy)), None)
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", op, args, kwargs)
+            return fn(*args, **kwargs)
+
+        setattr(op, OP_DEF, OpDef(name or fn.__name__, signature, user=True))
+        return op
+
+    return wrap
 
 
 def method(*names: str) -> list[str]:

@@ -135,7 +135,7 @@ class Plan:
         # policy made them (for reading the order back as pipeline steps); a stage may be
         # a name, for groups on several ranks (the interlaced pipeline's embedding)
         self.cells: dict[tuple[int, int | str, int], list[PlanOp]] = {}
-        self.registry = registry or DEFAULT_REGISTRY
+        self.registry = registry or graph.registry or DEFAULT_REGISTRY
         self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
         self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU
         self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart

@@ -113,7 +113,7 @@ class _Cutter:
     (repeated layers') are cut once."""
 
     def __init__(self, graph: Graph, registry: OpRegistry | None) -> None:
-        self.registry = registry or DEFAULT_REGISTRY
+        self.registry = registry or graph.registry or DEFAULT_REGISTRY
         plan = Plan(graph, 1, registry=self.registry)
         self.whole = {op: plan.roots[op.name].piece for op in graph.ops}
         self.trainable = set(graph.trainable())

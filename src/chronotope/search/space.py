@@ -106,7 +106,7 @@ def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
     ``whole``: a one-device plan of the graph, whose whole-op pieces ``Plan.trans`` starts
     from (made here if not given; a caller searching many meshes makes it once)."""
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
-    registry = registry or DEFAULT_REGISTRY
+    registry = registry or graph.registry or DEFAULT_REGISTRY
     scratch = whole if whole is not None else Plan(graph, 1, registry=registry)
     peak = cluster.peak()
     out: dict[Op, list[Strategy]] = {}

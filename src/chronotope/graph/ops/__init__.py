@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from chronotope.graph.ops import moe, nn, norms, pointwise, random, select, shape, vision
-from chronotope.graph.registry import OpRegistry
+from chronotope.graph.registry import OpRegistry, register_op
 
 
 def default_registry() -> OpRegistry:
-    """A fresh registry with every built-in op; users add theirs with ``register``."""
+    """A fresh registry with every built-in op, to add entries to."""
     reg = OpRegistry()
     for module in (pointwise, shape, nn, vision, norms, select, moe, random):
         module.register(reg)
     return reg
 
 
-# Where @chronotope.register_op puts user ops; capture(registry=...) takes another one.
-DEFAULT_REGISTRY = default_registry()
-register_op = DEFAULT_REGISTRY.register
+# What capture looks ops up in, unless given another registry; frozen (user ops made with
+# @chronotope.register_op carry their own entries).
+DEFAULT_REGISTRY = default_registry().freeze()
+
+__all__ = ["DEFAULT_REGISTRY", "default_registry", "register_op"]
