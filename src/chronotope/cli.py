@@ -52,6 +52,7 @@ from chronotope.policies import (
     mesh,
     pipeline,
     read_schedule,
+    timeline,
     zero,
 )
 from chronotope.runtime import checkpoint
@@ -65,7 +66,7 @@ from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, train
 from chronotope.search import METHODS
 from chronotope.search import search as find_plan
-from chronotope.viz import plot_losses, timeline
+from chronotope.viz import plot_losses, save_timeline
 
 EXIT_USAGE = 2
 EXIT_MISMATCH = 1
@@ -627,7 +628,7 @@ def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     measured = measure_ops(graph, workload) if args.measure else None
     drawn = timeline(_plan(graph, args), args.flops, measured=measured,
                      bytes_per_s=args.bandwidth or None)
-    drawn.save(args.out, f"{args.model}: {args.policy} on {args.devices} devices")
+    save_timeline(drawn, args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
         emit({"model": args.model, "policy": args.policy, "devices": args.devices,
               "bubble_ratio": drawn.bubble_ratio, "makespan_s": drawn.makespan,

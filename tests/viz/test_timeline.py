@@ -10,8 +10,8 @@ from chronotope.cli import main
 from chronotope.cost import piece_seconds
 from chronotope.measure import measure_ops
 from chronotope.models import get_workload
-from chronotope.policies import pipeline
-from chronotope.viz import timeline
+from chronotope.policies import pipeline, timeline
+from chronotope.viz import save_timeline
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,13 @@ def test_each_rank_runs_its_steps_in_plan_order_without_overlap(graph):
 
 def test_png_and_html_files(graph, tmp_path):
     drawn = timeline(pipeline(graph, 2, 4, "1f1b"))
-    drawn.save(str(tmp_path / "t.png"), "gpt")
-    drawn.save(str(tmp_path / "t.html"), "gpt")
+    save_timeline(drawn, str(tmp_path / "t.png"), "gpt")
+    save_timeline(drawn, str(tmp_path / "t.html"), "gpt")
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
     page = (tmp_path / "t.html").read_text()
     assert "<svg" in page and "bubble" in page and "1B0" in page
     with pytest.raises(ct.PlanError, match="png or .html"):
-        drawn.save(str(tmp_path / "t.txt"))
+        save_timeline(drawn, str(tmp_path / "t.txt"))
 
 
 def test_timeline_command(capsys, tmp_path):

@@ -64,6 +64,8 @@ class Replayed:
     stuck: dict[int, tuple] = field(default_factory=dict)  # rank -> what it waits on forever
     # (src, dst, tag) of every message, by when it was sent (ties: in causal order)
     sends: list[tuple[int, int, int]] = field(default_factory=list)
+    # (rank, instruction, start, end) of every local instruction, in the order they ran
+    spans: list[tuple[int, Instruction, float, float]] = field(default_factory=list)
 
     @property
     def runs_through(self) -> bool:
@@ -102,6 +104,7 @@ class _Engine:
         self.started: list[dict[str, tuple]] = [{} for _ in ranks]  # handle -> what it awaits
         self.calling: dict[int, tuple] = {}  # rank -> the call it made and waits in now
         self.waiting: dict[int, tuple] = {}  # rank -> what it is blocked on, as stuck names it
+        self.spans: list[tuple[int, Instruction, float, float]] = []
 
     def run(self) -> Replayed:
         pc = [0] * len(self.ranks)
@@ -115,7 +118,7 @@ class _Engine:
         stuck = {r: self.waiting[r] for r, code in enumerate(self.ranks) if pc[r] < len(code)}
         order = sorted(range(len(self.order)), key=lambda i: (self.sent[self.order[i]][0], i))
         return Replayed(self.clock, self.compute, self.comm, stuck,
-                        [self.order[i] for i in order])
+                        [self.order[i] for i in order], self.spans)
 
     def step(self, r: int, ins: Instruction) -> bool:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
@@ -137,6 +140,7 @@ class _Engine:
             return True
         else:
             seconds = self.costs.local(r, ins, self.since[r])
+            self.spans.append((r, ins, self.clock[r], self.clock[r] + seconds))
             self.clock[r] += seconds
             self.compute[r] += seconds
             self.since[r] += seconds

@@ -10,8 +10,9 @@ from chronotope.policies.pipeline import (
     pipeline,
     read_schedule,
 )
+from chronotope.policies.timeline import Timeline, timeline
 from chronotope.policies.zero import zero
 
-__all__ = ["MULTI_STAGE", "SCHEDULES", "actions", "batch_dims", "data_parallel", "interlaced",
-           "mesh", "pipeline", "read_schedule", "sequence_parallel", "sequence_dims",
-           "tensor_parallel", "zero"]
+__all__ = ["MULTI_STAGE", "SCHEDULES", "Timeline", "actions", "batch_dims", "data_parallel",
+           "interlaced", "mesh", "pipeline", "read_schedule", "sequence_parallel",
+           "sequence_dims", "tensor_parallel", "timeline", "zero"]

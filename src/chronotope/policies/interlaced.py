@@ -26,6 +26,7 @@ from chronotope.policies.axes import batch_dims
 from chronotope.policies.mesh import batch_cut, data_only, loss_tails
 from chronotope.policies.mesh import stages as cut_stages
 from chronotope.policies.pipeline import one_f_one_b
+from chronotope.policies.timeline import timeline
 
 
 def shared_table(graph: Graph) -> tuple[PTensor, list[Op], int]:
@@ -54,8 +55,6 @@ def interlaced(graph: Graph, stages: int, microbatches: int) -> Plan:
     them run the embedding's lookups and head (see the module docstring). How far ahead
     of its backward each rank runs a head is searched: none, half or all of 1F1B's
     warmup depth, whichever the FLOP timeline finds shortest."""
-    from chronotope.viz.timeline import timeline
-
     best: tuple[float, Plan] | None = None
     for lead in (2, 1, 0):  # halves of the warmup depth
         plan = _interlaced(graph, stages, microbatches, lead)
