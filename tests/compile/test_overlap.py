@@ -8,6 +8,7 @@ import torch
 import chronotope as ct
 from chronotope.compile.program import (
     STARTED,
+    AllGather,
     Backward,
     Forward,
     PullParam,
@@ -128,3 +129,15 @@ def test_a_loss_count_all_reduce_starts_with_the_step_and_is_waited_on_at_the_lo
     wait = next(i for i, ins in enumerate(code)
                 if isinstance(ins, Wait) and ins.handle == code[start].handle)
     assert start < first_forward < wait
+
+
+def test_zero3_gathers_each_pieces_parameters_while_the_piece_before_it_computes(gpt):
+    """FSDP's prefetch: the gathers a piece reads start when the previous gathering piece
+    starts, so one piece's compute hides them; gathers of one piece start together."""
+    code = ct.compile(zero(gpt, 2, stage=3)).ranks[0]
+    gathers = [i for i, ins in enumerate(code) if isinstance(ins, AllGather)]
+    waits = {ins.handle: i for i, ins in enumerate(code) if isinstance(ins, Wait)}
+    assert len(gathers) == len(gpt.params) and all(code[i].handle for i in gathers)
+    hidden = [i for i in gathers if any(isinstance(ins, Forward) and any(ins.grad)
+                                        for ins in code[i:waits[code[i].handle]])]
+    assert len(hidden) >= len(gathers) - 1  # all but the first piece's

@@ -3,7 +3,10 @@
 A receive or collective is started where it stands and waited on where its result
 is first read (``Wait``), so the compute between the two runs while the bytes move.
 A collective of values no parameter touches (a loss's count of tokens) starts with
-the step, together with the local work that makes it.
+the step, together with the local work that makes it. A collective of stored
+parameters alone (ZeRO-3 gathering what it does not store) is prefetched as FSDP
+does: it starts when the previous such gather's reader starts, so each gather runs
+while the pieces before its own reader compute, and one gather is ahead at a time.
 A receive is also posted ahead of the compute that precedes its first reader, within
 one rule: NCCL matches a pair of ranks' messages by order, not by tag, and runs each
 pair's sends and receives in the order they were posted, so both ranks must post the
@@ -60,12 +63,12 @@ class _Flops(Costs):
 def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with its receives posted in the pairs' common order, ahead of
     the compute before their use, and every communication waited on where first read."""
-    early = [_hoisted(code) for code in ranks]
-    played = replay(early, _Flops())
-    if played.runs_through:  # the members of each group still call alike
-        ranks = early
-    else:
-        played = replay(ranks, _Flops())
+    for moved in ([_prefetched(_hoisted(code)) for code in ranks],
+                  [_hoisted(code) for code in ranks], ranks):
+        played = replay(moved, _Flops())
+        if played.runs_through:  # the members of each group still call alike
+            ranks = moved
+            break
     if played.stuck:
         raise PlanError(f"the compiled program would wait forever in "
                         f"{sorted(map(str, played.stuck.values()))}; this is a bug in "
@@ -127,6 +130,29 @@ def _hoisted(code: list[Instruction]) -> list[Instruction]:
             if chain:
                 moved |= {*chain, i}
     return [code[i] for i in sorted(moved)] + [x for i, x in enumerate(code) if i not in moved]
+
+
+def _prefetched(code: list[Instruction]) -> list[Instruction]:
+    """``code`` with each collective of stored parameters alone (and the loads it reads)
+    moved to just before the first reader of the previous such collective."""
+    made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
+    first = _first_reads(code)
+    place: dict[int, int] = {}  # moved instruction -> the instruction it now precedes
+    reader = ahead = None  # the first reader of the latest gathers, and of those before
+    for i, ins in enumerate(code):
+        if not isinstance(ins, COLLECTIVES) or i not in first:
+            continue
+        loads = [made.get(v) for v in reads(ins)]
+        if not loads or not all(j is not None and isinstance(code[j], Load)
+                                and code[j].source == "param" for j in loads):
+            continue
+        if first[i] != reader:  # gathers read first by one piece start together
+            reader, ahead = first[i], reader
+        if ahead is not None and ahead < i:
+            place.update(dict.fromkeys([*loads, i], ahead))
+    order = sorted(range(len(code)), key=lambda i: (place[i], 0, i) if i in place
+                   else (i, 1, i))
+    return [code[i] for i in order]
 
 
 def _untouched(ins: Instruction) -> bool:

@@ -303,10 +303,6 @@ class DistTransport:
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int, async_op: bool = False) -> Any:
         group = self._group(ranks)
-        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
-            started = self.all_reduce(t, ranks, rank, async_op=True)
-            run = started.then(lambda total: _run_of(total, ranks, rank, dim))
-            return run.returned(async_op)
         rows = torch.cat(_to_sorted(list(t.chunk(len(ranks), dim)), ranks), dim)
         rows = rows.movedim(dim, 0).contiguous()
         out = torch.empty((rows.shape[0] // len(ranks), *rows.shape[1:]), dtype=t.dtype,
