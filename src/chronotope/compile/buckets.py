@@ -22,6 +22,7 @@ from chronotope.compile.program import (
     AllReduce,
     Instruction,
     ReduceScatter,
+    first_reads,
     reads,
     sums_gradients,
     writes,
@@ -87,9 +88,7 @@ def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]
     """By group, the gradient sums this rank's all-reduces and reduce-scatters make (not
     those of anything else: a loss's count, a forward partial sum)."""
     made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
-    needed: dict[str, int] = {}
-    for i, ins in reversed(list(enumerate(code))):
-        needed.update((var, i) for var in reads(ins))
+    needed = first_reads(code)
     out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
     for at, ins in enumerate(code):
         if isinstance(ins, AllReduce) and sums_gradients(ins.keys):

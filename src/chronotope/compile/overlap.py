@@ -37,6 +37,7 @@ from chronotope.compile.program import (
     Send,
     Wait,
     WeightGrad,
+    first_reads,
     reads,
     results,
     writes,
@@ -175,16 +176,9 @@ def _handle(var: str, taken: set[str]) -> str:
 def _first_reads(code: list[Instruction]) -> dict[int, int]:
     """For each receive or collective (by index), the index of the first instruction that
     reads what it gives."""
-    made: dict[str, int] = {}
-    first: dict[int, int] = {}
-    for i, ins in enumerate(code):
-        for var in reads(ins):
-            if var in made and made[var] not in first:
-                first[made[var]] = i
-        if isinstance(ins, STARTED):
-            for var in results(ins):
-                made[var] = i
-    return first
+    first = first_reads(code)
+    return {i: min(first[v] for v in results(ins) if v in first) for i, ins in enumerate(code)
+            if isinstance(ins, STARTED) and any(v in first for v in results(ins))}
 
 
 def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],

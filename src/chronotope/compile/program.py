@@ -367,6 +367,15 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     return ()
 
 
+def first_reads(code: list[Instruction]) -> dict[str, int]:
+    """Where each local tensor is first read in ``code`` (by index)."""
+    first: dict[str, int] = {}
+    for i, ins in enumerate(code):
+        for var in reads(ins):
+            first.setdefault(var, i)
+    return first
+
+
 def writes(ins: Instruction) -> tuple[str, ...]:
     """The local tensors an instruction defines (a started one: its handle)."""
     if isinstance(ins, STARTED) and ins.handle is not None:
