@@ -4,9 +4,8 @@ import pytest
 from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.policies import actions, pipeline
+from chronotope.policies import actions, pipeline, timeline
 from chronotope.policies.pipeline import chimera
-from chronotope.viz import timeline
 
 
 @pytest.mark.parametrize("name,stages,micro", [("gpt", 2, 4), ("bert", 4, 4)])

@@ -7,9 +7,8 @@ from plan_testing import captured, trains_like_one_device
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 
 import chronotope as ct
-from chronotope.policies import actions, mesh, pipeline, read_schedule
+from chronotope.policies import actions, mesh, pipeline, read_schedule, timeline
 from chronotope.policies.pipeline import zb1, zbv
-from chronotope.viz import timeline
 
 
 @pytest.mark.parametrize("name,schedule,stages,micro,chunks", [
