@@ -163,20 +163,10 @@ def _wrap(line: str, width: int = 100) -> list[str]:
         assign = _top_level(text, " = ")
         if assign is not None and _top_level(text[:assign], ",") is not None:
             text = f"({text[:assign]}){text[assign:]}"
-    pieces, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote and text[i - 1] != "\\" else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-            if depth == 1:  # a break right after the opening bracket of a call or list
-                pieces.append(text[start:i + 1])
-                start = i + 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth >= 1:
+    pieces, start = [], 0
+    for i, ch, depth in _code_chars(text):
+        # a break right after the opening bracket of a call or list, and after a comma in one
+        if (ch in "([{" and depth == 0) or (ch == "," and depth >= 1):
             pieces.append(text[start:i + 1])
             start = i + 1
     pieces.append(text[start:])
@@ -191,19 +181,22 @@ def _wrap(line: str, width: int = 100) -> list[str]:
 
 def _top_level(text: str, token: str) -> int | None:
     """Where ``token`` first stands outside brackets and strings in ``text``."""
+    return next((i for i, _, depth in _code_chars(text)
+                 if depth == 0 and text.startswith(token, i)), None)
+
+
+def _code_chars(text: str):
+    """(index, character, bracket depth before it) of each character of Python ``text``
+    outside its string literals (quotes included)."""
     depth, quote = 0, ""
     for i, ch in enumerate(text):
         if quote:
             quote = "" if ch == quote and text[i - 1] != "\\" else quote
         elif ch in "'\"":
             quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif depth == 0 and text.startswith(token, i):
-            return i
-    return None
+        else:
+            yield i, ch, depth
+            depth += (ch in "([{") - (ch in ")]}")
 
 
 def _communication(ins: Instruction) -> str:
