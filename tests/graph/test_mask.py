@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once
+from chronotope.graph.mask import BoxIndex, Mask, ValueRange, VTensor, covers_exactly_once
 
 SIZES = [1, 2, 4, 6, 8, 12]
 FAST = settings(max_examples=60, deadline=None)
@@ -185,6 +185,21 @@ def test_cover_scales_to_many_pieces():
     assert len(pieces) == 4096
     assert covers_exactly_once(pieces, (64, 64))
     assert not covers_exactly_once(pieces + [pieces[1234]], (64, 64))
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=st.lists(st.sampled_from([1, 2, 3, 4, 8]), min_size=0, max_size=3).map(tuple),
+       data=st.data())
+def test_box_index_finds_every_overlapping_piece(shape, data):
+    # Tilings, their nodes, and arbitrary boxes (some empty), queried with any box.
+    tree = data.draw(split_trees(st.just(shape), max_steps=4))
+    pieces = data.draw(st.sampled_from([tree.leaves, tree.nodes]))
+    pieces = pieces + data.draw(st.lists(masks_in(shape), max_size=4))
+    pieces = [Mask(m.index) for m in pieces]
+    boxes = BoxIndex([m.index for m in pieces])
+    for query in data.draw(st.lists(masks_in(shape), min_size=1, max_size=4)):
+        want = [k for k, m in enumerate(pieces) if m.overlaps(Mask(query.index))]
+        assert boxes.overlapping(query.index) == want
 
 
 # ------------------------------------------------------------------------ mask algebra

@@ -38,7 +38,7 @@ from chronotope.compile.rvd_search import Path, Step, p2p, search
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor
-from chronotope.graph.mask import Mask
+from chronotope.graph.mask import BoxIndex, Mask
 from chronotope.plan.plan import PlanOp
 
 MAX_STATES = 2000  # per search: a compiler must not stall on one tensor
@@ -93,12 +93,12 @@ def _groups(producers: list[tuple[PlanOp, Mask]], readers: list[tuple[int, Mask]
             i = parent[i]
         return i
 
-    boxes = [(r.index, float(r.value.lo), float(r.value.hi)) for _, r in readers]
+    boxes = BoxIndex([r.index for _, r in readers])
+    values = [(float(r.value.lo), float(r.value.hi)) for _, r in readers]
     for i, (_, m) in enumerate(producers):
         lo, hi = float(m.value.lo), float(m.value.hi)
-        for j, (index, rlo, rhi) in enumerate(boxes):  # Mask.overlaps, without Fractions
-            if rlo < hi and lo < rhi and all(a < d and c < b for (a, b), (c, d)
-                                             in zip(m.index, index)):
+        for j in boxes.overlapping(m.index):  # Mask.overlaps, without Fractions
+            if values[j][0] < hi and lo < values[j][1]:
                 parent[root(i)] = root(len(producers) + j)
     groups: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for i, p in enumerate(producers):

@@ -11,12 +11,13 @@ plain interval arithmetic, exactly like the index dims. A mask is thus a box in
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar
 
-__all__ = ["Index", "Mask", "VTensor", "ValueRange", "covers_exactly_once"]
+__all__ = ["BoxIndex", "Index", "Mask", "VTensor", "ValueRange", "covers_exactly_once"]
 
 Index = tuple[tuple[int, int], ...]
 """(start, stop) per dim, half-open; a 0-dim tensor has the empty tuple."""
@@ -229,6 +230,36 @@ class Mask:
 
     def __str__(self) -> str:
         return self._render()
+
+
+class BoxIndex:
+    """The index ranges of many pieces of one tensor, to find those a region meets without
+    testing every one: pieces are sorted by their start along the dim where starts differ
+    most, and a query looks only at starts within one piece's length of it (pieces of one
+    tensor are mostly cut alike, so that window holds few)."""
+
+    def __init__(self, indices: Sequence[Index]) -> None:
+        self.indices = list(indices)
+        ndim = len(self.indices[0]) if self.indices else 0
+        self.dim = max(range(ndim), key=lambda d: len({i[d][0] for i in self.indices}),
+                       default=None)
+        if self.dim is None:
+            return
+        self.order = sorted(range(len(self.indices)), key=lambda k: self.indices[k][self.dim])
+        self.starts = [self.indices[k][self.dim][0] for k in self.order]
+        self.longest = max(b - a for a, b in (i[self.dim] for i in self.indices))
+
+    def overlapping(self, index: Index) -> list[int]:
+        """Positions (in the order given) of the pieces whose index ranges meet ``index``,
+        ascending."""
+        if self.dim is None:
+            return list(range(len(self.indices)))
+        lo, hi = index[self.dim]
+        first = bisect_right(self.starts, lo - self.longest)
+        last = bisect_left(self.starts, hi)
+        return sorted(k for k in self.order[first:last]
+                      if all(max(a, c) < min(b, d)
+                             for (a, b), (c, d) in zip(self.indices[k], index)))
 
 
 def equal_runs(whole: Mask, masks: Sequence[Mask]) -> tuple[int, list[int]] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.ir import PTensor, TensorKind
-from chronotope.graph.mask import Mask, VTensor
+from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
 from chronotope.plan.storage import Storage, storage
 
@@ -132,6 +132,8 @@ class Sources:
     def __init__(self, ops: list[PlanOp]) -> None:
         self.by_tensor: dict[PTensor, dict[tuple, list[tuple[PlanOp, Mask]]]] = defaultdict(dict)
         self.copies: dict[tuple[PlanOp, Mask, PTensor], Copies] = {}
+        self.boxes: dict[PTensor, BoxIndex] = {}
+        self.overlaps: dict[tuple[PTensor, Mask], list[tuple[PlanOp, Mask]]] = {}
         for op in ops:
             for v, copies in zip(op.outputs, op.output_copies()):
                 self.by_tensor[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
@@ -147,15 +149,17 @@ class Sources:
         if not by_index:
             return []
 
-        every: list[tuple[PlanOp, Mask]] = []
-
         def overlapping() -> list[tuple[PlanOp, Mask]]:
-            if not every:  # replicas share an index: test each index once, then values
-                want, value = v.mask.index, v.mask.value
-                every.extend((p, m) for index, group in by_index.items()
-                             if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(index, want))
-                             for p, m in group if m.value.intersect(value) is not None)
-            return every
+            key = (v.ptensor, v.mask)  # readers of one region (a tp group's) ask alike
+            if key not in self.overlaps:  # replicas share an index: find indices, then values
+                boxes = self.boxes.get(v.ptensor)
+                if boxes is None:
+                    boxes = self.boxes[v.ptensor] = BoxIndex(list(by_index))
+                value = v.mask.value
+                self.overlaps[key] = [
+                    (p, m) for k in boxes.overlapping(v.mask.index)
+                    for p, m in by_index[boxes.indices[k]] if m.value.intersect(value) is not None]
+            return self.overlaps[key]
 
         t, part = v.ptensor, not v.mask.value.is_full
         if part and any((p, m, t) in self.copies for p, m in overlapping()):
@@ -251,6 +255,8 @@ def data_edges(ops: list[PlanOp]) -> list[Edge]:
 def _exact(candidates: list[tuple[PlanOp, Mask]], want: Mask) -> list | None:
     """Producers of exactly the wanted region, if their values cover the wanted value."""
     hits = [(p, m) for p, m in candidates if m.value.intersect(want.value) is not None]
+    if any(m.value.is_full for _, m in hits):
+        return hits
     covered = sorted({(m.value.lo, m.value.hi) for _, m in hits})
     lo = want.value.lo
     for a, b in covered:
