@@ -6,7 +6,13 @@ import warnings
 import pytest
 
 import chronotope as ct
-from chronotope.compile.program import AllReduce, Backward, ReduceScatter, sums_gradients
+from chronotope.compile.program import (
+    AllGather,
+    AllReduce,
+    Backward,
+    ReduceScatter,
+    sums_gradients,
+)
 from chronotope.errors import PlanError
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, zero
@@ -23,7 +29,7 @@ def gpt():
 
 def gradient_reductions(code):
     return [(i, ins) for i, ins in enumerate(code) if isinstance(ins, (AllReduce, ReduceScatter))
-            and sums_gradients(ins.keys if isinstance(ins, AllReduce) else (ins.key,))]
+            and sums_gradients(ins.keys)]
 
 
 def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gpt):
@@ -61,6 +67,23 @@ def test_zero_reduce_scatters_start_as_their_gradients_are_made(gpt):
     last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
     early = [ins for i, ins in gradient_reductions(code) if i < last_backward]
     assert any(isinstance(ins, ReduceScatter) for ins in early)
+    trains_like_one_device(w, program)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_reduce_scatters_go_in_buckets_and_gathers_per_piece_in_one_call(gpt, stage):
+    """As FSDP's flat calls: a bucket's reduce-scatters are one call, and the parameters
+    one piece reads are gathered in one call."""
+    w, graph = gpt
+    program = ct.compile(zero(graph, 2, stage=stage))
+    code = program.ranks[0]
+    scatters = [ins for _, ins in gradient_reductions(code) if isinstance(ins, ReduceScatter)]
+    keys = [k for ins in scatters for k in ins.keys]
+    assert len(keys) == len(set(keys)) and len(scatters) <= 3 < len(keys)
+    gathers = [ins for ins in code if isinstance(ins, AllGather)]
+    if stage == 3:
+        gathered = [v for ins in gathers for v in ins.vars]
+        assert len(gathers) < len(gathered) and max(len(ins.vars) for ins in gathers) >= 2
     trains_like_one_device(w, program)
 
 

@@ -4,8 +4,9 @@ Materialized, a rank sums its parameters' gradients with the other replicas afte
 its whole backward, in one all-reduce. Here those sums are cut into buckets of at
 most ``bucket_bytes`` in the order the backward makes the gradients, and each
 bucket's all-reduce is placed right after the backward piece that makes its last
-gradient, so it runs while the rest of the backward does (as DDP's buckets do); a
-reduce-scatter of gradients (ZeRO) moves up the same way. Placed before the
+gradient, so it runs while the rest of the backward does (as DDP's buckets do); the
+reduce-scatters of gradients (ZeRO) are bucketed and moved up the same way, each bucket
+one flat call (as FSDP's per-group reduce-scatter). Placed before the
 backward pieces are fused into autograd regions, a bucket also ends the region it
 falls in. The members of a group must call its collectives in one order: where
 they would not make the same buckets, or the moved code would not run through,
@@ -68,20 +69,13 @@ class _Sum:
     instruction ``ready``, and instruction ``needed`` is the first to read the sum."""
 
     instruction: AllReduce | ReduceScatter
-    index: int  # which of an all-reduce's sums
-    srcs: tuple[str, ...]
+    index: int  # which of the instruction's sums
     ready: int
     needed: int
 
     @property
     def key(self) -> tuple:
-        ins = self.instruction
-        return ins.keys[self.index] if isinstance(ins, AllReduce) else ins.key
-
-    @property
-    def var(self) -> str:
-        ins = self.instruction
-        return ins.vars[self.index] if isinstance(ins, AllReduce) else ins.var
+        return self.instruction.keys[self.index]
 
 
 def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]:
@@ -91,23 +85,20 @@ def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]
     needed = first_reads(code)
     out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
     for at, ins in enumerate(code):
-        if isinstance(ins, AllReduce) and sums_gradients(ins.keys):
-            entries = list(zip(ins.srcs, ins.vars))
-        elif isinstance(ins, ReduceScatter) and sums_gradients((ins.key,)):
-            entries = [(ins.srcs, ins.var)]
-        else:
+        if not isinstance(ins, (AllReduce, ReduceScatter)) or not sums_gradients(ins.keys):
             continue
-        for index, (srcs, var) in enumerate(entries):
+        for index, (srcs, var) in enumerate(zip(ins.srcs, ins.vars)):
             ready = max(made.get(v, at) for v in srcs)
-            out[ins.ranks].append(_Sum(ins, index, srcs, ready, needed.get(var, len(code))))
+            out[ins.ranks].append(_Sum(ins, index, ready, needed.get(var, len(code))))
     return out
 
 
 def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
               ) -> list[tuple[int, Instruction]]:
-    """(where, instruction): the reductions of ``found`` (by readiness), all-reduces in
-    buckets of at most ``bucket_bytes``, each after its last gradient is made and before
-    any of its sums is read (a sum the backward itself reads ends its bucket)."""
+    """(where, instruction): the reductions of ``found`` (by readiness) in buckets of at
+    most ``bucket_bytes`` (all-reduces and reduce-scatters apart), each after its last
+    gradient is made and before any of its sums is read (a sum the backward itself reads
+    ends its bucket)."""
     out: list[tuple[int, Instruction]] = []
     bucket: list[_Sum] = []
     size = 0.0
@@ -115,21 +106,25 @@ def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
     def close() -> None:
         nonlocal bucket, size
         if bucket:
-            ins = bucket[0].instruction
-            out.append((bucket[-1].ready, AllReduce(
-                tuple(e.var for e in bucket), tuple(e.srcs for e in bucket), group,
-                tuple(e.instruction.shapes[e.index] for e in bucket), ins.dtype,
-                tuple(e.key for e in bucket))))
+            first = bucket[0].instruction
+            entries = [(e.instruction, e.index) for e in bucket]
+            fields = dict(vars=tuple(ins.vars[k] for ins, k in entries),
+                          srcs=tuple(ins.srcs[k] for ins, k in entries), ranks=group,
+                          shapes=tuple(ins.shapes[k] for ins, k in entries), dtype=first.dtype,
+                          keys=tuple(ins.keys[k] for ins, k in entries))
+            if isinstance(first, ReduceScatter):
+                fields["dims"] = tuple(ins.dims[k] for ins, k in entries)
+            out.append((bucket[-1].ready, type(first)(**fields)))
         bucket, size = [], 0.0
 
     for entry in found:
         ins = entry.instruction
-        if isinstance(ins, ReduceScatter):
-            out.append((entry.ready, ins))
-            continue
         nbytes = math.prod(ins.shapes[entry.index]) * ins.dtype.itemsize
+        if isinstance(ins, ReduceScatter):
+            nbytes *= len(group)  # each member sends its whole gradient
         if bucket and (size + nbytes > bucket_bytes
                        or entry.ready >= min(e.needed for e in bucket)
+                       or type(bucket[0].instruction) is not type(ins)
                        or bucket[0].instruction.dtype != ins.dtype):
             close()
         bucket.append(entry)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from chronotope.compile.program import (
+    MULTI,
     STARTED,
     AllGather,
     AllReduce,
@@ -92,7 +93,7 @@ def render_instruction(ins: Instruction) -> list[str]:
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
             return [f"{ins.handle} = {call[:-1]}, async_op=True)"]
-        if isinstance(ins, AllReduce):
+        if isinstance(ins, MULTI):
             return [f"{_targets(ins.vars)} = {call}"]
         return [f"{ins.var} = {call}" if ins.var is not None else call]
     if isinstance(ins, Wait):
@@ -207,10 +208,11 @@ def _communication(ins: Instruction) -> str:
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
     if isinstance(ins, AllGather):
-        return f"rt.all_gather({ins.src}, ranks={ins.ranks}, dim={ins.dim})"
+        return f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims})"
     if isinstance(ins, ReduceScatter):
-        return (f"rt.reduce_scatter(({_names(ins.srcs)}), ranks={ins.ranks}, dim={ins.dim}"
-                f"{_grads((ins.key,))})")
+        pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
+        return (f"rt.reduce_scatter([{pieces}], ranks={ins.ranks}, dims={ins.dims}"
+                f"{_grads(ins.keys)})")
     if isinstance(ins, AllToAll):
         return (f"rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
                 f"readers={ins.readers}, split={ins.split})")

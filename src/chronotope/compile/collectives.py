@@ -16,8 +16,10 @@ first waits on a message sent after it) stays as messages.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from chronotope.compile.program import (
+    MULTI,
     AllGather,
     AllReduce,
     AllToAll,
@@ -157,36 +159,43 @@ def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
     if p.kind == "all_reduce":
         return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
     if p.kind == "all_gather":
-        return AllGather(ins.var, p.local[0], members, ins.shape, ins.dtype, p.dim, p.key)
+        return AllGather((ins.var,), (p.local[0],), members, (ins.shape,), ins.dtype, (p.dim,),
+                         (p.key,))
     if p.kind == "all_to_all":
         return AllToAll(ins.var, p.local[0], tuple(p.ranks), members, ins.shape, ins.dtype,
                         p.dim, p.split, p.key)
-    return ReduceScatter(ins.var, p.local, members, ins.shape, ins.dtype, p.dim, p.key)
+    return ReduceScatter((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.dim,),
+                         (p.key,))
 
 
-def coalesce(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Back-to-back all-reduces over the same ranks and dtype become one flat buffer,
-    where they are back to back on every member rank (so all members merge alike)."""
+def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
+             ) -> list[list[Instruction]]:
+    """Back-to-back all-reduces (or all-gathers, or reduce-scatters: ``kinds``) over the same
+    ranks and dtype become one flat buffer, where they are back to back on every member rank
+    (so all members merge alike)."""
     adjacent: dict[tuple, set[int]] = defaultdict(set)  # (key a, key b) -> ranks
     for rank, code in enumerate(ranks):
         for a, b in zip(code, code[1:]):
-            if isinstance(a, AllReduce) and isinstance(b, AllReduce):
+            if isinstance(a, kinds) and type(a) is type(b):
                 adjacent[(a.keys[-1], b.keys[0])].add(rank)
     out = []
     for code in ranks:
         merged: list[Instruction] = []
         for ins in code:
             prev = merged[-1] if merged else None
-            if (isinstance(ins, AllReduce) and isinstance(prev, AllReduce)
+            if (isinstance(ins, kinds) and type(prev) is type(ins)
                     and prev.ranks == ins.ranks and prev.dtype == ins.dtype
+                    and prev.handle is None and ins.handle is None
                     and adjacent[(prev.keys[-1], ins.keys[0])] == set(ins.ranks)):
-                merged[-1] = AllReduce(prev.vars + ins.vars, prev.srcs + ins.srcs, prev.ranks,
-                                       prev.shapes + ins.shapes, prev.dtype,
-                                       prev.keys + ins.keys)
+                merged[-1] = replace(prev, **{f: getattr(prev, f) + getattr(ins, f)
+                                              for f in _ENTRIES if hasattr(ins, f)})
             else:
                 merged.append(ins)
         out.append(merged)
     return out
+
+
+_ENTRIES = ("vars", "srcs", "shapes", "dims", "keys")  # what a flat collective has per output
 
 
 def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instruction]]:

@@ -217,9 +217,10 @@ def _collective(step: Step, key: tuple, group: tuple[int, ...], g: int, x: str, 
     if step.kind == "all_reduce":
         return AllReduce((out,), ((x,),), group, (out_shape,), dtype, (key,))
     if step.kind == "all_gather":
-        return AllGather(out, x, group, out_shape, dtype, step.dims[0], key)
+        return AllGather((out,), (x,), group, (out_shape,), dtype, (step.dims[0],), (key,))
     if step.kind == "reduce_scatter":
-        return ReduceScatter(out, (x,), group, out_shape, dtype, step.dims[0], key)
+        return ReduceScatter((out,), ((x,),), group, (out_shape,), dtype, (step.dims[0],),
+                             (key,))
     if step.kind == "all_to_all":
         cat, split = step.dims
         return AllToAll(out, x, group, group, out_shape, dtype, cat, split, key)

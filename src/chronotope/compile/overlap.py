@@ -24,10 +24,12 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import replace
 
+from chronotope.compile.collectives import coalesce
 from chronotope.compile.program import (
     COLLECTIVES,
+    MULTI,
     STARTED,
-    AllReduce,
+    AllGather,
     Assemble,
     Backward,
     Forward,
@@ -75,7 +77,8 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
                         f"{sorted(map(str, played.stuck.values()))}; this is a bug in "
                         f"chronotope, please report it with the plan")
     order = {key: i for i, key in enumerate(played.sends)}  # (src, dst, tag) -> when sent
-    return [_started(rank, code, order) for rank, code in enumerate(ranks)]
+    # Gathers that now start together (one piece's parameters) go in one flat call.
+    return [_started(rank, code, order) for rank, code in enumerate(coalesce(ranks, (AllGather,)))]
 
 
 def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> list[Instruction]:
@@ -97,7 +100,7 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> lis
             made = results(ins)  # none on a broadcast's root: waited on at the end
             ins = replace(ins, handle=_handle(made[0] if made else f"{ins.src}_sent", handles))
             out.append(((2 * use, 1), Wait(ins.handle, results(ins),
-                                           unpack=isinstance(ins, AllReduce))))
+                                           unpack=isinstance(ins, MULTI))))
         out.append(((2 * i + 1,), ins))
     out.sort(key=lambda x: x[0])
     code = []
@@ -151,8 +154,9 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
             reader, ahead = first[i], reader
         if ahead is not None and ahead < i:
             place.update(dict.fromkeys([*loads, i], ahead))
-    order = sorted(range(len(code)), key=lambda i: (place[i], 0, i) if i in place
-                   else (i, 1, i))
+    # the loads first, then the gathers back to back: one flat call (``coalesce``)
+    order = sorted(range(len(code)), key=lambda i: (place[i], 0, not isinstance(code[i], Load),
+                                                    i) if i in place else (i, 1, 0, i))
     return [code[i] for i in order]
 
 

@@ -179,29 +179,32 @@ class AllReduce:
 
 @dataclass
 class AllGather:
-    """The members' pieces side by side along ``dim``, in ``ranks`` order, on every member."""
+    """For each output, the members' pieces side by side along its dim, in ``ranks``
+    order, on every member. Several outputs travel in one flat buffer, as one call."""
 
-    var: str
-    src: str
+    vars: tuple[str, ...]
+    srcs: tuple[str, ...]
     ranks: tuple[int, ...]
-    shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # of the whole outputs
     dtype: torch.dtype
-    dim: int
-    key: tuple = ()
+    dims: tuple[int, ...]
+    keys: tuple[tuple, ...] = ()
     handle: str | None = None
 
 
 @dataclass
 class ReduceScatter:
-    """Member ``ranks[i]`` gets run ``i`` along ``dim`` of the sum of the members' pieces."""
+    """For each output, member ``ranks[i]`` gets run ``i`` along its dim of the sum of the
+    members' pieces (each summed locally first). Several outputs travel in one flat
+    buffer, as one call."""
 
-    var: str
-    srcs: tuple[str, ...]
+    vars: tuple[str, ...]
+    srcs: tuple[tuple[str, ...], ...]
     ranks: tuple[int, ...]
-    shape: tuple[int, ...]  # of the run this rank gets
+    shapes: tuple[tuple[int, ...], ...]  # of the runs this rank gets
     dtype: torch.dtype
-    dim: int
-    key: tuple = ()
+    dims: tuple[int, ...]
+    keys: tuple[tuple, ...] = ()
     handle: str | None = None
 
 
@@ -314,11 +317,12 @@ Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble |
                | Free | PushParam | PullParam | GatherParams | Wait)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
+MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
 
 
 def results(ins: Instruction) -> tuple[str, ...]:
     """What a receive or collective gives, whether it is waited on at once or later."""
-    if isinstance(ins, AllReduce):
+    if isinstance(ins, MULTI):
         return ins.vars
     if isinstance(ins, Broadcast):
         return (ins.var,) if ins.var is not None else ()
@@ -352,14 +356,14 @@ def reads(ins: Instruction) -> tuple[str, ...]:
                 *ins.remade_inputs())
     if isinstance(ins, Assemble):
         return tuple(p.src for p in ins.parts)
-    if isinstance(ins, AllReduce):
+    if isinstance(ins, (AllReduce, ReduceScatter)):
         return tuple(v for srcs in ins.srcs for v in srcs)
-    if isinstance(ins, (AllGather, AllToAll)):
+    if isinstance(ins, AllGather):
+        return ins.srcs
+    if isinstance(ins, AllToAll):
         return (ins.src,)
     if isinstance(ins, Broadcast):
         return (ins.src,) if ins.src is not None else ()
-    if isinstance(ins, ReduceScatter):
-        return ins.srcs
     if isinstance(ins, (Send, Grad, Loss, SetBuffer)):
         return (ins.var,)
     if isinstance(ins, Wait):
@@ -421,10 +425,11 @@ class Program:
         reduced = sum(2 * (len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
                       for i in self.ranks[rank] if isinstance(i, AllReduce) for shape in i.shapes)
         # An all-gather brings in the (k - 1) pieces of the others; a reduce-scatter as much.
-        gathered = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
-                       for i in self.ranks[rank] if isinstance(i, AllGather))
-        scattered = sum((len(i.ranks) - 1) * math.prod(i.shape) * i.dtype.itemsize
-                        for i in self.ranks[rank] if isinstance(i, ReduceScatter))
+        gathered = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(shape) * i.dtype.itemsize
+                       for i in self.ranks[rank] if isinstance(i, AllGather) for shape in i.shapes)
+        scattered = sum((len(i.ranks) - 1) * math.prod(shape) * i.dtype.itemsize
+                        for i in self.ranks[rank] if isinstance(i, ReduceScatter)
+                        for shape in i.shapes)
         # An all-to-all brings the (k - 1) blocks of this rank's run held by the others.
         exchanged = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, AllToAll))

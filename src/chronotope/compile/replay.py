@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from chronotope.compile.program import (
     COLLECTIVES,
-    AllReduce,
+    MULTI,
     GatherParams,
     Instruction,
     PullParam,
@@ -53,7 +53,7 @@ def collective_key(ins: Instruction) -> tuple:
     """What names a collective call, the same on every member."""
     if isinstance(ins, GatherParams):
         return ("gather_params", ins.ranks, tuple(name for name, _, _ in ins.params))
-    return ins.keys[0] if isinstance(ins, AllReduce) else ins.key
+    return ins.keys[0] if isinstance(ins, MULTI) else ins.key
 
 
 @dataclass

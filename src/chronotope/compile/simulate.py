@@ -164,9 +164,9 @@ def _priced(ins, params: dict) -> tuple[str, float]:
     if isinstance(ins, AllReduce):
         return "all_reduce", sum(math.prod(s) for s in ins.shapes) * size
     if isinstance(ins, AllGather):
-        return "all_gather", math.prod(ins.shape) * size
+        return "all_gather", sum(math.prod(s) for s in ins.shapes) * size
     if isinstance(ins, ReduceScatter):
-        return "reduce_scatter", math.prod(ins.shape) * len(ins.ranks) * size
+        return "reduce_scatter", sum(math.prod(s) for s in ins.shapes) * len(ins.ranks) * size
     if isinstance(ins, AllToAll):
         return "all_to_all", math.prod(ins.shape) * size
     if isinstance(ins, Broadcast):

@@ -220,34 +220,55 @@ class StepContext:
 
         return started.then(parts).returned(async_op)
 
-    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
-                   async_op: bool = False) -> Any:
-        """The members' pieces side by side along ``dim``, in ``ranks`` order."""
+    def all_gather(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
+                   dims: Sequence[int], async_op: bool = False) -> Any:
+        """For each tensor, the members' pieces side by side along its dim, in ``ranks``
+        order. All travel in one flat buffer: one collective call per instruction."""
         members = tuple(sorted(ranks))
-        started = self.transport.all_gather(self._wire(t.detach()).contiguous(), members,
-                                            self.rank, True)
+        wired = [self._wire(t.detach()) for t in tensors]
+        wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
+        flat = torch.cat([_as(t, wide).reshape(-1) for t in wired]) if len(wired) > 1 \
+            else wired[0].contiguous().view(-1)
+        started = self.transport.all_gather(flat, members, self.rank, True)
 
-        def joined(pieces: torch.Tensor) -> torch.Tensor:
-            pieces = _as(pieces, t.dtype)  # back to the dtype this rank's piece had
-            if dim == 0 and tuple(ranks) == members:  # already side by side: no copy
-                return pieces.view(len(ranks) * t.shape[0], *t.shape[1:])
-            return torch.cat([pieces[members.index(r)] for r in ranks], dim)
+        def joined(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out, offset = [], 0
+            for t, dim in zip(tensors, dims):
+                pieces = stacked[:, offset:offset + t.numel()].reshape(len(members), *t.shape)
+                pieces = _as(pieces, t.dtype)  # back to the dtype this rank's piece had
+                offset += t.numel()
+                if dim == 0 and tuple(ranks) == members:  # side by side (one: no copy)
+                    out.append(pieces.reshape(len(ranks) * t.shape[0], *t.shape[1:]))
+                else:
+                    out.append(torch.cat([pieces[members.index(r)] for r in ranks], dim))
+            return tuple(out)
 
         return started.then(joined).returned(async_op)
 
-    def reduce_scatter(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                       dim: int, grads: bool = False, async_op: bool = False) -> Any:
-        """Run ``ranks.index(self.rank)`` along ``dim`` of the sum over the members
-        (``grads``: gradients, summed in the precision's reduce dtype)."""
-        local, given = self._summed(tensors, grads)
+    def reduce_scatter(self, tensors: Sequence[Sequence[torch.Tensor]], ranks: tuple[int, ...],
+                       dims: Sequence[int], grads: bool = False, async_op: bool = False) -> Any:
+        """For each entry, run ``ranks.index(self.rank)`` along its dim of the sum over the
+        members (``grads``: gradients, summed in the precision's reduce dtype). All entries
+        travel in one flat buffer: one collective call per instruction."""
+        summed = [self._summed(pieces, grads) for pieces in tensors]
+        wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
         members = tuple(sorted(ranks))
-        ordered = local
-        if tuple(ranks) != members:
-            # The transport hands member i (in rank order) run i: put each member's run there.
-            runs = local.chunk(len(ranks), dim)
-            ordered = torch.cat([runs[ranks.index(r)] for r in members], dim)
-        started = self.transport.reduce_scatter(ordered, members, self.rank, dim, True)
-        return started.then(lambda run: _as(run, given)).returned(async_op)
+        runs = [_as(t, wide).chunk(len(ranks), dim) for (t, _), dim in zip(summed, dims)]
+        if len(runs) == 1 and dims[0] == 0 and tuple(ranks) == members:
+            rows = summed[0][0].reshape(-1)  # already member by member (the transport copies)
+        else:  # member i (in rank order) gets run i: its runs of every entry side by side
+            rows = torch.cat([r[ranks.index(m)].reshape(-1) for m in members for r in runs])
+        started = self.transport.reduce_scatter(rows, members, self.rank, 0, True)
+
+        def parts(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out, offset = [], 0
+            for r, (_, given) in zip(runs, summed):
+                shape = r[0].shape
+                out.append(_as(flat[offset:offset + r[0].numel()].view(shape), given))
+                offset += r[0].numel()
+            return tuple(out)
+
+        return started.then(parts).returned(async_op)
 
     def all_to_all(self, t: torch.Tensor, ranks: tuple[int, ...], dim: int,
                    readers: tuple[int, ...], split: int, async_op: bool = False) -> Any:
