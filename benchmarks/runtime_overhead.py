@@ -1,9 +1,12 @@
 """Step time of chronotope vs PyTorch's own parallel training, same model, same run.
 
-    python benchmarks/runtime_overhead.py [--devices 2 4] [--steps 10] [--d-model 128]
+    python benchmarks/runtime_overhead.py [--devices 1 2 4] [--steps 10] [--d-model 128]
 
 On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
 
+* one device: chronotope's generated code vs the model run eagerly (goal <= 1.02x):
+  what the runtime's own calls per piece (``rt.enter`` / ``rt.leave``, the autograd
+  regions' ``rt.backward``) cost;
 * data parallel: chronotope ``dp`` vs ``DistributedDataParallel`` (goal <= 1.03x);
 * tensor parallel: chronotope ``tp`` vs ``parallelize_module`` with Colwise/Rowwise
   on each block's linears (goal <= 1.00x). The baseline's fused q/k/v weight is
@@ -56,7 +59,9 @@ def _baseline_worker(rank: int, world: int, kind: str, overrides: dict, steps: i
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     w = get_workload("gpt", **overrides)
-    if kind == "ddp":
+    if kind == "eager":
+        model, tensors = w.model, list(w.inputs)
+    elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(w.model)
         tensors = [t.chunk(world)[rank] for t in w.inputs]
     elif kind.startswith("fsdp"):
@@ -127,7 +132,7 @@ def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -137,6 +142,7 @@ def main() -> None:
     overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
                  "batch_size": args.batch}
     comparisons = (  # row, baseline kind, chronotope policy, baseline's name, goal ratio
+        ("one device", "eager", "dp", "the model, eager", 1.02),
         ("data parallel", "ddp", "dp", "DistributedDataParallel", 1.03),
         ("tensor parallel", "tp", "tp", "parallelize_module (DTensor)", 1.00),
         ("ZeRO-2", "fsdp-2", "zero-2", "FSDP2, no reshard after forward", 1.00),
@@ -144,6 +150,8 @@ def main() -> None:
     rows = []
     for world in args.devices:
         for name, kind, policy, baseline, goal in comparisons:
+            if (world == 1) != (kind == "eager"):
+                continue
             base = baseline_step_time(kind, world, args.steps, overrides)
             ours = chronotope_step_time(policy, world, args.steps, overrides)
             rows.append((name, world, baseline, base, ours, goal))
