@@ -132,15 +132,17 @@ def test_a_loss_count_all_reduce_starts_with_the_step_and_is_waited_on_at_the_lo
 
 
 def test_zero3_gathers_each_pieces_parameters_while_the_piece_before_it_computes(gpt):
-    """FSDP's prefetch: the gathers a piece reads start when the previous gathering piece
-    starts, so one piece's compute hides them; gathers of one piece start together, in one
-    flat call."""
+    """FSDP's prefetch, per block: a unit's gathers (one layer of the stack, or a top-level
+    module) start together in one flat call when the previous unit's first reader starts,
+    so the compute before their readers hides them."""
     code = ct.compile(zero(gpt, 2, stage=3)).ranks[0]
     gathers = [i for i, ins in enumerate(code) if isinstance(ins, AllGather)]
     waits = {ins.handle: i for i, ins in enumerate(code) if isinstance(ins, Wait)}
-    gathered = sorted(v for i in gathers for v in code[i].vars)
-    assert len(gathered) == len(set(gathered)) == len(gpt.params)
-    assert len(gathers) < len(gathered) and all(code[i].handle for i in gathers)
+    units = [{".".join(k[0].split(".")[:2 if k[0].startswith("h.") else 1])
+              for k in code[i].keys} for i in gathers]
+    assert units == [{"wte"}, {"wpe"}, {"h.0"}, {"h.1"}, {"ln_f"}]
+    gathered = sorted(k[0] for i in gathers for k in code[i].keys)
+    assert gathered == sorted(gpt.params) and all(code[i].handle for i in gathers)
     hidden = [i for i in gathers if any(isinstance(ins, Forward) and any(ins.grad)
                                         for ins in code[i:waits[code[i].handle]])]
     assert len(hidden) >= len(gathers) - 1  # all but the first piece's

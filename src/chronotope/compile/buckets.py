@@ -4,9 +4,9 @@ Materialized, a rank sums its parameters' gradients with the other replicas afte
 its whole backward, in one all-reduce. Here those sums are cut into buckets of at
 most ``bucket_bytes`` in the order the backward makes the gradients, and each
 bucket's all-reduce is placed right after the backward piece that makes its last
-gradient, so it runs while the rest of the backward does (as DDP's buckets do); the
-reduce-scatters of gradients (ZeRO) are bucketed and moved up the same way, each bucket
-one flat call (as FSDP's per-group reduce-scatter). Placed before the
+gradient, so it runs while the rest of the backward does (as DDP's buckets do). The
+reduce-scatters of gradients (ZeRO) are bucketed and moved up the same way, a bucket
+in one flat call (as FSDP's reduce-scatter per parameter group). Placed before the
 backward pieces are fused into autograd regions, a bucket also ends the region it
 falls in. The members of a group must call its collectives in one order: where
 they would not make the same buckets, or the moved code would not run through,

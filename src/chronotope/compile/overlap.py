@@ -5,8 +5,10 @@ is first read (``Wait``), so the compute between the two runs while the bytes mo
 A collective of values no parameter touches (a loss's count of tokens) starts with
 the step, together with the local work that makes it. A collective of stored
 parameters alone (ZeRO-3 gathering what it does not store) is prefetched as FSDP
-does: it starts when the previous such gather's reader starts, so each gather runs
-while the pieces before its own reader compute, and one gather is ahead at a time.
+does, one unit at a time (the parameters of one layer of a stack, as FSDP is wrapped
+around each block): a unit's gathers start together, in one call, when the previous
+unit's first reader starts, so they run while the pieces before their own readers
+compute, and one unit is ahead at a time.
 A receive is also posted ahead of the compute that precedes its first reader, within
 one rule: NCCL matches a pair of ranks' messages by order, not by tag, and runs each
 pair's sends and receives in the order they were posted, so both ranks must post the
@@ -142,7 +144,7 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
     made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
     first = _first_reads(code)
     place: dict[int, int] = {}  # moved instruction -> the instruction it now precedes
-    reader = ahead = None  # the first reader of the latest gathers, and of those before
+    unit = reader = ahead = None  # the latest gathers' unit and first reader, and the one's before
     for i, ins in enumerate(code):
         if not isinstance(ins, COLLECTIVES) or i not in first:
             continue
@@ -150,14 +152,26 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
         if not loads or not all(j is not None and isinstance(code[j], Load)
                                 and code[j].source == "param" for j in loads):
             continue
-        if first[i] != reader:  # gathers read first by one piece start together
-            reader, ahead = first[i], reader
+        if _unit(code[first[i]], first[i]) != unit:  # gathers of one unit start together
+            unit, reader, ahead = _unit(code[first[i]], first[i]), first[i], reader
         if ahead is not None and ahead < i:
             place.update(dict.fromkeys([*loads, i], ahead))
     # the loads first, then the gathers back to back: one flat call (``coalesce``)
     order = sorted(range(len(code)), key=lambda i: (place[i], 0, not isinstance(code[i], Load),
                                                     i) if i in place else (i, 1, 0, i))
     return [code[i] for i in order]
+
+
+def _unit(reader: Instruction, at: int) -> object:
+    """What FSDP would wrap as one unit around a gather's reader: its module up to the first
+    numbered part of the path (one layer of a stack, ``h.3``), else its top-level module
+    (``wte``); a reader from no module is a unit of its own."""
+    source = reader.op.op.source if isinstance(reader, Forward) else None
+    if source is None or not source.module:
+        return at
+    parts = source.module.split(".")
+    numbered = next((k for k, p in enumerate(parts) if p.isdigit()), 0)
+    return ".".join(parts[:numbered + 1])
 
 
 def _untouched(ins: Instruction) -> bool:
