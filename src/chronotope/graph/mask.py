@@ -89,8 +89,12 @@ class ValueRange:
         """Cut into ``parts`` equal consecutive ranges (nested partial sums)."""
         if parts < 1:
             raise ValueError(f"cannot split a value range into {parts} parts")
-        step = self.width / parts
-        return [ValueRange(self.lo + k * step, self.lo + (k + 1) * step) for k in range(parts)]
+        found = _SPLITS.get((self, parts))
+        if found is None:  # few ranges, split again and again: Fractions are slow
+            step = self.width / parts
+            found = _SPLITS[(self, parts)] = tuple(
+                ValueRange(self.lo + k * step, self.lo + (k + 1) * step) for k in range(parts))
+        return list(found)
 
     def __repr__(self) -> str:
         if self.is_full:
@@ -103,6 +107,7 @@ class ValueRange:
 
 ValueRange.FULL = ValueRange(Fraction(0), Fraction(1))
 _ONE = Fraction(1)
+_SPLITS: dict[tuple[ValueRange, int], tuple[ValueRange, ...]] = {}
 
 
 @dataclass(frozen=True, slots=True)

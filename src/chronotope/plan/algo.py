@@ -99,31 +99,31 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
                         f"into {algo.parts} equal parts")
     reduce = sig.dim(algo.dim).reduce
     sizes = {**piece.sizes, algo.dim: size // algo.parts}
-    pieces = []
-    for i in range(algo.parts):
-        inputs, shares = [], []
-        for j, (v, s, dims) in enumerate(zip(piece.inputs, piece.grad_shares, sig.inputs)):
-            a = _axis_of(dims, algo.dim)
-            if a is not None:
-                inputs.append(VTensor(v.ptensor, v.mask.split(a, algo.parts)[i]))
-                shares.append(s)
-            elif reduce and j in additive:  # a value share: its gradient is the whole's
-                inputs.append(VTensor(v.ptensor, v.mask.split_value(algo.parts)[i]))
-                shares.append(s)
-            else:
-                inputs.append(v)  # read whole by every piece: its gradient becomes partial
-                shares.append(s.split(algo.parts)[i])
-        outputs = []
-        for v, dims in zip(piece.outputs, sig.outputs):
-            a = _axis_of(dims, algo.dim)
-            if a is not None:
-                outputs.append(VTensor(v.ptensor, v.mask.split(a, algo.parts)[i]))
-            elif reduce:
-                outputs.append(VTensor(v.ptensor, Mask(v.mask.index,
-                                                       v.mask.value.split(algo.parts)[i])))
-            else:
-                outputs.append(v)  # every piece computes this output whole
-        pieces.append(Piece(tuple(inputs), tuple(outputs), tuple(shares), sizes))
+    n = algo.parts
+    ins, shares = [], []  # per input: its n pieces' reads and gradient shares (cut once)
+    for j, (v, s, dims) in enumerate(zip(piece.inputs, piece.grad_shares, sig.inputs)):
+        a = _axis_of(dims, algo.dim)
+        if a is not None:
+            ins.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n)])
+            shares.append([s] * n)
+        elif reduce and j in additive:  # a value share: its gradient is the whole's
+            ins.append([VTensor(v.ptensor, m) for m in v.mask.split_value(n)])
+            shares.append([s] * n)
+        else:
+            ins.append([v] * n)  # read whole by every piece: its gradient becomes partial
+            shares.append(s.split(n))
+    outs = []
+    for v, dims in zip(piece.outputs, sig.outputs):
+        a = _axis_of(dims, algo.dim)
+        if a is not None:
+            outs.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n)])
+        elif reduce:
+            outs.append([VTensor(v.ptensor, Mask(v.mask.index, r))
+                         for r in v.mask.value.split(n)])
+        else:
+            outs.append([v] * n)  # every piece computes this output whole
+    pieces = [Piece(tuple(x[i] for x in ins), tuple(x[i] for x in outs),
+                    tuple(x[i] for x in shares), sizes) for i in range(n)]
     return _whole_integers(name, algo, pieces)
 
 
@@ -147,17 +147,11 @@ def _value_split(name: str, piece: Piece, parts: int, linear: tuple[int, ...]) -
                         "cut along values (ct.ValueSplit); use ct.Split or ct.Replicate")
     if parts < 1:
         raise PlanError(f"{name}: ValueSplit needs parts >= 1, got {parts}")
-    pieces = []
-    for k in range(parts):
-        inputs, shares = [], []
-        for j, (v, s) in enumerate(zip(piece.inputs, piece.grad_shares)):
-            if j in linear:
-                inputs.append(VTensor(v.ptensor, v.mask.split_value(parts)[k]))
-                shares.append(s)
-            else:
-                inputs.append(v)
-                shares.append(s.split(parts)[k])
-        outputs = tuple(VTensor(v.ptensor, Mask(v.mask.index, v.mask.value.split(parts)[k]))
-                        for v in piece.outputs)
-        pieces.append(Piece(tuple(inputs), outputs, tuple(shares), piece.sizes))
-    return pieces
+    ins = [[VTensor(v.ptensor, m) for m in v.mask.split_value(parts)] if j in linear
+           else [v] * parts for j, v in enumerate(piece.inputs)]
+    shares = [[s] * parts if j in linear else s.split(parts)
+              for j, s in enumerate(piece.grad_shares)]
+    outs = [[VTensor(v.ptensor, Mask(v.mask.index, r)) for r in v.mask.value.split(parts)]
+            for v in piece.outputs]
+    return [Piece(tuple(x[k] for x in ins), tuple(x[k] for x in outs),
+                  tuple(x[k] for x in shares), piece.sizes) for k in range(parts)]
