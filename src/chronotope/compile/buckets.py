@@ -24,6 +24,7 @@ from chronotope.compile.program import (
     Instruction,
     ReduceScatter,
     first_reads,
+    flat,
     reads,
     sums_gradients,
     writes,
@@ -106,15 +107,7 @@ def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
     def close() -> None:
         nonlocal bucket, size
         if bucket:
-            first = bucket[0].instruction
-            entries = [(e.instruction, e.index) for e in bucket]
-            fields = dict(vars=tuple(ins.vars[k] for ins, k in entries),
-                          srcs=tuple(ins.srcs[k] for ins, k in entries), ranks=group,
-                          shapes=tuple(ins.shapes[k] for ins, k in entries), dtype=first.dtype,
-                          keys=tuple(ins.keys[k] for ins, k in entries))
-            if isinstance(first, ReduceScatter):
-                fields["dims"] = tuple(ins.dims[k] for ins, k in entries)
-            out.append((bucket[-1].ready, type(first)(**fields)))
+            out.append((bucket[-1].ready, flat([(e.instruction, e.index) for e in bucket])))
         bucket, size = [], 0.0
 
     for entry in found:

@@ -16,7 +16,6 @@ first waits on a message sent after it) stays as messages.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 from chronotope.compile.program import (
     MULTI,
@@ -30,6 +29,7 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Send,
+    flat,
     reads,
 )
 from chronotope.compile.replay import replay
@@ -185,17 +185,12 @@ def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
             prev = merged[-1] if merged else None
             if (isinstance(ins, kinds) and type(prev) is type(ins)
                     and prev.ranks == ins.ranks and prev.dtype == ins.dtype
-                    and prev.handle is None and ins.handle is None
                     and adjacent[(prev.keys[-1], ins.keys[0])] == set(ins.ranks)):
-                merged[-1] = replace(prev, **{f: getattr(prev, f) + getattr(ins, f)
-                                              for f in _ENTRIES if hasattr(ins, f)})
+                merged[-1] = flat([(x, k) for x in (prev, ins) for k in range(len(x.vars))])
             else:
                 merged.append(ins)
         out.append(merged)
     return out
-
-
-_ENTRIES = ("vars", "srcs", "shapes", "dims", "keys")  # what a flat collective has per output
 
 
 def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instruction]]:

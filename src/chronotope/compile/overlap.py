@@ -152,8 +152,8 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
         if not loads or not all(j is not None and isinstance(code[j], Load)
                                 and code[j].source == "param" for j in loads):
             continue
-        if _unit(code[first[i]], first[i]) != unit:  # gathers of one unit start together
-            unit, reader, ahead = _unit(code[first[i]], first[i]), first[i], reader
+        if (found := _unit(code[first[i]], first[i])) != unit:  # one unit's start together
+            unit, reader, ahead = found, first[i], reader
         if ahead is not None and ahead < i:
             place.update(dict.fromkeys([*loads, i], ahead))
     # the loads first, then the gathers back to back: one flat call (``coalesce``)

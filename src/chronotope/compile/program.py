@@ -13,7 +13,7 @@ results exist from the ``Wait`` on that handle on (see ``compile/overlap.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -318,6 +318,15 @@ Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble |
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
+_PER_OUTPUT = ("vars", "srcs", "shapes", "dims", "keys")  # a flat call's fields, by output
+
+
+def flat(outputs: list[tuple[AllReduce | AllGather | ReduceScatter, int]]) -> Instruction:
+    """One call of these outputs (an instruction, which of its outputs), all of one kind,
+    group and dtype, side by side in one flat buffer."""
+    first = outputs[0][0]
+    return replace(first, **{f: tuple(getattr(ins, f)[k] for ins, k in outputs)
+                             for f in _PER_OUTPUT if hasattr(first, f)})
 
 
 def results(ins: Instruction) -> tuple[str, ...]:

@@ -232,11 +232,10 @@ class StepContext:
         started = self.transport.all_gather(flat, members, self.rank, True)
 
         def joined(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out, offset = [], 0
-            for t, dim in zip(tensors, dims):
-                pieces = stacked[:, offset:offset + t.numel()].reshape(len(members), *t.shape)
-                pieces = _as(pieces, t.dtype)  # back to the dtype this rank's piece had
-                offset += t.numel()
+            out = []
+            for t, dim, part in zip(tensors, dims, stacked.split([t.numel() for t in tensors], 1)):
+                # back to the dtype this rank's piece had
+                pieces = _as(part.reshape(len(members), *t.shape), t.dtype)
                 if dim == 0 and tuple(ranks) == members:  # side by side (one: no copy)
                     out.append(pieces.reshape(len(ranks) * t.shape[0], *t.shape[1:]))
                 else:
@@ -260,13 +259,9 @@ class StepContext:
             rows = torch.cat([r[ranks.index(m)].reshape(-1) for m in members for r in runs])
         started = self.transport.reduce_scatter(rows, members, self.rank, 0, True)
 
-        def parts(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out, offset = [], 0
-            for r, (_, given) in zip(runs, summed):
-                shape = r[0].shape
-                out.append(_as(flat[offset:offset + r[0].numel()].view(shape), given))
-                offset += r[0].numel()
-            return tuple(out)
+        def parts(mine: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(_as(part.view(r[0].shape), given) for part, r, (_, given)
+                         in zip(mine.split([r[0].numel() for r in runs]), runs, summed))
 
         return started.then(parts).returned(async_op)
 
