@@ -11,7 +11,7 @@ import builtins
 import importlib
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -41,8 +41,12 @@ from chronotope.compile.program import (
     SetBuffer,
     Wait,
     WeightGrad,
+    reads,
     sums_gradients,
+    writes,
 )
+from chronotope.compile.regions import Region
+from chronotope.compile.regions import regions as find_regions
 from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
@@ -51,9 +55,11 @@ from chronotope.graph.registry import map_leaves
 _RNG = r"rng\."  # the counter-based random ops, as generated code calls them
 
 
-def render(program: Program, rank: int, ticks: bool = False) -> str:
+def render(program: Program, rank: int, ticks: bool = False, regions: bool = False) -> str:
     """Rank ``rank``'s module; with ``ticks``, ``rt.tick()`` after each instruction (how
-    ``measure.calibrate`` times the runtime's own work per instruction)."""
+    ``measure.calibrate`` times the runtime's own work per instruction); with ``regions``,
+    each run of forward pieces between communications is a function ``forward_<k>``
+    (``compile/regions.py``), which the runtime hands to ``torch.compile``."""
     plan = program.plan
     lines = [
         f'"""Rank {rank} of {plan.ndevices}: one training step of {plan.graph.name}.',
@@ -69,8 +75,20 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
         "",
         "def step(rt):",
     ]
-    body = []
-    for ins in program.ranks[rank]:
+    body: list[str] = []
+    functions: list[list[str]] = []
+    code = program.ranks[rank]
+    items = find_regions(code) if regions else code
+    later = _read_after(items)
+    arriving = {op.forward.name: tuple(g is not None for g in grads)
+                for ins in code if isinstance(ins, Backward)
+                for op, grads in zip(ins.ops, ins.grad_outputs)}
+    for k, ins in enumerate(items):
+        if isinstance(ins, Region):
+            call, function = _region(ins, len(functions), later[k], arriving)
+            body += call
+            functions.append(function)
+            continue
         body += render_instruction(ins)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
@@ -84,7 +102,71 @@ def render(program: Program, rank: int, ticks: bool = False) -> str:
                   'others update."""']
         lines += [wrapped for ins in program.refresh[rank] for line in render_instruction(ins)
                   for wrapped in _wrap("    " + line)]
+    for function in functions:
+        lines += ["", "", *(wrapped for line in function for wrapped in _wrap(line))]
     return "\n".join(lines) + "\n"
+
+
+def _read_after(items: list[Instruction | Region]) -> list[set[str]]:
+    """For each item, the names read by the items after it (frees aside)."""
+    after: list[set[str]] = [set() for _ in items]
+    seen: set[str] = set()
+    for k in range(len(items) - 1, -1, -1):
+        after[k] = set(seen)
+        taken = items[k].taken if isinstance(items[k], Region) else [items[k]]
+        seen.update(v for ins in taken for v in reads(ins))
+    return after
+
+
+def _region(region: Region, k: int, read_later: set[str],
+            arriving: dict[str, tuple[bool, ...]]) -> tuple[list[str], list[str]]:
+    """The lines that call region ``k`` in ``step``, and the function ``forward_<k>``: each
+    piece's entry is made before the call, its ``rt.leave`` after it, and the function
+    returns what is read later or leaves. Only outputs that a gradient arrives at from
+    outside the region's backward leave (``arriving``: per piece, by output that passes
+    one back): the rest stay inside the graph, free for the compiler to fuse away."""
+    entry, inside, leave, made = [], [], [], []
+    inputs: list[str] = []
+    defined: set[str] = set()
+    for ins in region.body:
+        if isinstance(ins, Forward):
+            piece = _piece(ins, frozenset(defined))
+            entry += piece.entry
+            made += piece.made
+            at = arriving.get(ins.op.name, ())
+            if any(at):
+                passing = [o for o, g in zip(ins.outs, ins.out_grad) if g]
+                kept = [o if a else "None" for o, a in zip(passing, at)]
+                leave.append(f"rt.leave({ins.op.name!r}, ({_names(kept)}))")
+            inside += [piece.comment, *piece.call]
+            needs, outs = piece.reads, ins.outs
+        else:
+            inside += render_instruction(ins)
+            needs, outs = [p.src for p in ins.parts], (ins.var,)
+        inputs += [n for n in needs if n not in defined and n not in inputs]
+        defined.update(outs)
+    left = {n for line in leave for n in re.findall(r"\w+", line.split(", (", 1)[1])} - {"None"}
+    outputs = [n for ins in region.body for n in writes(ins) if n in read_later | left]
+    pieces = region.pieces()
+    uses_rt = any(re.search(r"\brt\.", line) for line in inside)
+    params = ["rt"] * uses_rt + inputs
+    name = f"forward_{k}"
+    call = f"{name}({', '.join(params)})"
+    lines = [line for ins in region.loads for line in render_instruction(ins)] + entry
+    lines += [f"# {len(pieces)} forward pieces, {pieces[0].op.name} to {pieces[-1].op.name}, "
+              f"in one function ({name}: one graph under --compile)",
+              f"{_targets(outputs)} = {call}" if outputs else call, *leave]
+    gone = [n for n in dict.fromkeys([*region.freed, *made])
+            if n not in defined or n in outputs]
+    if gone:
+        lines.append(f"del {', '.join(gone)}")
+    function = [f"def {name}({', '.join(params)}):",
+                f'    """{pieces[0].op.name} to {pieces[-1].op.name}: forward pieces with no '
+                'communication between them."""',
+                *("    " + line for line in inside)]
+    if outputs:
+        function.append(f"    return {_names(outputs)}")
+    return lines, function
 
 
 def render_instruction(ins: Instruction) -> list[str]:
@@ -278,11 +360,33 @@ def _load(ins: Load) -> str:
 
 
 def _forward(ins: Forward) -> list[str]:
+    piece = _piece(ins)
+    lines = [piece.comment, *piece.entry, *piece.call, *piece.leave]
+    if piece.made:  # autograd keeps what the backward needs
+        lines.append(f"del {', '.join(piece.made)}")
+    return lines
+
+
+@dataclass
+class _Piece:
+    """A forward piece's lines in parts, so that a region can make its entry first."""
+
+    comment: str
+    entry: list[str]  # its input shares and ``rt.enter``: made before the op runs
+    call: list[str]  # the op (and its output's scale)
+    leave: list[str]  # ``rt.leave`` of the outputs that pass a gradient back
+    made: list[str]  # the names the entry made
+    reads: list[str]  # the names the call reads
+
+
+def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
+    """``inside``: names made within the piece's region; an input among them that the piece
+    detaches is detached in the call, not entered (the region rule keeps leaves out)."""
     op = ins.op
     src = op.op.source
     where = f"  ({src.file.rsplit('/', 1)[-1]}:{src.line}" + \
         (f", {src.module})" if src.module else ")") if src else ""
-    lines = [f"# {op.name}: {op.op.kind}{where}"]
+    entry = []
     ins_names = list(ins.ins)
     shares = []
     for i, share in enumerate(ins.input_shares):
@@ -291,18 +395,22 @@ def _forward(ins: Forward) -> list[str]:
         # gradient is the whole value's, as the plan's gradient shares say. (The name itself
         # stays the whole value for other readers.)
         if share != 1:
-            lines.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
+            entry.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
             ins_names[i] = f"{ins_names[i]}_share"
             shares.append(ins_names[i])
+    reads = list(ins_names)
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
+        for i in [i for i in entering if ins.ins[i] in inside]:
+            ins_names[i] = f"{ins_names[i]}.detach()"
+        entering = [i for i in entering if ins.ins[i] not in inside]
         leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
         later = f", later={tuple(ins.later[i] for i in entering)}" if ins.later else ""
-        lines.append(f"{_targets(leaves)} = rt.enter({op.name!r}, "
+        entry.append(f"{_targets(leaves)} = rt.enter({op.name!r}, "
                      f"({_names([ins_names[i] for i in entering])}), "
                      f"{tuple(ins.grad[i] for i in entering)}{later})")
         for i, leaf in zip(entering, leaves):
-            ins_names[i] = leaf
+            ins_names[i] = reads[i] = leaf
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
@@ -318,19 +426,19 @@ def _forward(ins: Forward) -> list[str]:
     assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
         f"{_targets(ins.outs)} = rt.tensors({call})"
     if ins.swap:  # saved tensors go to CPU memory now and come back for the backward
-        lines += ["with torch.autograd.graph.save_on_cpu(pin_memory=rt.device.type == 'cuda'):",
-                  "    " + assign]
+        calls = ["with torch.autograd.graph.save_on_cpu(pin_memory=rt.device.type == 'cuda'):",
+                 "    " + assign]
     else:
-        lines.append(assign)
+        calls = [assign]
     if ins.output_scale != 1:
-        lines.append(f"{ins.outs[0]} = {ins.outs[0]} * {_number(ins.output_scale)}")
+        calls.append(f"{ins.outs[0]} = {ins.outs[0]} * {_number(ins.output_scale)}")
+    leave = []
     if any(ins.grad):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
-        lines.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
-    made = [*shares, *(n for n in ins_names if n not in ins.ins)]  # shares and their leaves
-    if made:  # autograd keeps what the backward needs
-        lines.append(f"del {', '.join(dict.fromkeys(made))}")
-    return lines
+        leave.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
+    made = [*shares, *(n for n in ins_names if n not in ins.ins and n.isidentifier())]
+    return _Piece(f"# {op.name}: {op.op.kind}{where}", entry, calls, leave,
+                  list(dict.fromkeys(made)), list(dict.fromkeys(reads)))
 
 
 _FILLS = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"}

@@ -459,8 +459,9 @@ class Program:
 
         return save(self, workload, directory, steps, optim)
 
-    def code(self, rank: int) -> str:
-        """Rank ``rank``'s step as a readable Python module."""
+    def code(self, rank: int, regions: bool = False) -> str:
+        """Rank ``rank``'s step as a readable Python module; with ``regions``, its runs of
+        forward pieces as functions for ``torch.compile`` (``compile/regions.py``)."""
         from chronotope.compile.codegen import render
 
-        return render(self, rank % self.ndevices)
+        return render(self, rank % self.ndevices, regions=regions)

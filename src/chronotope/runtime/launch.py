@@ -204,11 +204,13 @@ def _train(index: int, specs: list[RankSpec], steps: int, optim: Optim, backend:
 
 def run_processes(program: Program, workload: Workload, steps: int, optim: Optim | None = None,
                   backend: str = "gloo", timeout: float = 60.0,
-                  precision: Precision | None = None) -> RunResult:
+                  precision: Precision | None = None, compile: str | None = None) -> RunResult:
     """One process per rank on this machine; returns rank 0's losses and the final weights.
-    ``precision``: mixed precision, refused first if an op cannot run in it."""
+    ``precision``: mixed precision, refused first if an op cannot run in it; ``compile``: a
+    ``torch.compile`` backend for the forward regions (see ``rank_specs``)."""
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
-    results = launch(rank_specs(program, workload), steps, optim, backend, timeout, precision)
+    results = launch(rank_specs(program, workload, compile), steps, optim, backend, timeout,
+                     precision)
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
                      results[0][2], buffers=model_buffers(results[0][3], workload))
 

@@ -41,15 +41,29 @@ class RankSpec:
     # Each owned region's share of the global gradient norm: 1 / how many ranks own it.
     norm_weights: dict[tuple[str, tuple], float] = field(default_factory=dict)
     world: int = 1
+    # A torch.compile backend: the code's forward regions (``forward_<k>``) run through it.
+    compile: str | None = None
 
 
-def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
+def check_compile(backend: str | None) -> None:
+    """Refuse a ``torch.compile`` backend this torch does not have, naming those it has."""
+    if backend is not None and backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ChronotopeError(f"torch.compile has no backend {backend!r}; choose from "
+                              f"{', '.join(torch.compiler.list_backends())} (or aot_eager, "
+                              "eager to check what the graphs capture)")
+
+
+def rank_specs(program: Program, workload: Workload, compile: str | None = None
+               ) -> list[RankSpec]:
+    """What each rank runs; with ``compile`` (a ``torch.compile`` backend), each run of
+    forward pieces between communications is a function the rank compiles with it."""
     if program.plan.replicas > 1:
         raise ChronotopeError(
             f"this plan is scaled to {program.plan.replicas} replicas (plan.scale): it is "
             f"checked and compiled at the size of one unit of {program.ndevices} devices, but "
             "runs only with the data-parallel dimension written into the plan; use "
             "ct.policies.mesh(graph, dp=..., tp=..., pp=...) to train it")
+    check_compile(compile)
     graph = program.plan.graph
     full = {n: p.detach() for n, p in workload.model.named_parameters()}
     state = {n: b.detach() for n, b in workload.model.named_buffers()}
@@ -64,7 +78,7 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
                 owners[(name, o.region.index)] += 1
     return [
         RankSpec(
-            rank, program.code(rank),
+            rank, program.code(rank, regions=compile is not None),
             {(name, region.index): full[name][region.to_slices()].clone()
              for name, regions in program.stored[rank].items() for region in regions},
             [(name, o.region.index) for name, owned in program.owned[rank].items()
@@ -72,7 +86,7 @@ def rank_specs(program: Program, workload: Workload) -> list[RankSpec]:
             state, batch, targets, program.groups,
             {(name, o.region.index): 1 / owners[(name, o.region.index)]
              for name, owned in program.owned[rank].items() for o in owned},
-            program.ndevices,
+            program.ndevices, compile,
         )
         for rank in range(program.ndevices)
     ]
@@ -98,6 +112,9 @@ class Rank:
         self.filename = f"<chronotope rank {spec.rank}>"
         scope: dict[str, Any] = {}
         exec(compile(spec.code, self.filename, "exec"), scope)
+        if spec.compile is not None:
+            for name in [n for n in scope if n.startswith("forward_")]:
+                scope[name] = torch.compile(scope[name], backend=spec.compile)
         self.step_fn = scope["step"]
         self.refresh_fn = scope.get("refresh")
         self.stored = {k: v.to(self.device) for k, v in spec.params.items()}

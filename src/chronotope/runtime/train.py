@@ -257,14 +257,16 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
           optim: Optim | None = None, *, accumulate: int = 1, seed: int = 0,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
-          timeout: float = 60.0, precision: Precision | None = None) -> RunResult:
+          timeout: float = 60.0, precision: Precision | None = None,
+          compile: str | None = None) -> RunResult:
     """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
 
     ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
     the iterable; a batch is shaped like the example batch (the model's inputs, then
     its targets; or a dict of keyword arguments). ``on_step`` gets rank 0's record of
     each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s; under fp16
-    also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``).
+    also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
+    ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
     Returns the losses of the steps run, the final weights and buffers.
     """
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
@@ -273,7 +275,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
     check_save_folder(config)
-    specs = rank_specs(program, workload)
+    specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
     writes = checkpoint.plan_writes(program.stored, program.owned)
     records: list[dict[str, Any]] = []
@@ -306,14 +308,15 @@ def mean_step_time(result: RunResult) -> float:
 
 
 def save(program: Program, workload: Workload, directory: str, steps: int = 10,
-         optim: Optim | None = None) -> list[str]:
-    """Write each rank's module, the weights it starts from, and a ``torchrun`` launcher.
+         optim: Optim | None = None, compile: str | None = None) -> list[str]:
+    """Write each rank's module, the weights it starts from, and a ``torchrun`` launcher
+    (``compile``: a ``torch.compile`` backend the ranks run their forward regions through).
 
     ``torchrun --nproc-per-node N DIR/launch.py [--data FILE.py:fn] [--steps S]`` then
     trains from those files and writes its checkpoints into ``DIR/checkpoints``.
     """
     os.makedirs(directory, exist_ok=True)
-    specs = rank_specs(program, workload)
+    specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
     paths = []
     for spec in specs:
