@@ -6,7 +6,9 @@ On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
 
 * one device: chronotope's generated code vs the model run eagerly (goal <= 1.02x):
   what the runtime's own calls per piece (``rt.enter`` / ``rt.leave``, the autograd
-  regions' ``rt.backward``) cost;
+  regions' ``rt.backward``) cost; and compiled, the generated code with ``--compile``
+  (its forward regions through ``torch.compile``) vs ``torch.compile(model)``
+  (goal <= 1.02x);
 * data parallel: chronotope ``dp`` vs ``DistributedDataParallel`` (goal <= 1.03x);
 * tensor parallel: chronotope ``tp`` vs ``parallelize_module`` with Colwise/Rowwise
   on each block's linears (goal <= 1.00x). The baseline's fused q/k/v weight is
@@ -61,6 +63,8 @@ def _baseline_worker(rank: int, world: int, kind: str, overrides: dict, steps: i
     w = get_workload("gpt", **overrides)
     if kind == "eager":
         model, tensors = w.model, list(w.inputs)
+    elif kind == "compiled":
+        model, tensors = torch.compile(w.model), list(w.inputs)
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(w.model)
         tensors = [t.chunk(world)[rank] for t in w.inputs]
@@ -117,7 +121,8 @@ def baseline_step_time(kind: str, world: int, steps: int, overrides: dict) -> fl
         return statistics.median(torch.load(out)[1:])
 
 
-def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict) -> float:
+def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict,
+                         compile: str | None = None) -> float:
     w = get_workload("gpt", **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,7 +131,7 @@ def chronotope_step_time(policy: str, world: int, steps: int, overrides: dict) -
             "zero-2": lambda g, n: ct.policies.zero(g, n, 2),
             "zero-3": lambda g, n: ct.policies.zero(g, n, 3)}[policy]
     program = ct.compile(plan(graph, world))
-    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=300)
+    results = launch(rank_specs(program, w, compile), steps, Optim("sgd", 0.1), timeout=300)
     return statistics.median(results[0][2][1:])
 
 
@@ -143,6 +148,7 @@ def main() -> None:
                  "batch_size": args.batch}
     comparisons = (  # row, baseline kind, chronotope policy, baseline's name, goal ratio
         ("one device", "eager", "dp", "the model, eager", 1.02),
+        ("one device, compiled", "compiled", "dp", "torch.compile(model)", 1.02),
         ("data parallel", "ddp", "dp", "DistributedDataParallel", 1.03),
         ("tensor parallel", "tp", "tp", "parallelize_module (DTensor)", 1.00),
         ("ZeRO-2", "fsdp-2", "zero-2", "FSDP2, no reshard after forward", 1.00),
@@ -150,10 +156,11 @@ def main() -> None:
     rows = []
     for world in args.devices:
         for name, kind, policy, baseline, goal in comparisons:
-            if (world == 1) != (kind == "eager"):
+            if (world == 1) != (kind in ("eager", "compiled")):
                 continue
             base = baseline_step_time(kind, world, args.steps, overrides)
-            ours = chronotope_step_time(policy, world, args.steps, overrides)
+            ours = chronotope_step_time(policy, world, args.steps, overrides,
+                                        "inductor" if kind == "compiled" else None)
             rows.append((name, world, baseline, base, ours, goal))
     table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} x "
                         f"{args.seq} tokens, on gloo processes "

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from chronotope import cli
 from chronotope.cli import main
@@ -77,6 +78,17 @@ def test_plan_writes_code_and_reports_per_rank(tmp_path, capsys):
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert report["ranks"][0]["received_bytes"]["all_reduce"] > 0  # the gradients' sum
     assert (tmp_path / "rank0.py").exists() and (tmp_path / "launch.py").exists()
+
+
+def test_plan_with_compile_writes_forward_regions_for_torch_compile(tmp_path, capsys):
+    run_json(capsys, "plan", "gpt", "--devices", "2", "--out", str(tmp_path),
+             "--compile", "aot_eager")
+    code = (tmp_path / "rank0.py").read_text()
+    assert "\ndef forward_0(" in code and "= forward_0(" in code
+    specs = torch.load(tmp_path / "state.pt", weights_only=False)["specs"]
+    assert {spec.compile for spec in specs} == {"aot_eager"}  # what torchrun's ranks run
+    assert main(["run", "gpt", "--devices", "2", "--compile", "nope"]) == 2
+    assert "torch.compile has no backend 'nope'" in capsys.readouterr().err
 
 
 def test_plan_that_does_not_divide_exits_2(capsys):

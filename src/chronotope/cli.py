@@ -368,7 +368,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                               "program can be planned but not written with --out")
     workload, program = _compiled(args, device)
     _warn_unsplit(program.plan, out)
-    files = program.save(args.out, workload) if args.out else []
+    files = program.save(args.out, workload, compile=args.compile) if args.out else []
     if args.save_plan:
         program.plan.save(args.save_plan)
     checked = program.plan.check()
@@ -439,7 +439,7 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     with out.status(f"training {args.model} with {args.policy} on {args.devices} "
                     f"{args.backend} processes for {args.steps} steps"):
         result = run_processes(program, workload, args.steps, optim, backend=args.backend,
-                               timeout=args.timeout, precision=precision)
+                               timeout=args.timeout, precision=precision, compile=args.compile)
         reference = train_reference(workload, args.steps, optim, precision) \
             if args.check else None
     diff = compare(result, reference) if reference else None
@@ -523,7 +523,8 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
                            on_step=on_step, backend=args.backend, timeout=args.timeout,
-                           precision=Precision(args.dtype, args.reduce_dtype))
+                           precision=Precision(args.dtype, args.reduce_dtype),
+                           compile=args.compile)
     finally:
         for sink in sinks:
             sink.close()
@@ -829,6 +830,12 @@ def parser() -> argparse.ArgumentParser:
                              help="gradient reductions start in buckets of this many MiB as "
                                   f"the backward makes them (default {BUCKET_MB:g}, as DDP)")
         _common_args(cmd, model=True)
+        if name in ("plan", "run", "train"):
+            cmd.add_argument("--compile", nargs="?", const="inductor", default=None,
+                             metavar="BACKEND",
+                             help="run each rank's forward regions (its ops between two "
+                                  "communications) through torch.compile, and their backward "
+                                  "with them (default backend: inductor)")
         if name == "plan":
             cmd.add_argument("--out", type=new_folder,
                              help="directory for rank<r>.py files and launch.py")

@@ -453,11 +453,12 @@ class Program:
                 "reduce_scatter": int(scattered), "all_to_all": int(exchanged),
                 "broadcast": broadcast}
 
-    def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None) -> list[str]:
+    def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None,
+             compile: str | None = None) -> list[str]:
         """Write every rank's module and a torchrun launcher (see ``runtime.train.save``)."""
         from chronotope.runtime.train import save
 
-        return save(self, workload, directory, steps, optim)
+        return save(self, workload, directory, steps, optim, compile)
 
     def code(self, rank: int, regions: bool = False) -> str:
         """Rank ``rank``'s step as a readable Python module; with ``regions``, its runs of
