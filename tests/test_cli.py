@@ -248,7 +248,8 @@ def test_a_model_that_prints_leaves_stdout_to_the_json_of_run(tmp_path):
 
 def _diverging(how):
     """A stand-in for the processes' run: the single-device run, spoiled as ``how`` says."""
-    def run(program, workload, steps, optim, timeout, precision=None, backend="gloo"):
+    def run(program, workload, steps, optim, timeout, precision=None, backend="gloo",
+            compile=None):
         result = train_reference(workload, steps, optim)
         if how == "nan-loss":
             result.losses[-1] = math.nan

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from rich.console import Console
@@ -40,6 +41,8 @@ TIMEOUT = 30.0  # seconds a rank waits on a message: a deadlock ends as an error
 TRANSPORTS: dict[str, Callable[..., RunResult]] = {
     "threads": run_in_threads,  # every rank a thread of this process
     "gloo": run_processes,  # every rank a process, as `chronotope run` trains
+    # as gloo, each rank's forward regions through torch.compile's AOTAutograd (--compile)
+    "compiled": partial(run_processes, compile="aot_eager"),
 }
 
 POLICIES: dict[str, Callable[[Graph], Plan]] = {
