@@ -16,13 +16,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from chronotope.errors import PlanError
 from chronotope.graph.mask import Mask, ValueRange
-
-if TYPE_CHECKING:  # DTensor loads in about 0.4 s: only the placement conversions need it
-    from torch.distributed.tensor import Placement
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,6 @@ class Layout:
         """A device mesh (its shape, its devices in row-major order) and the placement of
         each of its axes that make this layout: Replicate for R, Partial for V, Shard(i)
         for the splits of dim i. Axes of size 1 are left out."""
-        from torch.distributed.tensor import Partial, Replicate, Shard
-
         axes = [(self.rvd.r, Replicate()), (self.rvd.v, Partial()),
                 *((k, Shard(i)) for i, k in enumerate(self.rvd.d))]
         kept = [(n, p) for n, p in axes if n > 1] or [(1, Replicate())]

@@ -17,6 +17,7 @@ the previous checkpoint as it was, and the partial one says what it is.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import math
@@ -27,18 +28,34 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from chronotope.errors import ChronotopeError
 from chronotope.graph.mask import Index, Mask
-
-if TYPE_CHECKING:  # DCP (and the DTensor it loads) takes about 0.4 s to import: a worker
-    # that never saves or loads does without it
-    from torch.distributed.checkpoint.metadata import Metadata
 
 MODEL = "model."
 OPTIM = "optim.state."
@@ -89,6 +106,79 @@ def _within(boxes: Mapping[tuple[str, Index], torch.Tensor], name: str, box: Ind
     raise ValueError(f"no held region of {name} contains {list(box)}")
 
 
+# ---- DCP planners over regions -----------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A tensor that is the box at ``offsets`` of a whole tensor of ``size`` named ``fqn``."""
+
+    fqn: str
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def _piece(fqn: str, size: Sequence[int], box: Index, tensor: torch.Tensor) -> Piece:
+    return Piece(fqn, tuple(size), tuple(lo for lo, _ in box), tensor)
+
+
+class _SavePieces(DefaultSavePlanner):
+    """Writes the given pieces, each a chunk at its offsets, and objects as bytes."""
+
+    def __init__(self, pieces: Sequence[Piece], objects: Mapping[str, Any]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(p.fqn, p.offsets): p for p in pieces}
+        self.objects = dict(objects)
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(p.fqn, torch.Size(p.offsets)),
+                           type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(torch.Size(p.offsets), p.tensor.shape),
+                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               size=torch.Size(p.size)))
+                 for p in self.pieces.values()]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                  for key in self.objects]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.offset is None:
+            return self.objects[index.fqn]
+        return self.pieces[(index.fqn, tuple(index.offset))].tensor
+
+
+class _LoadPieces(DefaultLoadPlanner):
+    """Reads into the given pieces whatever chunks of the checkpoint overlap them."""
+
+    def __init__(self, pieces: Sequence[Piece], objects: Sequence[str]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(p.fqn, p.offsets): p for p in pieces}
+        self.wanted = list(objects)
+        self.objects: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for p in self.pieces.values():
+            md = self.metadata.state_dict_metadata[p.fqn]
+            chunk = ChunkStorageMetadata(torch.Size(p.offsets), p.tensor.shape)
+            items += create_read_items_for_chunk_list(p.fqn, md, [chunk])
+        items += [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                           dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
+                           storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+                  for key in self.wanted]
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[(index.fqn, tuple(index.offset))].tensor
+
+
 # ---- where checkpoints are ---------------------------------------------------------------
 
 
@@ -121,8 +211,6 @@ def latest(directory: str | os.PathLike) -> Path:
 
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint's metadata, once every file it names is there."""
-    import torch.distributed.checkpoint as dcp
-
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [f for f in files if not (path / f).is_file()]
@@ -134,8 +222,6 @@ def read_metadata(path: Path) -> Metadata:
 
 def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
     """The metadata of checkpoint ``path``, which must hold exactly these parameters."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = read_metadata(path)
     saved = {k.removeprefix(MODEL): md for k, md in metadata.state_dict_metadata.items()
              if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
@@ -158,16 +244,11 @@ def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
 
 def run_info(path: Path, metadata: Metadata | None = None) -> dict[str, Any]:
     """The ``chronotope`` entry: the run's position and what the checkpoint is of."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from chronotope.runtime.dcp_planners import LoadPieces
-
     metadata = metadata or read_metadata(path)
     if not isinstance(metadata.state_dict_metadata.get(STATE), BytesStorageMetadata):
         raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one chronotope "
                               f"wrote (no {STATE!r} entry)")
-    planner = LoadPieces([], [STATE])
+    planner = _LoadPieces([], [STATE])
     with _one_process():
         dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
                  no_dist=True)
@@ -199,10 +280,6 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
          shapes: Mapping[str, tuple[int, ...]], info: Mapping[str, Any]) -> Path:
     """Every rank calls this at the same step: rank ``rank`` writes its part of checkpoint
     ``step``; returns the complete checkpoint's folder."""
-    import torch.distributed.checkpoint as dcp
-
-    from chronotope.runtime.dcp_planners import Piece, SavePieces, piece
-
     final = step_dir(directory, step)
     partial = final.with_name(final.name + INCOMPLETE)
     if writes.lead:
@@ -210,7 +287,7 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         partial.mkdir(parents=True)
     _barrier()
     # Views, not copies: DCP copies a view that is not its whole storage, as it writes it.
-    pieces = [piece(MODEL + name, shapes[name], box, _within(rank.stored, name, box)[1].detach())
+    pieces = [_piece(MODEL + name, shapes[name], box, _within(rank.stored, name, box)[1].detach())
               for name, boxes in writes.params.items() for box in boxes]
     for name, boxes in writes.optim.items():
         for box in boxes:
@@ -221,7 +298,7 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
                     continue
                 if v.shape == param.shape:
                     local = Mask(box).local_slices(Mask(key[1]))
-                    pieces.append(piece(f"{OPTIM}{name}.{k}", shapes[name], box,
+                    pieces.append(_piece(f"{OPTIM}{name}.{k}", shapes[name], box,
                                          v[local].detach()))
                 elif v.ndim == 0 and all(lo == 0 for lo, _ in box):  # once, with the origin
                     pieces.append(Piece(f"{OPTIM}{name}.{k}", (), (), v.detach()))
@@ -231,7 +308,7 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
                    for name, t in rank.state.items() if name in info.get("buffers", ())]
         objects[STATE] = dict(info)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)),
-             planner=SavePieces(pieces, objects), no_dist=not dist.is_initialized())
+             planner=_SavePieces(pieces, objects), no_dist=not dist.is_initialized())
     _barrier()
     if writes.lead:
         if final.exists():
@@ -249,14 +326,9 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
     """Fill rank ``rank``'s stored regions, buffers and (when the checkpoint's optimizer is
     ``optimizer``) optimizer state from checkpoint ``path``, written under any plan;
     returns the run's entry."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from chronotope.runtime.dcp_planners import LoadPieces, Piece, piece
-
     metadata = read_metadata(path)
     saved = metadata.state_dict_metadata
-    pieces = [piece(MODEL + name, shapes[name], index, t) for (name, index), t in
+    pieces = [_piece(MODEL + name, shapes[name], index, t) for (name, index), t in
               rank.stored.items()]
     pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t)
                for name, t in rank.state.items() if MODEL + name in saved]
@@ -268,7 +340,7 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
                 continue
             if tuple(md.size) == tuple(shapes[name]):
                 t = torch.zeros(param.shape, dtype=md.properties.dtype, device=param.device)
-                pieces.append(piece(key, shapes[name], index, t))
+                pieces.append(_piece(key, shapes[name], index, t))
             else:
                 t = torch.zeros(md.size, dtype=md.properties.dtype)
                 pieces.append(Piece(key, tuple(md.size), (0,) * len(md.size), t))
@@ -283,7 +355,7 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
             copies.append((unique[key], p))
         else:
             unique[key] = p
-    planner = LoadPieces(list(unique.values()), [STATE])
+    planner = _LoadPieces(list(unique.values()), [STATE])
     dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
              no_dist=not dist.is_initialized())
     for src, dst in copies:
@@ -314,10 +386,6 @@ def _barrier() -> None:
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint: every name the module has (tied weights
     under each), persistent buffers included; loads with ``load_state_dict(strict=True)``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-
     path = latest(path)
     metadata = read_metadata(path)
     info = run_info(path, metadata)
