@@ -1,10 +1,11 @@
-"""Every CI run draws the same 550 random plans over eleven model families (the built-ins,
+"""Every CI run draws the same 330 random plans over eleven model families (the built-ins,
 two small models that are not transformers, a CNN with batch norm): splits of any dim
 (reductions included), value splits, replicas, placements, orders, recompute, swaps,
 split backwards and split updates, and now and then a mistake. Each plan must be refused
 with an error that names an op, tensor or device, or train like one device.
 
-``python benchmarks/fuzz.py`` prints the same table; ``--show`` the failures' plans.
+``python benchmarks/fuzz.py`` prints the same table (``--plans 550`` and more for a longer
+draw); ``--show`` the failures' plans.
 """
 
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from tests.fuzz.trials import NAMES, run_trials, summary
 
-PLANS = 550  # seeds 0..549: every family gets 50
+PLANS = 330  # seeds 0..329: every family gets 30
 
 
 @pytest.mark.slow
@@ -27,6 +28,6 @@ def test_random_plans_are_refused_by_name_or_train_like_one_device():
         f"seed {o.seed} ({o.family}) failed at {o.stage}: {o.error}: {o.message}\n"
         f"{o.reproduction}" for o in failed)
     accepted = Counter(o.family for o in outcomes if o.status == "accepted")
-    assert all(accepted[name] >= 20 for name in NAMES), accepted  # mostly real plans
+    assert all(accepted[name] >= 12 for name in NAMES), accepted  # mostly real plans
     refused = Counter(o.error for o in outcomes if o.status == "rejected")
     assert {"DeadlockError", "UnassignedOpError", "PlanError"} <= set(refused), refused
