@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import chronotope as ct
 from chronotope.graph.mask import ValueRange
 from chronotope.models import get_workload
-from chronotope.runtime.local import rank_specs
+from chronotope.runtime.local import rank_specs, run_in_threads
 
 
 @functools.cache
@@ -156,6 +156,21 @@ def test_tensor_parallel_weights_split_memory():
         for i, s in enumerate(subs):
             plan.assign(s, i)
     assert plan.check().memory[0].params < 0.6 * g.num_params * 4
+
+
+def test_zero3_counts_the_parameters_it_gathers_for_the_step():
+    """ZeRO-3 stores half the weights, but a step gathers each whole and autograd keeps it
+    until its backward: the estimate counts that, as the measured peak of the step shows."""
+    w = get_workload("gpt")
+    g = graph()
+    plans = {stage: ct.policies.zero(g, 2, stage) for stage in (2, 3)}
+    estimated = {stage: p.check().memory[0] for stage, p in plans.items()}
+    gathered = g.num_params * 4 // 2  # the half rank 0 does not store
+    assert estimated[3].params == estimated[2].params - gathered
+    assert estimated[3].activations >= estimated[2].activations + 0.9 * gathered
+    measured = {stage: run_in_threads(ct.compile(p), w, 1, measure_memory=True).peak_memory[0]
+                for stage, p in plans.items()}
+    assert measured[3] >= measured[2] + 0.9 * gathered, measured
 
 
 def two_device_chain():

@@ -49,7 +49,8 @@ class Edge:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one device holds: weights, their gradients, optimizer state, peak activations."""
+    """Bytes one device holds: weights, their gradients, optimizer state, and the peak of
+    what a step makes (activations, and parameter regions gathered from other devices)."""
 
     params: int
     grads: int
@@ -398,10 +399,14 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
     size: dict[tuple, int] = {}
     remade = {(op.device, op) for op in plan.recomputed} | {
         (op.device, v.ptensor, v.mask) for op in plan.recomputed for v in op.outputs}
+    held = stored.stored[device]
     for i, op in enumerate(seq):
         for v in (*_reads(op, remade, plan.swapped), *op.outputs):
-            if v.ptensor.kind is TensorKind.PARAM or v.ptensor in param_grads:
+            if v.ptensor in param_grads or (v.ptensor.kind is TensorKind.PARAM and any(
+                    m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ()))):
                 continue  # counted with the parameters
+            # A parameter region the device does not store (ZeRO-3) is gathered for the
+            # pieces that read it, and autograd keeps it from the forward to the backward.
             key = (v.ptensor, v.mask)
             first.setdefault(key, i)
             last[key] = i
