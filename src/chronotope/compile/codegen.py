@@ -45,7 +45,7 @@ from chronotope.compile.program import (
     sums_gradients,
     writes,
 )
-from chronotope.compile.regions import Region
+from chronotope.compile.regions import FUNCTION, Region
 from chronotope.compile.regions import regions as find_regions
 from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
@@ -79,10 +79,11 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     functions: list[list[str]] = []
     code = program.ranks[rank]
     items = find_regions(code) if regions else code
-    later = _read_after(items)
-    arriving = {op.forward.name: tuple(g is not None for g in grads)
-                for ins in code if isinstance(ins, Backward)
-                for op, grads in zip(ins.ops, ins.grad_outputs)}
+    if any(isinstance(ins, Region) for ins in items):
+        later = _read_after(items)
+        arriving = {op.forward.name: tuple(g is not None for g in grads)
+                    for ins in code if isinstance(ins, Backward)
+                    for op, grads in zip(ins.ops, ins.grad_outputs)}
     for k, ins in enumerate(items):
         if isinstance(ins, Region):
             call, function = _region(ins, len(functions), later[k], arriving)
@@ -128,6 +129,7 @@ def _region(region: Region, k: int, read_later: set[str],
     entry, inside, leave, made = [], [], [], []
     inputs: list[str] = []
     defined: set[str] = set()
+    left: set[str] = set()  # outputs a gradient arrives at
     for ins in region.body:
         if isinstance(ins, Forward):
             piece = _piece(ins, frozenset(defined))
@@ -136,21 +138,21 @@ def _region(region: Region, k: int, read_later: set[str],
             at = arriving.get(ins.op.name, ())
             if any(at):
                 passing = [o for o, g in zip(ins.outs, ins.out_grad) if g]
+                left.update(o for o, a in zip(passing, at) if a)
                 kept = [o if a else "None" for o, a in zip(passing, at)]
                 leave.append(f"rt.leave({ins.op.name!r}, ({_names(kept)}))")
             inside += [piece.comment, *piece.call]
-            needs, outs = piece.reads, ins.outs
+            needs = piece.reads
         else:
             inside += render_instruction(ins)
-            needs, outs = [p.src for p in ins.parts], (ins.var,)
+            needs = list(reads(ins))
         inputs += [n for n in needs if n not in defined and n not in inputs]
-        defined.update(outs)
-    left = {n for line in leave for n in re.findall(r"\w+", line.split(", (", 1)[1])} - {"None"}
+        defined.update(writes(ins))
     outputs = [n for ins in region.body for n in writes(ins) if n in read_later | left]
     pieces = region.pieces()
     uses_rt = any(re.search(r"\brt\.", line) for line in inside)
     params = ["rt"] * uses_rt + inputs
-    name = f"forward_{k}"
+    name = f"{FUNCTION}{k}"
     call = f"{name}({', '.join(params)})"
     lines = [line for ins in region.loads for line in render_instruction(ins)] + entry
     lines += [f"# {len(pieces)} forward pieces, {pieces[0].op.name} to {pieces[-1].op.name}, "
@@ -388,7 +390,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
         (f", {src.module})" if src.module else ")") if src else ""
     entry = []
     ins_names = list(ins.ins)
-    shares = []
+    made = []  # the shares and leaves the entry makes
     for i, share in enumerate(ins.input_shares):
         # This piece's value share of what the rank holds whole (a bias under a reduction
         # split, a replica's loss term): made before autograd sees it, so the share's
@@ -397,7 +399,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
         if share != 1:
             entry.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
             ins_names[i] = f"{ins_names[i]}_share"
-            shares.append(ins_names[i])
+            made.append(ins_names[i])
     reads = list(ins_names)
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
@@ -411,6 +413,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
                      f"{tuple(ins.grad[i] for i in entering)}{later})")
         for i, leaf in zip(entering, leaves):
             ins_names[i] = reads[i] = leaf
+        made += [leaf for leaf in leaves if leaf not in ins.ins]
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
@@ -436,7 +439,6 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
     if any(ins.grad):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
         leave.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
-    made = [*shares, *(n for n in ins_names if n not in ins.ins and n.isidentifier())]
     return _Piece(f"# {op.name}: {op.op.kind}{where}", entry, calls, leave,
                   list(dict.fromkeys(made)), list(dict.fromkeys(reads)))
 

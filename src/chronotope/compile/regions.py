@@ -34,6 +34,7 @@ from chronotope.compile.program import (
 from chronotope.graph import rng
 
 MIN_PIECES = 2  # a lone op gains nothing from a graph of its own
+FUNCTION = "forward_"  # region k is the generated function forward_<k>
 
 
 @dataclass
@@ -109,4 +110,3 @@ def regions(code: list[Instruction]) -> list[Instruction | Region]:
             out.append(ins)
     close()
     return out
-

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from chronotope.compile.program import Program
+from chronotope.compile.regions import FUNCTION
 from chronotope.errors import ChronotopeError
 from chronotope.graph.capture import Batch
 from chronotope.graph.mask import Mask
@@ -113,7 +114,7 @@ class Rank:
         scope: dict[str, Any] = {}
         exec(compile(spec.code, self.filename, "exec"), scope)
         if spec.compile is not None:
-            for name in [n for n in scope if n.startswith("forward_")]:
+            for name in [n for n in scope if n.startswith(FUNCTION)]:
                 scope[name] = torch.compile(scope[name], backend=spec.compile)
         self.step_fn = scope["step"]
         self.refresh_fn = scope.get("refresh")
