@@ -70,9 +70,13 @@ class TwoTowers(nn.Module):
 
 
 def workload(layers: list[str], loss: str, seed: int = 0, frozen: bool = False) -> ct.Workload:
+    """In float64: stacked batch-coupling layers (two gram matrices, then a batch std) turn
+    float32's reordered sums into differences above 1e-5 (2.5e-5 for tp, 4.5e-14 in
+    float64), while a wrong plan is off by far more than float64's rounding."""
     torch.manual_seed(seed)
-    model = TwoTowers(layers, loss, frozen)
-    return ct.Workload(model, (torch.randn(B, D), torch.randn(B, D)), name="two-towers")
+    model = TwoTowers(layers, loss, frozen).double()
+    x, y = (torch.randn(B, D, dtype=torch.float64) for _ in range(2))
+    return ct.Workload(model, (x, y), name="two-towers")
 
 
 POLICIES = {
