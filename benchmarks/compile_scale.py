@@ -6,9 +6,10 @@ Each case is a mesh plan (tensor parallel x pipeline stages, 1F1B over its
 micro-batches). GPT-3 13B on tp 8 x pp 8 with 16 micro-batches compiles all 64
 ranks (goal: < 10 s). The 1,024-device case is GPT-3 175B (96 layers) on tp 8 x
 pp 16 as one scale unit of 128 devices run data parallel x 8 with ``plan.scale``:
-the replicas are not compiled, and it has one micro-batch (the goal, 32
-micro-batches with the replicas compiled in < 60 s, needs ranks that run the same
-code compiled once).
+the unit is compiled once, with its gradients and loss summed over the replicas,
+and every replica runs its code under a rank permutation (``plan/replicas.py``). It
+has one micro-batch: the goal, 32 micro-batches in < 60 s, needs the unit's own
+ranks that run the same code (tensor-parallel peers, micro-batches) compiled once.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.compile.program import AllReduce, AllToAll, Broadcast, Recv, ReduceScatter, Send
-from chronotope.policies.axes import batch_dims
+from chronotope.graph.axes import batch_dims
 from chronotope.policies.zero import cut_update
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads

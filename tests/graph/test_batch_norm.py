@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
+from chronotope.graph.axes import follow
 from chronotope.policies import mesh, zero
-from chronotope.policies.axes import follow
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
+from chronotope.graph.axes import follow
 from chronotope.policies import mesh
-from chronotope.policies.axes import follow
 from tests.graph.op_testing import Case, per_op_tests, trains_like_one_device
 from tests.zoo.models import FAMILIES
 

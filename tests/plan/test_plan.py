@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import chronotope as ct
 from chronotope.graph.mask import ValueRange
 from chronotope.models import get_workload
-from chronotope.runtime.local import rank_specs, run_in_threads
+from chronotope.runtime.local import run_in_threads
 
 
 @functools.cache
@@ -348,14 +348,3 @@ def test_every_builtin_model_plans_and_checks(name):
     checked = data_parallel(g, 2).check()
     assert all(len(seq) > len(g.ops) for seq in checked.sequences.values())
     assert checked.memory[0].params == checked.memory[1].params > 0
-
-
-def test_a_scaled_plan_compiles_but_asks_for_mesh_to_train():
-    w = get_workload("gpt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        g = ct.capture(w)
-    program = ct.compile(data_parallel(g, 2).scale(4))
-    assert program.code(7) == program.code(1)  # rank 7 is device 1 of replica 3
-    with pytest.raises(ct.ChronotopeError, match=r"scaled to 4 replicas.*policies\.mesh"):
-        rank_specs(program, w)

@@ -340,3 +340,19 @@ def test_resuming_with_another_optimizer_starts_it_afresh_and_says_so(tmp_path):
     with pytest.warns(UserWarning, match="trained with sgd, this run uses adamw"):
         resumed = train(program, w, f"{DATA}:tokens", 4, OPTIM, resume=str(tmp_path))
     assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)
+
+
+def test_a_scaled_plan_trains_on_data_like_plain_pytorch_and_resumes_unscaled(tmp_path):
+    w, graph = gpt(dropout=0.0)  # the data's batch of 4: two replicas of 2 rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unit = ct.capture(get_workload("gpt", dropout=0.0, batch_size=2))
+    scaled = train(ct.compile(mesh(unit, tp=2).scale(2)), w, f"{DATA}:tokens", 4, OPTIM,
+                   save=str(tmp_path / "scaled"), save_every=2)
+    losses, params = plain_pytorch(w, "tokens", 4, OPTIM)
+    assert scaled.losses == pytest.approx(losses, rel=1e-5)
+    assert largest_difference(scaled.params, params) <= 1e-5
+    back = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:tokens", 4, OPTIM,
+                 resume=str(tmp_path / "scaled" / "step-00000002"))
+    assert back.losses == pytest.approx(losses[2:], rel=1e-5)
+    assert largest_difference(back.params, params) <= 1e-5

@@ -12,9 +12,9 @@ import chronotope as ct
 from chronotope.compile.program import AllReduce, Send
 from chronotope.cost.network import cluster_for
 from chronotope.errors import PlanError
+from chronotope.graph.axes import batch_dims
 from chronotope.models import get_workload
 from chronotope.plan.algo import Split
-from chronotope.policies.axes import batch_dims
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import zero_weights

@@ -45,7 +45,8 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
     moved: list[set[int]] = [set() for _ in ranks]
     for group, per_rank in sums.items():
         orders = {tuple(e.key for e in found) for found in per_rank.values()}
-        if len(per_rank) != len(group) or len(orders) != 1:
+        members = {g % len(ranks) for g in group}  # past the ranks here: their replicas
+        if len(per_rank) != len(members) or len(orders) != 1:
             continue  # the members would not make the same buckets
         for rank, found in per_rank.items():
             for at, ins in _bucketed(found, group, bucket_bytes):
@@ -88,6 +89,9 @@ def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]
     for at, ins in enumerate(code):
         if not isinstance(ins, (AllReduce, ReduceScatter)) or not sums_gradients(ins.keys):
             continue
+        if any(isinstance(code[made[v]], (AllReduce, ReduceScatter))
+               for srcs in ins.srcs for v in srcs if v in made):
+            continue  # sums what another reduction sums (over a scaled plan's replicas)
         for index, (srcs, var) in enumerate(zip(ins.srcs, ins.vars)):
             ready = max(made.get(v, at) for v in srcs)
             out[ins.ranks].append(_Sum(ins, index, ready, needed.get(var, len(code))))

@@ -393,7 +393,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
     made = []  # the shares and leaves the entry makes
     for i, share in enumerate(ins.input_shares):
         # This piece's value share of what the rank holds whole (a bias under a reduction
-        # split, a replica's loss term): made before autograd sees it, so the share's
+        # split, a micro-batch's loss term): made before autograd sees it, so the share's
         # gradient is the whole value's, as the plan's gradient shares say. (The name itself
         # stays the whole value for other readers.)
         if share != 1:
@@ -414,6 +414,9 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
         for i, leaf in zip(entering, leaves):
             ins_names[i] = reads[i] = leaf
         made += [leaf for leaf in leaves if leaf not in ins.ins]
+    for i, scale in enumerate(ins.input_scales):
+        if scale != 1:
+            ins_names[i] = f"({ins_names[i]} * {_number(scale)})"
     it = iter(ins_names)
     args = map_leaves(op.op.args, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)
     kwargs = map_leaves(op.op.kwargs, lambda x: _Name(next(it)) if isinstance(x, PTensor) else x)

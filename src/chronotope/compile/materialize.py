@@ -16,12 +16,15 @@ from collections import defaultdict
 from dataclasses import replace
 from fractions import Fraction
 
+import torch
+
 from chronotope.compile.buckets import BUCKET_MB, buckets
 from chronotope.compile.collectives import Stuck, collectives
 from chronotope.compile.fuse import fuse
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.overlap import overlap
 from chronotope.compile.program import (
+    AllReduce,
     Assemble,
     Backward,
     Forward,
@@ -74,6 +77,7 @@ class Materializer:
         self.change_tags: dict[tuple, tuple] = {}  # ("recv", src, tag) -> change key
         self.plan = checked.plan
         self.sequences = checked.sequences
+        self.replicas = checked.replicas  # plan.scale's replicas: what their unit adds
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
         self.position = {op: i for seq in checked.sequences.values() for i, op in enumerate(seq)}
         self.combined: dict[tuple, tuple[PlanOp, Mask]] = {}  # partial sums made by a sender
@@ -137,9 +141,17 @@ class Materializer:
                     whole = owned.region.index == owned.grad.index  # no slice to take
                     grads.append(Grad(pname, owned.region, var, () if whole else
                                       Mask(owned.region.index).local_slices(owned.grad)))
+            if self.replicas is not None:
+                grads = self.over_replicas(rank, grads)
             self.tail[rank] += grads
         loss = self.plan.graph.loss
         var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
+        if self.replicas is not None:  # the global loss: the replicas' shares summed
+            whole = self.name(0, f"{var}_total", loss.shape)
+            self.tail[0].append(AllReduce((whole,), ((var,),), self.replicas.group(0),
+                                          (loss.shape,), loss.dtype,
+                                          ((loss.name, (), "replicas"),)))
+            var = whole
         self.tail[0].append(Loss(var))
         for bname, t in self.plan.graph.buffer_updates.items():  # every rank keeps whole buffers
             for rank in range(self.plan.ndevices):
@@ -157,6 +169,25 @@ class Materializer:
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)
+
+    def over_replicas(self, rank: int, grads: list[Grad]) -> list[Grad]:
+        """The gradients ``rank`` hands to its owned regions, summed over its replicas first
+        (one all-reduce per dtype, which ``buckets`` cuts up and moves into the backward)."""
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        for i, g in enumerate(grads):
+            by_dtype[self.plan.graph.params[g.param].dtype].append(i)
+        out = list(grads)
+        for dtype, at in by_dtype.items():
+            summed = [self.name(rank, f"{grads[i].var}_total", self.shapes[rank][grads[i].var])
+                      for i in at]
+            keys = tuple((self.plan.grad(self.plan.graph.params[grads[i].param]).name,
+                          grads[i].region.index, "replicas") for i in at)
+            self.tail[rank].append(AllReduce(
+                tuple(summed), tuple((grads[i].var,) for i in at), self.replicas.group(rank),
+                tuple(self.shapes[rank][grads[i].var] for i in at), dtype, keys))
+            for i, var in zip(at, summed):
+                out[i] = replace(grads[i], var=var)
+        return out
 
     def layout_changes(self) -> None:
         """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""
@@ -293,13 +324,38 @@ class Materializer:
         reduction = op.op.kwargs.get("reduction", "mean")
         if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
             scale = op.outputs[0].mask.value.width
+        scales = ()
+        if self.replicas is not None:
+            scale, scales, outs = self.as_replica(rank, op, scale, outs)
         later = ()
         if op in self.plan.split and self.plan.weight_op(op) is not None:
             later = tuple(g and v.ptensor.kind is TensorKind.PARAM
                           for v, g in zip(op.inputs, grad))
         self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
                                 recompute=op in self.plan.recomputed,
-                                swap=op in self.plan.swapped, later=later)
+                                swap=op in self.plan.swapped, later=later, input_scales=scales)
+
+    def as_replica(self, rank: int, op: PlanOp, scale: Fraction, outs: list[str]
+                   ) -> tuple[Fraction, tuple[Fraction, ...], list[str]]:
+        """A forward piece as one replica runs it (``plan.replicas``): a mean over the batch
+        makes its share of the global mean, a loss tail takes its share of the whole values
+        it adds, and what sums over the batch without a gradient is summed over the
+        replicas as soon as it is made (the piece writes its own part under another name)."""
+        rep = self.replicas
+        if op.op in rep.means:
+            scale *= rep.share
+        shared = rep.shares.get(op.op, frozenset())
+        scales = tuple(rep.share if j in shared else Fraction(1) for j in range(len(op.inputs))) \
+            if shared else ()
+        outs = list(outs)
+        for k, v in enumerate(op.outputs):
+            if v.ptensor in rep.summed:
+                mine = self.name(rank, f"{outs[k]}_mine", v.mask.shape)
+                self.post[op].append(AllReduce((outs[k],), ((mine,),), rep.group(rank),
+                                               (v.mask.shape,), v.ptensor.dtype,
+                                               ((v.ptensor.name, v.mask.index, "replicas"),)))
+                outs[k] = mine
+        return scale, scales, outs
 
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""

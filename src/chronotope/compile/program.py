@@ -52,6 +52,9 @@ class Forward:
     recompute: bool = False  # run without a graph now, again in its backward
     swap: bool = False  # what it saves for its backward waits in CPU memory
     later: tuple[bool, ...] = ()  # inputs whose gradient a WeightGrad computes (split backward)
+    # A scaled plan's share of each input, taken inside autograd: each replica's gradient of
+    # the input is its share of the whole's, and the replicas' gradients add up to it.
+    input_scales: tuple[Fraction, ...] = ()
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""

@@ -156,7 +156,9 @@ class _Engine:
 
     def call(self, r: int, ins: Instruction) -> tuple:
         """Rank ``r`` calls collective ``ins``: its place among its group's calls."""
-        group = tuple(sorted(ins.ranks))
+        # Ranks past those played are replicas of rank ``g % len(ranks)`` (a scaled plan's
+        # unit): they run the same code, so they meet it there.
+        group = tuple(sorted({g % len(self.ranks) for g in ins.ranks}))
         n = self.calls[(r, group)]
         self.calls[(r, group)] += 1
         self.met[(group, n)][r] = (type(ins), collective_key(ins), self.clock[r], self.since[r],

@@ -31,7 +31,7 @@ _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 _NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 _IDENTITY_METHODS = frozenset({"cpu", "cuda", "requires_grad_", "retain_grad"})
-_RANDOM = re.compile(r"rand|dropout|bernoulli|normal|uniform|multinomial")
+_RANDOM = re.compile(r"rand|dropout|bernoulli|normal(?!ize)|uniform|multinomial")
 
 
 class OpFailed(CaptureError):

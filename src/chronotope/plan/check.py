@@ -19,6 +19,7 @@ from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
+from chronotope.plan.replicas import Replicas, replicas
 from chronotope.plan.storage import Storage, storage
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -76,6 +77,7 @@ class CheckedPlan:
     memory: dict[int, Memory]
     edges: list[Edge] = field(repr=False)
     storage: Storage = field(repr=False)
+    replicas: Replicas | None = None  # what ``plan.scale``'s replicas change, when scaled
 
     def sequence(self, rank: int) -> list[PlanOp]:
         """The ops global ``rank`` runs, in order (ranks past the scale unit repeat it)."""
@@ -108,6 +110,8 @@ def check(plan: Plan) -> CheckedPlan:
     unassigned = [op for op in forward if op.device is None]
     if unassigned:
         raise UnassignedOpError(_unassigned_message(unassigned))
+    scaled = replicas(plan.graph, plan.registry, plan.requires_grad, plan.replicas,
+                      plan.ndevices) if plan.replicas > 1 else None
     backward = [b for f in forward if (b := plan.backward_op(f)) is not None]
     weight = [w for f in forward if (w := plan.weight_op(f)) is not None]
     ops: list[PlanOp] = forward + backward + weight
@@ -124,7 +128,7 @@ def check(plan: Plan) -> CheckedPlan:
             sequences[node.device].append(node)
     stored = storage(plan, sequences)
     memory = {d: estimate_memory(plan, seq, stored, d) for d, seq in sequences.items()}
-    return CheckedPlan(plan, sequences, memory, edges, stored)
+    return CheckedPlan(plan, sequences, memory, edges, stored, scaled)
 
 
 class Sources:

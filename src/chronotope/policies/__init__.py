@@ -1,6 +1,6 @@
 """Ready-made plans, each written only with the plan primitives."""
 
-from chronotope.policies.axes import batch_dims, sequence_dims
+from chronotope.graph.axes import batch_dims, sequence_dims
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
 from chronotope.policies.pipeline import (

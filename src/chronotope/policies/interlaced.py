@@ -19,11 +19,11 @@ import math
 from collections import defaultdict
 
 from chronotope.errors import DeadlockError, PlanError
+from chronotope.graph.axes import batch_dims, loss_tails
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan import Plan, Split
 from chronotope.plan.plan import PlanOp
-from chronotope.policies.axes import batch_dims
-from chronotope.policies.mesh import batch_cut, data_only, loss_tails
+from chronotope.policies.mesh import batch_cut, data_only
 from chronotope.policies.mesh import stages as cut_stages
 from chronotope.policies.pipeline import one_f_one_b
 from chronotope.policies.timeline import timeline

@@ -26,19 +26,19 @@ from dataclasses import dataclass
 
 from chronotope.cost import op_flops
 from chronotope.errors import PlanError
-from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
-from chronotope.graph.mask import Mask, equal_runs
-from chronotope.graph.registry import OpRegistry
-from chronotope.plan import Plan, Replicate, Split, ValueSplit
-from chronotope.plan.plan import PlanOp
-from chronotope.policies.axes import (
+from chronotope.graph.axes import (
     batch_dims,
     batch_start,
     carried_dim,
     carry,
+    loss_tails,
     sequence_dims,
     trail,
 )
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
+from chronotope.graph.mask import Mask, equal_runs
+from chronotope.plan import Plan, Replicate, Split, ValueSplit
+from chronotope.plan.plan import PlanOp
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -334,22 +334,6 @@ def checkpointed(graph: Graph, how: str | None, what: str, batch_dim: dict[Op, s
     fewest = min(cuts[1:-1], default=0)
     return [op for i, op in enumerate(graph.ops)
             if batch_dim[op] is not None and op not in keep and cuts[i + 1] != fewest]
-
-
-def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry) -> set[Op]:
-    """Ops without a batch dim that are linear in a batch reduction's partial sums (a mean
-    loss's sum divided by its count): cut along those values, one piece per micro-batch."""
-    made_by = {t: op for op in graph.ops for t in op.outputs}
-    tails = set()
-    for op in graph.ops:
-        opdef = registry.of(op.target)
-        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
-        if batch_dim[op] is not None or not linear:
-            continue
-        producers = [made_by.get(op.inputs[j]) for j in linear]
-        if any(p is not None and (batch_dim[p] is not None or p in tails) for p in producers):
-            tails.add(op)
-    return tails
 
 
 def data_only(graph: Graph) -> set[Op]:

@@ -269,11 +269,13 @@ class Writes:
 
 
 def plan_writes(stored: Sequence[Mapping[str, Sequence[Mask]]],
-                owned: Sequence[Mapping[str, Sequence[Any]]]) -> list[Writes]:
-    """Each rank's ``Writes`` from a program's stored and owned regions."""
+                owned: Sequence[Mapping[str, Sequence[Any]]], replicas: int = 1) -> list[Writes]:
+    """Each rank's ``Writes`` from a program's stored and owned regions (the first replica
+    of a scaled plan writes; the others hold the same regions)."""
     params = writers([{n: [m.index for m in ms] for n, ms in s.items()} for s in stored])
     optim = writers([{n: [o.region.index for o in os_] for n, os_ in o.items()} for o in owned])
-    return [Writes(p, o, rank == 0) for rank, (p, o) in enumerate(zip(params, optim))]
+    first = [Writes(p, o, rank == 0) for rank, (p, o) in enumerate(zip(params, optim))]
+    return first + [Writes({}, {}, False) for _ in range(len(first) * (replicas - 1))]
 
 
 def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,

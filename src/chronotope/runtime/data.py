@@ -47,12 +47,15 @@ class BatchLayout:
     dtypes: tuple[torch.dtype, ...]
 
     @classmethod
-    def of(cls, workload: Workload, graph: Graph) -> BatchLayout:
+    def of(cls, workload: Workload, graph: Graph, replicas: int = 1) -> BatchLayout:
+        """``replicas``: a scaled plan's graph holds one replica's rows of the batch."""
         batch = Batch.of(workload.inputs, workload.kwargs, workload.targets)
         meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                     (batch.args, batch.kwargs, batch.targets))
-        return cls(Batch(*meta), tuple(t.name for t in graph.inputs),
-                   tuple(t.shape for t in graph.inputs), tuple(t.dtype for t in graph.inputs))
+        shapes = tuple((t.shape[0] * replicas, *t.shape[1:]) if t.shape else t.shape
+                       for t in graph.inputs)
+        return cls(Batch(*meta), tuple(t.name for t in graph.inputs), shapes,
+                   tuple(t.dtype for t in graph.inputs))
 
     def form(self) -> str:
         """How a batch is written, for messages."""

@@ -14,16 +14,18 @@ from torch import nn
 from chronotope.compile.program import Program
 from chronotope.compile.regions import FUNCTION
 from chronotope.errors import ChronotopeError
-from chronotope.graph.capture import Batch
+from chronotope.graph.capture import Batch, capture
+from chronotope.graph.ir import Graph
 from chronotope.graph.mask import Mask
 from chronotope.graph.rng import Stream
 from chronotope.models.workload import Workload
+from chronotope.plan.replicas import same_but_batch
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.precision import Precision, check_precision, step_error
 from chronotope.runtime.targets import Target, portable, resolve
-from chronotope.runtime.transport import OrderedTransport, RankFailed
+from chronotope.runtime.transport import OrderedTransport, RankFailed, Replica
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RankSpec:
     world: int = 1
     # A torch.compile backend: the code's forward regions (``forward_<k>``) run through it.
     compile: str | None = None
+    unit: int | None = None  # a scaled plan's devices per replica (``code`` is replica 0's)
 
 
 def check_compile(backend: str | None) -> None:
@@ -58,39 +61,74 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
                ) -> list[RankSpec]:
     """What each rank runs; with ``compile`` (a ``torch.compile`` backend), each run of
     forward pieces between communications is a function the rank compiles with it."""
-    if program.plan.replicas > 1:
-        raise ChronotopeError(
-            f"this plan is scaled to {program.plan.replicas} replicas (plan.scale): it is "
-            f"checked and compiled at the size of one unit of {program.ndevices} devices, but "
-            "runs only with the data-parallel dimension written into the plan; use "
-            "ct.policies.mesh(graph, dp=..., tp=..., pp=...) to train it")
     check_compile(compile)
     graph = program.plan.graph
+    n, replicas = program.ndevices, program.plan.replicas
     full = {n: p.detach() for n, p in workload.model.named_parameters()}
     state = {n: b.detach() for n, b in workload.model.named_buffers()}
     state.update(graph.constants)
     tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
-    batch = {t.name: v for t, v in zip(graph.inputs, tensors)}
+    batches = replica_batches(graph, tensors, replicas)
+    if replicas > 1:
+        same_but_batch(graph, capture(workload, registry=graph.registry,
+                                      frontend=graph.frontend, name=graph.name), replicas)
     targets = portable({op.name: op.target for op in graph.ops if callable(op.target)})
     owners: dict[tuple[str, tuple], int] = defaultdict(int)
     for owned in program.owned:
         for name, regions in owned.items():
             for o in regions:
-                owners[(name, o.region.index)] += 1
+                owners[(name, o.region.index)] += replicas
+    codes = [program.code(rank, regions=compile is not None) for rank in range(n)]
     return [
         RankSpec(
-            rank, program.code(rank, regions=compile is not None),
+            r * n + rank, codes[rank],
             {(name, region.index): full[name][region.to_slices()].clone()
              for name, regions in program.stored[rank].items() for region in regions},
             [(name, o.region.index) for name, owned in program.owned[rank].items()
              for o in owned],
-            state, batch, targets, program.groups,
+            state, batches[r], targets, world_groups(program.groups, n, replicas),
             {(name, o.region.index): 1 / owners[(name, o.region.index)]
              for name, owned in program.owned[rank].items() for o in owned},
-            program.ndevices, compile,
+            n * replicas, compile, n if replicas > 1 else None,
         )
-        for rank in range(program.ndevices)
+        for r in range(replicas) for rank in range(n)
     ]
+
+
+def replica_batches(graph: Graph, tensors: list[torch.Tensor], replicas: int
+                    ) -> list[dict[str, torch.Tensor]]:
+    """Each replica's rows of the batch (all of it for one), as the graph's inputs by name:
+    a scaled plan's graph is captured on one replica's share of the batch."""
+    if replicas == 1:
+        return [{t.name: v for t, v in zip(graph.inputs, tensors)}]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+    for t, v in zip(graph.inputs, tensors):
+        if v.dim() == 0 or v.shape[0] != replicas * t.shape[0]:
+            raise ChronotopeError(
+                f"input {t.name} has shape {tuple(v.shape)}, but a plan scaled to {replicas} "
+                f"replicas of a graph captured with {t.shape[0] if t.shape else 1} rows needs "
+                f"{replicas} x that many; pass the whole batch, {replicas} replicas' rows")
+        for r, rows in enumerate(v.chunk(replicas)):
+            out[r][t.name] = rows
+    return out
+
+
+def replica_rows(batch: Mapping[str, torch.Tensor], spec: RankSpec) -> dict[str, torch.Tensor]:
+    """The rows of a whole batch that ``spec``'s replica trains on (all of them unscaled)."""
+    if not spec.unit:
+        return dict(batch)
+    replicas = spec.world // spec.unit
+    return {n: t.chunk(replicas)[spec.rank // spec.unit] for n, t in batch.items()}
+
+
+def world_groups(groups: list[tuple[int, ...]], unit: int, replicas: int
+                 ) -> list[tuple[int, ...]]:
+    """The process groups of all replicas: each replica's copy of a unit's group, and the
+    groups of a device's replicas (the same for all), in one order for every rank."""
+    out = [g for g in groups if max(g) >= unit]
+    out += [tuple(x + r * unit for x in g) for r in range(replicas) for g in groups
+            if max(g) < unit]
+    return out
 
 
 class Rank:
@@ -106,7 +144,10 @@ class Rank:
                  precision: Precision | None = None) -> None:
         self.rank = spec.rank
         self.device = torch.device(device)
-        self.transport = transport
+        # A replica of a scaled plan runs replica 0's code: it names ranks as replica 0 does.
+        self.unit_rank = spec.rank % spec.unit if spec.unit else spec.rank
+        self.transport = Replica(transport, spec.rank // spec.unit, spec.unit, spec.world) \
+            if spec.unit else transport
         self.precision = None if precision is None or precision.plain else precision
         self.scaler = self.precision.scaler() if self.precision else None  # fp16 only
         self.code = spec.code
@@ -156,7 +197,7 @@ class Rank:
 
     def forward_backward(self, measure: bool = False) -> list[float]:
         """The generated step on ``self.batch``: its gradients add to the owned regions'."""
-        rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
+        rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
                          self.batch, self.transport, self.targets, self.ticks,
                          Stream(self.seed, self.steps), self.precision,
                          self.scaler.scale if self.scaler else 1.0)
@@ -201,7 +242,7 @@ class Rank:
         if self.optimizer:
             self.optimizer.step()
         if self.refresh_fn:
-            rt = StepContext(self.rank, self.device, self.stored, self.params, self.state,
+            rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
                              self.batch, self.transport, self.targets)
             with torch.no_grad():
                 self.refresh_fn(rt)
@@ -215,7 +256,7 @@ class Rank:
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         found = self.scaler.unscale_(grads, grad_scale, self.device)
         if len(self.world) > 1:
-            found = self.transport.all_reduce(found, self.world, self.rank)
+            found = self.transport.all_reduce(found, self.world, self.unit_rank)
         return self.scaler.update(bool(found.item() > 0))
 
     def clip_gradients(self, max_norm: float) -> float:
@@ -228,8 +269,8 @@ class Rank:
         for key, p in self.params.items():
             if p.grad is not None:
                 local += self.norm_weights[key] * p.grad.double().pow(2).sum()
-        total = self.transport.all_reduce(local, self.world, self.rank) if len(self.world) > 1 \
-            else local
+        total = self.transport.all_reduce(local, self.world, self.unit_rank) \
+            if len(self.world) > 1 else local
         norm = float(total.sqrt())
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:

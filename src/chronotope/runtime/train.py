@@ -44,6 +44,7 @@ from chronotope.runtime.local import (
     gather_params,
     model_buffers,
     rank_specs,
+    replica_rows,
 )
 from chronotope.runtime.metrics import JsonlLog
 from chronotope.runtime.optim import Optim
@@ -92,7 +93,7 @@ class Job:
         graph = program.plan.graph
         names = checkpoint.state_dict_names(workload.model, list(graph.params))
         buffer_names = {n for n, _ in workload.model.named_buffers()}
-        return cls(BatchLayout.of(workload, graph),
+        return cls(BatchLayout.of(workload, graph, program.plan.replicas),
                    {n: tuple(p.shape) for n, p in graph.params.items()}, names,
                    tuple(sorted({c for c in names.values() if c in buffer_names})), graph.name)
 
@@ -164,7 +165,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             index = batches.read
             batch = next(batches)
             _same_everywhere(batch, rank, world, index)
-            rank.batch = {n: t.to(device) for n, t in batch.items()}
+            rank.batch = {n: t.to(device) for n, t in replica_rows(batch, spec).items()}
             step_losses += rank.forward_backward()
             tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
         taken = rank.update(1 / config.accumulate)
@@ -197,7 +198,7 @@ def _same_everywhere(batch: Mapping[str, torch.Tensor], rank: Rank, world: tuple
     if len(world) < 2:
         return
     mine = fingerprint(batch).to(rank.device)
-    every = rank.transport.all_gather(mine, world, rank.rank)
+    every = rank.transport.all_gather(mine, world, rank.unit_rank)
     for other, theirs in zip(world, every):
         if not torch.equal(theirs, every[0]):
             names = list(batch)
@@ -277,7 +278,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     check_save_folder(config)
     specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
-    writes = checkpoint.plan_writes(program.stored, program.owned)
+    writes = checkpoint.plan_writes(program.stored, program.owned, program.plan.replicas)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="chronotope-train-") as tmp:
         progress = os.path.join(tmp, "progress.jsonl")
@@ -327,7 +328,8 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
         spec.code = ""  # the launcher runs the file, so what a reader sees is what runs
     torch.save({"specs": specs, "optim": optim or Optim(), "steps": steps,
                 "job": Job.of(program, workload),
-                "writes": checkpoint.plan_writes(program.stored, program.owned),
+                "writes": checkpoint.plan_writes(program.stored, program.owned,
+                                                 program.plan.replicas),
                 "example": example_batches(workload)},
                os.path.join(directory, "state.pt"))
     launcher = os.path.join(directory, "launch.py")

@@ -239,6 +239,56 @@ class OrderedTransport(ThreadTransport):
             return t
 
 
+class Replica:
+    """One replica of a scaled plan (``plan.scale``) on a transport of all its ranks.
+
+    Every replica runs the code of replica 0, which names ranks as replica 0 sees them:
+    here rank ``g`` is global rank ``(g + replica * unit) % world``. A unit's groups
+    shift with it, and the group of a device's replicas ``(d, d + unit, ...)`` maps
+    onto itself (all-reduces run over it in sorted order, the same on every member)."""
+
+    def __init__(self, inner: Any, replica: int, unit: int, world: int) -> None:
+        self.inner, self.offset, self.world = inner, replica * unit, world
+
+    def _g(self, rank: int) -> int:
+        return (rank + self.offset) % self.world
+
+    def _ranks(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self._g(r) for r in ranks)
+
+    def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
+        self.inner.send(t, self._g(src), self._g(dst), tag)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int, tag: int,
+             device: torch.device, async_op: bool = False) -> Any:
+        return self.inner.recv(shape, dtype, self._g(src), self._g(dst), tag, device, async_op)
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False, inplace: bool = False) -> Any:
+        return self.inner.all_reduce(t, tuple(sorted(self._ranks(ranks))), self._g(rank),
+                                     async_op, inplace)
+
+    def all_gather(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False) -> Any:
+        return self.inner.all_gather(t, self._ranks(ranks), self._g(rank), async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int,
+                       async_op: bool = False) -> Any:
+        return self.inner.reduce_scatter(t, self._ranks(ranks), self._g(rank), dim, async_op)
+
+    def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...], rank: int,
+                   async_op: bool = False) -> Any:
+        return self.inner.all_to_all(blocks, self._ranks(ranks), self._g(rank), async_op)
+
+    def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...], rank: int,
+                  async_op: bool = False) -> Any:
+        return self.inner.broadcast(t, self._g(root), self._ranks(ranks), self._g(rank),
+                                    async_op)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
 class DistTransport:
     """torch.distributed point-to-point (gloo on CPU, NCCL on GPU), with timeouts.
 

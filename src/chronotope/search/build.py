@@ -15,17 +15,16 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from chronotope.graph.axes import batch_start, loss_tails, trail
 from chronotope.graph.ir import Graph, Op
 from chronotope.plan.algo import Algorithm
 from chronotope.plan.plan import Plan, PlanOp
-from chronotope.policies.axes import batch_start, trail
 from chronotope.policies.mesh import (
     _placement,
     _refuse_barriers,
     _schedule,
     batch_cut,
     data_only,
-    loss_tails,
 )
 from chronotope.policies.pipeline import SCHEDULES
 from chronotope.policies.zero import cut_update

@@ -25,11 +25,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from chronotope.cost.network import Cluster
+from chronotope.graph.axes import batch_dims, loss_tails
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.algo import Split
 from chronotope.plan.plan import Plan, differentiable
-from chronotope.policies.axes import batch_dims
-from chronotope.policies.mesh import _crossing, loss_tails
+from chronotope.policies.mesh import _crossing
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
     ConstraintError,

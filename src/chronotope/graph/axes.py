@@ -11,6 +11,7 @@ that reads the axis but cannot split it (no signature, or a frozen dim).
 from __future__ import annotations
 
 from chronotope.graph.ir import Graph, Op, PTensor
+from chronotope.graph.registry import OpRegistry
 
 # Ops that take only the shape, dtype or device of their tensor inputs (``x.new_zeros``).
 _SHAPE_ONLY = frozenset({"fill", "factory"})
@@ -77,3 +78,19 @@ def batch_dims(graph: Graph) -> dict[Op, str | None]:
 def sequence_dims(graph: Graph) -> dict[Op, str | None]:
     """For each op, the dim that carries the sequence (axis 1 of the batch inputs)."""
     return follow(graph, {t: 1 for t in graph.inputs if len(t.shape) >= 2})
+
+
+def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry) -> set[Op]:
+    """Ops without a batch dim that are linear in a batch reduction's partial sums (a mean
+    loss's sum divided by its count): cut along those values, one piece per micro-batch."""
+    made_by = {t: op for op in graph.ops for t in op.outputs}
+    tails = set()
+    for op in graph.ops:
+        opdef = registry.of(op.target)
+        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
+        if batch_dim[op] is not None or not linear:
+            continue
+        producers = [made_by.get(op.inputs[j]) for j in linear]
+        if any(p is not None and (batch_dim[p] is not None or p in tails) for p in producers):
+            tails.add(op)
+    return tails
