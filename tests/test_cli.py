@@ -104,6 +104,14 @@ def test_run_check_matches_one_device(capsys):
     assert report["step_time_s"] > 0
 
 
+def test_run_replicas_scales_a_plan_and_matches_one_device_on_the_whole_batch(capsys):
+    report = run_json(capsys, "run", "gpt", "--policy", "tp", "--devices", "2", "--replicas",
+                      "2", "--steps", "2", "--check")
+    assert report["replicas"] == 2 and report["match"], report
+    assert main(["plan", "gpt", "--devices", "2", "--replicas", "3"]) == 2
+    assert "does not split into 3 replicas" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model, policy, devices", [
     ("gpt", "tp", 4), ("llama", "sp", 2), ("bert", "dp-tp", 4), ("gpt", "dp-sp", 4),

@@ -357,8 +357,16 @@ def _captured(workload: Workload, frontend: str = "auto") -> Graph:
 
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
-    graph = _captured(workload)
-    return workload, compile_plan(_plan(graph, args), args.comm, args.cluster, args.bucket_mb)
+    return workload, _program(workload, args)
+
+
+def _program(workload: Workload, args: argparse.Namespace) -> Program:
+    """The plan of ``args`` compiled; with --replicas R, made on one replica's rows of the
+    batch and scaled to R data-parallel replicas (``plan.scale``)."""
+    replicas = args.replicas
+    graph = _captured(workload.replica(replicas) if replicas > 1 else workload)
+    return compile_plan(_plan(graph, args).scale(replicas), args.comm, args.cluster,
+                        args.bucket_mb)
 
 
 def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
@@ -436,7 +444,7 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, clip=args.clip)
     precision = Precision(args.dtype, args.reduce_dtype)
-    with out.status(f"training {args.model} with {args.policy} on {args.devices} "
+    with out.status(f"training {args.model} with {args.policy} on {program.plan.world_size} "
                     f"{args.backend} processes for {args.steps} steps"):
         result = run_processes(program, workload, args.steps, optim, backend=args.backend,
                                timeout=args.timeout, precision=precision, compile=args.compile)
@@ -453,7 +461,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                   (reference.unreplayed if reference else [])]
     if args.json:
         emit({
-            "policy": args.policy, "devices": args.devices, "losses": result.losses,
+            "policy": args.policy, "devices": args.devices, "replicas": args.replicas,
+            "losses": result.losses,
             "reference_losses": reference.losses if reference else None,
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
@@ -462,7 +471,7 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             "torch_random_ops": unmatched,
         })
         return code
-    table = Table(title=f"{args.model}: {args.policy} on {args.devices} processes")
+    table = Table(title=f"{args.model}: {args.policy} on {program.plan.world_size} processes")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     if reference:
@@ -492,8 +501,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                              seed=args.seed)
     if args.init:
         load_weights(workload.model, args.init)
-    graph = _captured(workload)
-    program = compile_plan(_plan(graph, args), args.comm, args.cluster, args.bucket_mb)
+    program = _program(workload, args)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
                   args.warmup, args.min_lr)
@@ -504,7 +512,8 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                         MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                         TimeRemainingColumn(), console=out, transient=False,
                         disable=args.json)
-    task = progress.add_task(f"{graph.name}: {args.policy} x{args.devices}", total=args.steps,
+    task = progress.add_task(f"{program.plan.graph.name}: {args.policy} "
+                             f"x{program.plan.world_size}", total=args.steps,
                              status="starting workers")
 
     def on_step(record: dict[str, Any]) -> None:
@@ -714,7 +723,7 @@ def cmd_profile(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 
 def cmd_simulate(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload, program = _compiled(args, default_device(args.model))
-    cluster = cluster_for(program.ndevices, args.cluster)
+    cluster = cluster_for(program.plan.world_size, args.cluster)
     measured, calibration = None, None
     if args.measure:  # as --devices workers sharing this machine's cores run it
         with out.status("timing every op, and the runtime on as many processes"):
@@ -826,6 +835,10 @@ def parser() -> argparse.ArgumentParser:
                              help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN "
                                   "for N nodes) or a profile file from `chronotope profile` "
                                   "(default: DGX A100 nodes enough for --devices)")
+            cmd.add_argument("--replicas", type=positive_int, default=1,
+                             help="run the plan as this many data-parallel replicas of "
+                                  "--devices each (plan.scale): made on one replica's rows "
+                                  "of the batch, compiled once (default 1)")
             cmd.add_argument("--bucket-mb", type=positive_float, default=BUCKET_MB,
                              help="gradient reductions start in buckets of this many MiB as "
                                   f"the backward makes them (default {BUCKET_MB:g}, as DDP)")

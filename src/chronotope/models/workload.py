@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+
+from chronotope.errors import ChronotopeError
 
 
 @dataclass
@@ -25,3 +28,21 @@ class Workload:
     targets: tuple[Any, ...] = ()
     loss_fn: Callable[..., torch.Tensor] | None = None
     name: str = "model"
+
+    def replica(self, replicas: int) -> Workload:
+        """One replica's rows of the example batch (the first ``1 / replicas`` of every
+        tensor), to capture the graph a plan scaled to ``replicas`` (``plan.scale``) is
+        made on."""
+        leaves = [t for t in pytree.tree_leaves((self.inputs, self.kwargs, self.targets))
+                  if isinstance(t, torch.Tensor) and t.dim()]
+        rows = leaves[0].shape[0] if leaves else 0
+        if rows % replicas:
+            raise ChronotopeError(f"{self.name}: a batch of {rows} rows does not split into "
+                                  f"{replicas} replicas; choose a batch size they divide")
+        part = rows // replicas
+
+        def cut(t: Any) -> Any:
+            return t[:part] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows \
+                else t
+        inputs, kwargs, targets = pytree.tree_map(cut, (self.inputs, self.kwargs, self.targets))
+        return replace(self, inputs=inputs, kwargs=kwargs, targets=targets)
