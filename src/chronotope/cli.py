@@ -365,8 +365,10 @@ def _program(workload: Workload, args: argparse.Namespace) -> Program:
     batch and scaled to R data-parallel replicas (``plan.scale``)."""
     replicas = args.replicas
     graph = _captured(workload.replica(replicas) if replicas > 1 else workload)
-    return compile_plan(_plan(graph, args).scale(replicas), args.comm, args.cluster,
-                        args.bucket_mb)
+    plan = _plan(graph, args)
+    if replicas > 1:  # else a --plan file's own scale stands
+        plan.scale(replicas)
+    return compile_plan(plan, args.comm, args.cluster, args.bucket_mb)
 
 
 def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:

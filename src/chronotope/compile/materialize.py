@@ -321,8 +321,7 @@ class Materializer:
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
         opdef = self.plan.registry.of(op.op.target)
         scale = Fraction(1)
-        reduction = op.op.kwargs.get("reduction", "mean")
-        if opdef is not None and opdef.mean_reduction and reduction == "mean" and op.outputs:
+        if opdef is not None and opdef.averages(op.op.kwargs) and op.outputs:
             scale = op.outputs[0].mask.value.width
         scales = ()
         if self.replicas is not None:

@@ -14,7 +14,7 @@ from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.graph.registry import OpRegistry
 
 # Ops that take only the shape, dtype or device of their tensor inputs (``x.new_zeros``).
-_SHAPE_ONLY = frozenset({"fill", "factory"})
+SHAPE_ONLY = frozenset({"fill", "factory"})
 
 
 def carried_dim(op: Op, axis: dict[PTensor, int]) -> str | None:
@@ -53,7 +53,7 @@ def trail(graph: Graph, start: dict[PTensor, int]
         dims[op] = carried_dim(op, axis)
         if dims[op] is not None:
             carry(op, dims[op], axis)
-        elif op.kind not in _SHAPE_ONLY and any(t in axis and t.shape[axis[t]] > 1
+        elif op.kind not in SHAPE_ONLY and any(t in axis and t.shape[axis[t]] > 1
                                                 for t in op.inputs):
             lost[op] = "no signature" if op.signature is None else \
                 "its signature cannot split that dim"

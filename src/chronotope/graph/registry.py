@@ -78,6 +78,11 @@ class OpDef:
     region: RegionRule | None = None
     decompose: Decomposition | None = None
 
+    def averages(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a call with these keyword arguments takes a mean over what it reduces
+        (a loss without ``reduction="sum"``): a part of it is scaled by its share."""
+        return self.mean_reduction and kwargs.get("reduction", "mean") == "mean"
+
     def linear_in(self, ninputs: int) -> tuple[int, ...]:
         """The inputs a call with ``ninputs`` tensor inputs is linear in: none when one of
         them is a constant instead (``x + 1`` is affine, not linear, in ``x``)."""

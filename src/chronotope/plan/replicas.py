@@ -30,7 +30,7 @@ from fractions import Fraction
 import torch
 
 from chronotope.errors import PlanError
-from chronotope.graph.axes import batch_start, carried_dim, carry, loss_tails, trail
+from chronotope.graph.axes import SHAPE_ONLY, batch_start, carried_dim, carry, loss_tails, trail
 from chronotope.graph.convert import is_random
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.graph.registry import OpRegistry, iter_leaves
@@ -64,7 +64,6 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
     partial: set[PTensor] = set()
     means, shares, summed = set(), {}, set()
     for op in graph.ops:
-        known = dict(axis)  # the batched inputs, before this op marks its outputs
         dim = carried_dim(op, axis)
         opdef = registry.of(op.target)
         linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
@@ -72,8 +71,7 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
             if t in partial and not (op in tails and j in linear):
                 _refuse(op, f"it needs the whole of {t.name}, a sum over the batch that takes "
                         "a gradient (batch statistics): each replica holds only its part")
-            if t in known and not _carries(op, j, known[t], dim) and op.kind not in (
-                    "fill", "factory"):
+            if t in axis and not _carries(op, j, axis[t], dim) and op.kind not in SHAPE_ONLY:
                 _refuse(op, f"it reads {t.name} along the batch, which no dim of its "
                         "signature carries: it needs every replica's rows")
         if op in tails:
@@ -86,8 +84,7 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
             carry(op, dim, axis)
             if op.signature.dim(dim).reduce:
                 partial.update(op.outputs)
-                if opdef is not None and opdef.mean_reduction and \
-                        op.kwargs.get("reduction", "mean") == "mean":
+                if opdef is not None and opdef.averages(op.kwargs):
                     means.add(op)
             elif any(t not in axis for t in op.outputs):
                 _refuse(op, "it makes a tensor without the batch axis from batched inputs")
@@ -127,8 +124,9 @@ def same_but_batch(unit: Graph, whole: Graph, count: int) -> None:
     for a, b in zip(unit.ops, whole.ops):
         if a.target != b.target:
             refuse(a, f"calls {b.target} instead")
-        if a.kind not in ("reshape", "expand", "fill") and _constants(a) != _constants(b):
-            refuse(a, f"takes other arguments ({_constants(b)} instead of {_constants(a)})")
+        mine, theirs = _constants(a), _constants(b)
+        if a.kind not in ("reshape", "expand", "fill") and mine != theirs:
+            refuse(a, f"takes other arguments ({theirs} instead of {mine})")
         for t, u in zip(a.outputs, b.outputs):
             longer = [i for i, (x, y) in enumerate(zip(t.shape, u.shape)) if x != y]
             if len(t.shape) != len(u.shape) or len(longer) > 1 or any(

@@ -60,10 +60,11 @@ def check_compile(backend: str | None) -> None:
 def rank_specs(program: Program, workload: Workload, compile: str | None = None
                ) -> list[RankSpec]:
     """What each rank runs; with ``compile`` (a ``torch.compile`` backend), each run of
-    forward pieces between communications is a function the rank compiles with it."""
+    forward pieces between communications is a function the rank compiles with it. A
+    scaled plan's replicas each run the unit's code on their rows of ``workload``'s batch."""
     check_compile(compile)
     graph = program.plan.graph
-    n, replicas = program.ndevices, program.plan.replicas
+    unit, replicas = program.ndevices, program.plan.replicas
     full = {n: p.detach() for n, p in workload.model.named_parameters()}
     state = {n: b.detach() for n, b in workload.model.named_buffers()}
     state.update(graph.constants)
@@ -78,20 +79,21 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
         for name, regions in owned.items():
             for o in regions:
                 owners[(name, o.region.index)] += replicas
-    codes = [program.code(rank, regions=compile is not None) for rank in range(n)]
+    codes = [program.code(rank, regions=compile is not None) for rank in range(unit)]
+    groups = world_groups(program.groups, unit, replicas)
     return [
         RankSpec(
-            r * n + rank, codes[rank],
+            r * unit + rank, codes[rank],
             {(name, region.index): full[name][region.to_slices()].clone()
              for name, regions in program.stored[rank].items() for region in regions},
             [(name, o.region.index) for name, owned in program.owned[rank].items()
              for o in owned],
-            state, batches[r], targets, world_groups(program.groups, n, replicas),
+            state, batches[r], targets, groups,
             {(name, o.region.index): 1 / owners[(name, o.region.index)]
              for name, owned in program.owned[rank].items() for o in owned},
-            n * replicas, compile, n if replicas > 1 else None,
+            unit * replicas, compile, unit if replicas > 1 else None,
         )
-        for r in range(replicas) for rank in range(n)
+        for r in range(replicas) for rank in range(unit)
     ]
 
 
@@ -99,26 +101,22 @@ def replica_batches(graph: Graph, tensors: list[torch.Tensor], replicas: int
                     ) -> list[dict[str, torch.Tensor]]:
     """Each replica's rows of the batch (all of it for one), as the graph's inputs by name:
     a scaled plan's graph is captured on one replica's share of the batch."""
+    batch = {t.name: v for t, v in zip(graph.inputs, tensors)}
     if replicas == 1:
-        return [{t.name: v for t, v in zip(graph.inputs, tensors)}]
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+        return [batch]
     for t, v in zip(graph.inputs, tensors):
         if v.dim() == 0 or v.shape[0] != replicas * t.shape[0]:
             raise ChronotopeError(
                 f"input {t.name} has shape {tuple(v.shape)}, but a plan scaled to {replicas} "
                 f"replicas of a graph captured with {t.shape[0] if t.shape else 1} rows needs "
                 f"{replicas} x that many; pass the whole batch, {replicas} replicas' rows")
-        for r, rows in enumerate(v.chunk(replicas)):
-            out[r][t.name] = rows
-    return out
+    return [replica_rows(batch, replicas, r) for r in range(replicas)]
 
 
-def replica_rows(batch: Mapping[str, torch.Tensor], spec: RankSpec) -> dict[str, torch.Tensor]:
-    """The rows of a whole batch that ``spec``'s replica trains on (all of them unscaled)."""
-    if not spec.unit:
-        return dict(batch)
-    replicas = spec.world // spec.unit
-    return {n: t.chunk(replicas)[spec.rank // spec.unit] for n, t in batch.items()}
+def replica_rows(batch: Mapping[str, torch.Tensor], replicas: int, replica: int
+                 ) -> dict[str, torch.Tensor]:
+    """The rows of a whole batch that replica ``replica`` of ``replicas`` trains on."""
+    return {n: t.chunk(replicas)[replica] for n, t in batch.items()}
 
 
 def world_groups(groups: list[tuple[int, ...]], unit: int, replicas: int

@@ -165,7 +165,9 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             index = batches.read
             batch = next(batches)
             _same_everywhere(batch, rank, world, index)
-            rank.batch = {n: t.to(device) for n, t in replica_rows(batch, spec).items()}
+            rows = replica_rows(batch, spec.world // spec.unit, spec.rank // spec.unit) \
+                if spec.unit else batch  # a scaled plan's replica trains on its rows
+            rank.batch = {n: t.to(device) for n, t in rows.items()}
             step_losses += rank.forward_backward()
             tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
         taken = rank.update(1 / config.accumulate)
