@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +111,18 @@ def test_run_replicas_scales_a_plan_and_matches_one_device_on_the_whole_batch(ca
     assert report["replicas"] == 2 and report["match"], report
     assert main(["plan", "gpt", "--devices", "2", "--replicas", "3"]) == 2
     assert "does not split into 3 replicas" in capsys.readouterr().err
+
+
+def test_run_takes_a_module_schedule_file_and_reports_what_it_cannot_apply(capsys, tmp_path):
+    gallery = Path(__file__).parents[1] / "docs" / "schedules"
+    report = run_json(capsys, "run", "gpt", "--schedule", f"{gallery}/gpt_megatron.py:megatron",
+                      "--devices", "2", "--steps", "1", "--check")
+    assert report["policy"] == "schedule gpt_megatron.py:megatron" and report["match"], report
+    bad = tmp_path / "bad.py"
+    bad.write_text("def half(sch):\n    sch['h.0.mlp.c_proj'].shard('weight', axis=1)\n")
+    assert main(["plan", "gpt", "--schedule", f"{bad}:half", "--devices", "2"]) == 2
+    assert "add sch['h.0.mlp.c_proj'].sync(mode='fwd_post', op='all_reduce')" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from chronotope.errors import (
     DeadlockError,
     ModelLoadError,
     PlanError,
+    ScheduleError,
     SignatureError,
     UnassignedOpError,
     UnknownModelError,
@@ -30,14 +31,17 @@ from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.train import train
+from chronotope.schedule import Schedule, schedule, schedule_primitive
 from chronotope.search import SearchResult, search
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",
-    "PTensor", "Plan", "PlanError", "Replicate", "Signature", "SignatureError", "Split",
+    "PTensor", "Plan", "PlanError", "Replicate", "Schedule", "ScheduleError", "Signature",
+    "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
-    "load_weights", "policies", "run", "search", "SearchResult", "train",
+    "load_weights", "policies", "run", "schedule", "schedule_primitive", "search",
+    "SearchResult", "train",
 ]

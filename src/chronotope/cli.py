@@ -41,7 +41,7 @@ from chronotope.graph import Graph, capture
 from chronotope.graph.convert import torch_random
 from chronotope.measure import calibrate, measure_ops
 from chronotope.measure.profile import profile, save_profile
-from chronotope.models import Workload, default_device, load_workload
+from chronotope.models import Workload, default_device, load_function, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
 from chronotope.plan.files import load_plan
@@ -64,6 +64,7 @@ from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, train
+from chronotope.schedule import schedule
 from chronotope.search import METHODS
 from chronotope.search import search as find_plan
 from chronotope.viz import plot_losses, save_timeline
@@ -114,6 +115,20 @@ def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file {text!r}")
     return text
+
+
+def schedule_spec(text: str) -> str:
+    """--schedule: a pipeline order FILE.csv, or a module schedule FILE.py:fn."""
+    if _module_schedule(text):
+        existing_file(text.rpartition(":")[0])
+        if not text.rpartition(":")[2].isidentifier():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected FILE.py:function")
+        return text
+    return existing_file(text)
+
+
+def _module_schedule(spec: str | None) -> bool:
+    return bool(spec) and spec.rpartition(":")[0].endswith(".py")
 
 
 def new_file(text: str) -> str:
@@ -331,12 +346,15 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
 }
 
 
-def _plan(graph: Graph, args: argparse.Namespace) -> Plan:
-    """The plan of --plan FILE, or of --policy; its errors say which options asked for it."""
+def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
+    """The plan of --plan FILE, of a module schedule (--schedule FILE.py:fn), or of
+    --policy; its errors say which options asked for it."""
     if args.plan:
         plan = load_plan(graph, args.plan)
         args.policy, args.devices = Path(args.plan).name, plan.ndevices  # for the reports
         return plan
+    if _module_schedule(args.schedule):
+        return _scheduled(graph, args, workload)
     if args.schedule and args.policy != "csv":
         raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
                         f"not by --policy {args.policy}")
@@ -344,6 +362,21 @@ def _plan(graph: Graph, args: argparse.Namespace) -> Plan:
         return POLICIES[args.policy](graph, args)
     except PlanError as e:
         raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
+
+
+def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
+    """``fn(sch)`` of --schedule FILE.py:fn on the model's root schedule, lowered."""
+    apply = load_function(args.schedule)
+    sch = schedule(workload, devices=args.devices, graph=graph)
+    try:
+        apply(sch)
+    except ChronotopeError:
+        raise
+    except Exception as e:
+        raise ChronotopeError(f"--schedule {args.schedule} raised {type(e).__name__}: "
+                              f"{e}") from e
+    args.policy = f"schedule {Path(args.schedule).name}"  # for the reports
+    return sch.plan()
 
 
 def _captured(workload: Workload, frontend: str = "auto") -> Graph:
@@ -364,8 +397,9 @@ def _program(workload: Workload, args: argparse.Namespace) -> Program:
     """The plan of ``args`` compiled; with --replicas R, made on one replica's rows of the
     batch and scaled to R data-parallel replicas (``plan.scale``)."""
     replicas = args.replicas
-    graph = _captured(workload.replica(replicas) if replicas > 1 else workload)
-    plan = _plan(graph, args)
+    captured = workload.replica(replicas) if replicas > 1 else workload
+    graph = _captured(captured)
+    plan = _plan(graph, args, captured)
     if replicas > 1:  # else a --plan file's own scale stands
         plan.scale(replicas)
     return compile_plan(plan, args.comm, args.cluster, args.bucket_mb)
@@ -638,7 +672,7 @@ def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                              batch_size=args.batch_size)
     graph = _captured(workload)
     measured = measure_ops(graph, workload) if args.measure else None
-    drawn = timeline(_plan(graph, args), args.flops, measured=measured,
+    drawn = timeline(_plan(graph, args, workload), args.flops, measured=measured,
                      bytes_per_s=args.bandwidth or None)
     save_timeline(drawn, args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
@@ -825,9 +859,12 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--plan", metavar="PLAN.json", type=existing_file,
                          help="a plan file (plan --save-plan, plan.save in Python) instead of "
                               "--policy; it says how many devices")
-        cmd.add_argument("--schedule", metavar="FILE.csv", type=existing_file,
-                         help="pipeline order for --policy csv, in torch pipelining's CSV "
-                              "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
+        cmd.add_argument("--schedule", metavar="FILE.csv|FILE.py:fn", type=schedule_spec,
+                         help="FILE.py:fn: a module schedule instead of --policy, fn(sch) "
+                              "applying shard, sync, checkpoint, cut_pipeline_stage... to the "
+                              "model's modules (ct.schedule); FILE.csv: the pipeline order "
+                              "for --policy csv, in torch pipelining's CSV format (a row of "
+                              "actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
         if name != "timeline":
             cmd.add_argument("--comm", choices=COMMS, default="rvd",
                              help="rvd: layout changes no single collective does take the "

@@ -30,6 +30,10 @@ class PlanError(ChronotopeError):
     """A plan that cannot work as written: a bad split, a device out of range, a bad order."""
 
 
+class ScheduleError(PlanError):
+    """A module schedule step that cannot apply; the message names the module and the fix."""
+
+
 class UnassignedOpError(PlanError):
     """Some ops of the plan were never placed on a device."""
 

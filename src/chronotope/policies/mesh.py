@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chronotope.cost import op_flops
 from chronotope.errors import PlanError
@@ -61,6 +61,18 @@ class Shard:
     chunks: int = 1
 
 
+@dataclass
+class Layout:
+    """Per-op choices a caller makes in place of ``mesh``'s own (the module schedule
+    language does): how tensor parallelism cuts each op, the sequence dim it splits where
+    it is not cut, its pipeline stage, and which of its group's devices run it."""
+
+    shards: dict[Op, Shard | None] = field(default_factory=dict)
+    seq: dict[Op, str | None] = field(default_factory=dict)
+    stage: dict[Op, int] | None = None  # None: ``stages`` cuts the model
+    devices: dict[Op, tuple[int, ...]] = field(default_factory=dict)  # in the group; no pp
+
+
 def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
     """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it."""
     readers: dict[PTensor, list[Op]] = defaultdict(list)
@@ -68,6 +80,7 @@ def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
         for t in op.inputs:
             readers[t].append(op)
     axis: dict[PTensor, int] = {}
+    fused: dict[PTensor, int] = {}
     out: dict[Op, Shard | None] = {}
     for op in graph.ops:
         out[op] = None
@@ -75,28 +88,55 @@ def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
             continue
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
         dim = carried_dim(op, axis)
-        shard = None
         if dim is not None:
-            shard = Shard(dim) if sizes[dim] % parts == 0 else None
-        elif _is_column(op):
-            dim = op.signature.inputs[1][0].factors[0].name
-            chunks = _chunks(op.outputs[0], readers[op.outputs[0]])
-            shard = Shard(dim, chunks) if sizes[dim] % (chunks * parts) == 0 else None
+            chunks = still_fused(op, fused)
+        elif (dim := column_dim(op)) is not None:
+            chunks = fused_parts(op.outputs[0], readers)
+        shard = Shard(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
+            else None
         if shard is not None:
             carry(op, shard.dim, axis)
+            fused.update({t: shard.chunks for t in op.outputs if shard.chunks > 1})
         out[op] = shard
     return out
 
 
-def _is_column(op: Op) -> bool:
-    """A linear with a weight parameter, whose input carries no split: cut its features."""
-    return (op.kind == "linear" and len(op.inputs) >= 2
-            and op.inputs[1].kind is TensorKind.PARAM and len(op.inputs[1].shape) == 2)
+def column_dim(op: Op) -> str | None:
+    """The output features of a projection by a weight matrix (a linear, or a Conv1D's
+    ``addmm``): the dim of its 2-D parameter that is no sum and reaches the output, where
+    the other one is summed over. A column-parallel cut splits it."""
+    sig = op.signature
+    if sig is None or not op.outputs:
+        return None
+    made = {a.factors[0].name for a in sig.outputs[0]}
+    for t, tdims in zip(op.inputs, sig.inputs):
+        if t.kind is not TensorKind.PARAM or len(tdims) != 2:
+            continue
+        leads = [a.factors[0] for a in tdims]
+        out = [d for d in leads if not d.reduce and d.name in made and d.splittable]
+        if len(out) == 1 and any(d.reduce for d in leads):
+            return out[0].name
+    return None
 
 
-def _chunks(t: PTensor, readers: list[Op]) -> int:
-    """How many equal runs of ``t``'s last axis its slicing readers take (q, k, v: 3)."""
-    runs = sorted({op.region[-1] for op in readers
+def still_fused(op: Op, fused: dict[PTensor, int]) -> int:
+    """The fused parts ``op`` keeps of its input's (see ``fused_parts``): a reshape that
+    keeps the last axis keeps them; a reader that slices one part out does not."""
+    t = op.inputs[0] if op.inputs else None
+    if op.kind == "reshape" and t in fused and op.outputs[0].shape[-1:] == t.shape[-1:]:
+        return fused[t]
+    return 1
+
+
+def fused_parts(t: PTensor, readers: dict[PTensor, list[Op]]) -> int:
+    """How many equal runs of ``t``'s last axis its slicing readers take (q, k, v: 3),
+    through reshapes that keep the last axis (a Conv1D's 2-D output made 3-D again)."""
+    while len(readers.get(t, ())) == 1:
+        only = readers[t][0]
+        if only.kind != "reshape" or only.outputs[0].shape[-1:] != t.shape[-1:]:
+            break
+        t = only.outputs[0]
+    runs = sorted({op.region[-1] for op in readers.get(t, ())
                    if op.region is not None and op.inputs[0] is t})
     if len(runs) < 2 or equal_runs(Mask(((0, t.shape[-1]),)), [Mask((r,)) for r in runs]) is None:
         return 1
@@ -183,7 +223,8 @@ def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[in
 
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
-         recompute: str | None = None, swap: str | None = None, coshard: int = 1) -> Plan:
+         recompute: str | None = None, swap: str | None = None, coshard: int = 1,
+         layout: Layout | None = None) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -202,6 +243,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     ``C * tp`` pieces, C on each device, run one after another and made again in
     their backward, so a device holds one piece's activations at a time (attention
     heads, MLP columns); with ``tp`` = 1 that is on one device.
+
+    ``layout`` replaces the tensor-parallel cuts, sequence dims and stages the policy
+    would choose, and may run an op on some of its group's devices (without stages).
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro, coshard >= 1, got dp={dp}, tp={tp}, "
@@ -217,7 +261,14 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
-    if schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
+    if layout is None:
+        layout = Layout(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
+                        sequence_dims(graph) if sequence and tp > 1 else {})
+    if layout.devices and pp > 1:
+        raise PlanError(f"ops placed on chosen devices need one pipeline stage, not pp={pp}")
+    if layout.stage is not None:
+        stage = layout.stage
+    elif schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
         stage, chunks = recycled_stages(graph, pp)
     else:
         stage = stages(graph, pp * chunks)
@@ -230,14 +281,13 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     batch_dim, unsplit = trail(graph, batch_start(graph))
     if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
         plan.unsplit = unsplit
-    shards = tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {}
+    shards, seq = layout.shards, layout.seq
     spans = _spans(graph, shards) if coshard > 1 else {}
     if coshard > 1 and not spans:
         raise PlanError(f"nothing in {graph.name} splits {tp * coshard} ways (tp {tp} x "
                         f"coshard {coshard}): heads and features must divide by it")
     sharded: dict[tuple[int, int, int], list[list[PlanOp]]] = defaultdict(
         lambda: [[] for _ in range(coshard)])  # (span, group, micro) -> pieces per part
-    seq = sequence_dims(graph) if sequence and tp > 1 else {}
     tails = loss_tails(graph, batch_dim, plan.registry)
     data = data_only(graph)
     if orders:
@@ -251,7 +301,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         for g, piece in enumerate(groups):
             i, v = g // ways, g % ways * pp * chunks + stage[op]  # group, (virtual) stage
             first = (i * pp + rank_of[v]) * tp
-            devices = range(first, first + tp)
+            placed = layout.devices.get(op)
+            devices = [first + d for d in placed] if placed else range(first, first + tp)
             micros = [piece]
             batched = op not in data and (batch_dim[op] is not None or op in tails)
             if micro > ways and batched:
