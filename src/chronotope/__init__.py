@@ -31,7 +31,7 @@ from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.train import train
-from chronotope.schedule import Schedule, schedule, schedule_primitive
+from chronotope.schedule import Schedule, schedule, schedule_primitive, tune
 from chronotope.search import SearchResult, search
 
 __version__ = "0.1.0"
@@ -43,5 +43,5 @@ __all__ = [
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
     "load_weights", "policies", "run", "schedule", "schedule_primitive", "search",
-    "SearchResult", "train",
+    "SearchResult", "train", "tune",
 ]

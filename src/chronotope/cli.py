@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import math
@@ -64,7 +65,7 @@ from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, train
-from chronotope.schedule import schedule
+from chronotope.schedule import apply, schedule, tune
 from chronotope.search import METHODS
 from chronotope.search import search as find_plan
 from chronotope.viz import plot_losses, save_timeline
@@ -125,6 +126,17 @@ def schedule_spec(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: expected FILE.py:function")
         return text
     return existing_file(text)
+
+
+def knob_value(text: str) -> tuple[str, Any]:
+    """--knob NAME=VALUE: the value as a Python literal (2, 0.5, True, 'x'), or the text."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
 
 
 def _module_schedule(spec: str | None) -> bool:
@@ -355,6 +367,8 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
         return plan
     if _module_schedule(args.schedule):
         return _scheduled(graph, args, workload)
+    if args.knob:
+        raise PlanError("--knob sets a knob of a module schedule: give --schedule FILE.py:fn")
     if args.schedule and args.policy != "csv":
         raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
                         f"not by --policy {args.policy}")
@@ -366,10 +380,10 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
 
 def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
     """``fn(sch)`` of --schedule FILE.py:fn on the model's root schedule, lowered."""
-    apply = load_function(args.schedule)
-    sch = schedule(workload, devices=args.devices, graph=graph)
+    fn = load_function(args.schedule)
+    sch = schedule(workload, devices=args.devices, graph=graph, knobs=dict(args.knob or []))
     try:
-        apply(sch)
+        apply(fn, sch)
     except ChronotopeError:
         raise
     except Exception as e:
@@ -667,6 +681,51 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    workload = load_workload(args.model, device=default_device(args.model),
+                             batch_size=args.batch_size)
+    if not _module_schedule(args.schedule):
+        raise ChronotopeError(f"--schedule {args.schedule}: tune takes a module schedule, "
+                              "FILE.py:fn")
+    graph = _captured(workload)
+    fn = load_function(args.schedule)
+    started = time.perf_counter()
+    with out.status(f"pricing the knobs of {args.schedule} on {args.devices} devices") as status:
+        tuning = tune(fn, workload, args.devices, args.cluster,
+                      args.memory * 2 ** 30 if args.memory else None, method=args.method,
+                      seed=args.seed, measure=args.measure, graph=graph,
+                      progress=lambda p: status.update(f"priced {p.knobs}"))
+    seconds = time.perf_counter() - started
+    best = tuning.best
+    rerun = " ".join(f"--knob {name}={value!r}" for name, value in best.knobs.items())
+    if args.json:
+        emit({"schedule": args.schedule, "method": tuning.method, "space": tuning.space,
+              "priced": len(tuning.points), "seconds": seconds, "cluster": tuning.cluster,
+              "best": asdict(best),
+              "points": [asdict(p) for p in tuning.ranked()]})
+        return 0
+    table = Table(title=f"{args.model}: {args.schedule} on {args.devices} devices of "
+                        f"{tuning.cluster}, fastest first")
+    names = list(best.knobs)
+    for col in (*names, "step ms", "peak memory", *(["measured ms"] if args.measure else [])):
+        table.add_column(col, justify="right")
+    for p in tuning.ranked()[:args.top]:
+        cells = [str(p.knobs.get(n, "")) for n in names]
+        if p.fits:
+            cells += [f"{p.step_time * 1e3:.3f}", format_bytes(p.memory)]
+        else:
+            cells += [escape(p.refused[:60]), ""]
+        if args.measure:
+            cells.append(f"{p.measured * 1e3:.1f}" if p.measured is not None else "")
+        table.add_row(*cells)
+    out.print(table)
+    out.print(f"priced {len(tuning.points)} of {tuning.space} points by {tuning.method} in "
+              f"{seconds:.1f} s; the best predicted: {best.step_time * 1e3:.3f} ms")
+    out.print(f"run it with: chronotope run {args.model} --schedule {args.schedule} "
+              f"--devices {args.devices} {rerun}", markup=False, highlight=False)
+    return 0
+
+
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
@@ -797,7 +856,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
     "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate, "train": cmd_train,
-    "export": cmd_export, "plot": cmd_plot, "search": cmd_search,
+    "export": cmd_export, "plot": cmd_plot, "search": cmd_search, "tune": cmd_tune,
 }
 
 
@@ -865,6 +924,9 @@ def parser() -> argparse.ArgumentParser:
                               "model's modules (ct.schedule); FILE.csv: the pipeline order "
                               "for --policy csv, in torch pipelining's CSV format (a row of "
                               "actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
+        cmd.add_argument("--knob", type=knob_value, action="append", metavar="NAME=VALUE",
+                         help="the value a module schedule's sch.knob(NAME, ...) takes "
+                              "(chronotope tune finds them); repeatable")
         if name != "timeline":
             cmd.add_argument("--comm", choices=COMMS, default="rvd",
                              help="rvd: layout changes no single collective does take the "
@@ -986,6 +1048,29 @@ def parser() -> argparse.ArgumentParser:
                      help="compare plans by the search's own cost model instead of compiling "
                           "and simulating them (for plans too large to compile quickly)")
     _common_args(sea, model=True)
+
+    tun = sub.add_parser("tune", help="choose a module schedule's knobs (sch.knob) by the "
+                                      "simulator's step time, within the memory limit")
+    tun.add_argument("model", nargs="?", default="gpt",
+                     help="a built-in name or path/to/file.py:factory (default: gpt)")
+    tun.add_argument("--schedule", required=True, type=schedule_spec, metavar="FILE.py:fn",
+                     help="the schedule function; its sch.knob(name, choices) calls make "
+                          "the space")
+    tun.add_argument("--devices", type=positive_int, default=4)
+    tun.add_argument("--cluster", type=cluster_spec, default=None,
+                     help="cost model: a preset or a profile file (default: DGX A100 nodes "
+                          "enough for --devices)")
+    tun.add_argument("--memory", type=positive_float, default=None, metavar="GiB",
+                     help="per-device memory limit; points that need more are pruned")
+    tun.add_argument("--method", choices=("auto", "exhaustive", "descent"), default="auto",
+                     help="exhaustive: price every point; descent: randomised coordinate "
+                          "descent; auto: exhaustive up to 32 points (default)")
+    tun.add_argument("--measure", type=int, default=0, metavar="K",
+                     help="also train the K best points on local gloo processes and report "
+                          "their measured step time")
+    tun.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
+    tun.add_argument("--seed", type=int, default=0, help="coordinate descent's starts")
+    _common_args(tun, model=True)
 
     exp = sub.add_parser("export", help="one state dict out of a checkpoint, for "
                                         "model.load_state_dict")

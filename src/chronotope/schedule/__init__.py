@@ -5,9 +5,11 @@ from chronotope.schedule.schedule import (
     Schedule,
     Subgraph,
     Verification,
+    apply,
     schedule,
     schedule_primitive,
 )
+from chronotope.schedule.tune import Point, Tuning, tune
 
-__all__ = ["PRIMITIVES", "Schedule", "Subgraph", "Verification", "schedule",
-           "schedule_primitive"]
+__all__ = ["PRIMITIVES", "Point", "Schedule", "Subgraph", "Tuning", "Verification", "apply",
+           "schedule", "schedule_primitive", "tune"]

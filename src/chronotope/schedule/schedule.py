@@ -70,10 +70,13 @@ class Subgraph:
 class _State:
     """What every sub-schedule of one schedule shares."""
 
-    def __init__(self, workload: Workload, graph: Graph, devices: int) -> None:
+    def __init__(self, workload: Workload, graph: Graph, devices: int,
+                 knobs: dict[str, Any]) -> None:
         self.workload, self.graph = workload, graph
         self.steps = Steps(devices)
         self.log: list[str] = []
+        self.knobs = knobs  # the values chosen for this run (the tuner's point)
+        self.knob_calls: list[tuple[str, list[Any], Any]] = []  # (name, choices, value)
         self.modules = dict(workload.model.named_modules())
         # every name a parameter has in the model (tied weights have several) -> the graph's
         seen: dict[int, str] = {}
@@ -336,6 +339,29 @@ class Schedule:
                                 f"split into {parts} parts (data-parallel groups x "
                                 "micro-batches)")
 
+    # ---- tuning -------------------------------------------------------------------------
+
+    def knob(self, name: str, choices: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]]
+             ) -> Any:
+        """A tunable value of the schedule: one of ``choices`` (or of what ``choices(values)``
+        returns, for a range that depends on the knobs before it). ``ct.tune`` runs the
+        schedule once per point; otherwise it is the value ``ct.schedule(knobs=...)`` (or
+        ``--knob name=value``) gave, or the first choice."""
+        state = self._state
+        if any(n == name for n, _, _ in state.knob_calls):
+            raise ScheduleError(f"sch.knob({name!r}): declared twice in one schedule")
+        so_far = {n: v for n, _, v in state.knob_calls}
+        options = list(choices(so_far) if callable(choices) else choices)
+        if not options:
+            raise ScheduleError(f"sch.knob({name!r}): no choices"
+                                + (f" for {so_far}" if so_far else ""))
+        value = state.knobs.get(name, options[0])
+        if value not in options:
+            raise ScheduleError(f"sch.knob({name!r}) = {value!r}: choose one of "
+                                f"{', '.join(map(repr, options))}")
+        state.knob_calls.append((name, options, value))
+        return value
+
     # ---- the result ---------------------------------------------------------------------
 
     def plan(self) -> Plan:
@@ -392,9 +418,10 @@ def _arg(value: Any) -> str:
 
 def schedule(model: nn.Module | Workload, example_inputs: Any = (), loss_fn: Any = None, *,
              devices: int, kwargs: dict[str, Any] | None = None, targets: tuple[Any, ...] = (),
-             graph: Graph | None = None) -> Schedule:
+             graph: Graph | None = None, knobs: dict[str, Any] | None = None) -> Schedule:
     """The root schedule of ``model`` on ``devices`` devices, captured on the example batch
-    (as ``ct.capture`` takes it, or a ``Workload``); ``graph``: one captured already."""
+    (as ``ct.capture`` takes it, or a ``Workload``); ``graph``: one captured already;
+    ``knobs``: the values its ``knob`` calls return (a point ``ct.tune`` found)."""
     if devices < 1:
         raise ScheduleError(f"a schedule needs at least one device, got devices={devices}")
     if isinstance(model, Workload):
@@ -406,7 +433,19 @@ def schedule(model: nn.Module | Workload, example_inputs: Any = (), loss_fn: Any
             else (example_inputs,)
         workload = Workload(model, inputs, dict(kwargs or {}), tuple(targets), loss_fn,
                             type(model).__name__)
-    return Schedule(_State(workload, graph or capture(workload), devices))
+    return Schedule(_State(workload, graph or capture(workload), devices, dict(knobs or {})))
+
+
+def apply(fn: Callable[[Schedule], Any], sch: Schedule) -> Schedule:
+    """``fn(sch)``, a schedule function; the knobs ``sch`` was given must be ones it asks
+    for (a misspelt one would be ignored)."""
+    fn(sch)
+    asked = [name for name, _, _ in sch._state.knob_calls]
+    unknown = sorted(set(sch._state.knobs) - set(asked))
+    if unknown:
+        raise ScheduleError(f"knob {unknown[0]!r} is not one the schedule asks for; it asks "
+                            f"for {', '.join(asked) or 'none'}")
+    return sch
 
 
 def schedule_primitive(fn: Callable[..., Any] | None = None, *, name: str | None = None
