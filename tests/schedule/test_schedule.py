@@ -1,22 +1,17 @@
 """The module schedule language: each primitive lowers to the plan primitives, trains like
 one device, and is refused with the module and the fix named where it cannot apply."""
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import chronotope as ct
-from chronotope.models import get_workload, load_function
+from chronotope.models import get_workload
 from chronotope.policies import tensor_parallel
 from chronotope.policies.mesh import Shard
-from chronotope.schedule import PRIMITIVES
 from chronotope.schedule.lower import analyse
-
-GALLERY = Path(__file__).parents[2] / "docs" / "schedules"
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +69,10 @@ def test_shard_cuts_columns_then_follows_the_heads_to_the_row_linear(gpt):
     assert shards["add_1"] is None and shards["layer_norm"] is None  # after the sync: whole
 
 
-def test_megatron_schedule_equals_the_tp_policy_in_traffic_and_trains_like_one_device(gpt):
+def test_megatron_schedule_equals_the_tp_policy_in_traffic_and_trains_like_one_device(gpt,
+                                                                                     gallery):
     sch = fresh(gpt)
-    load_function(f"{GALLERY / 'gpt_megatron.py'}:megatron")(sch)
+    gallery("gpt_megatron.py:megatron")(sch)
     program = ct.compile(sch.plan())
     policy = ct.compile(tensor_parallel(gpt[1], 2))
     for rank in range(2):
@@ -86,13 +82,13 @@ def test_megatron_schedule_equals_the_tp_policy_in_traffic_and_trains_like_one_d
 
 @pytest.mark.parametrize("model,blocks", [("hf-gpt2", "transformer.h"),
                                           ("hf-llama", "model.layers")])
-def test_gallery_schedules_of_hugging_face_models_equal_the_tp_policy(model, blocks):
+def test_gallery_schedules_of_hugging_face_models_equal_the_tp_policy(model, blocks, gallery):
     workload = get_workload(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(workload)
     sch = ct.schedule(workload, devices=2, graph=graph)
-    load_function(f"{GALLERY / model.replace('-', '_')}.py:megatron")(sch)
+    gallery(f"{model.replace('-', '_')}.py:megatron")(sch)
     assert sum(ct.compile(sch.plan()).traffic(0).values()) == \
         sum(ct.compile(tensor_parallel(graph, 2)).traffic(0).values())
     matches(sch, steps=1)
@@ -281,27 +277,20 @@ def test_replicate_is_data_parallel_over_groups(gpt):
 
 # ---- extending --------------------------------------------------------------------------
 
-def test_a_registered_primitive_is_a_method_of_every_schedule(gpt):
-    sys.path.insert(0, str(GALLERY))
-    try:
-        import megatron_block  # noqa: F401  (registers "megatron")
-    finally:
-        sys.path.remove(str(GALLERY))
-    try:
-        sch = fresh(gpt)
-        for i in range(4):
-            sch[f"h.{i}"].megatron()
-        assert "sch['h.0.attn.c_attn'].shard('weight', axis=0)" in sch.steps
-        assert "sch['h.0.mlp.c_proj'].sync(mode='fwd_post', op='all_reduce')" in sch.steps
-        layout, _, _ = analyse(gpt[1], sch._state.steps)
-        assert layout.shards[gpt[1].op("linear")] == Shard("n", 3)
-        matches(sch)
-        with pytest.raises(ct.ScheduleError, match="'shard' is a built-in schedule primitive"):
-            ct.schedule_primitive(lambda sch: sch, name="shard")
-        with pytest.raises(AttributeError, match="registered: megatron"):
-            sch.nope()
-    finally:
-        PRIMITIVES.pop("megatron", None)
+def test_a_registered_primitive_is_a_method_of_every_schedule(gpt, gallery):
+    gallery("megatron_block.py:megatron")  # importing it registers the primitive
+    sch = fresh(gpt)
+    for i in range(4):
+        sch[f"h.{i}"].megatron()
+    assert "sch['h.0.attn.c_attn'].shard('weight', axis=0)" in sch.steps
+    assert "sch['h.0.mlp.c_proj'].sync(mode='fwd_post', op='all_reduce')" in sch.steps
+    layout, _, _ = analyse(gpt[1], sch._state.steps)
+    assert layout.shards[gpt[1].op("linear")] == Shard("n", 3)
+    matches(sch)
+    with pytest.raises(ct.ScheduleError, match="'shard' is a built-in schedule primitive"):
+        ct.schedule_primitive(lambda sch: sch, name="shard")
+    with pytest.raises(AttributeError, match="registered: megatron"):
+        sch.nope()
 
 
 @pytest.mark.slow
@@ -310,3 +299,10 @@ def test_a_schedule_verifies_on_gloo_processes(gpt):
     sch["h.0"].checkpoint()
     result = sch.verify(steps=2, backend="gloo")
     assert result.within(1e-5), str(result)
+
+
+def test_the_progressive_story_verifies_every_step_and_checkpointing_saves_memory(gallery):
+    rows = gallery("story.py:story")()
+    assert [row["matches"] for row in rows] == [True] * 4
+    memory = [row["peak_memory"] for row in rows]
+    assert memory[2] < memory[1] and memory[3] < memory[2]

@@ -2,34 +2,28 @@
 included), every point is priced by the simulator, and the fastest one that fits wins."""
 
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
 import chronotope as ct
 from chronotope.cli import main
-from chronotope.models import get_workload, load_function
-from chronotope.schedule import PRIMITIVES, apply
+from chronotope.models import get_workload
+from chronotope.schedule import apply
 from chronotope.schedule.tune import space
-
-GALLERY = Path(__file__).parents[2] / "docs" / "schedules"
 
 
 @pytest.fixture(scope="module")
-def tunable():
-    sys.path.insert(0, str(GALLERY))
-    try:
-        fn = load_function(f"{GALLERY / 'gpt_tune.py'}:tunable")
-    finally:
-        sys.path.remove(str(GALLERY))
+def gpt8():
     workload = get_workload("gpt", batch_size=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = ct.capture(workload)
-    yield fn, workload, graph
-    PRIMITIVES.pop("megatron", None)
+        return workload, ct.capture(workload)
+
+
+@pytest.fixture
+def tunable(gpt8, gallery):
+    return gallery("gpt_tune.py:tunable"), *gpt8
 
 
 def test_the_space_follows_ranges_that_depend_on_earlier_knobs(tunable):
