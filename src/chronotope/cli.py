@@ -212,6 +212,11 @@ def device_name(text: str) -> str:
     return text
 
 
+def _model_positional(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="gpt",
+                   help="a built-in name or path/to/file.py:factory (default: gpt)")
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a built-in name (e.g. gpt, llama, gpt3-175b) or "
                    "path/to/file.py:factory")
@@ -380,15 +385,8 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
 
 def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
     """``fn(sch)`` of --schedule FILE.py:fn on the model's root schedule, lowered."""
-    fn = load_function(args.schedule)
     sch = schedule(workload, devices=args.devices, graph=graph, knobs=dict(args.knob or []))
-    try:
-        apply(fn, sch)
-    except ChronotopeError:
-        raise
-    except Exception as e:
-        raise ChronotopeError(f"--schedule {args.schedule} raised {type(e).__name__}: "
-                              f"{e}") from e
+    apply(load_function(args.schedule), sch)
     args.policy = f"schedule {Path(args.schedule).name}"  # for the reports
     return sch.plan()
 
@@ -880,8 +878,7 @@ def parser() -> argparse.ArgumentParser:
                                      "memory per device on a cluster, without running it"),
                         ("timeline", "draw a pipeline plan's steps per rank, with its bubble")):
         cmd = sub.add_parser(name, help=help_)
-        cmd.add_argument("model", nargs="?", default="gpt",
-                         help="a built-in name or path/to/file.py:factory (default: gpt)")
+        _model_positional(cmd)
         cmd.add_argument("--policy", choices=list(POLICIES), default="dp",
                          help="dp: data parallel; tp: Megatron tensor parallel; sp: tensor + "
                               "sequence parallel; dp-tp, dp-sp: both on a dp x pp x tp mesh; "
@@ -1023,8 +1020,7 @@ def parser() -> argparse.ArgumentParser:
 
     sea = sub.add_parser("search", help="find a plan: every op's cut over the devices by an "
                                         "ILP under the cost model, within the memory limit")
-    sea.add_argument("model", nargs="?", default="gpt",
-                     help="a built-in name or path/to/file.py:factory (default: gpt)")
+    _model_positional(sea)
     sea.add_argument("--devices", type=positive_int, default=4)
     sea.add_argument("--cluster", type=cluster_spec, default=None,
                      help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN) or a "
@@ -1051,8 +1047,7 @@ def parser() -> argparse.ArgumentParser:
 
     tun = sub.add_parser("tune", help="choose a module schedule's knobs (sch.knob) by the "
                                       "simulator's step time, within the memory limit")
-    tun.add_argument("model", nargs="?", default="gpt",
-                     help="a built-in name or path/to/file.py:factory (default: gpt)")
+    _model_positional(tun)
     tun.add_argument("--schedule", required=True, type=schedule_spec, metavar="FILE.py:fn",
                      help="the schedule function; its sch.knob(name, choices) calls make "
                           "the space")

@@ -104,6 +104,16 @@ def test_a_tied_weight_is_sharded_by_any_of_its_names(gpt):
     matches(sch)
 
 
+def test_a_shard_written_from_an_ancestor_lets_the_module_sync(gpt):
+    sch = fresh(gpt)
+    sch.shard("h.0.mlp.c_fc.weight", axis=0)
+    sch["h.0"].shard("mlp.c_proj.weight", axis=1)
+    sch["h.0.mlp.c_proj"].sync(mode="fwd_post", op="all_reduce")
+    layout, _, _ = analyse(gpt[1], sch._state.steps)
+    assert layout.shards[gpt[1].op("linear_3")] == Shard("k")
+    matches(sch)
+
+
 def test_sequence_parallel_syncs_cut_the_stretch_between_blocks_along_the_sequence(gpt):
     sch = megatron(fresh(gpt), sync=False)
     for i in range(4):

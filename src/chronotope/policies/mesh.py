@@ -65,12 +65,15 @@ class Shard:
 class Layout:
     """Per-op choices a caller makes in place of ``mesh``'s own (the module schedule
     language does): how tensor parallelism cuts each op, the sequence dim it splits where
-    it is not cut, its pipeline stage, and which of its group's devices run it."""
+    it is not cut, its pipeline stage, which of its group's devices run it, and which
+    ops' activations are made again or swapped (besides ``recompute`` and ``swap``)."""
 
     shards: dict[Op, Shard | None] = field(default_factory=dict)
     seq: dict[Op, str | None] = field(default_factory=dict)
     stage: dict[Op, int] | None = None  # None: ``stages`` cuts the model
     devices: dict[Op, tuple[int, ...]] = field(default_factory=dict)  # in the group; no pp
+    recompute: set[str] = field(default_factory=set)  # ops made again in their backward
+    swap: set[str] = field(default_factory=set)  # ops whose saved tensors wait on the CPU
 
 
 def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
@@ -316,9 +319,12 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                 if orders and batched:
                     cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
-    for op in checkpointed(graph, recompute, "recompute", batch_dim, data | tails):
+    keep = data | tails
+    for op in checkpointed(graph, recompute, "recompute", batch_dim, keep) + \
+            [op for op in graph.ops if op.name in layout.recompute and op not in keep]:
         plan.recompute(op.name)
-    for op in checkpointed(graph, swap, "swap", batch_dim, data | tails):
+    for op in checkpointed(graph, swap, "swap", batch_dim, keep) + \
+            [op for op in graph.ops if op.name in layout.swap and op not in keep]:
         plan.swap(op.name)
     if orders:
         _schedule(plan, cells, dp, micro // ways, orders, rank_of)

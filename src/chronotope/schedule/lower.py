@@ -16,9 +16,9 @@ gradient reduction is derived too; a ``bwd_post`` sync is checked to sit on a
 module whose input gradient is a partial sum.
 
 The result is a ``policies.mesh.Layout`` (each op's cut, sequence dim, stage and
-devices) that ``mesh`` turns into ``op_trans`` / ``op_assign`` / ``op_order``
-calls, with the schedule's micro-batches, pipeline order and data-parallel
-replicas; checkpointed and swapped ops are then marked on the plan.
+devices, and the ops checkpointed or swapped) that ``mesh`` turns into ``op_trans`` /
+``op_assign`` / ``op_order`` calls, with the schedule's micro-batches, pipeline order
+and data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chronotope.errors import ScheduleError
-from chronotope.graph.axes import batch_dims, carry, loss_tails, sequence_dims
+from chronotope.graph.axes import carry, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan import Plan
-from chronotope.policies.mesh import Layout, Shard, data_only, fused_parts, mesh, still_fused
+from chronotope.policies.mesh import Layout, Shard, fused_parts, mesh, still_fused
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -98,15 +98,8 @@ def ref(module: str) -> str:
 def lower(graph: Graph, steps: Steps) -> Plan:
     """The plan the steps describe (see the module docstring)."""
     layout, tp, pp = analyse(graph, steps)
-    plan = mesh(graph, dp=steps.replicas, tp=tp, pp=pp, micro=steps.micro,
+    return mesh(graph, dp=steps.replicas, tp=tp, pp=pp, micro=steps.micro,
                 schedule=steps.schedule, layout=layout)
-    keep = data_only(graph) | loss_tails(graph, batch_dims(graph), plan.registry)
-    for op in graph.ops:
-        if op not in keep and op.name in steps.recompute:
-            plan.recompute(op.name)
-        elif op not in keep and op.name in steps.swap:
-            plan.swap(op.name)
-    return plan
 
 
 def analyse(graph: Graph, steps: Steps) -> tuple[Layout, int, int]:
@@ -135,7 +128,7 @@ def analyse(graph: Graph, steps: Steps) -> tuple[Layout, int, int]:
     for op in graph.ops:
         flow.visit(op)
     flow.finish()
-    return Layout(flow.shards, flow.seq, stage, devices), tp, pp
+    return Layout(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap), tp, pp
 
 
 def stages(graph: Graph, cuts: list[str]) -> dict[Op, int]:

@@ -24,11 +24,12 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from chronotope.errors import ScheduleError
+from chronotope.errors import ChronotopeError, ScheduleError
 from chronotope.graph.capture import capture
 from chronotope.graph.ir import Graph, Op
 from chronotope.models.workload import Workload
@@ -81,10 +82,10 @@ class _State:
         # every name a parameter has in the model (tied weights have several) -> the graph's
         seen: dict[int, str] = {}
         self.params: dict[str, str] = {}
+        self.sizes: dict[str, tuple[int, ...]] = {}
         for name, p in workload.model.named_parameters(remove_duplicate=False):
             self.params[name] = seen.setdefault(id(p), name)
-        self.sizes = {name: tuple(p.shape) for name, p in
-                      workload.model.named_parameters(remove_duplicate=False)}
+            self.sizes[name] = tuple(p.shape)
 
 
 class Schedule:
@@ -96,7 +97,7 @@ class Schedule:
     # ---- the module tree ----------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Schedule:
-        full = f"{self.path}.{name}" if self.path else name
+        full = _join(self.path, name)
         if full not in self._state.modules:
             near = difflib.get_close_matches(full, list(self._state.modules), n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else \
@@ -158,7 +159,7 @@ class Schedule:
                                 "this schedule has 1; make it with ct.schedule(..., devices=N)")
         names = [params] if isinstance(params, str) else list(params)
         for name in names:
-            full = f"{self.path}.{name}" if self.path else name
+            full = _join(self.path, name)
             if full not in self._state.params:
                 own = [n[len(self.path) + 1:] if self.path else n for n in self._state.params
                        if inside(n.rpartition(".")[0], self.path)]
@@ -189,7 +190,7 @@ class Schedule:
                                 f"{', '.join(SYNC_OPS)}")
         steps = self._state.steps
         sharded = any(inside(s.module, self.path) or
-                      inside(f"{s.module}.{s.written}".rpartition(".")[0], self.path)
+                      inside(_join(s.module, s.written).rpartition(".")[0], self.path)
                       for s in steps.shards)
         sequence = mode == "fwd_pre" and op == "all_gather" and any(
             s.op == "reduce_scatter" for s in steps.syncs)
@@ -209,25 +210,25 @@ class Schedule:
     def checkpoint(self, subgraph: Subgraph | Iterable[Subgraph] | None = None) -> Schedule:
         """Keep none of this module's activations (or of ``subgraph``'s ops): the backward
         makes them again (activation checkpointing)."""
-        names = self._chosen(subgraph, "checkpoint")
-        clash = names & self._state.steps.swap
-        if clash:
-            raise ScheduleError(f"{ref(self.path)}.checkpoint: {sorted(clash)[0]} is swapped "
-                                "already; an op's activations are either made again or swapped")
-        self._state.steps.recompute |= names
-        self._record(f"checkpoint({_arg(subgraph)})")
-        return self
+        return self._keep_off(subgraph, "checkpoint")
 
     def swap(self, subgraph: Subgraph | Iterable[Subgraph] | None = None) -> Schedule:
         """Keep what this module's ops (or ``subgraph``'s) save for their backward in CPU
         memory until the backward needs it."""
-        names = self._chosen(subgraph, "swap")
-        clash = names & self._state.steps.recompute
+        return self._keep_off(subgraph, "swap")
+
+    def _keep_off(self, subgraph: Subgraph | Iterable[Subgraph] | None, what: str) -> Schedule:
+        """Mark the ops ``checkpoint`` or ``swap`` names; an op is one or the other."""
+        steps = self._state.steps
+        mine, other, done = (steps.recompute, steps.swap, "swapped") if what == "checkpoint" \
+            else (steps.swap, steps.recompute, "checkpointed")
+        names = self._chosen(subgraph, what)
+        clash = names & other
         if clash:
-            raise ScheduleError(f"{ref(self.path)}.swap: {sorted(clash)[0]} is checkpointed "
+            raise ScheduleError(f"{ref(self.path)}.{what}: {sorted(clash)[0]} is {done} "
                                 "already; an op's activations are either made again or swapped")
-        self._state.steps.swap |= names
-        self._record(f"swap({_arg(subgraph)})")
+        mine |= names
+        self._record(f"{what}({_arg(subgraph)})")
         return self
 
     def _chosen(self, subgraph: Subgraph | Iterable[Subgraph] | None, what: str) -> set[str]:
@@ -412,6 +413,11 @@ class Verification:
                                  f"{d.max_param_rel_diff:.1e}"])
 
 
+def _join(path: str, name: str) -> str:
+    """The path of ``name`` under module ``path`` ("" is the root)."""
+    return f"{path}.{name}" if path else name
+
+
 def _arg(value: Any) -> str:
     return "" if value is None else repr(value)
 
@@ -438,8 +444,17 @@ def schedule(model: nn.Module | Workload, example_inputs: Any = (), loss_fn: Any
 
 def apply(fn: Callable[[Schedule], Any], sch: Schedule) -> Schedule:
     """``fn(sch)``, a schedule function; the knobs ``sch`` was given must be ones it asks
-    for (a misspelt one would be ignored)."""
-    fn(sch)
+    for (a misspelt one would be ignored). A mistake in the function itself is reported
+    as a ``ScheduleError`` that names it."""
+    try:
+        fn(sch)
+    except ChronotopeError:
+        raise
+    except Exception as e:
+        code = getattr(fn, "__code__", None)
+        name = f"{Path(code.co_filename).name}:{fn.__qualname__}" if code else repr(fn)
+        raise ScheduleError(f"the schedule function {name} raised {type(e).__name__}: "
+                            f"{e}") from e
     asked = [name for name, _, _ in sch._state.knob_calls]
     unknown = sorted(set(sch._state.knobs) - set(asked))
     if unknown:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chronotope.compile import compile
+from chronotope.compile import Program, compile
 from chronotope.compile.simulate import simulate
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, ScheduleError
@@ -89,7 +89,7 @@ def space(fn: Callable[[Schedule], Any], workload: Workload, devices: int,
 def _knob_calls(fn, workload, devices, graph, forced) -> list[tuple[str, list[Any], Any]]:
     sch = schedule(workload, devices=devices, graph=graph, knobs=forced)
     try:
-        fn(sch)
+        apply(fn, sch)
     except ChronotopeError:
         pass  # a point the schedule refuses still has the knobs it asked for before
     return list(sch._state.knob_calls)
@@ -136,11 +136,15 @@ def tune(fn: Callable[[Schedule], Any], model: Workload, devices: int,
     return tuning
 
 
+def _program(fn, model, devices, graph, knobs) -> Program:
+    """The compiled plan of the schedule at one point."""
+    return compile(apply(fn, schedule(model, devices=devices, graph=graph, knobs=knobs)).plan())
+
+
 def _price(fn, model, devices, graph, knobs, cluster, memory) -> Point:
     point = Point(dict(knobs))
     try:
-        sch = apply(fn, schedule(model, devices=devices, graph=graph, knobs=knobs))
-        sim = simulate(compile(sch.plan()), cluster)
+        sim = simulate(_program(fn, model, devices, graph, knobs), cluster)
     except ChronotopeError as e:
         point.refused = str(e)
         return point
@@ -191,6 +195,6 @@ def _measure(best: list[Point], fn, model, devices, graph, steps) -> None:
     from chronotope.runtime.train import mean_step_time
 
     for point in best:
-        sch = apply(fn, schedule(model, devices=devices, graph=graph, knobs=point.knobs))
-        result = run_processes(compile(sch.plan()), model, steps, Optim())
+        result = run_processes(_program(fn, model, devices, graph, point.knobs), model, steps,
+                               Optim())
         point.measured = mean_step_time(result)
