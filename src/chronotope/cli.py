@@ -13,7 +13,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -363,13 +363,15 @@ POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
 }
 
 
-def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
+def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
+          ) -> tuple[Plan, Workload]:
     """The plan of --plan FILE, of a module schedule (--schedule FILE.py:fn), or of
-    --policy; its errors say which options asked for it."""
+    --policy, and the workload it runs (a schedule's ``replace`` swaps modules in a copy);
+    its errors say which options asked for it."""
     if args.plan:
         plan = load_plan(graph, args.plan)
         args.policy, args.devices = Path(args.plan).name, plan.ndevices  # for the reports
-        return plan
+        return plan, workload
     if _module_schedule(args.schedule):
         return _scheduled(graph, args, workload)
     if args.knob:
@@ -378,17 +380,18 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
         raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
                         f"not by --policy {args.policy}")
     try:
-        return POLICIES[args.policy](graph, args)
+        return POLICIES[args.policy](graph, args), workload
     except PlanError as e:
         raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
 
 
-def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload) -> Plan:
+def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload
+               ) -> tuple[Plan, Workload]:
     """``fn(sch)`` of --schedule FILE.py:fn on the model's root schedule, lowered."""
     sch = schedule(workload, devices=args.devices, graph=graph, knobs=dict(args.knob or []))
     apply(load_function(args.schedule), sch)
     args.policy = f"schedule {Path(args.schedule).name}"  # for the reports
-    return sch.plan()
+    return sch.plan(), sch.workload
 
 
 def _captured(workload: Workload, frontend: str = "auto") -> Graph:
@@ -401,20 +404,21 @@ def _captured(workload: Workload, frontend: str = "auto") -> Graph:
 
 
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
-    workload = load_workload(args.model, device=device, batch_size=args.batch_size)
-    return workload, _program(workload, args)
+    return _program(load_workload(args.model, device=device, batch_size=args.batch_size), args)
 
 
-def _program(workload: Workload, args: argparse.Namespace) -> Program:
-    """The plan of ``args`` compiled; with --replicas R, made on one replica's rows of the
-    batch and scaled to R data-parallel replicas (``plan.scale``)."""
+def _program(workload: Workload, args: argparse.Namespace) -> tuple[Workload, Program]:
+    """The plan of ``args`` compiled, and the workload it trains; with --replicas R, made on
+    one replica's rows of the batch and scaled to R data-parallel replicas (``plan.scale``)."""
     replicas = args.replicas
     captured = workload.replica(replicas) if replicas > 1 else workload
     graph = _captured(captured)
-    plan = _plan(graph, args, captured)
+    plan, ran = _plan(graph, args, captured)
+    if ran is not captured:  # a schedule replaced modules: train its copy of the model
+        workload = replace(workload, model=ran.model)
     if replicas > 1:  # else a --plan file's own scale stands
         plan.scale(replicas)
-    return compile_plan(plan, args.comm, args.cluster, args.bucket_mb)
+    return workload, compile_plan(plan, args.comm, args.cluster, args.bucket_mb)
 
 
 def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
@@ -549,7 +553,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                              seed=args.seed)
     if args.init:
         load_weights(workload.model, args.init)
-    program = _program(workload, args)
+    workload, program = _program(workload, args)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
                   args.warmup, args.min_lr)
@@ -727,10 +731,9 @@ def cmd_tune(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
-    graph = _captured(workload)
-    measured = measure_ops(graph, workload) if args.measure else None
-    drawn = timeline(_plan(graph, args, workload), args.flops, measured=measured,
-                     bytes_per_s=args.bandwidth or None)
+    plan, ran = _plan(_captured(workload), args, workload)
+    measured = measure_ops(plan.graph, ran) if args.measure else None
+    drawn = timeline(plan, args.flops, measured=measured, bytes_per_s=args.bandwidth or None)
     save_timeline(drawn, args.out, f"{args.model}: {args.policy} on {args.devices} devices")
     if args.json:
         emit({"model": args.model, "policy": args.policy, "devices": args.devices,

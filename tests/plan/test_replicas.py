@@ -135,8 +135,11 @@ def test_what_a_replica_cannot_run_alone_is_refused_by_name_at_check(model, op, 
 def test_replicas_train_like_one_device_as_processes_on_gloo():
     graph, whole = unit_and_whole("llama")
     program = ct.compile(tensor_parallel(graph, 2).scale(R))
-    run = run_processes(program, whole, 2, Optim("adamw", 1e-3))
-    diff = compare(run, train_reference(whole, 2, Optim("adamw", 1e-3)))
+    # SGD: Adam's update divides by the gradient's own size, so where a gradient is zero
+    # in exact arithmetic (a key's weights under a softmax shift), it magnifies rounding
+    # noise to a step of the learning rate and the comparison says nothing.
+    run = run_processes(program, whole, 2, Optim("sgd", 0.1))
+    diff = compare(run, train_reference(whole, 2, Optim("sgd", 0.1)))
     assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
 
 

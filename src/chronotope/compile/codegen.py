@@ -45,7 +45,7 @@ from chronotope.compile.program import (
     sums_gradients,
     writes,
 )
-from chronotope.compile.regions import FUNCTION, Region
+from chronotope.compile.regions import FUNCTION, FUSED, Region
 from chronotope.compile.regions import regions as find_regions
 from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
@@ -59,7 +59,8 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     """Rank ``rank``'s module; with ``ticks``, ``rt.tick()`` after each instruction (how
     ``measure.calibrate`` times the runtime's own work per instruction); with ``regions``,
     each run of forward pieces between communications is a function ``forward_<k>``
-    (``compile/regions.py``), which the runtime hands to ``torch.compile``."""
+    (``compile/regions.py``), which the runtime hands to ``torch.compile``. Fused pieces
+    (``Plan.fuse``) are always functions ``fused_<k>``, compiled where they are defined."""
     plan = program.plan
     lines = [
         f'"""Rank {rank} of {plan.ndevices}: one training step of {plan.graph.name}.',
@@ -78,7 +79,8 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     body: list[str] = []
     functions: list[list[str]] = []
     code = program.ranks[rank]
-    items = find_regions(code) if regions else code
+    fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
+    items = find_regions(code, rest=regions) if regions or fused else code
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)
         arriving = {op.forward.name: tuple(g is not None for g in grads)
@@ -152,11 +154,15 @@ def _region(region: Region, k: int, read_later: set[str],
     pieces = region.pieces()
     uses_rt = any(re.search(r"\brt\.", line) for line in inside)
     params = ["rt"] * uses_rt + inputs
-    name = f"{FUNCTION}{k}"
+    fusion = region.fusion
+    name = f"{FUNCTION if fusion is None else FUSED}{k}"
     call = f"{name}({', '.join(params)})"
+    what = "one graph under --compile" if fusion is None else \
+        f"fused as {fusion.group}, compiled by torch.compile"
     lines = [line for ins in region.loads for line in render_instruction(ins)] + entry
-    lines += [f"# {len(pieces)} forward pieces, {pieces[0].op.name} to {pieces[-1].op.name}, "
-              f"in one function ({name}: one graph under --compile)",
+    span = pieces[0].op.name if len(pieces) == 1 else \
+        f"{len(pieces)} forward pieces, {pieces[0].op.name} to {pieces[-1].op.name},"
+    lines += [f"# {span} in one function ({name}: {what})",
               f"{_targets(outputs)} = {call}" if outputs else call, *leave]
     gone = [n for n in dict.fromkeys([*region.freed, *made])
             if n not in defined or n in outputs]
@@ -168,6 +174,8 @@ def _region(region: Region, k: int, read_later: set[str],
                 *("    " + line for line in inside)]
     if outputs:
         function.append(f"    return {_names(outputs)}")
+    if fusion is not None:
+        function += ["", "", f"{name} = torch.compile({name}, backend={fusion.backend!r})"]
     return lines, function
 
 

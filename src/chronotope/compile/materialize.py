@@ -332,7 +332,8 @@ class Materializer:
                           for v, g in zip(op.inputs, grad))
         self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
                                 recompute=op in self.plan.recomputed,
-                                swap=op in self.plan.swapped, later=later, input_scales=scales)
+                                swap=op in self.plan.swapped, later=later, input_scales=scales,
+                                fused=self.plan.fused.get(op))
 
     def as_replica(self, rank: int, op: PlanOp, scale: Fraction, outs: list[str]
                    ) -> tuple[Fraction, tuple[Fraction, ...], list[str]]:

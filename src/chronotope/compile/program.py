@@ -21,7 +21,7 @@ import torch
 
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import Mask
-from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.plan import Fusion, Plan, PlanOp
 from chronotope.plan.storage import Owned
 
 Slices = tuple[slice, ...]
@@ -55,6 +55,7 @@ class Forward:
     # A scaled plan's share of each input, taken inside autograd: each replica's gradient of
     # the input is its share of the whole's, and the replicas' gradients add up to it.
     input_scales: tuple[Fraction, ...] = ()
+    fused: Fusion | None = None  # runs inside one compiled function with its group
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""

@@ -1,4 +1,9 @@
-"""Forward regions: runs of local forward pieces that ``--compile`` hands to ``torch.compile``.
+"""Forward regions: runs of local forward pieces that ``torch.compile`` compiles as one.
+
+Two kinds: the pieces a plan fuses (``Plan.fuse``, a schedule's ``fuse``) form
+regions of their fusion group, each compiled with the group's backend in the
+generated code itself; under ``--compile``, every other run of pieces forms one
+too, compiled with the run's backend.
 
 A region is what a rank computes between two communications: its pieces become
 one function, which ``torch.compile`` turns into one graph whose backward
@@ -32,9 +37,11 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.graph import rng
+from chronotope.plan.plan import Fusion
 
-MIN_PIECES = 2  # a lone op gains nothing from a graph of its own
+MIN_PIECES = 2  # a lone op gains nothing from a graph of its own (unless fused by name)
 FUNCTION = "forward_"  # region k is the generated function forward_<k>
+FUSED = "fused_"  # ... or fused_<k>, compiled where it is defined
 
 
 @dataclass
@@ -43,6 +50,7 @@ class Region:
     runs inside it (in order), and what its frees name is freed once it has returned."""
 
     taken: list[Instruction] = field(default_factory=list)  # as they were, in order
+    fusion: Fusion | None = None  # the fusion group it runs (None: a --compile run)
 
     @property
     def loads(self) -> list[Load]:
@@ -71,9 +79,10 @@ def compilable(ins: Forward) -> bool:
     return not (ins.recompute or ins.swap or any(ins.later) or rng.drawn(ins.op.op.target))
 
 
-def regions(code: list[Instruction]) -> list[Instruction | Region]:
-    """``code`` with its runs of forward pieces grouped into regions (runs of fewer than
-    ``MIN_PIECES`` pieces stay as they were)."""
+def regions(code: list[Instruction], rest: bool = True) -> list[Instruction | Region]:
+    """``code`` with its fused pieces grouped into regions of their fusion group and, with
+    ``rest``, its other runs of forward pieces too (runs of fewer than ``MIN_PIECES``
+    unfused pieces stay as they were)."""
     backward_of = {op.forward.name: i for i, ins in enumerate(code)
                    if isinstance(ins, Backward) for op in ins.ops}
     out: list[Instruction | Region] = []
@@ -84,20 +93,20 @@ def regions(code: list[Instruction]) -> list[Instruction | Region]:
     def close() -> None:
         nonlocal run
         if run is not None:
-            if len(run.pieces()) >= MIN_PIECES:
+            if run.fusion is not None or len(run.pieces()) >= MIN_PIECES:
                 out.append(run)
             else:  # too short: as it was
                 out.extend(run.taken)
         run = None
 
     for ins in code:
-        if isinstance(ins, Forward) and compilable(ins):
+        if isinstance(ins, Forward) and (ins.fused is not None or rest and compilable(ins)):
             mine = backward_of.get(ins.op.name)
             starts_inside = any(ins.ins[i] in made for i in entered(ins))
-            if run is None or starts_inside or (mine is not None and call is not None
-                                                and mine != call):
+            if run is None or starts_inside or run.fusion != ins.fused or (
+                    mine is not None and call is not None and mine != call):
                 close()
-                run, made, call = Region(), set(), None
+                run, made, call = Region(fusion=ins.fused), set(), None
             run.taken.append(ins)
             made.update(ins.outs)
             call = mine if mine is not None else call

@@ -121,6 +121,12 @@ class Converter:
     def run(self, graph: fx.Graph, placeholder: Callable[[fx.Node], Leaf],
             get_attr: Callable[[fx.Node], Leaf], output: Callable[[Any], Any],
             source: Callable[[fx.Node], Source | None]) -> PTensor:
+        return self.loss(output(self.evaluate(graph, placeholder, get_attr, source)))
+
+    def evaluate(self, graph: fx.Graph, placeholder: Callable[[fx.Node], Leaf],
+                 get_attr: Callable[[fx.Node], Leaf],
+                 source: Callable[[fx.Node], Source | None]) -> Any:
+        """What ``graph`` returns (meta values), each call converted to an op on the way."""
         env: dict[fx.Node, Any] = {}
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -132,7 +138,7 @@ class Converter:
                 kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
                 env[node] = self.call(node, args, kwargs, source(node))
             elif node.op == "output":
-                return self.loss(output(fx.node.map_arg(node.args[0], env.__getitem__)))
+                return fx.node.map_arg(node.args[0], env.__getitem__)
             else:
                 raise CaptureError(f"{self.model_name}: unexpected {node.op} node {node.name}")
         raise CaptureError(f"{self.model_name}: the traced graph has no output")

@@ -77,6 +77,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "recompute": _names(plan, plan.recomputed),
         "swap": _names(plan, plan.swapped),
         "split_backward": _names(plan, plan.split),
+        "fuse": _fusions(plan),
         "groups": group_members,
         "orders": orders,
         "cells": [[dp, stage, micro, [p.name for p in pieces]]
@@ -142,6 +143,14 @@ def _whole_grad(update: PlanOp) -> bool:
                (update.op.signature.inputs[0] if update.op.signature else ()))
 
 
+def _fusions(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Each fusion group: its backend and its pieces, in program order."""
+    groups: dict[str, dict[str, Any]] = {}
+    for op, fusion in plan.fused.items():
+        groups.setdefault(fusion.group, {"backend": fusion.backend, "ops": set()})["ops"].add(op)
+    return {g: {"backend": e["backend"], "ops": _names(plan, e["ops"])} for g, e in groups.items()}
+
+
 def _names(plan: Plan, ops: set[PlanOp]) -> list[str]:
     order = {op.name: i for i, op in enumerate(plan.forward_leaves())}
     return sorted((op.name for op in ops), key=lambda n: order.get(n, len(order)))
@@ -199,6 +208,9 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
         plan.swap(_op(plan, name, source))
     for name in data.get("split_backward", []):
         plan.split_backward(_op(plan, name, source))
+    for group, entry in data.get("fuse", {}).items():
+        for name in entry["ops"]:
+            plan.fuse(_op(plan, name, source), group, entry["backend"])
     groups: dict[str, Group] = {}
     members = data.get("groups", {})
 

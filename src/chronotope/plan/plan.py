@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
 from chronotope.errors import PlanError
+from chronotope.graph import rng
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind, TensorMeta
 from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
@@ -31,6 +32,15 @@ if TYPE_CHECKING:
 # Under each op above a piece whose pieces hold the same region of a tensor (copies of it),
 # which one the piece descends from: (that op's name, the copy's index), outermost first.
 Copies = tuple[tuple[str, int], ...]
+
+@dataclass(frozen=True)
+class Fusion:
+    """Forward pieces that run as one function compiled by ``torch.compile`` with
+    ``backend``: those of one ``group`` that run back to back on a device."""
+
+    group: str
+    backend: str
+
 
 # Kinds whose outputs carry no gradient even when their inputs do.
 _NO_GRAD_KINDS = frozenset({"detach", "factory", "fill", "argmax", "argmin", "one_hot"})
@@ -139,6 +149,7 @@ class Plan:
         self.recomputed: set[PlanOp] = set()  # forward pieces run again in their backward
         self.swapped: set[PlanOp] = set()  # forward pieces whose saved tensors wait on the CPU
         self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart
+        self.fused: dict[PlanOp, Fusion] = {}  # forward pieces run as one compiled function
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
         # Ops a policy was to split along the batch but could not, with why (no signature,
         # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
@@ -258,6 +269,23 @@ class Plan:
         the forward, back when the backward needs it (activation swap)."""
         self._mark(ref, self.swapped, "swap", self.recomputed)
 
+    def fuse(self, ref: Ref, group: str, backend: str = "inductor") -> None:
+        """Run these forward pieces as one function that ``torch.compile`` compiles with
+        ``backend`` (its forward and its backward graph): the pieces of ``group`` that run
+        one after another on a device with no communication between them. A fused piece
+        runs once, in the graph: it is not recomputed, swapped, split or random."""
+        for leaf in self.leaves(ref):
+            why = ("a backward op: fuse its forward op" if leaf.is_backward else
+                   "recomputed" if leaf in self.recomputed else
+                   "swapped" if leaf in self.swapped else
+                   "split into input and weight gradients" if leaf in self.split else
+                   "random (its draws run outside compiled code)"
+                   if rng.drawn(leaf.op.target) else None)
+            if why:
+                raise PlanError(f"{leaf.name} cannot be fused: it is {why}")
+            self.fused[leaf] = Fusion(group, backend)
+        self.checked = None
+
     def split_backward(self, ref: Ref) -> None:
         """Cut these forward pieces' backward in two: the input gradients, which the
         previous stage waits for, and the weight gradients (``weight(ref)``), which
@@ -269,6 +297,8 @@ class Plan:
             if leaf in self._backward:
                 raise PlanError(f"the backward of {leaf.name} is already made (the plan was "
                                 "checked or ordered by it): split it before that")
+            if leaf in self.fused:
+                raise PlanError(f"{leaf.name} is fused: a fused piece's backward is one graph")
             self.split.add(leaf)
         self.checked = None
 
@@ -278,6 +308,9 @@ class Plan:
                 raise PlanError(f"{leaf.name} is a backward op: {what} its forward op")
             if leaf in other:
                 raise PlanError(f"{leaf.name} is already recomputed or swapped: choose one")
+            if leaf in self.fused:
+                raise PlanError(f"{leaf.name} is fused: a fused piece runs once, in its "
+                                f"compiled function; {what} the pieces around it instead")
             into.add(leaf)
         self.checked = None
 

@@ -38,7 +38,7 @@ from chronotope.graph.axes import (
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
-from chronotope.plan.plan import PlanOp
+from chronotope.plan.plan import Fusion, PlanOp
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -74,6 +74,7 @@ class Layout:
     devices: dict[Op, tuple[int, ...]] = field(default_factory=dict)  # in the group; no pp
     recompute: set[str] = field(default_factory=set)  # ops made again in their backward
     swap: set[str] = field(default_factory=set)  # ops whose saved tensors wait on the CPU
+    fused: dict[str, Fusion] = field(default_factory=dict)  # ops run in one compiled function
 
 
 def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
@@ -326,6 +327,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     for op in checkpointed(graph, swap, "swap", batch_dim, keep) + \
             [op for op in graph.ops if op.name in layout.swap and op not in keep]:
         plan.swap(op.name)
+    for name, fusion in layout.fused.items():
+        plan.fuse(name, fusion.group, fusion.backend)
     if orders:
         _schedule(plan, cells, dp, micro // ways, orders, rank_of)
     for key, parts in sharded.items():

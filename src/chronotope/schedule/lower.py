@@ -16,7 +16,7 @@ gradient reduction is derived too; a ``bwd_post`` sync is checked to sit on a
 module whose input gradient is a partial sum.
 
 The result is a ``policies.mesh.Layout`` (each op's cut, sequence dim, stage and
-devices, and the ops checkpointed or swapped) that ``mesh`` turns into ``op_trans`` /
+devices, and the ops checkpointed, swapped or fused) that ``mesh`` turns into ``op_trans`` /
 ``op_assign`` / ``op_order`` calls, with the schedule's micro-batches, pipeline order
 and data-parallel replicas.
 """
@@ -29,6 +29,7 @@ from chronotope.errors import ScheduleError
 from chronotope.graph.axes import carry, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan import Plan
+from chronotope.plan.plan import Fusion
 from chronotope.policies.mesh import Layout, Shard, fused_parts, mesh, still_fused
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -75,6 +76,7 @@ class Steps:
     syncs: list[Sync] = field(default_factory=list)
     recompute: set[str] = field(default_factory=set)  # op names
     swap: set[str] = field(default_factory=set)
+    fused: dict[str, Fusion] = field(default_factory=dict)  # op name -> its fusion group
     cuts: list[str] = field(default_factory=list)  # modules a pipeline stage ends after
     micro: int = 1
     schedule: str = "1f1b"
@@ -128,7 +130,8 @@ def analyse(graph: Graph, steps: Steps) -> tuple[Layout, int, int]:
     for op in graph.ops:
         flow.visit(op)
     flow.finish()
-    return Layout(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap), tp, pp
+    return Layout(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap,
+                  steps.fused), tp, pp
 
 
 def stages(graph: Graph, cuts: list[str]) -> dict[Op, int]:

@@ -20,6 +20,8 @@ compile, runtime, simulator, plan files) is shared with every other plan.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,13 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from chronotope.errors import ChronotopeError, ScheduleError
+from chronotope.graph import rng
 from chronotope.graph.capture import capture
-from chronotope.graph.ir import Graph, Op
+from chronotope.graph.convert import is_random
+from chronotope.graph.ir import Graph, Op, PTensor, Source
+from chronotope.graph.rewrite import reads, splice
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan
+from chronotope.plan.plan import Fusion
 from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES
 from chronotope.schedule.lower import (
     SYNC_MODES,
@@ -54,7 +62,8 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {}
 
 @dataclass(frozen=True)
 class Subgraph:
-    """Ops that ``find`` matched, in program order; ``checkpoint`` and ``swap`` take it."""
+    """Ops that ``find`` matched, in program order; ``checkpoint``, ``swap``, ``fuse`` and
+    ``replace`` take it."""
 
     ops: tuple[Op, ...]
 
@@ -63,6 +72,12 @@ class Subgraph:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    @property
+    def inputs(self) -> list[PTensor]:
+        """What its ops read from outside it, in order: what ``replace(fn, subgraph)``
+        passes ``fn``."""
+        return reads(self.ops)
 
     def __repr__(self) -> str:
         return f"Subgraph({', '.join(op.name for op in self.ops)})"
@@ -73,19 +88,57 @@ class _State:
 
     def __init__(self, workload: Workload, graph: Graph, devices: int,
                  knobs: dict[str, Any]) -> None:
+        self.original = workload  # the model as the user wrote it: verify's reference
         self.workload, self.graph = workload, graph
         self.steps = Steps(devices)
         self.log: list[str] = []
         self.knobs = knobs  # the values chosen for this run (the tuner's point)
         self.knob_calls: list[tuple[str, list[Any], Any]] = []  # (name, choices, value)
-        self.modules = dict(workload.model.named_modules())
-        # every name a parameter has in the model (tied weights have several) -> the graph's
+        self.rewrites: list[str] = []  # the replace(fn, subgraph) / decompose steps so far
+        self.index()
+
+    def index(self) -> None:
+        """The model's modules, and every name a parameter has (tied weights have several)
+        -> the graph's name for it, with its size."""
+        model = self.workload.model
+        self.modules = dict(model.named_modules())
         seen: dict[int, str] = {}
         self.params: dict[str, str] = {}
         self.sizes: dict[str, tuple[int, ...]] = {}
-        for name, p in workload.model.named_parameters(remove_duplicate=False):
+        for name, p in model.named_parameters(remove_duplicate=False):
             self.params[name] = seen.setdefault(id(p), name)
             self.sizes[name] = tuple(p.shape)
+
+    def ops(self, ops: Iterable[Op], what: str) -> list[Op]:
+        """``ops`` (found earlier) as the graph now has them; refused where a rewrite
+        since replaced one."""
+        now = {op.name: op for op in self.graph.ops}
+        found = []
+        for op in ops:
+            current = now.get(op.name)
+            if current is None or current.kind != op.kind or module_of(current) != module_of(op):
+                raise ScheduleError(f"{what}: op {op.name} ({op.kind}) is no longer in the "
+                                    f"graph ({'; '.join(self.rewrites)} changed it); find "
+                                    "the subgraph again after the rewrite")
+            found.append(current)
+        return found
+
+    def rewritten(self, graph: Graph, old: set[str], step: str) -> None:
+        """Take the graph a rewrite made; the ops it made inherit what the schedule had
+        decided for the ops they replace (checkpointed, swapped, fused)."""
+        new = {op.name for op in graph.ops} - {op.name for op in self.graph.ops}
+        steps = self.steps
+        for chosen in (steps.recompute, steps.swap):
+            if chosen & old:
+                chosen -= old
+                chosen |= new
+        fusions = {steps.fused[n] for n in old if n in steps.fused}
+        for name in old:
+            steps.fused.pop(name, None)
+        if fusions:
+            steps.fused.update(dict.fromkeys(new, min(fusions, key=lambda f: f.group)))
+        self.graph = graph
+        self.rewrites.append(step)
 
 
 class Schedule:
@@ -116,6 +169,12 @@ class Schedule:
     @property
     def devices(self) -> int:
         return self._state.steps.devices
+
+    @property
+    def workload(self) -> Workload:
+        """The model the schedule's plan runs: the user's, or a copy with the modules
+        ``replace`` swapped in."""
+        return self._state.workload
 
     def modules(self) -> list[str]:
         """The paths of this module's descendants, relative to it, in definition order."""
@@ -223,6 +282,9 @@ class Schedule:
         mine, other, done = (steps.recompute, steps.swap, "swapped") if what == "checkpoint" \
             else (steps.swap, steps.recompute, "checkpointed")
         names = self._chosen(subgraph, what)
+        if names & steps.fused.keys():
+            raise ScheduleError(f"{ref(self.path)}.{what}: {sorted(names & steps.fused.keys())[0]}"
+                                " is fused; a fused op runs once, inside its compiled function")
         clash = names & other
         if clash:
             raise ScheduleError(f"{ref(self.path)}.{what}: {sorted(clash)[0]} is {done} "
@@ -232,16 +294,23 @@ class Schedule:
         return self
 
     def _chosen(self, subgraph: Subgraph | Iterable[Subgraph] | None, what: str) -> set[str]:
+        return {op.name for op in self._subgraph_ops(subgraph, what)}
+
+    def _subgraph_ops(self, subgraph: Subgraph | Iterable[Subgraph] | None, what: str
+                      ) -> list[Op]:
+        """The ops of ``subgraph`` (of this module when None), in program order."""
         if subgraph is None:
             ops = self.ops()
         else:
             parts = [subgraph] if isinstance(subgraph, Subgraph) else list(subgraph)
-            ops = [op for part in parts for op in part]
+            ops = self._state.ops([op for part in parts for op in part],
+                                  f"{ref(self.path)}.{what}")
         if not ops:
             raise ScheduleError(f"{ref(self.path)}.{what}: no op to {what} "
                                 f"({self.path or 'the model'} runs none, or the subgraph is "
                                 "empty)")
-        return {op.name for op in ops}
+        order = {op: i for i, op in enumerate(self._state.graph.ops)}
+        return sorted(set(ops), key=order.__getitem__)
 
     def find(self, pattern: str | Sequence[str] | Callable[[Op], bool]) -> list[Subgraph]:
         """This module's ops that match: a regex on an op's kind or name (each op its own
@@ -268,6 +337,116 @@ class Schedule:
             chains = [chain + [r] for chain in chains for t in chain[-1].outputs
                       for r in readers.get(t, ()) if r in mine and fits(r, k)]
         return [Subgraph(tuple(chain)) for chain in chains]
+
+    # ---- rewriting and fusing -----------------------------------------------------------
+
+    def fuse(self, subgraph: Subgraph | Iterable[Subgraph] | None = None,
+             compiler: str = "torch.compile") -> Schedule:
+        """Run this module's ops (or ``subgraph``'s) as one function that ``torch.compile``
+        compiles in the generated code; ``compiler``: "torch.compile" (its default backend)
+        or one of its backends by name ("inductor", "aot_eager"...). On each rank, the
+        fused pieces that run back to back with no communication between them are one
+        function."""
+        from chronotope.runtime.local import check_compile
+
+        backend = "inductor" if compiler == "torch.compile" else compiler
+        try:
+            check_compile(backend)
+        except ChronotopeError as e:
+            raise ScheduleError(f"{ref(self.path)}.fuse(compiler={compiler!r}): {e}") from e
+        ops = self._subgraph_ops(subgraph, "fuse")
+        steps = self._state.steps
+        for op in ops:
+            why = ("checkpointed (a fused op runs once, inside its function)"
+                   if op.name in steps.recompute else
+                   "swapped (a fused op keeps what it saves inside its function)"
+                   if op.name in steps.swap else
+                   f"fused already, as {steps.fused[op.name].group}"
+                   if op.name in steps.fused else
+                   "random (its draws stay outside compiled code)"
+                   if is_random(op) or rng.drawn(op.target) else None)
+            if why:
+                raise ScheduleError(f"{ref(self.path)}.fuse: op {op.name} ({op.kind}) is "
+                                    f"{why}; fuse the ops around it")
+        fusion = Fusion(f"fusion{len(set(steps.fused.values()))}", backend)
+        steps.fused.update(dict.fromkeys((op.name for op in ops), fusion))
+        self._record(f"fuse({_arg(subgraph)}{'' if compiler == 'torch.compile' else ', '}"
+                     f"{'' if compiler == 'torch.compile' else f'compiler={compiler!r}'})")
+        return self
+
+    def replace(self, new: nn.Module | Callable[..., Any],
+                subgraph: Subgraph | Iterable[Subgraph] | None = None) -> Schedule:
+        """Without ``subgraph``: this module becomes the module ``new``, in a copy of the
+        model (the user's stays as it is: ``verify`` compares with it), which is captured
+        again; replace modules before scheduling them. With ``subgraph``: its ops become
+        what ``new`` computes; it takes the subgraph's inputs, in the order its ops first
+        read them, and returns what of its results is read after it, alike in shape and
+        dtype (``graph.rewrite``)."""
+        if subgraph is not None:
+            step = f"replace({_label(new)}, {subgraph!r})"
+            self._rewrite(self._subgraph_ops(subgraph, "replace"), new, step)
+            self._record(step)
+            return self
+        if not isinstance(new, nn.Module):
+            raise ScheduleError(f"{ref(self.path)}.replace({_label(new)}): a function replaces "
+                                "the subgraph it is given (replace(fn, subgraph)); a module "
+                                "alone replaces this module")
+        self._replace_module(new)
+        self._record(f"replace({_label(new)})")
+        return self
+
+    def _replace_module(self, new: nn.Module) -> None:
+        state, what = self._state, f"{ref(self.path)}.replace({_label(new)})"
+        if not self.path:
+            raise ScheduleError(f"{what}: replace a module of the model "
+                                "(sch['h.0.mlp'].replace(...)); for a new model, schedule it")
+        if state.rewrites:
+            raise ScheduleError(f"{what}: it captures the model again, which would undo "
+                                f"{state.rewrites[0]}; replace modules first")
+        steps = state.steps
+        if steps.recompute or steps.swap or steps.fused:
+            raise ScheduleError(f"{what}: it captures the model again, and the ops that "
+                                "checkpoint, swap or fuse chose change names; replace modules "
+                                "first")
+        scheduled = [str(s) for s in (*steps.shards, *steps.syncs) if inside(s.module, self.path)]
+        scheduled += [f"{ref(m)}.cut_pipeline_stage()" for m in steps.cuts if inside(m, self.path)]
+        if scheduled:
+            raise ScheduleError(f"{what}: {scheduled[0]} schedules the module it replaces; "
+                                "replace it first")
+        model = state.workload.model if state.workload is not state.original else \
+            copy.deepcopy(state.original.model)
+        parent, _, name = self.path.rpartition(".")
+        setattr(model.get_submodule(parent), name, new)
+        workload = dataclasses.replace(state.workload, model=model)
+        try:
+            graph = capture(workload)
+        except ChronotopeError as e:
+            raise ScheduleError(f"{what}: the model no longer captures: {e}") from e
+        state.workload, state.graph = workload, graph
+        state.index()
+
+    def decompose(self) -> Schedule:
+        """Split the bias out of this module's projections that add one (``linear(x, w, b)``,
+        ``addmm(b, x, w)``): the product, then an add of the bias, which can then be fused
+        with what follows it (``fuse``) or wait for a sync (a row-parallel projection's
+        bias is added once its partial sums are whole)."""
+        biased = [op for op in self.ops() if _bias_split(op) is not None]
+        if not biased:
+            raise ScheduleError(f"{ref(self.path)}.decompose(): {self.path or 'the model'} "
+                                "has no linear or addmm op that adds a bias")
+        for op in biased:
+            self._rewrite([op], _bias_split(op), "decompose()", op.source)
+        self._record("decompose()")
+        return self
+
+    def _rewrite(self, ops: list[Op], fn: Callable[..., Any], step: str,
+                 source: Source | None = None) -> None:
+        state = self._state
+        try:
+            graph = splice(state.graph, ops, fn, _common(module_of(op) for op in ops), source)
+        except ChronotopeError as e:
+            raise ScheduleError(f"{ref(self.path)}.{step}: {e}") from e
+        state.rewritten(graph, {op.name for op in ops}, f"{ref(self.path)}.{step}")
 
     # ---- pipeline, placement, data parallel ---------------------------------------------
 
@@ -372,9 +551,9 @@ class Schedule:
     def verify(self, steps: int = 2, optim: Any = None, backend: str | None = None,
                timeout: float = 60.0) -> Verification:
         """Train with the schedule's plan and, beside it, the model as written on one
-        device; report both runs' losses and how far the parameters (moved by the
-        gradients) end apart. Ranks run as threads, or with ``backend`` ("gloo", "nccl")
-        as processes."""
+        device (before any ``replace``); report both runs' losses and how far the
+        parameters (moved by the gradients) end apart. Ranks run as threads, or with
+        ``backend`` ("gloo", "nccl") as processes."""
         from chronotope.compile import compile
         from chronotope.runtime.launch import run_processes
         from chronotope.runtime.local import run_in_threads
@@ -383,13 +562,22 @@ class Schedule:
 
         optim = optim or Optim()
         program = compile(self.plan())
-        workload = self._state.workload
+        workload, original = self._state.workload, self._state.original
+        ours, theirs = dict(workload.model.named_parameters()), \
+            dict(original.model.named_parameters())
+        differ = sorted(ours.keys() ^ theirs.keys()) or sorted(
+            n for n in ours if ours[n].shape != theirs[n].shape)
+        if differ:
+            raise ScheduleError(f"sch.verify(): the replaced modules' parameters are not the "
+                                f"model's ({differ[0]} is in one and not the other, or "
+                                "shaped otherwise), and verify compares them by name; give "
+                                "the new module the names and shapes of the old")
         if backend is None:
             result = run_in_threads(program, workload, steps, optim, timeout=timeout)
         else:
             result = run_processes(program, workload, steps, optim, backend=backend,
                                    timeout=timeout)
-        reference = train_reference(workload, steps, optim)
+        reference = train_reference(original, steps, optim)
         return Verification(result.losses, reference.losses, compare(result, reference))
 
 
@@ -411,6 +599,41 @@ class Verification:
         return "\n".join(rows + [f"largest relative difference: losses "
                                  f"{d.max_loss_rel_diff:.1e}, parameters "
                                  f"{d.max_param_rel_diff:.1e}"])
+
+
+def _linear_then_bias(x: Any, weight: Any, bias: Any) -> Any:
+    return F.linear(x, weight) + bias
+
+
+def _product_then_bias(bias: Any, x: Any, weight: Any) -> Any:
+    return torch.mm(x, weight) + bias
+
+
+def _bias_split(op: Op) -> Callable[..., Any] | None:
+    """How ``decompose`` splits an op's bias out: a function of its inputs, or None."""
+    if len(set(op.inputs)) != 3:
+        return None
+    if op.kind == "linear":
+        return _linear_then_bias
+    scaled = any(op.kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))
+    if op.kind == "addmm" and not scaled and len(op.args) == 3:
+        return _product_then_bias
+    return None
+
+
+def _common(paths: Iterable[str]) -> str:
+    """The innermost module that holds all these module paths."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def _label(fn: Any) -> str:
+    return type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__name__", repr(fn))
 
 
 def _join(path: str, name: str) -> str:

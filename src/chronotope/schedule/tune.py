@@ -136,15 +136,16 @@ def tune(fn: Callable[[Schedule], Any], model: Workload, devices: int,
     return tuning
 
 
-def _program(fn, model, devices, graph, knobs) -> Program:
-    """The compiled plan of the schedule at one point."""
-    return compile(apply(fn, schedule(model, devices=devices, graph=graph, knobs=knobs)).plan())
+def _program(fn, model, devices, graph, knobs) -> tuple[Program, Workload]:
+    """The compiled plan of the schedule at one point, and the workload it trains."""
+    sch = apply(fn, schedule(model, devices=devices, graph=graph, knobs=knobs))
+    return compile(sch.plan()), sch.workload
 
 
 def _price(fn, model, devices, graph, knobs, cluster, memory) -> Point:
     point = Point(dict(knobs))
     try:
-        sim = simulate(_program(fn, model, devices, graph, knobs), cluster)
+        sim = simulate(_program(fn, model, devices, graph, knobs)[0], cluster)
     except ChronotopeError as e:
         point.refused = str(e)
         return point
@@ -195,6 +196,6 @@ def _measure(best: list[Point], fn, model, devices, graph, steps) -> None:
     from chronotope.runtime.train import mean_step_time
 
     for point in best:
-        result = run_processes(_program(fn, model, devices, graph, point.knobs), model, steps,
-                               Optim())
+        program, workload = _program(fn, model, devices, graph, point.knobs)
+        result = run_processes(program, workload, steps, Optim())
         point.measured = mean_step_time(result)
