@@ -1,6 +1,7 @@
 """The module schedule language: each primitive lowers to the plan primitives, trains like
 one device, and is refused with the module and the fix named where it cannot apply."""
 
+import math
 import warnings
 
 import pytest
@@ -212,6 +213,130 @@ def test_find_matches_kinds_names_chains_and_functions(gpt):
     assert sch["h.0"].find(["gelu", "attention"]) == []
 
 
+# ---- rewriting and fusing ---------------------------------------------------------------
+
+def erf_gelu(h):
+    return 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+
+
+class ErfGeluMLP(nn.Module):
+    """GPT's MLP with its GELU written out; the weights are the old module's."""
+
+    def __init__(self, old):
+        super().__init__()
+        self.c_fc, self.c_proj = old.c_fc, old.c_proj
+
+    def forward(self, x):
+        return self.c_proj(erf_gelu(self.c_fc(x)))
+
+
+def test_decompose_splits_the_bias_out_and_fuse_compiles_the_chain_in_the_code(gpt):
+    sch = fresh(gpt)
+    mlp = sch["h.0.mlp"]
+    mlp.decompose()
+    assert [op.kind for op in mlp.ops()] == ["linear", "add", "gelu", "linear", "add"]
+    assert gpt[1].op("linear_2").kind == "linear" and len(sch.graph.ops) == len(gpt[1].ops) + 2
+    chain = mlp.find(["add", "gelu"])
+    assert [t.name for t in chain[0].inputs] == ["linear_v1", "h.0.mlp.c_fc.bias"]
+    mlp.fuse(chain, compiler="aot_eager")
+    megatron(sch)
+    program = ct.compile(sch.plan())
+    assert program.traffic(0) == ct.compile(megatron(fresh(gpt)).plan()).traffic(0)
+    code = program.code(0)
+    assert "def fused_0(" in code and "fused_0 = torch.compile(fused_0, backend='aot_eager')" \
+        in code and "forward_" not in code  # only the fused ops, without --compile
+    body = code[code.index("def fused_0("):code.index("fused_0 = torch.compile")]
+    assert "operator.add(" in body and "gelu(" in body and "linear(" not in body
+    with pytest.raises(ct.ScheduleError, match=r"add_v1 \(add\) is fused already"):
+        mlp.fuse(chain)
+    with pytest.raises(ct.ScheduleError, match="add_v1 is fused; a fused op runs once"):
+        mlp.checkpoint()
+    with pytest.raises(ct.ScheduleError, match="no linear or addmm op that adds a bias"):
+        sch["h.0.attn.c_attn"].decompose().decompose()
+    matches(sch)
+
+
+def test_fuse_refuses_what_compiled_code_cannot_run_once(gpt, tmp_path):
+    sch = fresh(gpt)
+    sch["h.1"].checkpoint()
+    with pytest.raises(ct.ScheduleError, match=r"op linear_6 \(linear\) is checkpointed"):
+        sch["h.1.mlp"].fuse()
+    with pytest.raises(ct.ScheduleError, match="no backend 'nope'"):
+        sch["h.0"].fuse(compiler="nope")
+    drop = ct.schedule(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), torch.randn(2, 4),
+                       lambda y: y.sum(), devices=1)
+    with pytest.raises(ct.ScheduleError, match=r"\(dropout\) is random"):
+        drop.fuse()
+    sch["h.2.mlp"].fuse()  # the groups go through a plan file
+    plan = sch.plan()
+    plan.save(tmp_path / "plan.json")
+    loaded = ct.load_plan(sch.graph, tmp_path / "plan.json")
+    assert {(p.name, f) for p, f in loaded.fused.items()} == \
+        {(p.name, f) for p, f in plan.fused.items()} and len(plan.fused) == 3 * 2
+
+
+def test_replace_swaps_a_module_in_a_copy_and_captures_it_again(gpt):
+    workload, graph = gpt
+    sch = fresh(gpt)
+    old = sch["h.1.mlp"].module
+    sch["h.1.mlp"].replace(ErfGeluMLP(old))
+    assert workload.model.h[1].mlp is old  # the user's model stays as written
+    assert isinstance(sch.workload.model.h[1].mlp, ErfGeluMLP)
+    assert "erf" in [op.kind for op in sch["h.1.mlp"].ops()]
+    megatron(sch)  # shards and syncs of the new module's children
+    matches(sch)  # against the model as written
+    with pytest.raises(ct.ScheduleError, match="h.0.mlp.c_fc'\\].shard.* schedules the "
+                       "module it replaces; replace it first"):
+        sch["h.0.mlp"].replace(ErfGeluMLP(sch["h.0.mlp"].module))
+    other = fresh(gpt)
+    with pytest.raises(ct.ScheduleError, match="replace a module of the model"):
+        other.replace(nn.Identity())
+    with pytest.raises(ct.ScheduleError, match="a function replaces the subgraph"):
+        other["h.0.mlp"].replace(erf_gelu)
+    other["h.0.mlp"].decompose()
+    with pytest.raises(ct.ScheduleError, match="would undo sch\\['h.0.mlp'\\].decompose"):
+        other["h.1.mlp"].replace(ErfGeluMLP(old))
+    renamed = fresh(gpt)
+    renamed["h.0.mlp"].replace(nn.Sequential(nn.Linear(64, 64)))
+    with pytest.raises(ct.ScheduleError, match="compares them by name"):
+        renamed.verify()
+
+
+def test_replace_rewrites_a_subgraph_with_a_function_of_its_inputs(gpt):
+    sch = fresh(gpt, devices=4).replicate(2)
+    gelu = sch["h.0.mlp"].find("gelu")
+    sch["h.0.mlp"].replace(erf_gelu, gelu)
+    assert [op.kind for op in sch["h.0.mlp"].ops()] == \
+        ["linear", "mul", "truediv", "erf", "add", "mul", "linear"]
+    with pytest.raises(ct.ScheduleError, match="op gelu \\(gelu\\) is no longer in the graph"):
+        sch["h.0.mlp"].checkpoint(gelu)  # found before the rewrite
+    sch["h.1.mlp"].checkpoint()
+    sch["h.1.mlp"].replace(erf_gelu, sch["h.1.mlp"].find("gelu"))
+    recomputed = {p.op.name for p in sch.plan().recomputed}
+    assert {op.name for op in sch["h.1.mlp"].ops()} <= recomputed  # the new ops inherit it
+    matches(sch)
+    linears = sch["h.2.mlp"].find("linear")
+    with pytest.raises(ct.ScheduleError, match=r"fails on the inputs it is given, in order "
+                       r"\(layer_norm_5: float32\[4, 32, 64\], h.2.mlp.c_fc.weight"):
+        sch["h.2.mlp"].replace(erf_gelu, linears)
+    with pytest.raises(ct.ScheduleError, match=r"returns float32\[4, 32, 1\] where gelu_2 "
+                       r"makes gelu_2: float32\[4, 32, 256\]"):
+        sch["h.2.mlp"].replace(lambda h: h[..., :1], sch["h.2.mlp"].find("gelu"))
+    with pytest.raises(ct.ScheduleError, match="has parameters or buffers of its own"):
+        sch["h.2.mlp"].replace(nn.Linear(256, 256), sch["h.2.mlp"].find("gelu"))
+    with pytest.raises(ct.ScheduleError, match="not one closed run of ops"):
+        sch["h.2.mlp"].replace(lambda x, w, b, g, w2, b2: (g, x), linears)
+
+
+def test_the_fused_gallery_schedule_equals_the_tp_policy_in_traffic(gpt, gallery):
+    sch = fresh(gpt)
+    gallery("gpt_fused.py:fused_quick")(sch)
+    program = ct.compile(sch.plan())
+    assert program.traffic(0) == ct.compile(tensor_parallel(gpt[1], 2)).traffic(0)
+    assert program.code(1).count("= torch.compile(fused_") == 4
+    matches(sch)
+
+
 # ---- pipeline, placement, data parallel -------------------------------------------------
 
 def test_pipeline_cuts_with_micro_batches_and_replicas_train_like_one_device(gpt):
@@ -303,11 +428,34 @@ def test_a_registered_primitive_is_a_method_of_every_schedule(gpt, gallery):
         sch.nope()
 
 
-@pytest.mark.slow
-def test_a_schedule_verifies_on_gloo_processes(gpt):
-    sch = megatron(fresh(gpt, devices=4)).replicate(2)
+def rewritten_megatron(sch: ct.Schedule) -> ct.Schedule:
+    """Every primitive but the pipeline's and place, on one schedule."""
+    sch["h.1.mlp"].replace(ErfGeluMLP(sch["h.1.mlp"].module))
+    megatron(sch).replicate(2)
     sch["h.0"].checkpoint()
-    result = sch.verify(steps=2, backend="gloo")
+    sch["h.2.mlp"].decompose()
+    sch["h.2.mlp"].fuse(sch["h.2.mlp"].find(["add", "gelu"]), compiler="aot_eager")
+    sch["h.3.mlp"].replace(erf_gelu, sch["h.3.mlp"].find("gelu"))
+    sch["h.3.attn"].swap(sch["h.3.attn"].find("attention"))
+    return sch
+
+
+def pipelined(sch: ct.Schedule) -> ct.Schedule:
+    sch["h.1"].cut_pipeline_stage()
+    return sch.micro_batches(2, schedule="1f1b")
+
+
+def placed(sch: ct.Schedule) -> ct.Schedule:
+    sch["h.0"].place(0)
+    sch["h.1"].place(1)
+    return sch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, steps", [(4, rewritten_megatron), (2, pipelined),
+                                            (2, placed)])
+def test_a_schedule_verifies_on_gloo_processes(gpt, devices, steps):
+    result = steps(fresh(gpt, devices=devices)).verify(steps=2, backend="gloo")
     assert result.within(1e-5), str(result)
 
 

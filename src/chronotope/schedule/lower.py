@@ -1,7 +1,8 @@
 """How a module schedule's steps become a plan.
 
-A ``shard`` cuts the ops of its module that read the parameter, along the dim the
-parameter's axis has in their signature. The cut then flows forward the way
+A ``shard`` cuts the ops of its module that read the parameter (or, where none does,
+those of the nearest module above that does), along the dim the parameter's axis has
+in their signature. The cut then flows forward the way
 tensor parallelism follows it (``graph.axes.carry``): every op that reads a cut
 tensor and can be cut alike is cut alike (the attention's heads between a column
 and a row linear), until an op sums over the cut dim and leaves partial sums. A
@@ -181,8 +182,10 @@ class _Flow:
         self.seq_dims = sequence_dims(graph) if any(
             s.op == "reduce_scatter" for s in steps.syncs) else {}
         self.param_shards: dict[str, list[ShardStep]] = {}
+        self.scope: dict[ShardStep, str] = {}  # the module whose ops a shard cuts
         for step in steps.shards:
             self.param_shards.setdefault(step.param, []).append(step)
+            self.scope[step] = _reading(step, graph, self.readers)
 
     def where(self, op: Op) -> tuple[int, tuple[int, ...] | None]:
         return self.stage.get(op, 0), self.devices.get(op)
@@ -246,7 +249,7 @@ class _Flow:
     def _param_cuts(self, op: Op, i: int, t: PTensor) -> list[tuple[str, str]]:
         out = []
         for step in self.param_shards.get(t.name, ()):
-            if not inside(module_of(op), step.module):
+            if not inside(module_of(op), self.scope[step]):
                 continue
             self.used_shards.add(step)
             sig, axis = op.signature, step.axis
@@ -393,7 +396,10 @@ class _Flow:
                     "sharded, or remove it")
 
     def _check_backward(self, sync: Sync) -> None:
-        found = [op for op, how in self.grad_sums.items() if inside(module_of(op), sync.module)]
+        found = [op for op in self.grad_sums if inside(module_of(op), sync.module)] or [
+            op for op in self.grad_sums  # a module whose weights its parent reads itself
+            if any(t.kind is TensorKind.PARAM and inside(t.name.rpartition(".")[0], sync.module)
+                   for t in op.inputs)]
         if any(self.grad_sums[op] == sync.op for op in found):
             return
         what = (f"its cut ops' input gradients are summed with {self.grad_sums[found[0]]}"
@@ -401,6 +407,18 @@ class _Flow:
                 "it is a partial sum")
         raise ScheduleError(f"{sync}: {what}; chronotope derives gradient reductions itself, "
                             "and this sync says something else: remove it or fix its op")
+
+
+def _reading(step: ShardStep, graph: Graph, readers: dict[PTensor, list[Op]]) -> str:
+    """The module whose ops a shard cuts: its own, or where none of them reads the
+    parameter, the nearest module above that does (one that uses its child's weight
+    itself, as a module ``replace`` brought may)."""
+    param = graph.params.get(step.param)
+    modules = [module_of(op) for op in readers.get(param, ())] if param is not None else []
+    scope = step.module
+    while scope and modules and not any(inside(m, scope) for m in modules):
+        scope = scope.rpartition(".")[0]
+    return scope
 
 
 def _where(op: Op) -> str:
