@@ -21,7 +21,10 @@ from chronotope.graph.ir import TensorKind
 
 
 @ct.schedule_primitive
-def megatron(sch):
+def megatron(sch, sequence=False):
+    """``sequence``: Megatron's sequence parallelism too. What a row projection leaves is
+    reduce-scattered along the sequence, so the norms and residual adds between blocks run
+    on a part of it, and each column projection all-gathers it back."""
     cut = set()  # tensors made from a column projection's output, within the block
     for op in sch.ops():
         found = _projection(op)
@@ -33,12 +36,15 @@ def megatron(sch):
         module = sch[op.source.module[len(sch.path) + 1:]] if sch.path else sch[op.source.module]
         if any(t in cut for t in op.inputs):  # row: reads the cut features, sums over them
             module.shard(_local(weight, module), axis=summed)
-            module.sync(mode="fwd_post", op="all_reduce")
+            module.sync(mode="fwd_post", op="reduce_scatter" if sequence else "all_reduce")
             continue
         module.shard(_local(weight, module), axis=kept)  # column
         for bias in _biases(op, features):
             module.shard(_local(bias, module), axis=0)
-        module.sync(mode="bwd_post", op="all_reduce")
+        if sequence:  # (its input gradient is then reduce-scattered, or all-reduced in
+            module.sync(mode="fwd_pre", op="all_gather")  # a first block: derived alike)
+        else:
+            module.sync(mode="bwd_post", op="all_reduce")
         cut.update(op.outputs)
     return sch
 

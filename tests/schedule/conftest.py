@@ -21,6 +21,7 @@ def gallery():
         yield lambda spec: load_function(f"{GALLERY / spec}")
     finally:
         sys.path.remove(str(GALLERY))
-        sys.modules.pop("megatron_block", None)
+        for name in ("megatron_block", "gpt_sequence"):  # importing them registers it
+            sys.modules.pop(name, None)
         PRIMITIVES.clear()
         PRIMITIVES.update(before)

@@ -428,6 +428,18 @@ def test_a_registered_primitive_is_a_method_of_every_schedule(gpt, gallery):
         sch.nope()
 
 
+def test_the_registered_primitive_makes_sequence_parallel_schedules_too(gpt, gallery):
+    sch = fresh(gpt)
+    gallery("gpt_sequence.py:sequence_parallel")(sch)
+    assert "sch['h.0.attn.c_proj'].sync(mode='fwd_post', op='reduce_scatter')" in sch.steps
+    assert "sch['h.0.mlp.c_fc'].sync(mode='fwd_pre', op='all_gather')" in sch.steps
+    layout, _, _ = analyse(sch.graph, sch._state.steps)
+    assert layout.seq[sch.graph.op("layer_norm_1")] == "d1"  # between blocks: on a part
+    traffic = ct.compile(sch.plan()).traffic(0)
+    assert traffic["reduce_scatter"] > 0 and traffic["all_gather"] > 0
+    matches(sch)
+
+
 def rewritten_megatron(sch: ct.Schedule) -> ct.Schedule:
     """Every primitive but the pipeline's and place, on one schedule."""
     sch["h.1.mlp"].replace(ErfGeluMLP(sch["h.1.mlp"].module))
