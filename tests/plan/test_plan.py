@@ -159,18 +159,24 @@ def test_tensor_parallel_weights_split_memory():
 
 
 def test_zero3_counts_the_parameters_it_gathers_for_the_step():
-    """ZeRO-3 stores half the weights, but a step gathers each whole and autograd keeps it
-    until its backward: the estimate counts that, as the measured peak of the step shows."""
+    """ZeRO-3 stores half the weights, but a step gathers each whole. Kept from the forward
+    to the backward (``reshard=False``), autograd holds them all by the end of the forward;
+    resharded (the default, as FSDP2) a unit is freed after its forward and gathered again
+    for its backward. The estimate counts both, as the measured peaks of the step show."""
     w = get_workload("gpt")
     g = graph()
-    plans = {stage: ct.policies.zero(g, 2, stage) for stage in (2, 3)}
-    estimated = {stage: p.check().memory[0] for stage, p in plans.items()}
+    plans = {"zero-2": ct.policies.zero(g, 2, 2), "kept": ct.policies.zero(g, 2, 3, reshard=False),
+             "resharded": ct.policies.zero(g, 2, 3)}
+    estimated = {name: p.check().memory[0] for name, p in plans.items()}
     gathered = g.num_params * 4 // 2  # the half rank 0 does not store
-    assert estimated[3].params == estimated[2].params - gathered
-    assert estimated[3].activations >= estimated[2].activations + 0.9 * gathered
-    measured = {stage: run_in_threads(ct.compile(p), w, 1, measure_memory=True).peak_memory[0]
-                for stage, p in plans.items()}
-    assert measured[3] >= measured[2] + 0.9 * gathered, measured
+    assert estimated["kept"].params == estimated["zero-2"].params - gathered
+    assert estimated["resharded"].params == estimated["kept"].params
+    assert estimated["kept"].activations >= estimated["zero-2"].activations + 0.9 * gathered
+    assert estimated["resharded"].activations <= estimated["kept"].activations - gathered
+    measured = {name: run_in_threads(ct.compile(p), w, 1, measure_memory=True).peak_memory[0]
+                for name, p in plans.items()}
+    assert measured["kept"] >= measured["zero-2"] + 0.9 * gathered, measured
+    assert measured["resharded"] <= measured["kept"] - gathered, measured
 
 
 def two_device_chain():

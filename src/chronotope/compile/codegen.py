@@ -37,6 +37,8 @@ from chronotope.compile.program import (
     PushParam,
     Recv,
     ReduceScatter,
+    Refill,
+    Reshard,
     Send,
     SetBuffer,
     Wait,
@@ -231,6 +233,10 @@ def render_instruction(ins: Instruction) -> list[str]:
         return [f"rt.set_buffer({ins.name!r}, {ins.var})"]
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
+    if isinstance(ins, Reshard):
+        return [f"rt.reshard(({_names(ins.vars)}))"]
+    if isinstance(ins, Refill):
+        return [f"rt.refill(({_names(ins.vars)}), ({_names(ins.fresh)}))"]
     raise TypeError(f"cannot render {ins!r}")
 
 

@@ -48,6 +48,7 @@ from chronotope.compile.program import (
     reads,
     writes,
 )
+from chronotope.compile.reshard import reshard
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor, TensorKind
@@ -164,6 +165,8 @@ class Materializer:
                 flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks = buckets(collectives(ranks), self.bucket_bytes)
+        if self.plan.reshard:
+            ranks = [reshard(code) for code in ranks]
         ranks = [self.running_sums(rank, fuse(code)) for rank, code in enumerate(ranks)]
         ranks = [with_frees(code) for code in overlap(ranks)]
         refresh = self.refresh()

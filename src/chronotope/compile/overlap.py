@@ -47,6 +47,7 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.compile.replay import Costs, replay
+from chronotope.compile.reshard import check_shared, is_regather, unit_of
 from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
 
@@ -80,7 +81,10 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
                         f"chronotope, please report it with the plan")
     order = {key: i for i, key in enumerate(played.sends)}  # (src, dst, tag) -> when sent
     # Gathers that now start together (one piece's parameters) go in one flat call.
-    return [_started(rank, code, order) for rank, code in enumerate(coalesce(ranks, (AllGather,)))]
+    ranks = coalesce(ranks, (AllGather,))
+    for code in ranks:
+        check_shared(code)
+    return [_started(rank, code, order) for rank, code in enumerate(ranks)]
 
 
 def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> list[Instruction]:
@@ -146,13 +150,13 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
     place: dict[int, int] = {}  # moved instruction -> the instruction it now precedes
     unit = reader = ahead = None  # the latest gathers' unit and first reader, and the one's before
     for i, ins in enumerate(code):
-        if not isinstance(ins, COLLECTIVES) or i not in first:
-            continue
+        if not isinstance(ins, COLLECTIVES) or i not in first or is_regather(ins):
+            continue  # a unit gathered again for its backward is already one ahead
         loads = [made.get(v) for v in reads(ins)]
         if not loads or not all(j is not None and isinstance(code[j], Load)
                                 and code[j].source == "param" for j in loads):
             continue
-        if (found := _unit(code[first[i]], first[i])) != unit:  # one unit's start together
+        if (found := unit_of(code[first[i]], first[i])) != unit:  # one unit's start together
             unit, reader, ahead = found, first[i], reader
         if ahead is not None and ahead < i:
             place.update(dict.fromkeys([*loads, i], ahead))
@@ -160,18 +164,6 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
     order = sorted(range(len(code)), key=lambda i: (place[i], 0, not isinstance(code[i], Load),
                                                     i) if i in place else (i, 1, 0, i))
     return [code[i] for i in order]
-
-
-def _unit(reader: Instruction, at: int) -> object:
-    """What FSDP would wrap as one unit around a gather's reader: its module up to the first
-    numbered part of the path (one layer of a stack, ``h.3``), else its top-level module
-    (``wte``); a reader from no module is a unit of its own."""
-    source = reader.op.op.source if isinstance(reader, Forward) else None
-    if source is None or not source.module:
-        return at
-    parts = source.module.split(".")
-    numbered = next((k for k, p in enumerate(parts) if p.isdigit()), 0)
-    return ".".join(parts[:numbered + 1])
 
 
 def _untouched(ins: Instruction) -> bool:

@@ -316,9 +316,27 @@ class Free:
     vars: tuple[str, ...]
 
 
+@dataclass
+class Reshard:
+    """Free the storage of gathered parameters (and of every view of them) until ``Refill``
+    gives it back: what autograd saved of them keeps pointing into it (``reshard.py``)."""
+
+    vars: tuple[str, ...]
+
+
+@dataclass
+class Refill:
+    """Give resharded parameters their storage back, filled from the same gather run
+    again (``fresh``, output by output)."""
+
+    vars: tuple[str, ...]
+    fresh: tuple[str, ...]
+    nbytes: int  # what is copied back
+
+
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
                | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
-               | Free | PushParam | PullParam | GatherParams | Wait)
+               | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
@@ -381,6 +399,10 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return (ins.var,)
     if isinstance(ins, Wait):
         return (ins.handle,)
+    if isinstance(ins, Reshard):
+        return ins.vars
+    if isinstance(ins, Refill):
+        return (*ins.vars, *ins.fresh)
     return ()
 
 

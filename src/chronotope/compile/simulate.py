@@ -33,6 +33,7 @@ from chronotope.compile.program import (
     GatherParams,
     Program,
     ReduceScatter,
+    Refill,
     WeightGrad,
 )
 from chronotope.compile.replay import Costs, Replayed, replay
@@ -186,6 +187,8 @@ def features(ins: object) -> tuple[str, int, int]:
         return "Backward", 1, 0
     if isinstance(ins, Assemble):
         return "Assemble", 0, 0 if ins.is_view else math.prod(ins.shape) * ins.dtype.itemsize
+    if isinstance(ins, Refill):
+        return "Refill", 0, ins.nbytes
     return type(ins).__name__, 0, 0
 
 

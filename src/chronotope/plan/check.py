@@ -20,7 +20,7 @@ from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
 from chronotope.plan.replicas import Replicas, replicas
-from chronotope.plan.storage import Storage, storage
+from chronotope.plan.storage import ALLOCATING, Storage, storage, unit
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 
@@ -401,6 +401,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     size: dict[tuple, int] = {}
+    gathered: dict[tuple, list[tuple[int, PlanOp]]] = defaultdict(list)  # key -> its readers
     remade = {(op.device, op) for op in plan.recomputed} | {
         (op.device, v.ptensor, v.mask) for op in plan.recomputed for v in op.outputs}
     held = stored.stored[device]
@@ -415,10 +416,16 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
             first.setdefault(key, i)
             last[key] = i
             size[key] = _nbytes(v)
+            if v.ptensor.kind is TensorKind.PARAM:
+                gathered[key].append((i, op))
+    live = [(first[key], last[key], size[key]) for key in first]
+    if plan.reshard:
+        live = [x for key, x in zip(first, live) if key not in gathered] + \
+            _resharded(gathered, size)
     delta = [0] * (len(seq) + 1)
-    for key, i in first.items():
-        delta[i] += size[key]
-        delta[last[key] + 1] -= size[key]
+    for start, end, nbytes in live:
+        delta[start] += nbytes
+        delta[end + 1] -= nbytes
     peak = live = 0
     for d in delta:
         live += d
@@ -431,9 +438,35 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
                   states * owned, peak)
 
 
+def _resharded(gathered: dict[tuple, list[tuple[int, PlanOp]]], size: dict[tuple, int],
+               ) -> list[tuple[int, int, int]]:
+    """When gathered parameter regions are alive (start, end, bytes), freed after their
+    forward and gathered again for their backward where ``compile/reshard.py`` does so:
+    every reader makes a new tensor, the forward reads come first, and another unit's
+    forward runs in between."""
+    def forward(key: tuple) -> list[int]:
+        return [i for i, op in gathered[key] if not op.is_backward]
+
+    units = {key: next((unit(op) for _, op in gathered[key] if not op.is_backward), None)
+             for key in gathered}
+    out = []
+    for key, reads in gathered.items():
+        ahead = forward(key)
+        behind = [i for i, op in reads if op.is_backward]
+        start, end = reads[0][0], reads[-1][0]
+        if ahead and behind and ahead[-1] < behind[0] and all(
+                op.op.kind in ALLOCATING for _, op in reads if not op.is_backward) and any(
+                ahead[-1] < i < behind[0] for other in gathered
+                if units[other] != units[key] for i in forward(other)):
+            out += [(start, ahead[-1], size[key]), (behind[0], end, size[key])]
+        else:
+            out.append((start, end, size[key]))
+    return out
+
+
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or suffix == "TiB":
+            return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.1f} {suffix}"
         n /= 1024
     return f"{n} B"

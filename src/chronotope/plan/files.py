@@ -71,6 +71,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "replicas": plan.replicas,
         "optimizer": plan.optimizer,
         "param_storage": plan.param_storage,
+        "reshard": plan.reshard,
         "updates": {param: {"whole_grad": _whole_grad(op)} for param, op in plan.updates.items()},
         "ops": {op.name: {"kind": op.op.kind, "shape": _shape(op.op), **_node(op)}
                 for op in roots if op.children or op.device is not None},
@@ -180,6 +181,7 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
     plan = Plan(graph, int(data["devices"]), optimizer=data.get("optimizer", "adam"),
                 registry=registry)
     plan.param_storage = data.get("param_storage", "read")
+    plan.reshard = bool(data.get("reshard", False))
     for param, how in data.get("updates", {}).items():
         if param not in graph.params:
             raise PlanError(f"{source}: parameter {param!r} is not in the graph of "

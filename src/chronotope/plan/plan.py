@@ -164,6 +164,9 @@ class Plan:
         # other regions are fetched from their owners when read (ZeRO 3).
         self.updates: dict[str, PlanOp] = {}
         self.param_storage = "read"
+        # With "owned" storage: free what is gathered after its forward and gather it again
+        # for its backward (as FSDP2's reshard after forward), where that is safe.
+        self.reshard = False
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp | None] = {}
         self._weight: dict[PlanOp, PlanOp | None] = {}

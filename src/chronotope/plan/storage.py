@@ -18,6 +18,28 @@ from chronotope.graph.ir import TensorKind
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Plan, PlanOp
 
+# Kinds of op whose outputs are always new tensors, never an input or a view of one: a
+# gathered parameter that only such ops read may be freed once they ran, and autograd's
+# saved copy of it filled again before their backward (ZeRO-3 resharding).
+ALLOCATING = frozenset({
+    "linear", "addmm", "matmul", "outer", "grouped_mm", "embedding", "conv", "conv_transpose",
+    "layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "weight_norm",
+    "attention", "add", "radd", "sub", "rsub", "mul", "div", "true_divide", "truediv",
+    "addcmul", "addcdiv", "lerp", "where", "masked_fill", "cat", "stack", "clone",
+})
+
+
+def unit(op: PlanOp) -> str | None:
+    """What FSDP would wrap as one unit around a piece that reads gathered parameters: its
+    module up to the first numbered part of the path (one layer of a stack, ``h.3``),
+    else its top-level module (``wte``); None for a piece of no module."""
+    source = op.op.source
+    if source is None or not source.module:
+        return None
+    parts = source.module.split(".")
+    numbered = next((k for k, p in enumerate(parts) if p.isdigit()), 0)
+    return ".".join(parts[:numbered + 1])
+
 
 @dataclass(frozen=True)
 class Owned:

@@ -10,7 +10,8 @@ device keeps the optimizer state of 1/n of the weights.
 * stage 2: each update piece reads only its region of the gradient, so the
   compiler sums just that region on its owner (a reduce-scatter).
 * stage 3: as stage 2, and a device stores only the weights it owns; the
-  others are fetched from their owners when a piece reads them.
+  others are fetched from their owners when a piece reads them, and (``reshard``, as
+  FSDP2's default) freed after their forward and fetched again for their backward.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from chronotope.plan import Plan, Replicate, Split
 from chronotope.policies.mesh import data_parallel
 
 
-def zero(graph: Graph, ndevices: int, stage: int = 1) -> Plan:
+def zero(graph: Graph, ndevices: int, stage: int = 1, reshard: bool = True) -> Plan:
     if stage not in (1, 2, 3):
         raise PlanError(f"ZeRO has stages 1, 2 and 3, got stage={stage}")
     plan = data_parallel(graph, ndevices)
@@ -32,6 +33,7 @@ def zero(graph: Graph, ndevices: int, stage: int = 1) -> Plan:
             cut_update(plan, name, whole_grad=stage == 1)
     if stage == 3:
         plan.param_storage = "owned"
+        plan.reshard = reshard
     return plan
 
 

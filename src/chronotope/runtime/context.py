@@ -306,6 +306,24 @@ class StepContext:
                 dst.copy_(flat[offset:offset + dst.numel()].view_as(dst))
                 offset += dst.numel()
 
+    @staticmethod
+    def reshard(gathered: Sequence[torch.Tensor]) -> None:
+        """Free the storage of gathered parameters; autograd's saved tensors keep pointing
+        into it, and ``refill`` gives it back before their backward."""
+        for t in gathered:
+            t.untyped_storage().resize_(0)
+
+    @staticmethod
+    def refill(gathered: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor]) -> None:
+        """Give resharded parameters their storage back, copied from the same gather run
+        again (laid out alike, output by output). Storage-level copies leave the tensors'
+        version counters alone, as autograd's saved tensors need."""
+        for old, new in zip(gathered, fresh):
+            storage = old.untyped_storage()
+            if storage.nbytes() == 0:  # outputs that share one buffer: the first refills it
+                storage.resize_(new.untyped_storage().nbytes())
+                storage.copy_(new.untyped_storage())
+
     def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
                  parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
         """Regions side by side, partial values summed."""
