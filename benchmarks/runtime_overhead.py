@@ -1,6 +1,7 @@
 """Step time of chronotope vs PyTorch's own parallel training, same model, same run.
 
     python benchmarks/runtime_overhead.py [--devices 1 2 4] [--steps 10] [--d-model 128]
+                                          [--only dp tp zero-2 zero-3]
 
 On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
 
@@ -143,6 +144,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--only", nargs="+", metavar="POLICY",
+                   help="only these chronotope policies' rows (dp, tp, zero-2, zero-3)")
     args = p.parse_args()
     overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
                  "batch_size": args.batch}
@@ -156,7 +159,8 @@ def main() -> None:
     rows = []
     for world in args.devices:
         for name, kind, policy, baseline, goal in comparisons:
-            if (world == 1) != (kind in ("eager", "compiled")):
+            if (world == 1) != (kind in ("eager", "compiled")) or (
+                    args.only and policy not in args.only):
                 continue
             base = baseline_step_time(kind, world, args.steps, overrides)
             ours = chronotope_step_time(policy, world, args.steps, overrides,
