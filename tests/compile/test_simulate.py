@@ -8,10 +8,14 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.compile.program import AllReduce
-from chronotope.compile.simulate import _priced, simulate
+from chronotope.compile.program import AllReduce, Forward, Load, Wait
+from chronotope.compile.replay import replay
+from chronotope.compile.simulate import _priced, _Prices, simulate
+from chronotope.cost.compute import piece_flops
 from chronotope.cost.network import Link, load_cluster
+from chronotope.cost.times import Calibration
 from chronotope.errors import PlanError
+from chronotope.graph.mask import Mask
 from chronotope.policies import mesh, pipeline
 from tests.policies.plan_testing import captured
 
@@ -88,3 +92,28 @@ def test_collectives_of_two_groups_crossing_nodes_share_the_network():
     assert set(crossing) == {(0, 2), (1, 3)}
     step = simulate(program, slow_net).step_time
     assert step >= sum(crossing.values())  # alone, each would take its own time at once
+
+
+def test_communication_beside_compute_costs_what_the_cluster_cannot_overlap():
+    """Rank 0 starts an all-reduce, computes, then waits for it. Where links and compute
+    are apart (overlap 1) the step is the longer of the two; on CPUs, where both take the
+    same cores (overlap 0), the compute during the transfer is paid again."""
+    linear = captured("gpt")[1].op("linear")
+    piece = ct.Plan(captured("gpt")[1], 1).op(linear.name)
+    compute = Forward(piece, ("x",), ("y",), (False,), (False,))
+    code = [Load("x", linear.inputs[0], Mask.full(linear.inputs[0].shape), "input"),
+            AllReduce(("s",), (("x",),), (0, 1), (linear.inputs[0].shape,), torch.float32,
+                      (("x", (), "sum"),), handle="h"),
+            compute, Wait("h", ("s",), unpack=True)]
+    prices = dict(flops={"float32": 1e9}, intra=Link(0.0, 1e6), fitted={}, call=0.0)
+    times = {}
+    for share in (1.0, 0.0):
+        cluster = replace(A100, name=f"overlap {share}", per_node=2, overlap=share, **prices)
+        played = replay([code, [code[0], code[1], code[3]]], _Prices(
+            cluster, None, cluster.peak(), {}, Calibration()))
+        times[share] = played.clock[0]
+    work = piece_flops(piece) / 1e9
+    comm = cluster.collective("all_reduce", 4 * linear.inputs[0].meta.numel, [(0, 1)])
+    assert work < comm
+    assert times[1.0] == pytest.approx(comm)
+    assert times[0.0] == pytest.approx(comm + work)

@@ -73,6 +73,7 @@ def test_profile_measures_every_collective_and_loads_back(tmp_path):
     assert load_cluster(str(path)) == cluster
     assert json.loads(path.read_text())["per_node"] == 2
     assert set(cluster.fitted_busy) == set(cluster.fitted) and cluster.busy > 0
+    assert 0.0 <= cluster.overlap <= 1.0
     for fitted, busy in ((cluster.fitted, 0.0), (cluster.fitted_busy, cluster.busy)):
         link = fitted["all_reduce"]
         assert cluster.collective("all_reduce", 2 ** 20, [(0, 1)], busy) == pytest.approx(

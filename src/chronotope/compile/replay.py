@@ -16,6 +16,7 @@ names where.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,6 +48,11 @@ class Costs:
         """(start, end) of a collective whose last member arrived at ``start``, after
         ``busy`` seconds of compute since the members last communicated."""
         return start, start
+
+    def contended(self, rank: int, seconds: float) -> float:
+        """What a rank loses when communication ran for ``seconds`` while it computed (on
+        CPUs both take the same cores)."""
+        return 0.0
 
 
 def collective_key(ins: Instruction) -> tuple:
@@ -105,6 +111,9 @@ class _Engine:
         self.calling: dict[int, tuple] = {}  # rank -> the call it made and waits in now
         self.waiting: dict[int, tuple] = {}  # rank -> what it is blocked on, as stuck names it
         self.spans: list[tuple[int, Instruction, float, float]] = []
+        # per rank, its compute runs as (start, end, compute before the run): how much it
+        # computed while a transfer ran
+        self.runs: list[list[tuple[float, float, float]]] = [[] for _ in ranks]
 
     def run(self) -> Replayed:
         pc = [0] * len(self.ranks)
@@ -141,6 +150,8 @@ class _Engine:
         else:
             seconds = self.costs.local(r, ins, self.since[r])
             self.spans.append((r, ins, self.clock[r], self.clock[r] + seconds))
+            if seconds > 0:
+                self.runs[r].append((self.clock[r], self.clock[r] + seconds, self.compute[r]))
             self.clock[r] += seconds
             self.compute[r] += seconds
             self.since[r] += seconds
@@ -165,6 +176,24 @@ class _Engine:
                                    ins)
         return ("call", (group, n), collective_key(ins))
 
+    def contended(self, r: int, start: float, end: float) -> float:
+        """What rank ``r`` loses for computing while a transfer ran from ``start`` to
+        ``end`` (the costs say what such sharing takes; both finish that much later),
+        counted as time spent communicating."""
+        lost = self.costs.contended(r, max(0.0, self.computed(r, min(end, self.clock[r]))
+                                           - self.computed(r, start)))
+        self.comm[r] += lost
+        return lost
+
+    def computed(self, r: int, t: float) -> float:
+        """Seconds rank ``r`` had computed by time ``t``."""
+        runs = self.runs[r]
+        k = bisect_right(runs, (t, math.inf)) - 1
+        if k < 0:
+            return 0.0
+        start, end, before = runs[k]
+        return before + min(t, end) - start
+
     def finish(self, r: int, awaited: tuple) -> bool:
         """Rank ``r`` waits until what it ``awaited`` has happened; False: not yet."""
         if awaited[0] == "recv":
@@ -178,7 +207,8 @@ class _Engine:
                                                        max(ready, self.posted[key]), since)
             arrival, took = self.arrived[key]
             self.comm[r] += min(max(0.0, arrival - self.clock[r]), took)
-            self.clock[r] = max(self.clock[r], arrival)
+            lost = self.contended(r, arrival - took, arrival)
+            self.clock[r] = max(self.clock[r], arrival) + lost
         else:
             _, call, key = awaited
             if call not in self.done:
@@ -191,7 +221,8 @@ class _Engine:
                                                         max(m[3] for m in met.values()))
             start, end = self.done[call]
             self.comm[r] += max(0.0, end - max(start, self.clock[r]))
-            self.clock[r] = max(self.clock[r], end)
+            lost = self.contended(r, start, end)
+            self.clock[r] = max(self.clock[r], end) + lost
         self.waiting.pop(r, None)
         self.since[r] = 0.0
         return True

@@ -152,6 +152,9 @@ class _Prices(Costs):
             self.free[x] = start + duration
         return start
 
+    def contended(self, rank: int, seconds: float) -> float:
+        return (1.0 - self.cluster.overlap) * seconds
+
     def local(self, rank: int, ins, since: float) -> float:
         if isinstance(ins, Free):
             return 0.0

@@ -82,6 +82,10 @@ class Cluster:
     # made after compute waits longer for cores and caches than one made back to back.
     fitted_busy: dict[str, Link] = field(default_factory=dict)
     busy: float = 0.0
+    # The share of communication that runs beside a device's compute at no cost to it: 1
+    # where links and compute are apart (GPUs' copy engines and NICs), less on CPUs, where
+    # a collective takes the cores the compute runs on (``chronotope profile`` measures it).
+    overlap: float = 1.0
 
     def __hash__(self) -> int:  # the dict fields aside: a cluster keys search caches
         return hash((self.name, self.nodes, self.per_node, self.intra, self.inter))
@@ -206,7 +210,7 @@ class Cluster:
                 fitted={k: Link(**v) for k, v in data.get("fitted", {}).items()},
                 call=float(data.get("call", 0.0)),
                 fitted_busy={k: Link(**v) for k, v in data.get("fitted_busy", {}).items()},
-                busy=float(data.get("busy", 0.0)))
+                busy=float(data.get("busy", 0.0)), overlap=float(data.get("overlap", 1.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"not a cluster profile: {e!r} (write one with "
                                f"`chronotope profile --out FILE`)") from e

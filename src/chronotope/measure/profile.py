@@ -10,8 +10,10 @@ back, once each after ``busy`` seconds of compute on every member (a matmul
 over a few MB, as a layer's); on CPUs the second kind waits longer for cores
 and caches. A call's time is the mean of its repeats, not the median, as a step
 adds its calls up, rare slow ones included. It also times a matmul (peak
-FLOP/s) and a copy (memory bandwidth). The result is a ``Cluster`` that
-``save_profile`` writes as JSON for ``--cluster FILE``.
+FLOP/s), a copy (memory bandwidth), and an all-reduce started beside a layer's
+matmuls against each alone: what share of communication runs beside compute at
+no cost to it (``Cluster.overlap``; on CPUs both take the same cores). The
+result is a ``Cluster`` that ``save_profile`` writes as JSON for ``--cluster FILE``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def profile(devices: int = 2, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
     return Cluster(name, 1, devices, {"float32": first["flops"]}, first["memory"],
                    first["copy_bandwidth"], intra=back_to_back["send"],
                    inter=back_to_back["send"], fitted=back_to_back, fitted_busy=after,
-                   busy=busy)
+                   busy=busy, overlap=statistics.median(r["overlap"] for r in results))
 
 
 def fit(kind: str, k: int, sizes: tuple[int, ...], seconds: list[float],
@@ -124,7 +126,32 @@ def _measure(rank: int, sizes, repeats: int, backend: str, timeout: float,
             times["back_to_back"][kind].append(_mean_after(None, call, times_each, device))
             times["busy"][kind].append(_mean_after(compute, call, times_each, device))
     return {**times, "flops": matmul_flops(device), "copy_bandwidth": _copy(device),
-            "memory": _memory(device, world)}
+            "memory": _memory(device, world), "overlap": _overlap(rt, compute, repeats, device)}
+
+
+def _overlap(rt: StepContext, compute, repeats: int, device: torch.device,
+             nbytes: int = 2 ** 22, trials: int = 5) -> float:
+    """The share of an all-reduce that runs beside compute at no cost to it: the time an
+    all-reduce and a layer's matmuls take started together, against each alone (1: the
+    longer of the two; 0: one after the other)."""
+    x = torch.randn(nbytes // 4, device=device)
+    members = tuple(range(dist.get_world_size()))
+
+    def alone() -> None:
+        rt.all_reduce([(x,)], members, async_op=True).wait()
+
+    def both() -> None:
+        started = rt.all_reduce([(x,)], members, async_op=True)
+        compute()
+        started.wait()
+
+    def share() -> float:
+        comm, work, together = (_mean_after(None, call, repeats, device)
+                                for call in (alone, compute, both))
+        shorter = min(comm, work)
+        return min(1.0, max(0.0, (comm + work - together) / shorter)) if shorter > 0 else 1.0
+
+    return statistics.median(share() for _ in range(trials))  # a noisy share: the typical one
 
 
 def _ping(rt: StepContext, x: torch.Tensor) -> None:
