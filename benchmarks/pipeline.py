@@ -2,7 +2,7 @@
 peak memory: co-shard vs recompute.
 
     python benchmarks/pipeline.py [--stages 4] [--micro 8] [--steps 6] [--layers 8]
-                                  [--only time|memory]
+                                  [--rounds 3] [--only time|memory]
 
 Time: the same built-in GPT on ``--stages`` gloo processes (cores shared evenly),
 SGD, ``--micro`` micro-batches. torch's stages hold equal runs of blocks (the
@@ -164,19 +164,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mem-seq", type=int, default=1024)
     p.add_argument("--mem-d-model", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each, alternated (this machine's speed drifts)")
     p.add_argument("--only", choices=("time", "memory"))
     args = p.parse_args()
     console = Console(width=120)
     if args.only != "memory":
         overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
                      "batch_size": args.batch}
-        base = torch_step_time(args.stages, args.micro, args.steps, overrides)
-        ours = {s: chronotope_step_time(args.stages, args.micro, args.steps, overrides, s)
-                for s in ("1f1b", "zb1")}
+        runs = [(torch_step_time(args.stages, args.micro, args.steps, overrides),
+                 {s: chronotope_step_time(args.stages, args.micro, args.steps, overrides, s)
+                  for s in ("1f1b", "zb1")})
+                for _ in range(args.rounds)]  # alternated: the machine drifts
+        base = statistics.median(b for b, _ in runs)
+        ours = {s: statistics.median(o[s] for _, o in runs) for s in ("1f1b", "zb1")}
         table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch "
                             f"{args.batch} x {args.seq} tokens, {args.micro} micro-batches, on "
-                            f"{args.stages} gloo processes (median of {args.steps - 1} steps, "
-                            "slowest rank)")
+                            f"{args.stages} gloo processes (median of {args.rounds} alternated "
+                            f"runs of {args.steps - 1} steps' median, slowest rank)")
         for col in ("chronotope schedule", "torch Schedule1F1B ms", "chronotope ms", "ratio"):
             table.add_column(col, justify="right" if col != "chronotope schedule" else "left")
         for name, t in ours.items():

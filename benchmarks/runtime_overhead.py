@@ -1,7 +1,7 @@
 """Step time of chronotope vs PyTorch's own parallel training, same model, same run.
 
     python benchmarks/runtime_overhead.py [--devices 1 2 4] [--steps 10] [--d-model 128]
-                                          [--only dp tp zero-2 zero-3]
+                                          [--rounds 3] [--only dp tp zero-2 zero-3]
 
 On gloo processes (cores shared evenly), with SGD and the same built-in GPT:
 
@@ -144,6 +144,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each side, alternated (this machine's speed drifts)")
     p.add_argument("--only", nargs="+", metavar="POLICY",
                    help="only these chronotope policies' rows (dp, tp, zero-2, zero-3)")
     args = p.parse_args()
@@ -162,13 +164,15 @@ def main() -> None:
             if (world == 1) != (kind in ("eager", "compiled")) or (
                     args.only and policy not in args.only):
                 continue
-            base = baseline_step_time(kind, world, args.steps, overrides)
-            ours = chronotope_step_time(policy, world, args.steps, overrides,
-                                        "inductor" if kind == "compiled" else None)
-            rows.append((name, world, baseline, base, ours, goal))
+            pairs = [(baseline_step_time(kind, world, args.steps, overrides),
+                      chronotope_step_time(policy, world, args.steps, overrides,
+                                           "inductor" if kind == "compiled" else None))
+                     for _ in range(args.rounds)]  # alternated: the machine drifts
+            rows.append((name, world, baseline, statistics.median(b for b, _ in pairs),
+                         statistics.median(o for _, o in pairs), goal))
     table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch {args.batch} x "
-                        f"{args.seq} tokens, on gloo processes "
-                        f"(median of {args.steps - 1} steps)")
+                        f"{args.seq} tokens, on gloo processes (median of {args.rounds} "
+                        f"alternated runs of {args.steps - 1} steps' median)")
     for col in ("parallelism", "processes", "baseline", "baseline ms", "chronotope ms", "ratio",
                 "goal"):
         table.add_column(col, justify="right" if col.endswith(("ms", "ratio", "es", "goal"))

@@ -210,6 +210,9 @@ def render_instruction(ins: Instruction) -> list[str]:
         if ins.is_view:
             p = ins.parts[0]
             return [f"{ins.var} = {p.src}{_index(p.src_slices)}"]
+        if ins.accumulate:
+            total, part = ins.parts
+            return [f"{ins.var} = rt.accumulate({total.src}, {part.src})"]
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]

@@ -241,11 +241,12 @@ class Materializer:
             if len({made_at[p.src] for p in parts}) < 3:
                 continue  # made together (one backward region): nothing to gain
             total = parts[0]
-            for p in parts[1:-1]:
+            for k, p in enumerate(parts[1:-1]):  # the totals made here are added into
                 var = self.name(rank, f"{ins.var}_partial", ins.shape)
-                after[made_at[p.src]].append(Assemble(var, ins.shape, ins.dtype, [total, p]))
+                after[made_at[p.src]].append(Assemble(var, ins.shape, ins.dtype, [total, p],
+                                                      accumulate=k > 0))
                 total = replace(total, src=var)
-            out[i] = replace(ins, parts=[total, parts[-1]])
+            out[i] = replace(ins, parts=[total, parts[-1]], accumulate=len(parts) > 2)
         return [x for i, ins in enumerate(out) for x in (ins, *after.get(i, ()))]
 
     def refresh(self) -> list[list[Instruction]]:

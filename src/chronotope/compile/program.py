@@ -157,6 +157,9 @@ class Assemble:
     dtype: torch.dtype
     parts: list[Part]
     pattern: Pattern | None = None
+    # a running sum: the first part is a total made by an Assemble that nothing else reads,
+    # and the second (whole) part is added into it in place
+    accumulate: bool = False
 
     @property
     def is_view(self) -> bool:

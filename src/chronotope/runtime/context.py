@@ -327,11 +327,22 @@ class StepContext:
     def assemble(self, shape: tuple[int, ...], dtype: torch.dtype,
                  parts: Sequence[tuple[torch.Tensor, tuple[slice, ...], float]]) -> torch.Tensor:
         """Regions side by side, partial values summed."""
+        if len(parts) > 1 and all(t.shape == shape and t.dtype == dtype and scale == 1
+                                  for t, _, scale in parts):  # whole values: one sum
+            out = parts[0][0].detach() + parts[1][0].detach()
+            for t, _, _ in parts[2:]:
+                out += t.detach()
+            return out
         out = torch.zeros(shape, dtype=dtype, device=self.device)
         for t, where, scale in parts:
             t = t.detach()
             out[where] += t * scale if scale != 1 else t
         return out
+
+    @staticmethod
+    def accumulate(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """A running sum made here and read nowhere else, with one more part added in place."""
+        return total.add_(part.detach())
 
     def tick(self) -> None:
         """The instruction before this call has ended (its device work included)."""
