@@ -5,8 +5,9 @@ import warnings
 import pytest
 
 import chronotope as ct
-from chronotope.compile.program import AllReduce, Backward, Forward
+from chronotope.compile.program import AllReduce, Assemble, Backward, Forward, covers, reads
 from chronotope.models import get_workload
+from tests.policies.plan_testing import trains_like_one_device
 
 
 def _graph(name: str) -> ct.Graph:
@@ -42,3 +43,23 @@ def test_tensor_parallel_regions_end_only_at_communication(name):
     # arrives for an output that went through one in forward (the row-parallel sums).
     assert regions <= 2 * reduces + 1
     assert regions < len({op for x in code if isinstance(x, Backward) for op in x.ops}) / 4
+
+
+def test_micro_batches_weight_gradients_are_summed_as_made_into_one_total():
+    """Each micro-batch's weight gradient is added, as its backward makes it, into one
+    running total made on the rank and read nowhere else, in place: one add per part."""
+    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    program = ct.compile(ct.policies.pipeline(graph, 2, 4, "1f1b"))
+    code = program.ranks[0]
+    running = [ins for ins in code if isinstance(ins, Assemble) and ins.accumulate]
+    assert running
+    made_here = {ins.var for ins in code if isinstance(ins, Assemble)}
+    read = [v for ins in code for v in reads(ins)]
+    for ins in running:
+        total, part = ins.parts
+        assert total.src in made_here and read.count(total.src) == 1
+        assert covers(part.dst_slices, ins.shape) and part.scale == 1
+    trains_like_one_device(w, program)
