@@ -32,6 +32,7 @@ from chronotope.compile.program import (
     Instruction,
     Load,
     Loss,
+    Micro,
     Program,
     PullParam,
     PushParam,
@@ -236,6 +237,8 @@ def render_instruction(ins: Instruction) -> list[str]:
         return [f"rt.set_buffer({ins.name!r}, {ins.var})"]
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
+    if isinstance(ins, Micro):
+        return [f"rt.micro({ins.index})"]
     if isinstance(ins, Reshard):
         return [f"rt.reshard(({_names(ins.vars)}))"]
     if isinstance(ins, Refill):

@@ -21,6 +21,7 @@ from chronotope.compile.program import (
     MULTI,
     AllGather,
     AllReduce,
+    Block,
     AllToAll,
     Assemble,
     Broadcast,
@@ -51,9 +52,10 @@ def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
             if isinstance(ins, Assemble) and ins.pattern is not None:
                 found[(ins.pattern.kind, ins.pattern.key)].append((rank, ins))
     chosen: dict[int, tuple[int, ...]] = {}  # id(Assemble) -> members, in the pattern's order
+    step = _steps(ranks)
     for (kind, key), members in found.items():
         order = _members(kind, key, members)
-        if order is not None:
+        if order is not None and len({step.get(id(ins)) for _, ins in members}) == 1:
             for _, ins in members:
                 chosen[id(ins)] = order
     keys = {id(ins): ins.pattern.key for code in ranks for ins in code if id(ins) in chosen}
@@ -70,7 +72,7 @@ def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
         chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
     refused: set[tuple] = set()
     for _ in range(_BROADCAST_TRIES):  # on top of code that runs through, as far as it still does
-        cast = _broadcasts(out, refused)
+        cast = _broadcasts(out, refused, _steps(out))
         stuck = _stuck(cast)
         if not stuck:
             out = cast
@@ -82,7 +84,21 @@ def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
 _BROADCAST_TRIES = 3  # a broadcast only saves the root's sends: not worth many symbolic runs
 
 
-def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
+def _steps(ranks: list[list[Instruction]]) -> dict[int, object]:
+    """In a template's code, the step (``Block``) each instruction belongs to, by id: a
+    collective's members must all be in one step, which runs once per micro-batch on
+    each of them (messages between steps are matched per micro-batch instead)."""
+    out: dict[int, object] = {}
+    for code in ranks:
+        cell: object = "before"
+        for ins in code:
+            if isinstance(ins, Block):
+                cell = ins.cell if ins.cell is not None else "after"
+            out[id(ins)] = cell
+    return out if any(isinstance(ins, Block) for code in ranks for ins in code) else {}
+
+
+def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[int, object],
                 ) -> list[list[Instruction]]:
     """One region a rank sends to two or more others becomes one broadcast."""
     sends: dict[tuple, list[Send]] = defaultdict(list)
@@ -98,7 +114,9 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple],
     for key, group in sends.items():
         root = key[0]
         dsts = [s.dst for s in group]
-        if len(dsts) < 2 or len(set(dsts)) != len(dsts) or ("broadcast", key) in refused:
+        if len(dsts) < 2 or len(set(dsts)) != len(dsts) or ("broadcast", key) in refused or \
+                len({step.get(id(x)) for x in (*group, *(recvs[(root, s.tag)]
+                                                        for s in group))}) > 1:
             continue
         members = tuple(sorted({root, *dsts}))
         swap[root][("send", group[0].tag)] = ("root", members, key, group[0])

@@ -20,6 +20,7 @@ import torch
 
 from chronotope.compile.buckets import BUCKET_MB, buckets
 from chronotope.compile.collectives import Stuck, collectives
+from chronotope.compile.fold import fold
 from chronotope.compile.fuse import fuse
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.overlap import overlap
@@ -27,6 +28,7 @@ from chronotope.compile.program import (
     AllReduce,
     Assemble,
     Backward,
+    Block,
     Forward,
     Free,
     GatherParams,
@@ -55,6 +57,7 @@ from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp
+from chronotope.plan.steps import cells_of
 
 _RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
 _DERIVED = ("_in", "_share")  # suffixes codegen adds to a name
@@ -104,6 +107,11 @@ class Materializer:
                 self.owners[pname] += [(rank, o.region) for o in regions]
         self.head: list[list[Instruction]] = [[] for _ in range(n)]  # owners' sends of params
         self.sent_params: dict[tuple, str] = {}
+        # A template (``plan.micro``): the step each cell piece belongs to, and the tensor each
+        # local name holds (``fold`` runs the blocks once per micro-batch)
+        self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
+        self.tensor_of: list[dict[str, PTensor]] = [{} for _ in range(n)]
+        self.once = False  # reading for what runs once a step, after every micro-batch
 
     def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
         """A fresh local name on ``rank`` for a tensor of ``shape``."""
@@ -126,12 +134,15 @@ class Materializer:
                 for v in op.outputs:
                     hint = f"d_{self.forward_of[v.ptensor].name}" \
                         if v.ptensor in self.forward_of else v.ptensor.name
-                    self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint, v.mask.shape)
+                    var = self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint,
+                                                                             v.mask.shape)
+                    self.tensor_of[rank][var] = v.ptensor
         if self.cluster is not None:
             self.layout_changes()
         for rank, seq in sorted(self.sequences.items()):
             for op in seq:
                 self.emit(rank, op)
+        self.once = True
         for rank in range(self.plan.ndevices):
             grads = []  # gathered first, handed over after: the sums can then be fused
             for pname in self.plan.graph.params:  # one order on every rank
@@ -161,17 +172,37 @@ class Materializer:
         ranks = []
         for rank, seq in sorted(self.sequences.items()):
             flat: list[Instruction] = []
-            for op in seq:
-                flat += [*self.pre[op], self.main[op], *self.post[op]]
+            for op in seq if not self.cells else self.in_blocks(seq):
+                flat += [op] if isinstance(op, Block) else \
+                    [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks = buckets(collectives(ranks), self.bucket_bytes)
+        ranks = collectives(ranks)
+        if not self.cells:  # a template's gradients are summed once every micro-batch ran
+            ranks = buckets(ranks, self.bucket_bytes)
         if self.plan.reshard:
             ranks = [reshard(code) for code in ranks]
         ranks = [self.running_sums(rank, fuse(code)) for rank, code in enumerate(ranks)]
+        if self.cells:
+            ranks = buckets(fold(ranks, self.plan, self.tensor_of, self.shapes),
+                            self.bucket_bytes)
         ranks = [with_frees(code) for code in overlap(ranks)]
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)
+
+    def in_blocks(self, seq: list[PlanOp]) -> list[PlanOp | Block]:
+        """A template rank's pieces as folding runs them: first what runs once before the
+        micro-batches (forward pieces of no cell: tables from weights, counts from the
+        labels), then each step's pieces after a ``Block`` mark, in the order the template
+        runs them, then, after the end mark, the backward of what ran once."""
+        once = [op for op in seq if op not in self.cells and not op.is_backward]
+        steps: dict[tuple[str, int], list[PlanOp]] = {}
+        for op in seq:
+            if op in self.cells:
+                steps.setdefault(self.cells[op], []).append(op)
+        after = [op for op in seq if op not in self.cells and op.is_backward]
+        return [*once, *(x for cell, ops in steps.items() for x in (Block(cell), *ops)),
+                Block(None), *after]
 
     def over_replicas(self, rank: int, grads: list[Grad]) -> list[Grad]:
         """The gradients ``rank`` hands to its owned regions, summed over its replicas first
@@ -307,6 +338,7 @@ class Materializer:
 
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
+        self.once = bool(self.cells) and op.is_backward and op not in self.cells
         outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
         for v, var, copies in zip(op.outputs, outs, op.output_copies()):
             # a part of a value is read from the copy ``Sources.find`` picks for every reader
@@ -372,6 +404,7 @@ class Materializer:
         else:
             var = self.assemble(rank, v, found, pre)
         self.local[rank][key] = var
+        self.tensor_of[rank].setdefault(var, v.ptensor)
         return var
 
     def load(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
@@ -545,8 +578,11 @@ class Materializer:
         if key not in self.received[rank]:
             self.tag += 1
             var = self.name(rank, f"{t.name}_from{producer.device}", region.shape)
-            self.post[producer].append(Send(src_var, region.local_slices(m), rank,
-                                            self.tag))
+            # what runs once a step reads the sum of every micro-batch's part: sent after
+            # they all ran
+            at = self.tail[producer.device] if self.once and producer in self.cells \
+                else self.post[producer]
+            at.append(Send(src_var, region.local_slices(m), rank, self.tag))
             pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)

@@ -337,9 +337,27 @@ class Refill:
     nbytes: int  # what is copied back
 
 
+@dataclass
+class Block:
+    """Where one step of a template starts (``cell``: its kind and stage), or with None
+    where the steps end and what runs once a step goes on (gradients, the loss). Folding
+    (``compile/fold.py``) runs each block once per micro-batch, in the steps' order."""
+
+    cell: tuple[str, int] | None
+
+
+@dataclass
+class Micro:
+    """From here on this rank runs micro-batch ``index``'s step of a template (None: what
+    runs once a step): the pieces' autograd state is kept per micro-batch."""
+
+    index: int | None
+
+
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
                | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
-               | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill)
+               | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill | Block
+               | Micro)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call

@@ -13,13 +13,14 @@ from __future__ import annotations
 import heapq
 import textwrap
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
 from chronotope.plan.replicas import Replicas, replicas
+from chronotope.plan.steps import cells_of, check_steps
 from chronotope.plan.storage import ALLOCATING, Storage, storage, unit
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -128,6 +129,10 @@ def check(plan: Plan) -> CheckedPlan:
             sequences[node.device].append(node)
     stored = storage(plan, sequences)
     memory = {d: estimate_memory(plan, seq, stored, d) for d, seq in sequences.items()}
+    if plan.micro > 1:  # a template: as many micro-batches' activations as a device keeps
+        kept = check_steps(plan, edges, cells_of(plan))
+        memory = {d: replace(m, activations=m.activations * kept.get(d, 1))
+                  for d, m in memory.items()}
     return CheckedPlan(plan, sequences, memory, edges, stored, scaled)
 
 

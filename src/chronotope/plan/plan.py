@@ -151,6 +151,10 @@ class Plan:
         self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart
         self.fused: dict[PlanOp, Fusion] = {}  # forward pieces run as one compiled function
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
+        # A template (see ``template``): the plan is written for the first of ``micro``
+        # micro-batches, and ``steps`` say when each device runs each one's (stage, kind).
+        self.micro = 1
+        self.steps: dict[int, list[tuple[str, int, int]]] = {}
         # Ops a policy was to split along the batch but could not, with why (no signature,
         # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
         self.unsplit: dict[Op, str] = {}
@@ -211,6 +215,29 @@ class Plan:
             self._add(child)
         self.checked = None
         return list(target.children)
+
+    def template(self, op: Ref, algo: Algorithm) -> PlanOp:
+        """Cut a forward op as ``trans`` would and keep only the first piece: the plan is
+        then written for it alone, and the compiler runs the others from it (micro-batch 0
+        of ``micro``: see ``micro_batches``)."""
+        target = self._one(op, "template")
+        first = self.trans(target, algo)[0]
+        for other in target.children[1:]:
+            del self._by_name[other.name]
+        target.children = [first]
+        return first
+
+    def micro_batches(self, micro: int, steps: dict[int, list[tuple[str, int, int]]]) -> None:
+        """Make this plan a template: its pieces of the ops the batch flows through are
+        micro-batch 0's of ``micro`` (cut with ``template``, grouped by stage in
+        ``cells``), and each device runs every micro-batch's forward (F), backward (B)
+        and weight-gradient (W) steps of its stages in the order ``steps[device]`` lists
+        them as ``(kind, stage, micro-batch)``. Plan, check and compile then cost what one
+        micro-batch costs; the compiled program runs them all."""
+        if micro < 1:
+            raise PlanError(f"micro_batches needs micro >= 1, got {micro}")
+        self.micro, self.steps = micro, {d: list(s) for d, s in steps.items()}
+        self.checked = None
 
     def assign(self, op: Ref, device: int) -> None:
         """Place a forward op, group or sub-op (and so its backward) on ``device``."""

@@ -228,7 +228,7 @@ def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[in
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
          recompute: str | None = None, swap: str | None = None, coshard: int = 1,
-         layout: Layout | None = None) -> Plan:
+         layout: Layout | None = None, fold: bool = False) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -250,6 +250,10 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
 
     ``layout`` replaces the tensor-parallel cuts, sequence dims and stages the policy
     would choose, and may run an op on some of its group's devices (without stages).
+
+    ``fold``: the plan is written for micro-batch 0 alone (``Plan.micro_batches``), and
+    the compiler runs every micro-batch from it in the schedule's order: plan, check and
+    compile cost what one micro-batch costs, however many there are.
     """
     if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1:
         raise PlanError(f"a mesh needs dp, tp, pp, micro, coshard >= 1, got dp={dp}, tp={tp}, "
@@ -277,7 +281,12 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     else:
         stage = stages(graph, pp * chunks)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
-    orders = {r: run(r, pp, micro, chunks) for r in range(pp)} if pp > 1 and micro > 1 else {}
+    if fold and (schedule in DIRECTIONS or schedule in RECYCLING or coshard > 1):
+        raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
+                        "co-shard; use fold=False")
+    fold = fold and micro > 1
+    orders = {r: run(r, pp, micro, chunks) for r in range(pp)} \
+        if (pp > 1 or fold) and micro > 1 else {}
     # several pipelines over the same ranks (chimera): each its own copy of the stages,
     # numbered after the previous one's, and its share of the batch and micro-batches
     ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1
@@ -310,7 +319,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             micros = [piece]
             batched = op not in data and (batch_dim[op] is not None or op in tails)
             if micro > ways and batched:
-                micros = plan.trans(piece, batch_cut(op, batch_dim, tails, micro // ways))
+                cut = batch_cut(op, batch_dim, tails, micro // ways)
+                micros = [plan.template(piece, cut)] if fold else plan.trans(piece, cut)
             for m, sub in enumerate(micros):
                 parts = _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices,
                                          coshard if op in spans else 1)
@@ -329,7 +339,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         plan.swap(op.name)
     for name, fusion in layout.fused.items():
         plan.fuse(name, fusion.group, fusion.backend)
-    if orders:
+    if fold:
+        _fold(plan, cells, dp, tp, micro, orders, rank_of)
+    elif orders:
         _schedule(plan, cells, dp, micro // ways, orders, rank_of)
     for key, parts in sharded.items():
         _coshard(plan, parts, f"coshard{key[0]}.{key[1]}.{key[2]}")
@@ -523,6 +535,21 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
             order = [steps[step] for step in order]
             for before, after in zip(order, order[1:]):
                 plan.order(before, after)
+
+
+def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, tp: int,
+          micro: int, orders: dict[int, list[Step]], rank_of: list[int]) -> None:
+    """A template's steps: each device of stage rank ``r`` runs its schedule; a schedule
+    with weight-gradient steps (W) splits every backward first."""
+    pp = len(orders)
+    if any(kind == "W" for order in orders.values() for kind, _, _ in order):
+        plan.split_backward([p for pieces in cells.values() for p in pieces])
+    steps = {}
+    for i in range(dp):
+        for r in range(pp):
+            for j in range(tp):
+                steps[(i * pp + r) * tp + j] = orders[r]
+    plan.micro_batches(micro, steps)
 
 
 def _tensor_parallel(plan: Plan, piece: PlanOp, shard: Shard | None, seq: str | None,

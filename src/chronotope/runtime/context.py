@@ -57,6 +57,7 @@ class StepContext:
         # split backward: leaves whose gradients ``weight`` computes, and what it starts from
         self.later: dict[str, tuple[torch.Tensor, ...]] = {}
         self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        self.micro_index: int | None = None  # the micro-batch a template's block runs
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
         self.stream = stream or Stream()  # what this step's random ops draw (graph/rng.py)
@@ -87,6 +88,14 @@ class StepContext:
 
     # ---- autograd per piece --------------------------------------------------------------
 
+    def micro(self, index: int | None) -> None:
+        """Run micro-batch ``index``'s step of a template from here on (None: what runs
+        once a step): its pieces' autograd state is kept apart from the others'."""
+        self.micro_index = index
+
+    def _key(self, name: str) -> str:
+        return name if not self.micro_index else f"{name}@{self.micro_index}"
+
     def enter(self, name: str, tensors: Sequence[torch.Tensor], grad: Sequence[bool],
               later: Sequence[bool] = ()) -> tuple[torch.Tensor, ...]:
         """Detached leaves for a piece's inputs; those ``later`` (its parameters, when its
@@ -94,13 +103,14 @@ class StepContext:
         leaves = tuple(t.detach().requires_grad_() if g else t.detach()
                        for t, g in zip(tensors, grad))
         later = tuple(later) or (False,) * len(leaves)
+        name = self._key(name)
         self.leaves[name] = tuple(t for t, g, w in zip(leaves, grad, later) if g and not w)
         if any(later):
             self.later[name] = tuple(t for t, w in zip(leaves, later) if w)
         return leaves
 
     def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
-        self.outputs[name] = tuple(outputs)
+        self.outputs[self._key(name)] = tuple(outputs)
 
     def backward(self, arriving: Mapping[str, Sequence[torch.Tensor | None]],
                  pieces: Sequence[str]) -> tuple[torch.Tensor, ...]:
@@ -111,6 +121,7 @@ class StepContext:
         outputs, grads, kept = [], [], []
         for name in pieces:
             given = arriving.get(name, ())
+            name = self._key(name)
             made = self.outputs.pop(name, ())
             for o, g in zip(made, given):
                 if g is not None and o.requires_grad:
@@ -118,7 +129,7 @@ class StepContext:
                     grads.append(g)
             if name in self.later:
                 kept.append((name, [o for o in made if o.requires_grad]))
-        leaves = [t for name in pieces for t in self.leaves.pop(name, ())]
+        leaves = [t for name in pieces for t in self.leaves.pop(self._key(name), ())]
         at = [o for _, outs in kept for o in outs]  # their total gradient, captured
         found: Sequence[torch.Tensor | None] = [None] * (len(leaves) + len(at))
         if outputs and (leaves or at):
@@ -134,6 +145,7 @@ class StepContext:
     def weight(self, name: str) -> tuple[torch.Tensor, ...]:
         """The gradients of piece ``name``'s parameters, from what its ``backward`` kept:
         only that piece's part of the graph runs again, not what fed its inputs."""
+        name = self._key(name)
         outs, grads = self.kept.pop(name, ([], []))
         leaves = self.later.pop(name)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]

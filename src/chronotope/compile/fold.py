@@ -1,0 +1,242 @@
+"""A template's program run for every micro-batch: one micro-batch compiled, all of them run.
+
+A template plan (``Plan.micro_batches``) holds micro-batch 0's pieces. Its compiled
+code has, per rank, what runs once before the micro-batches, one block per step of
+its stages (``Block`` marks), and after the end mark what runs once after them. Each
+rank's program is that code with every block run once per micro-batch, in the order
+its steps list them:
+
+* what a block makes is that micro-batch's own: its names get the micro-batch's
+  suffix, its messages their own tags, its collectives their own keys, and a
+  ``Micro`` mark keeps its pieces' autograd state apart from the others';
+* what it reads of the batch is that micro-batch's rows: an input's, or those of a
+  value made once before (a count of the labels), moved along the batch axis;
+* what runs once after the micro-batches reads the sum of every micro-batch's part of
+  what a block made (a weight's gradient, the loss), added up as they are made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fractions import Fraction
+
+from chronotope.compile.program import (
+    COLLECTIVES,
+    STARTED,
+    AllToAll,
+    Assemble,
+    Backward,
+    Block,
+    Broadcast,
+    Forward,
+    Instruction,
+    Load,
+    Micro,
+    Part,
+    Recv,
+    Send,
+    Wait,
+    WeightGrad,
+    reads,
+    writes,
+)
+from chronotope.errors import PlanError
+from chronotope.graph.axes import batch_dims, batch_start, carry
+from chronotope.graph.ir import Graph, PTensor
+from chronotope.graph.mask import Mask
+from chronotope.plan.plan import Plan
+
+
+def fold(ranks: list[list[Instruction]], plan: Plan, tensor_of: list[dict[str, PTensor]],
+         shapes: list[dict[str, tuple[int, ...]]]) -> list[list[Instruction]]:
+    """Every rank's template code (no frees yet) run for each micro-batch in its steps."""
+    parts = [_split(code) for code in ranks]
+    _refuse_once_to_block(parts)
+    stride = 1 + max((ins.tag for code in ranks for ins in code
+                      if isinstance(ins, (Send, Recv))), default=0)
+    axes = batch_axes(plan.graph)
+    return [_Folder(rank, plan.steps.get(rank, []), *parts[rank], stride, axes,
+                    tensor_of[rank], shapes[rank]).run() for rank in range(len(ranks))]
+
+
+def batch_axes(graph: Graph) -> dict[PTensor, int]:
+    """The axis of every tensor the batch flows into that carries it."""
+    axis = batch_start(graph)
+    for op, dim in batch_dims(graph).items():
+        if dim is not None:
+            carry(op, dim, axis)
+    return axis
+
+
+def _split(code: list[Instruction]):
+    """(before the micro-batches, each step's block, after them) of a rank's code."""
+    before: list[Instruction] = []
+    blocks: dict[tuple[str, int], list[Instruction]] = {}
+    after: list[Instruction] = []
+    into = before
+    for ins in code:
+        if isinstance(ins, Block):
+            into = blocks.setdefault(ins.cell, []) if ins.cell is not None else after
+        else:
+            into.append(ins)
+    return before, blocks, after
+
+
+def _refuse_once_to_block(parts) -> None:
+    """A block that receives what another rank made once (or sends what another rank
+    reads once) would take one message per micro-batch where one was sent."""
+    once = {(ins.tag, "send") for before, _, after in parts for ins in (*before, *after)
+            if isinstance(ins, Send)} | \
+        {(ins.tag, "recv") for before, _, after in parts for ins in (*before, *after)
+         if isinstance(ins, Recv)}
+    for _, blocks, _ in parts:
+        for cell, code in blocks.items():
+            for ins in code:
+                other = "send" if isinstance(ins, Recv) else "recv" \
+                    if isinstance(ins, Send) else None
+                if other and (ins.tag, other) in once:
+                    raise PlanError(
+                        f"step {cell[0]}{cell[1]} of the template exchanges {ins.var} with a "
+                        "rank that runs it once a step, not once per micro-batch: run what "
+                        "makes it on the ranks that read it, or compile without fold")
+
+
+class _Folder:
+    def __init__(self, rank: int, steps, before, blocks, after, stride: int,
+                 axes: dict[PTensor, int], tensor_of: dict[str, PTensor],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+        self.rank, self.steps, self.stride, self.axes = rank, steps, stride, axes
+        self.before, self.blocks, self.after = before, blocks, after
+        self.tensor_of, self.shapes = tensor_of, shapes
+        self.made = {v for code in blocks.values() for ins in code for v in writes(ins)}
+        # what runs once after the micro-batches reads of what each block makes: summed
+        self.summed = {v for ins in after for v in reads(ins) if v in self.made}
+        self.taken = set(shapes) | self.made
+        self.names: dict[tuple[str, int], str] = {}
+
+    def run(self) -> list[Instruction]:
+        missing = [cell for cell in self.blocks if not any(s[:2] == cell for s in self.steps)]
+        if missing:
+            raise PlanError(f"rank {self.rank} has blocks {missing} that no step runs")
+        out = list(self.before)
+        totals: dict[str, str] = {}  # what the micro-batches made so far, summed
+        made_here: set[str] = set()  # totals this code made: added into in place
+        for kind, stage, m in self.steps:
+            block = self.blocks.get((kind, stage), [])
+            out.append(Micro(m))
+            out += [self.instance(ins, m) for ins in block]
+            for v in (v for ins in block for v in writes(ins) if v in self.summed):
+                mine = self.name(v, m)
+                if v not in totals:
+                    totals[v] = mine
+                    continue
+                total = self.fresh(f"{v}_sum")
+                whole = tuple(slice(0, n) for n in self.shapes[v])
+                out.append(Assemble(total, self.shapes[v], self.tensor_of[v].dtype,
+                                    [Part(totals[v], whole, whole, Fraction(1)),
+                                     Part(mine, whole, whole, Fraction(1))],
+                                    accumulate=totals[v] in made_here))
+                totals[v] = total
+                made_here.add(total)
+        after = [_renamed(ins, totals.get) for ins in self.after]
+        return out + ([Micro(None), *after] if self.steps else after)
+
+    def name(self, var: str, m: int) -> str:
+        if m == 0 or var not in self.made:
+            return var
+        key = (var, m)
+        if key not in self.names:
+            self.names[key] = self.fresh(f"{var}_m{m}")
+        return self.names[key]
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def instance(self, ins: Instruction, m: int) -> Instruction:
+        """Micro-batch ``m``'s run of a block's instruction."""
+        if m == 0:
+            return ins
+        ins = _renamed(ins, lambda v: self.name(v, m) if v in self.made else None)
+        if isinstance(ins, (Send, Recv)):
+            return replace(ins, tag=ins.tag + m * self.stride)
+        if isinstance(ins, COLLECTIVES):
+            if isinstance(ins, (AllToAll, Broadcast)):
+                return replace(ins, key=(*ins.key, ("micro", m)))
+            return replace(ins, keys=tuple((*k, ("micro", m)) for k in ins.keys))
+        if isinstance(ins, Load) and ins.source == "input":
+            return replace(ins, mask=self.rows(ins.tensor, ins.mask.index, m, ins.mask))
+        if isinstance(ins, Assemble):
+            return replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
+        if isinstance(ins, Forward) and any(v not in self.made and self.batched(v)
+                                            for v in ins.ins):
+            raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
+        return ins
+
+    def batched(self, var: str) -> bool:
+        """Whether ``var``, made once before the micro-batches, holds every micro-batch's
+        rows (each block reads its own)."""
+        return self.tensor_of.get(var) in self.axes
+
+    def part_rows(self, p: Part, m: int) -> Part:
+        """A part read from what ran once before the micro-batches: micro-batch ``m``'s
+        rows of it."""
+        if p.src in self.made or not self.batched(p.src):
+            return p
+        a = self.axes[self.tensor_of[p.src]]
+        s = p.src_slices[a]
+        width = s.stop - s.start
+        moved = list(p.src_slices)
+        moved[a] = slice(s.start + m * width, s.stop + m * width)
+        return replace(p, src_slices=tuple(moved))
+
+    def rows(self, t: PTensor, index: tuple, m: int, mask: Mask) -> Mask:
+        a = self.axes.get(t)
+        if a is None:
+            return mask
+        lo, hi = index[a]
+        moved = list(index)
+        moved[a] = (lo + m * (hi - lo), hi + m * (hi - lo))
+        return Mask(tuple(moved), mask.value)
+
+
+def _renamed(ins: Instruction, new) -> Instruction:
+    """``ins`` with every local name ``new`` gives a new one for renamed (others kept)."""
+    def n(v: str | None) -> str | None:
+        if v is None:
+            return None
+        got = new(v)
+        return v if got is None else got
+
+    def ns(vs):
+        return tuple(n(v) for v in vs)
+
+    if isinstance(ins, Forward):
+        return replace(ins, ins=ns(ins.ins), outs=ns(ins.outs))
+    if isinstance(ins, Backward):
+        return replace(ins, grad_outputs=tuple(ns(g) for g in ins.grad_outputs),
+                       outs=tuple(ns(o) for o in ins.outs),
+                       recompute=tuple(_renamed(f, new) for f in ins.recompute))
+    if isinstance(ins, WeightGrad):
+        return replace(ins, outs=ns(ins.outs))
+    if isinstance(ins, Assemble):
+        return replace(ins, var=n(ins.var), parts=[replace(p, src=n(p.src)) for p in ins.parts])
+    if isinstance(ins, Wait):
+        return replace(ins, handle=n(ins.handle), vars=ns(ins.vars))
+    if isinstance(ins, STARTED):
+        handle = n(ins.handle) if ins.handle is not None else None
+        if isinstance(ins, Recv):
+            return replace(ins, var=n(ins.var), handle=handle)
+        if isinstance(ins, (AllToAll, Broadcast)):
+            return replace(ins, var=n(ins.var), src=n(ins.src), handle=handle)
+        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s) for s in ins.srcs)
+        return replace(ins, vars=ns(ins.vars), srcs=srcs, handle=handle)
+    if hasattr(ins, "var"):
+        return replace(ins, var=n(ins.var))
+    if hasattr(ins, "vars"):
+        return replace(ins, vars=ns(ins.vars))
+    return ins
+

@@ -1,0 +1,115 @@
+"""The steps of a template plan (``Plan.micro_batches``): when each device runs each
+micro-batch's forward (F), backward (B) and weight-gradient (W) step of its stages.
+
+A template holds micro-batch 0's pieces, grouped by stage in ``plan.cells``; every
+other micro-batch runs the same pieces on its own rows. What a step of micro-batch
+``m`` waits for is what the template's step waits for, in micro-batch ``m``: the
+data edges between the template's cells say which. The steps are checked here as
+``check`` checks a plan's orders: every step of a device's stages listed once, and
+no device waiting for a step that can only come after its own next one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from chronotope.errors import DeadlockError, PlanError
+from chronotope.plan.plan import Plan, PlanOp
+
+Step = tuple[str, int, int]  # (kind, stage, micro-batch)
+Cell = tuple[str, int]  # (kind, stage): a template step
+
+
+def cells_of(plan: Plan) -> dict[PlanOp, Cell]:
+    """The template step each cell piece belongs to (forward leaves, their backward and
+    weight-gradient parts); pieces of no cell run once per step, not per micro-batch."""
+    out: dict[PlanOp, Cell] = {}
+    for (_, stage, _), pieces in plan.cells.items():
+        for piece in pieces:
+            for leaf in plan.leaves(piece):
+                out[leaf] = ("F", stage)
+                if (b := plan.backward_op(leaf)) is not None:
+                    out[b] = ("B", stage)
+                if (w := plan.weight_op(leaf)) is not None:
+                    out[w] = ("W", stage)
+    return out
+
+
+def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int, int]:
+    """Refuse steps that miss or repeat one of a device's steps, or that wait on each other
+    in a cycle; returns, per device, the most micro-batches it keeps at once (forward run,
+    backward not yet), which its activations take."""
+    held: dict[int, set[Cell]] = defaultdict(set)
+    for op, cell in cells.items():
+        held[op.device].add(cell)
+    for device, mine in held.items():
+        want = {(k, s, m) for k, s in mine for m in range(plan.micro)}
+        steps = plan.steps.get(device, [])
+        given = set(steps)
+        missing, unknown = sorted(want - given), sorted(given - want)
+        if missing or unknown or len(steps) != len(given):
+            what = f"{_shown(missing)} missing" if missing else \
+                f"{_shown(unknown)} not on this device" if unknown else "a step twice"
+            raise PlanError(f"the steps of device {device} do not fit the template: {what}; "
+                            f"it runs {_shown(sorted(mine))} for micro-batches "
+                            f"0..{plan.micro - 1}")
+    # (device, cell) waits on (device, cell); one cell's pieces on several devices (tensor
+    # parallel peers) run together, as the template does
+    waits: set[tuple[int, Cell, int, Cell]] = set()
+    for e in edges:
+        a, b = cells.get(e.src), cells.get(e.dst)
+        if a is not None and b is not None and a != b:
+            waits.add((e.dst.device, b, e.src.device, a))
+    _play(plan, waits)
+    return {device: _kept(plan.steps[device]) for device in held}
+
+
+def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:
+    """Run every device's steps in order, each when what it waits for has run; a device
+    that cannot move on when none can is named with what it waits for."""
+    before: dict[tuple[int, Cell], list[tuple[int, Cell]]] = defaultdict(list)
+    for d, cell, src, other in waits:
+        before[(d, cell)].append((src, other))
+    done: set[tuple[int, str, int, int]] = set()
+    at = dict.fromkeys(plan.steps, 0)
+    moved = True
+    while moved:
+        moved = False
+        for d, steps in plan.steps.items():
+            while at[d] < len(steps):
+                kind, stage, m = steps[at[d]]
+                if any((src, k, s, m) not in done for src, (k, s) in before[(d, (kind, stage))]):
+                    break
+                done.add((d, kind, stage, m))
+                at[d] += 1
+                moved = True
+    stuck = {d: steps[at[d]] for d, steps in plan.steps.items() if at[d] < len(steps)}
+    if stuck:
+        lines = ["the template's steps deadlock: each of these devices waits for a step "
+                 "that cannot run before its own next one"]
+        for d, (kind, stage, m) in sorted(stuck.items()):
+            wanted = [f"{k}{s}.{m} on device {src}" for src, (k, s) in before[(d, (kind, stage))]
+                      if (src, k, s, m) not in done]
+            lines.append(f"  device {d}: {kind}{stage}.{m} waits for {', '.join(wanted[:3])}")
+        lines.append("Order each device's steps so that a micro-batch's forward runs down the "
+                     "stages and its backward back up.")
+        raise DeadlockError("\n".join(lines))
+
+
+def _kept(steps: list[Step]) -> int:
+    """The most micro-batches whose forward ran and whose last backward step has not."""
+    last = {m: i for i, (kind, _, m) in enumerate(steps) if kind != "F"}
+    alive, most = set(), 0
+    for i, (kind, _, m) in enumerate(steps):
+        if kind == "F":
+            alive.add(m)
+        elif last[m] == i:
+            alive.discard(m)
+        most = max(most, len(alive))
+    return max(most, 1)
+
+
+def _shown(steps: list) -> str:
+    text = ", ".join("".join(map(str, s)) if len(s) == 2 else f"{s[0]}{s[1]}.{s[2]}"
+                     for s in steps[:4])
+    return text + (f" and {len(steps) - 4} more" if len(steps) > 4 else "")
