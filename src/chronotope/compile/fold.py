@@ -46,6 +46,8 @@ from chronotope.graph.ir import Graph, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Plan
 
+_ONCE = ("param", "constant", "buffer")  # loads alike in every micro-batch
+
 
 def fold(ranks: list[list[Instruction]], plan: Plan, tensor_of: list[dict[str, PTensor]],
          shapes: list[dict[str, tuple[int, ...]]]) -> list[list[Instruction]]:
@@ -106,13 +108,19 @@ class _Folder:
                  axes: dict[PTensor, int], tensor_of: dict[str, PTensor],
                  shapes: dict[str, tuple[int, ...]]) -> None:
         self.rank, self.steps, self.stride, self.axes = rank, steps, stride, axes
-        self.before, self.blocks, self.after = before, blocks, after
+        # what every micro-batch loads alike (weights, constants) is loaded once, before
+        loads = [ins for code in blocks.values() for ins in code
+                 if isinstance(ins, Load) and ins.source in _ONCE]
+        blocks = {cell: [ins for ins in code if not (isinstance(ins, Load)
+                                                     and ins.source in _ONCE)]
+                  for cell, code in blocks.items()}
+        self.before, self.blocks, self.after = [*before, *loads], blocks, after
         self.tensor_of, self.shapes = tensor_of, shapes
         self.made = {v for code in blocks.values() for ins in code for v in writes(ins)}
         # what runs once after the micro-batches reads of what each block makes: summed
         self.summed = {v for ins in after for v in reads(ins) if v in self.made}
         self.taken = set(shapes) | self.made
-        self.names: dict[tuple[str, int], str] = {}
+        self.names: dict[int, dict[str, str]] = {}
 
     def run(self) -> list[Instruction]:
         missing = [cell for cell in self.blocks if not any(s[:2] == cell for s in self.steps)]
@@ -121,11 +129,17 @@ class _Folder:
         out = list(self.before)
         totals: dict[str, str] = {}  # what the micro-batches made so far, summed
         made_here: set[str] = set()  # totals this code made: added into in place
+        summed = {cell: [v for ins in code for v in writes(ins) if v in self.summed]
+                  for cell, code in self.blocks.items()}
         for kind, stage, m in self.steps:
             block = self.blocks.get((kind, stage), [])
             out.append(Micro(m))
-            out += [self.instance(ins, m) for ins in block]
-            for v in (v for ins in block for v in writes(ins) if v in self.summed):
+            if m:
+                names = self.names_of(m)
+                out += [self.instance(ins, m, names) for ins in block]
+            else:
+                out += block
+            for v in summed.get((kind, stage), ()):
                 mine = self.name(v, m)
                 if v not in totals:
                     totals[v] = mine
@@ -138,16 +152,17 @@ class _Folder:
                                     accumulate=totals[v] in made_here))
                 totals[v] = total
                 made_here.add(total)
-        after = [_renamed(ins, totals.get) for ins in self.after]
+        after = [_renamed(ins, totals) for ins in self.after]
         return out + ([Micro(None), *after] if self.steps else after)
 
+    def names_of(self, m: int) -> dict[str, str]:
+        """Micro-batch ``m``'s name of everything the blocks make."""
+        if m not in self.names:
+            self.names[m] = {v: self.fresh(f"{v}_m{m}") for v in sorted(self.made)}
+        return self.names[m]
+
     def name(self, var: str, m: int) -> str:
-        if m == 0 or var not in self.made:
-            return var
-        key = (var, m)
-        if key not in self.names:
-            self.names[key] = self.fresh(f"{var}_m{m}")
-        return self.names[key]
+        return self.names_of(m)[var] if m and var in self.made else var
 
     def fresh(self, base: str) -> str:
         name, i = base, 1
@@ -156,11 +171,9 @@ class _Folder:
         self.taken.add(name)
         return name
 
-    def instance(self, ins: Instruction, m: int) -> Instruction:
-        """Micro-batch ``m``'s run of a block's instruction."""
-        if m == 0:
-            return ins
-        ins = _renamed(ins, lambda v: self.name(v, m) if v in self.made else None)
+    def instance(self, ins: Instruction, m: int, names: dict[str, str]) -> Instruction:
+        """Micro-batch ``m``'s run of a block's instruction (``names``: its names)."""
+        ins = _renamed(ins, names)
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
         if isinstance(ins, COLLECTIVES):
@@ -203,40 +216,42 @@ class _Folder:
         return Mask(tuple(moved), mask.value)
 
 
-def _renamed(ins: Instruction, new) -> Instruction:
-    """``ins`` with every local name ``new`` gives a new one for renamed (others kept)."""
-    def n(v: str | None) -> str | None:
-        if v is None:
-            return None
-        got = new(v)
-        return v if got is None else got
+def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
+    """``ins`` with every local name in ``names`` renamed (others kept)."""
+    n = names.get
 
     def ns(vs):
-        return tuple(n(v) for v in vs)
+        return tuple(map(n, vs, vs))
+
+    def changed(**fields) -> Instruction:  # a shallow copy: much cheaper than replace()
+        out = object.__new__(type(ins))
+        out.__dict__.update(ins.__dict__, **fields)
+        return out
 
     if isinstance(ins, Forward):
-        return replace(ins, ins=ns(ins.ins), outs=ns(ins.outs))
+        return changed(ins=ns(ins.ins), outs=ns(ins.outs))
     if isinstance(ins, Backward):
-        return replace(ins, grad_outputs=tuple(ns(g) for g in ins.grad_outputs),
-                       outs=tuple(ns(o) for o in ins.outs),
-                       recompute=tuple(_renamed(f, new) for f in ins.recompute))
+        return changed(grad_outputs=tuple(map(ns, ins.grad_outputs)),
+                       outs=tuple(map(ns, ins.outs)),
+                       recompute=tuple(_renamed(f, names) for f in ins.recompute))
     if isinstance(ins, WeightGrad):
-        return replace(ins, outs=ns(ins.outs))
+        return changed(outs=ns(ins.outs))
     if isinstance(ins, Assemble):
-        return replace(ins, var=n(ins.var), parts=[replace(p, src=n(p.src)) for p in ins.parts])
+        return changed(var=n(ins.var, ins.var),
+                       parts=[replace(p, src=n(p.src, p.src)) for p in ins.parts])
     if isinstance(ins, Wait):
-        return replace(ins, handle=n(ins.handle), vars=ns(ins.vars))
+        return changed(handle=n(ins.handle, ins.handle), vars=ns(ins.vars))
     if isinstance(ins, STARTED):
-        handle = n(ins.handle) if ins.handle is not None else None
+        handle = n(ins.handle, ins.handle)
         if isinstance(ins, Recv):
-            return replace(ins, var=n(ins.var), handle=handle)
+            return changed(var=n(ins.var, ins.var), handle=handle)
         if isinstance(ins, (AllToAll, Broadcast)):
-            return replace(ins, var=n(ins.var), src=n(ins.src), handle=handle)
-        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s) for s in ins.srcs)
-        return replace(ins, vars=ns(ins.vars), srcs=srcs, handle=handle)
+            return changed(var=n(ins.var, ins.var), src=n(ins.src, ins.src), handle=handle)
+        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s, s) for s in ins.srcs)
+        return changed(vars=ns(ins.vars), srcs=srcs, handle=handle)
     if hasattr(ins, "var"):
-        return replace(ins, var=n(ins.var))
+        return changed(var=n(ins.var, ins.var))
     if hasattr(ins, "vars"):
-        return replace(ins, vars=ns(ins.vars))
+        return changed(vars=ns(ins.vars))
     return ins
 

@@ -50,6 +50,7 @@ from chronotope.compile.replay import Costs, replay
 from chronotope.compile.reshard import check_shared, is_regather, unit_of
 from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
+from chronotope.plan.plan import PlanOp
 
 _COMPUTE = (Forward, Backward, WeightGrad)
 
@@ -57,12 +58,20 @@ _COMPUTE = (Forward, Backward, WeightGrad)
 class _Flops(Costs):
     """Compute priced by its FLOPs (and 1 per piece, so that none is free); messages free."""
 
+    def __init__(self) -> None:
+        self.priced: dict[PlanOp, float] = {}  # a template's pieces run once per micro-batch
+
+    def flops(self, op: PlanOp) -> float:
+        if op not in self.priced:
+            self.priced[op] = piece_flops(op) + 1.0
+        return self.priced[op]
+
     def local(self, rank: int, ins: Instruction, since: float) -> float:
         if isinstance(ins, Backward):
             ops = [*(f.op for f in ins.recompute if isinstance(f, Forward)), *ins.ops]
-            return sum(piece_flops(op) + 1.0 for op in ops)
+            return sum(self.flops(op) for op in ops)
         if isinstance(ins, (Forward, WeightGrad)):
-            return piece_flops(ins.op) + 1.0
+            return self.flops(ins.op)
         return 0.0
 
 
