@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from chronotope.errors import DeadlockError, PlanError
+from chronotope.graph.convert import is_random
 from chronotope.plan.plan import Plan, PlanOp
 
 Step = tuple[str, int, int]  # (kind, stage, micro-batch)
@@ -39,6 +40,7 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
     """Refuse steps that miss or repeat one of a device's steps, or that wait on each other
     in a cycle; returns, per device, the most micro-batches it keeps at once (forward run,
     backward not yet), which its activations take."""
+    _refuse_what_differs(plan, cells)
     held: dict[int, set[Cell]] = defaultdict(set)
     for op, cell in cells.items():
         held[op.device].add(cell)
@@ -62,6 +64,22 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
             waits.add((e.dst.device, b, e.src.device, a))
     _play(plan, waits)
     return {device: _kept(plan.steps[device]) for device in held}
+
+
+def _refuse_what_differs(plan: Plan, cells: dict[PlanOp, Cell]) -> None:
+    """What micro-batch 0's pieces cannot do for the others: draw their own random numbers
+    (each would draw micro-batch 0's), or update buffers (each would set them)."""
+    drawn = next((op for op in cells if not op.is_backward and is_random(op.op)), None)
+    if drawn is not None:
+        where = f" at {drawn.op.source}" if drawn.op.source else ""
+        raise PlanError(f"a template runs micro-batch 0's pieces for every micro-batch, and "
+                        f"{drawn.op.name} ({drawn.op.kind}{where}) draws random numbers for "
+                        "its rows: every micro-batch would draw micro-batch 0's. Cut the "
+                        "micro-batches instead (fold=False)")
+    if plan.graph.buffer_updates:
+        raise PlanError(f"a template runs micro-batch 0's pieces for every micro-batch, and "
+                        f"the step updates buffers ({', '.join(plan.graph.buffer_updates)}) "
+                        "from the batch: cut the micro-batches instead (fold=False)")
 
 
 def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:

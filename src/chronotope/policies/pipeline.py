@@ -264,15 +264,15 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
 
 def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *,
              dp: int = 1, tp: int = 1, chunks: int = 1, recompute: str | None = None,
-             swap: str | None = None) -> Plan:
+             swap: str | None = None, fold: bool = False) -> Plan:
     """``stages`` pipeline ranks (times ``tp`` tensor-parallel devices each, times ``dp``
     data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order;
-    with ``chunks`` > 1 (interleaved), each rank holds that many stages; ``recompute``
-    and ``swap`` as in ``mesh``."""
+    with ``chunks`` > 1 (interleaved), each rank holds that many stages; ``recompute``,
+    ``swap`` and ``fold`` (one micro-batch planned and compiled, all run) as in ``mesh``."""
     from chronotope.policies.mesh import mesh
 
     return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
-                chunks=chunks, recompute=recompute, swap=swap)
+                chunks=chunks, recompute=recompute, swap=swap, fold=fold)
 
 
 def step_of(plan: Plan) -> dict[PlanOp, str]:
@@ -296,6 +296,10 @@ def actions(plan: Plan) -> dict[int, list[str]]:
     """Per rank, its stage's forward / backward micro-batch steps in the order it runs them,
     as torch pipelining action strings (``"0F1"``, ``"1B0"``); ranks without stages are
     left out. A run of pieces of one step is one action."""
+    if plan.micro > 1:  # a template: its steps are written down
+        return {d: [f"{s}{'I' if kind == 'B' and any(k == 'W' for k, _, _ in steps) else kind}"
+                    f"{m}" for kind, s, m in steps]
+                for d, steps in sorted(plan.steps.items()) if steps}
     steps_of = step_of(plan)
     checked = plan.check()
     out: dict[int, list[str]] = {}

@@ -101,7 +101,17 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
                 far = bytes_per_s and p.device != op.device and common
                 wire[edge] = wire.get(edge, 0) + (
                     common.numel * v.ptensor.dtype.itemsize if far else 0)
+    if plan.micro > 1:  # a template's micro-batch 0 stands for every micro-batch
+        cost = defaultdict(float, {(d, _micro(step, m)): c for (d, step), c in cost.items()
+                                   for m in range(plan.micro)})
+        wire = {((a, _micro(x, m)), (b, _micro(y, m))): n for ((a, x), (b, y)), n in wire.items()
+                for m in range(plan.micro)}
     return Timeline(_play(order, cost, wire, bytes_per_s), sorted(order))
+
+
+def _micro(step: str, m: int) -> str:
+    """A template's step of micro-batch 0 (``"1F0"``) as micro-batch ``m``'s."""
+    return f"{step[:-1]}{m}"
 
 
 @dataclass(frozen=True)

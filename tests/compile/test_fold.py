@@ -1,0 +1,121 @@
+"""Templates: micro-batch 0 planned, checked and compiled, every micro-batch run from it."""
+
+import warnings
+
+import pytest
+
+import chronotope as ct
+from chronotope.compile.program import Micro
+from chronotope.errors import DeadlockError, PlanError
+from chronotope.models import get_workload
+from chronotope.policies import actions, mesh, pipeline, timeline
+from chronotope.runtime.launch import run_processes
+from chronotope.runtime.local import Optim
+from chronotope.runtime.reference import compare, train_reference
+from tests.policies.plan_testing import trains_like_one_device
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    w = get_workload("gpt", n_layer=4, d_model=32, n_head=2, block_size=16, batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w, ct.capture(w)
+
+
+FOLDED = {
+    "gpipe": dict(pp=2, micro=4, schedule="gpipe"),
+    "1f1b": dict(pp=4, micro=4, schedule="1f1b"),
+    "interleaved": dict(pp=2, micro=4, schedule="interleaved", chunks=2),
+    "zb1": dict(pp=2, micro=4, schedule="zb1"),
+    "zbv": dict(pp=2, micro=4, schedule="zbv", chunks=2),
+    "tp x pp": dict(tp=2, pp=2, micro=2, schedule="1f1b"),
+    "dp x pp": dict(dp=2, pp=2, micro=2, schedule="1f1b"),
+    "accumulation": dict(micro=4),
+}
+
+
+@pytest.mark.parametrize("name", FOLDED)
+def test_a_folded_plan_trains_like_one_device_and_like_the_cut_one(gpt, name):
+    """The messages each pair of ranks exchanges keep one order on both sides (the thread
+    runs check it, as NCCL needs), and the order of steps is the cut plan's."""
+    w, graph = gpt
+    plan = mesh(graph, fold=True, **FOLDED[name])
+    program = ct.compile(plan)
+    trains_like_one_device(w, program)
+    cut = mesh(graph, **FOLDED[name])
+    if "pp" in FOLDED[name]:
+        assert actions(plan) == actions(cut)
+    marks = {r: [ins.index for ins in code if isinstance(ins, Micro) and ins.index is not None]
+             for r, code in enumerate(program.ranks)}
+    assert all(marks[d] == [m for _, _, m in steps] for d, steps in plan.steps.items())
+
+
+def test_plan_check_and_compile_cost_one_micro_batch(gpt):
+    """The template holds micro-batch 0's pieces whatever the number of micro-batches, and
+    its estimate keeps as many micro-batches' activations as the cut plan's does (what runs
+    once a step counted as one of them)."""
+    _, graph = gpt
+    sizes = {}
+    for micro in (2, 8):
+        plan = pipeline(graph, 2, micro, "1f1b", fold=True)
+        sizes[micro] = sum(len(s) for s in plan.check().sequences.values())
+        cut = pipeline(graph, 2, micro, "1f1b")
+        for d, memory in plan.check().memory.items():  # what runs once is counted as kept
+            assert memory.activations == pytest.approx(cut.check().memory[d].activations,
+                                                       rel=0.05)
+    assert sizes[2] == sizes[8]
+
+
+def test_a_folded_timeline_is_the_cut_plans(gpt):
+    _, graph = gpt
+    folded, cut = (timeline(pipeline(graph, 2, 4, "1f1b", fold=f)) for f in (True, False))
+    assert folded.makespan == pytest.approx(cut.makespan)
+    assert folded.bubble_ratio == pytest.approx(cut.bubble_ratio)
+
+
+def test_scaled_folded_plans_train_like_one_device_on_the_whole_batch(gpt):
+    """Data-parallel replicas of a folded tp x pp unit (plan.scale): 1,024-rank plans are
+    written this way."""
+    w, _ = gpt
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unit = ct.capture(w.replica(2))
+    program = ct.compile(mesh(unit, tp=2, pp=2, micro=2, schedule="1f1b", fold=True).scale(2))
+    trains_like_one_device(w, program)
+
+
+@pytest.mark.slow
+def test_a_folded_pipeline_trains_like_one_device_on_gloo_processes(gpt):
+    w, graph = gpt
+    optim = Optim("sgd", 0.1)
+    run = run_processes(ct.compile(mesh(graph, tp=2, pp=2, micro=4, schedule="1f1b",
+                                        fold=True)), w, 3, optim)
+    assert compare(run, train_reference(w, 3, optim)).within(1e-5)
+
+
+def test_steps_that_miss_a_step_or_deadlock_are_refused(gpt):
+    _, graph = gpt
+    plan = pipeline(graph, 2, 2, "1f1b", fold=True)
+    steps = {d: list(s) for d, s in plan.steps.items()}
+    plan.micro_batches(2, {0: steps[0][:-1], 1: steps[1]})
+    with pytest.raises(PlanError, match=r"device 0 .*B0\.1 missing"):
+        plan.check()
+    # stage 1 runs micro-batch 1's backward before its forward, and stage 0 its backward
+    # before stage 1's forward of it: each waits on the other
+    plan.micro_batches(2, {0: [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)],
+                           1: [("F", 1, 0), ("B", 1, 1), ("B", 1, 0), ("F", 1, 1)]})
+    with pytest.raises(DeadlockError, match="device 1: B1.1 waits for F1.1"):
+        plan.check()
+
+
+def test_what_micro_batch_0_cannot_do_for_the_others_is_refused():
+    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=4,
+                     dropout=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    with pytest.raises(PlanError, match="draws random numbers"):
+        pipeline(graph, 2, 2, "1f1b", fold=True).check()
+    with pytest.raises(PlanError, match="fold runs one pipeline"):
+        pipeline(graph, 2, 2, "chimera", fold=True)
