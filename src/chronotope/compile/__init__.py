@@ -5,6 +5,7 @@ from chronotope.compile.materialize import materialize
 from chronotope.compile.program import Program
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import PlanError
+from chronotope.plan.pause import collector_paused
 from chronotope.plan.plan import Plan
 
 COMMS = ("rvd", "p2p")
@@ -26,14 +27,16 @@ def compile(plan: Plan, comm: str = "rvd",  # noqa: A001  (the public name ``ct.
     if comm not in COMMS:
         raise PlanError(f"unknown comm {comm!r}: use one of {', '.join(COMMS)}")
     if comm == "p2p":
-        return materialize(plan.check(), bucket_mb=bucket_mb)
-    if not isinstance(cluster, Cluster):
+        cluster = None
+    elif not isinstance(cluster, Cluster):
         cluster = cluster_for(plan.ndevices, cluster)
-    if cluster.ndevices < plan.ndevices:
+    if cluster is not None and cluster.ndevices < plan.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the plan "
                         f"uses {plan.ndevices}: profile as many (`chronotope profile --devices "
                         f"{plan.ndevices}`) or name a larger preset")
-    return materialize(plan.check(), cluster, bucket_mb)
+    checked = plan.check()
+    with collector_paused():
+        return materialize(checked, cluster, bucket_mb)
 
 
 __all__ = ["COMMS", "Program", "compile", "materialize"]

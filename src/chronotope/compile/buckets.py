@@ -35,8 +35,10 @@ BUCKET_MB = 25.0  # DDP's default bucket size
 
 
 def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2**20,
-            ) -> list[list[Instruction]]:
-    """Every rank's code with its gradient reductions bucketed and moved up."""
+            check: bool = True) -> list[list[Instruction]]:
+    """Every rank's code with its gradient reductions bucketed and moved up; with
+    ``check``, only if it still runs through (else as it was), without, the caller's to
+    check."""
     sums: dict[tuple[int, ...], dict[int, list[_Sum]]] = defaultdict(dict)
     for rank, code in enumerate(ranks):
         for group, found in _gradient_sums(code).items():
@@ -54,7 +56,7 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
             moved[rank] |= {id(e.instruction) for e in found}
     out = [[x for i, ins in enumerate(code) if id(ins) not in moved[rank]
             for x in (ins, *moves[rank].get(i, ()))] for rank, code in enumerate(ranks)]
-    if all(_in_order(code) for code in out) and replay(out).runs_through:
+    if all(_in_order(code) for code in out) and (not check or replay(out).runs_through):
         return out
     return ranks
 

@@ -182,10 +182,15 @@ class Materializer:
         if self.plan.reshard:
             ranks = [reshard(code) for code in ranks]
         ranks = [self.running_sums(rank, fuse(code)) for rank, code in enumerate(ranks)]
-        if self.cells:
-            ranks = buckets(fold(ranks, self.plan, self.tensor_of, self.shapes),
-                            self.bucket_bytes)
-        ranks = [with_frees(code) for code in overlap(ranks)]
+        if not self.cells:
+            ranks = overlap(ranks)
+        else:  # the folded code is long: one replay checks the buckets and places messages
+            ranks = fold(ranks, self.plan, self.tensor_of, self.shapes)
+            try:
+                ranks = overlap(buckets(ranks, self.bucket_bytes, check=False))
+            except PlanError:
+                ranks = overlap(ranks)
+        ranks = [with_frees(code) for code in ranks]
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)

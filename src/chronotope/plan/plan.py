@@ -25,6 +25,7 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.graph.signature import Signature
 from chronotope.graph.trace import user_frame
 from chronotope.plan.algo import Algorithm, Piece, partition
+from chronotope.plan.pause import collector_paused
 
 if TYPE_CHECKING:
     from chronotope.plan.check import CheckedPlan
@@ -486,7 +487,8 @@ class Plan:
         from chronotope.plan.check import check
 
         if self.checked is None:
-            self.checked = check(self)
+            with collector_paused():
+                self.checked = check(self)
         return self.checked
 
     def summary(self) -> str:
