@@ -113,6 +113,14 @@ def test_run_replicas_scales_a_plan_and_matches_one_device_on_the_whole_batch(ca
     assert "does not split into 3 replicas" in capsys.readouterr().err
 
 
+def test_run_fold_compiles_one_micro_batch_and_matches_one_device(capsys):
+    report = run_json(capsys, "run", "gpt", "--policy", "1f1b", "--devices", "2", "--micro",
+                      "4", "--fold", "--steps", "2", "--check")
+    assert report["match"], report
+    assert main(["plan", "gpt", "--policy", "chimera", "--devices", "2", "--fold"]) == 2
+    assert "fold runs one pipeline" in capsys.readouterr().err
+
+
 def test_run_takes_a_module_schedule_file_and_reports_what_it_cannot_apply(capsys, tmp_path):
     gallery = Path(__file__).parents[1] / "docs" / "schedules"
     report = run_json(capsys, "run", "gpt", "--schedule", f"{gallery}/gpt_megatron.py:megatron",

@@ -284,7 +284,7 @@ def _mesh(sequence: bool = False, coshard: bool = False
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
         return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
                     sequence=sequence, coshard=args.coshard if coshard else 1,
-                    **_activations(args))
+                    fold=args.fold, **_activations(args))
     return policy
 
 
@@ -297,7 +297,7 @@ def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
         dp = args.devices // stages
         micro = _micro(graph, args, stages, dp)
         chunks = args.chunks if schedule in MULTI_STAGE else 1
-        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks,
+        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks, fold=args.fold,
                         **_activations(args))
     return policy
 
@@ -904,6 +904,9 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--micro", type=positive_int, default=1,
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
+        cmd.add_argument("--fold", action="store_true",
+                         help="plan, check and compile one micro-batch and run every "
+                              "micro-batch from it (compile time independent of --micro)")
         cmd.add_argument("--chunks", type=positive_int, default=2,
                          help="stages each pipeline rank holds (interleaved; zbv: 2)")
         cmd.add_argument("--coshard", type=positive_int, default=2,

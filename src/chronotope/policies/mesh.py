@@ -283,7 +283,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     if fold and (schedule in DIRECTIONS or schedule in RECYCLING or coshard > 1):
         raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
-                        "co-shard; use fold=False")
+                        "co-shard; cut the micro-batches instead (fold=False, no --fold)")
     fold = fold and micro > 1
     orders = {r: run(r, pp, micro, chunks) for r in range(pp)} \
         if (pp > 1 or fold) and micro > 1 else {}
