@@ -30,6 +30,8 @@ FOLDED = {
     "zb1": dict(pp=2, micro=4, schedule="zb1"),
     "zbv": dict(pp=2, micro=4, schedule="zbv", chunks=2),
     "tp x pp": dict(tp=2, pp=2, micro=2, schedule="1f1b"),
+    "sp x pp": dict(tp=2, pp=2, micro=2, schedule="1f1b", sequence=True),
+    "1f1b recomputed": dict(pp=2, micro=4, schedule="1f1b", recompute="full"),
     "dp x pp": dict(dp=2, pp=2, micro=2, schedule="1f1b"),
     "accumulation": dict(micro=4),
 }

@@ -50,6 +50,7 @@ POLICIES: dict[str, Callable[[Graph], Plan]] = {
     "tp": lambda g: ct.policies.tensor_parallel(g, DEVICES),
     "zero-3": lambda g: ct.policies.zero(g, DEVICES, 3),
     "1f1b": lambda g: ct.policies.pipeline(g, DEVICES, 2, "1f1b"),
+    "1f1b-fold": lambda g: ct.policies.pipeline(g, DEVICES, 2, "1f1b", fold=True),
 }
 
 

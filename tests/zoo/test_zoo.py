@@ -16,11 +16,11 @@ from tests.zoo.harness import OPTIM, POLICIES, STEPS, TOLERANCE, capture, check
 from tests.zoo.models import FAMILIES
 
 SPLIT = ("dp", "tp", "zero-3")
-ALL = (*SPLIT, "1f1b")
+ALL = (*SPLIT, "1f1b", "1f1b-fold")
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "opt": ALL,
-    "opt-dropout": ALL,
+    "opt-dropout": (*SPLIT, "1f1b"),  # a template refuses random draws per row (below)
     "gpt-neo": ALL,
     "gpt-j": ALL,
     "mistral": ALL,
@@ -91,9 +91,16 @@ def test_trains_like_one_device_in_processes(family: str, policy: str):
 @pytest.mark.parametrize("family", list(WHOLE_BATCH))
 def test_pipelines_refuse_what_needs_the_whole_batch_and_run_it_in_one_micro_batch(family):
     graph = graph_of(family)
-    with pytest.raises(ct.PlanError, match=f"cannot run op {WHOLE_BATCH[family]}") as error:
-        ct.policies.pipeline(graph, 2, 2, "1f1b")
-    assert not isinstance(error.value, ct.DeadlockError)
+    for fold in (False, True):
+        with pytest.raises(ct.PlanError, match=f"cannot run op {WHOLE_BATCH[family]}") as error:
+            ct.policies.pipeline(graph, 2, 2, "1f1b", fold=fold)
+        assert not isinstance(error.value, ct.DeadlockError)
     program = ct.compile(ct.policies.pipeline(graph, 2, 1, "1f1b"))
     run = run_in_threads(program, FAMILIES[family](), STEPS, OPTIM)
     assert compare(run, train_reference(FAMILIES[family](), STEPS, OPTIM)).within(TOLERANCE)
+
+
+def test_a_folded_pipeline_refuses_random_draws_by_name():
+    """Micro-batch 0's pieces would draw micro-batch 0's numbers for every micro-batch."""
+    with pytest.raises(ct.PlanError, match="dropout.* draws random numbers"):
+        ct.policies.pipeline(graph_of("opt-dropout"), 2, 2, "1f1b", fold=True).check()

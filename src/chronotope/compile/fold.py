@@ -41,7 +41,7 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.errors import PlanError
-from chronotope.graph.axes import batch_dims, batch_start, carry
+from chronotope.graph.axes import batch_dims, batch_start
 from chronotope.graph.ir import Graph, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Plan
@@ -62,11 +62,17 @@ def fold(ranks: list[list[Instruction]], plan: Plan, tensor_of: list[dict[str, P
 
 
 def batch_axes(graph: Graph) -> dict[PTensor, int]:
-    """The axis of every tensor the batch flows into that carries it."""
-    axis = batch_start(graph)
+    """The axis along which the ops the batch flows through read each tensor: the one
+    their batch dim is on, which a micro-batch takes its rows of (an attention mask
+    broadcast to the batch's size by ops the batch does not flow through included)."""
+    axis = dict(batch_start(graph))
     for op, dim in batch_dims(graph).items():
-        if dim is not None:
-            carry(op, dim, axis)
+        if dim is None:
+            continue
+        for t, dims in zip(op.inputs, op.signature.inputs):
+            found = next((a for a, ax in enumerate(dims) if ax.factors[0].name == dim), None)
+            if found is not None:
+                axis.setdefault(t, found)
     return axis
 
 
@@ -114,7 +120,7 @@ class _Folder:
         blocks = {cell: [ins for ins in code if not (isinstance(ins, Load)
                                                      and ins.source in _ONCE)]
                   for cell, code in blocks.items()}
-        self.before, self.blocks, self.after = [*before, *loads], blocks, after
+        self.before, self.blocks, self.after = [*loads, *before], blocks, after
         self.tensor_of, self.shapes = tensor_of, shapes
         self.made = {v for code in blocks.values() for ins in code for v in writes(ins)}
         # what runs once after the micro-batches reads of what each block makes: summed
@@ -126,6 +132,10 @@ class _Folder:
         missing = [cell for cell in self.blocks if not any(s[:2] == cell for s in self.steps)]
         if missing:
             raise PlanError(f"rank {self.rank} has blocks {missing} that no step runs")
+        early = next((v for ins in self.before for v in reads(ins) if v in self.made), None)
+        if early is not None:
+            raise PlanError(f"rank {self.rank} reads {early} once before the micro-batches, "
+                            "but a micro-batch's step makes it: compile without fold")
         out = list(self.before)
         totals: dict[str, str] = {}  # what the micro-batches made so far, summed
         made_here: set[str] = set()  # totals this code made: added into in place
@@ -173,6 +183,11 @@ class _Folder:
 
     def instance(self, ins: Instruction, m: int, names: dict[str, str]) -> Instruction:
         """Micro-batch ``m``'s run of a block's instruction (``names``: its names)."""
+        if isinstance(ins, Assemble):  # its rows of what ran once, then its own names
+            ins = replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
+        elif isinstance(ins, Forward) and any(v not in self.made and self.batched(v)
+                                              for v in ins.ins):
+            raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
         ins = _renamed(ins, names)
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
@@ -182,11 +197,6 @@ class _Folder:
             return replace(ins, keys=tuple((*k, ("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":
             return replace(ins, mask=self.rows(ins.tensor, ins.mask.index, m, ins.mask))
-        if isinstance(ins, Assemble):
-            return replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
-        if isinstance(ins, Forward) and any(v not in self.made and self.batched(v)
-                                            for v in ins.ins):
-            raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
         return ins
 
     def batched(self, var: str) -> bool:
@@ -197,7 +207,13 @@ class _Folder:
     def part_rows(self, p: Part, m: int) -> Part:
         """A part read from what ran once before the micro-batches: micro-batch ``m``'s
         rows of it."""
-        if p.src in self.made or not self.batched(p.src):
+        if p.src in self.made:
+            return p
+        if p.src not in self.tensor_of:
+            raise PlanError(f"rank {self.rank}: which tensor {p.src} holds is not known, so "
+                            "its micro-batches' rows are not either; this is a bug in "
+                            "chronotope, please report it with the plan")
+        if not self.batched(p.src):
             return p
         a = self.axes[self.tensor_of[p.src]]
         s = p.src_slices[a]

@@ -20,7 +20,7 @@ import torch
 
 from chronotope.compile.buckets import BUCKET_MB, buckets
 from chronotope.compile.collectives import Stuck, collectives
-from chronotope.compile.fold import fold
+from chronotope.compile.fold import batch_axes, fold
 from chronotope.compile.fuse import fuse
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.overlap import overlap
@@ -112,6 +112,12 @@ class Materializer:
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.tensor_of: list[dict[str, PTensor]] = [{} for _ in range(n)]
         self.once = False  # reading for what runs once a step, after every micro-batch
+        # what each rank sends of its micro-batches' sums, first thing once they all ran, and
+        # receives once of what its micro-batches read alike
+        self.sent_once: list[list[Instruction]] = [[] for _ in range(n)]
+        self.received_once: list[list[Instruction]] = [[] for _ in range(n)]
+        self.in_step = False  # emitting a piece of a template's step
+        self.batched = batch_axes(self.plan.graph) if self.cells else {}
 
     def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
         """A fresh local name on ``rank`` for a tensor of ``shape``."""
@@ -142,7 +148,7 @@ class Materializer:
         for rank, seq in sorted(self.sequences.items()):
             for op in seq:
                 self.emit(rank, op)
-        self.once = True
+        self.once, self.in_step = True, False
         for rank in range(self.plan.ndevices):
             grads = []  # gathered first, handed over after: the sums can then be fused
             for pname in self.plan.graph.params:  # one order on every rank
@@ -173,8 +179,12 @@ class Materializer:
         for rank, seq in sorted(self.sequences.items()):
             flat: list[Instruction] = []
             for op in seq if not self.cells else self.in_blocks(seq):
-                flat += [op] if isinstance(op, Block) else \
-                    [*self.pre[op], self.main[op], *self.post[op]]
+                if isinstance(op, Block):
+                    first = not any(isinstance(x, Block) for x in flat)
+                    flat += [*self.received_once[rank], op] if first else \
+                        [op, *self.sent_once[rank]] if op.cell is None else [op]
+                else:
+                    flat += [*self.pre[op], self.main[op], *self.post[op]]
             ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks = collectives(ranks)
         if not self.cells:  # a template's gradients are summed once every micro-batch ran
@@ -344,6 +354,7 @@ class Materializer:
     def emit(self, rank: int, op: PlanOp) -> None:
         pre = self.pre[op]
         self.once = bool(self.cells) and op.is_backward and op not in self.cells
+        self.in_step = op in self.cells
         outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
         for v, var, copies in zip(op.outputs, outs, op.output_copies()):
             # a part of a value is read from the copy ``Sources.find`` picks for every reader
@@ -579,18 +590,35 @@ class Materializer:
         src_var = self.piece_var[(producer, m, t)]
         if producer.device == rank:
             return src_var, Mask(m.index)
+        # what a template's step reads of what another rank makes once a step (a table from
+        # weights, a mask from the inputs) is received once, before the micro-batches: all
+        # of their rows (each step reads its own)
+        once = self.in_step and producer not in self.cells
+        if once and t in self.batched:
+            region = self.every_micro_batch(region, t, m)
         key = (producer, m, region.index, t)
         if key not in self.received[rank]:
             self.tag += 1
             var = self.name(rank, f"{t.name}_from{producer.device}", region.shape)
+            self.tensor_of[rank][var] = t
             # what runs once a step reads the sum of every micro-batch's part: sent after
             # they all ran
-            at = self.tail[producer.device] if self.once and producer in self.cells \
+            at = self.sent_once[producer.device] if self.once and producer in self.cells \
                 else self.post[producer]
             at.append(Send(src_var, region.local_slices(m), rank, self.tag))
-            pre.append(Recv(var, region.shape, t.dtype, producer.device, self.tag))
+            (self.received_once[rank] if once else pre).append(
+                Recv(var, region.shape, t.dtype, producer.device, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)
+
+    def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
+        """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's
+        rows (within the piece ``held`` that holds them all)."""
+        a = self.batched[t]
+        lo, hi = region.index[a]
+        index = list(region.index)
+        index[a] = (lo, min(lo + self.plan.micro * (hi - lo), held.index[a][1]))
+        return Mask(tuple(index))
 
 
 def _partial_sums(masks: list[Mask]) -> Mask | None:

@@ -542,13 +542,20 @@ def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, 
     """A template's steps: each device of stage rank ``r`` runs its schedule; a schedule
     with weight-gradient steps (W) splits every backward first."""
     pp = len(orders)
-    if any(kind == "W" for order in orders.values() for kind, _, _ in order):
+    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
+    if split:
         plan.split_backward([p for pieces in cells.values() for p in pieces])
+    # a stage without parameters has no weight-gradient step, and one that nothing
+    # trainable runs before (a frozen stem) no backward at all
+    made = {(kind, s) for (_, s, _), pieces in cells.items() for leaf in plan.leaves(pieces)
+            for kind, part in (("B", plan.backward_op), ("W", plan.weight_op))
+            if part(leaf) is not None}
     steps = {}
     for i in range(dp):
         for r in range(pp):
+            mine = [step for step in orders[r] if step[0] == "F" or step[:2] in made]
             for j in range(tp):
-                steps[(i * pp + r) * tp + j] = orders[r]
+                steps[(i * pp + r) * tp + j] = mine
     plan.micro_batches(micro, steps)
 
 
