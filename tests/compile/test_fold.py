@@ -121,3 +121,13 @@ def test_what_micro_batch_0_cannot_do_for_the_others_is_refused():
         pipeline(graph, 2, 2, "1f1b", fold=True).check()
     with pytest.raises(PlanError, match="fold runs one pipeline"):
         pipeline(graph, 2, 2, "chimera", fold=True)
+
+
+def test_a_template_is_kept_in_plan_files(gpt, tmp_path):
+    w, graph = gpt
+    plan = pipeline(graph, 2, 4, "zb1", fold=True)
+    plan.save(str(tmp_path / "plan.json"))
+    loaded = ct.load_plan(graph, tmp_path / "plan.json")
+    assert loaded.micro == 4 and loaded.steps == plan.steps
+    assert actions(loaded) == actions(plan)
+    trains_like_one_device(w, ct.compile(loaded))

@@ -84,6 +84,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "cells": [[dp, stage, micro, [p.name for p in pieces]]
                   for (dp, stage, micro), pieces in plan.cells.items()],
         "unsplit": {op.name: why for op, why in plan.unsplit.items()},
+        "micro": plan.micro,
+        "steps": {str(d): [list(step) for step in steps] for d, steps in plan.steps.items()},
     }
 
 
@@ -120,11 +122,17 @@ def _node(op: PlanOp) -> dict[str, Any]:
         return {"device": op.device}
     assert op.algo is not None
     out = _algo_dict(op.algo)
+    if len(op.children) < _parts(op.algo):  # its first piece kept alone (``Plan.template``)
+        out["template"] = True
     if all(not c.children for c in op.children):
         out["devices"] = [c.device for c in op.children]
     else:
         out["pieces"] = [_node(c) for c in op.children]
     return out
+
+
+def _parts(algo: Algorithm) -> int:
+    return algo.n if isinstance(algo, Replicate) else algo.parts
 
 
 def _algo_dict(algo: Algorithm) -> dict[str, Any]:
@@ -242,6 +250,9 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
                   for dp, stage, micro, names in data.get("cells", [])}
     plan.unsplit = {ops[name]: why for name, why in data.get("unsplit", {}).items()
                     if name in ops}
+    if data.get("micro", 1) != 1:
+        plan.micro_batches(int(data["micro"]), {int(d): [(k, int(s), int(m)) for k, s, m in st]
+                                                for d, st in data.get("steps", {}).items()})
     if data.get("replicas", 1) != 1:
         plan.scale(int(data["replicas"]))
     plan.checked = None
@@ -261,7 +272,7 @@ def _apply(plan: Plan, op: PlanOp, node: Any, source: str) -> None:
         return
     algo = _algo(node, op.name, source)
     try:
-        pieces = plan.trans(op, algo)
+        pieces = [plan.template(op, algo)] if node.get("template") else plan.trans(op, algo)
     except PlanError as e:
         raise PlanError(f"{source}: {e}") from e
     if "devices" in node:
