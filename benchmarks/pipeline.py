@@ -9,7 +9,8 @@ SGD, ``--micro`` micro-batches. torch's stages hold equal runs of blocks (the
 first also the embeddings, the last the final norm and an untied copy of the
 output projection); chronotope cuts stages of equal FLOPs from the captured
 graph and orders them with op_order. Prints the median step time of each and
-the ratio (goal: <= 1.00), and chronotope's zero-bubble zb1 beside them.
+the ratio (goal: <= 1.00), the same 1F1B folded (one micro-batch compiled, all
+run from it), and chronotope's zero-bubble zb1 beside them.
 
 Memory: one device, a GPT with long sequences (``--mem-seq``), one training
 step under each activation policy: the plan's estimate and the measured peak of
@@ -112,11 +113,13 @@ def torch_step_time(world: int, micro: int, steps: int, overrides: dict) -> floa
 
 def chronotope_step_time(world: int, micro: int, steps: int, overrides: dict,
                          schedule: str = "1f1b") -> float:
+    """``schedule``, or ``"<schedule> fold"``: one micro-batch compiled, all run from it."""
     w = get_workload("gpt", **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
-    program = ct.compile(ct.policies.pipeline(graph, world, micro, schedule))
+    name, _, fold = schedule.partition(" ")
+    program = ct.compile(ct.policies.pipeline(graph, world, micro, name, fold=bool(fold)))
     results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=300)
     per_step = [max(ts) for ts in zip(*(r[2] for r in results))]
     return statistics.median(per_step[1:])
@@ -172,12 +175,13 @@ def main() -> None:
     if args.only != "memory":
         overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
                      "batch_size": args.batch}
+        schedules = ("1f1b", "1f1b fold", "zb1")
         runs = [(torch_step_time(args.stages, args.micro, args.steps, overrides),
                  {s: chronotope_step_time(args.stages, args.micro, args.steps, overrides, s)
-                  for s in ("1f1b", "zb1")})
+                  for s in schedules})
                 for _ in range(args.rounds)]  # alternated: the machine drifts
         base = statistics.median(b for b, _ in runs)
-        ours = {s: statistics.median(o[s] for _, o in runs) for s in ("1f1b", "zb1")}
+        ours = {s: statistics.median(o[s] for _, o in runs) for s in schedules}
         table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch "
                             f"{args.batch} x {args.seq} tokens, {args.micro} micro-batches, on "
                             f"{args.stages} gloo processes (median of {args.rounds} alternated "
