@@ -111,14 +111,16 @@ def test_steps_that_miss_a_step_or_deadlock_are_refused(gpt):
         plan.check()
 
 
-def test_what_micro_batch_0_cannot_do_for_the_others_is_refused():
-    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=4,
+def test_a_folded_pipeline_draws_each_micro_batchs_own_random_numbers():
+    """Dropout on the counter stream: each micro-batch's pieces draw its rows' numbers, as
+    the cut pipeline's and one device's do."""
+    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8,
                      dropout=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
-    with pytest.raises(PlanError, match="draws random numbers"):
-        pipeline(graph, 2, 2, "1f1b", fold=True).check()
+    for kw in (dict(pp=2, micro=4, schedule="1f1b"), dict(pp=2, micro=4, recompute="full")):
+        trains_like_one_device(w, ct.compile(mesh(graph, fold=True, **kw)))
     with pytest.raises(PlanError, match="fold runs one pipeline"):
         pipeline(graph, 2, 2, "chimera", fold=True)
 

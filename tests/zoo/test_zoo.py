@@ -20,7 +20,7 @@ ALL = (*SPLIT, "1f1b", "1f1b-fold")
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "opt": ALL,
-    "opt-dropout": (*SPLIT, "1f1b"),  # a template refuses random draws per row (below)
+    "opt-dropout": ALL,
     "gpt-neo": ALL,
     "gpt-j": ALL,
     "mistral": ALL,
@@ -99,8 +99,3 @@ def test_pipelines_refuse_what_needs_the_whole_batch_and_run_it_in_one_micro_bat
     run = run_in_threads(program, FAMILIES[family](), STEPS, OPTIM)
     assert compare(run, train_reference(FAMILIES[family](), STEPS, OPTIM)).within(TOLERANCE)
 
-
-def test_a_folded_pipeline_refuses_random_draws_by_name():
-    """Micro-batch 0's pieces would draw micro-batch 0's numbers for every micro-batch."""
-    with pytest.raises(ct.PlanError, match="dropout.* draws random numbers"):
-        ct.policies.pipeline(graph_of("opt-dropout"), 2, 2, "1f1b", fold=True).check()

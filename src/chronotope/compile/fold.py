@@ -10,7 +10,8 @@ its steps list them:
   suffix, its messages their own tags, its collectives their own keys, and a
   ``Micro`` mark keeps its pieces' autograd state apart from the others';
 * what it reads of the batch is that micro-batch's rows: an input's, or those of a
-  value made once before (a count of the labels), moved along the batch axis;
+  value made once before (a count of the labels), moved along the batch axis; what it
+  draws at random is what the counter stream gives that micro-batch's rows;
 * what runs once after the micro-batches reads the sum of every micro-batch's part of
   what a block made (a weight's gradient, the loss), added up as they are made.
 """
@@ -41,10 +42,11 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.errors import PlanError
+from chronotope.graph import rng
 from chronotope.graph.axes import batch_dims, batch_start
 from chronotope.graph.ir import Graph, PTensor
-from chronotope.graph.mask import Mask
-from chronotope.plan.plan import Plan
+from chronotope.graph.mask import Mask, VTensor
+from chronotope.plan.plan import Plan, PlanOp
 
 _ONCE = ("param", "constant", "buffer")  # loads alike in every micro-batch
 
@@ -127,6 +129,7 @@ class _Folder:
         self.summed = {v for ins in after for v in reads(ins) if v in self.made}
         self.taken = set(shapes) | self.made
         self.names: dict[int, dict[str, str]] = {}
+        self.drawn: dict[tuple[PlanOp, int], PlanOp] = {}  # random pieces, per micro-batch
 
     def run(self) -> list[Instruction]:
         missing = [cell for cell in self.blocks if not any(s[:2] == cell for s in self.steps)]
@@ -188,6 +191,11 @@ class _Folder:
         elif isinstance(ins, Forward) and any(v not in self.made and self.batched(v)
                                               for v in ins.ins):
             raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
+        elif isinstance(ins, Forward):
+            ins = self.draws_at(ins, m)
+        elif isinstance(ins, Backward) and ins.recompute:  # pieces made again, and drawn again
+            ins = replace(ins, recompute=tuple(self.draws_at(f, m) if isinstance(f, Forward)
+                                               else f for f in ins.recompute))
         ins = _renamed(ins, names)
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
@@ -198,6 +206,26 @@ class _Folder:
         if isinstance(ins, Load) and ins.source == "input":
             return replace(ins, mask=self.rows(ins.tensor, ins.mask.index, m, ins.mask))
         return ins
+
+    def draws_at(self, ins: Forward, m: int) -> Forward:
+        """A piece that draws random numbers draws micro-batch ``m``'s: those of its rows of
+        the whole op's output (the counter stream numbers them by position)."""
+        op = ins.op
+        if not rng.drawn(op.op.target):
+            return ins
+        if (op, m) not in self.drawn:
+            out = op.outputs[0]
+            a = self.axes.get(out.ptensor)
+            if a is None:
+                raise PlanError(f"{op.name} draws random numbers, and which of its output's "
+                                "axes holds the batch is not known: compile without fold")
+            lo, hi = out.mask.index[a]
+            index = list(out.mask.index)
+            index[a] = (lo + m * (hi - lo), hi + m * (hi - lo))
+            moved = VTensor(out.ptensor, Mask(tuple(index), out.mask.value))
+            self.drawn[(op, m)] = replace(op, piece=replace(
+                op.piece, outputs=(moved, *op.piece.outputs[1:])))
+        return replace(ins, op=self.drawn[(op, m)])
 
     def batched(self, var: str) -> bool:
         """Whether ``var``, made once before the micro-batches, holds every micro-batch's

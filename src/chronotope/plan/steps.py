@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from chronotope.errors import DeadlockError, PlanError
+from chronotope.graph import rng
 from chronotope.graph.convert import is_random
 from chronotope.plan.plan import Plan, PlanOp
 
@@ -67,15 +68,17 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
 
 
 def _refuse_what_differs(plan: Plan, cells: dict[PlanOp, Cell]) -> None:
-    """What micro-batch 0's pieces cannot do for the others: draw their own random numbers
-    (each would draw micro-batch 0's), or update buffers (each would set them)."""
-    drawn = next((op for op in cells if not op.is_backward and is_random(op.op)), None)
+    """What micro-batch 0's pieces cannot do for the others: update buffers (each would
+    set them), or draw on torch's own generator (the counter stream gives each micro-batch
+    its rows' numbers; see ``graph/rng.py``)."""
+    drawn = next((op for op in cells if not op.is_backward and is_random(op.op)
+                  and not rng.drawn(op.op.target)), None)
     if drawn is not None:
         where = f" at {drawn.op.source}" if drawn.op.source else ""
         raise PlanError(f"a template runs micro-batch 0's pieces for every micro-batch, and "
-                        f"{drawn.op.name} ({drawn.op.kind}{where}) draws random numbers for "
-                        "its rows: every micro-batch would draw micro-batch 0's. Cut the "
-                        "micro-batches instead (fold=False)")
+                        f"{drawn.op.name} ({drawn.op.kind}{where}) draws random numbers from "
+                        "torch's generator, not the counter stream: no micro-batch would "
+                        "draw what one device does. Cut the micro-batches instead (fold=False)")
     if plan.graph.buffer_updates:
         raise PlanError(f"a template runs micro-batch 0's pieces for every micro-batch, and "
                         f"the step updates buffers ({', '.join(plan.graph.buffer_updates)}) "
