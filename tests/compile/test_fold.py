@@ -133,3 +133,16 @@ def test_a_template_is_kept_in_plan_files(gpt, tmp_path):
     assert loaded.micro == 4 and loaded.steps == plan.steps
     assert actions(loaded) == actions(plan)
     trains_like_one_device(w, ct.compile(loaded))
+
+
+def test_each_micro_batch_reads_its_rows_of_a_mask_made_once_also_when_made_again():
+    """BERT's attention mask is made once a step from the inputs (and broadcast to the
+    batch from a buffer) on the first stage, read on the second in every micro-batch, and
+    read again where full recompute makes the attention again."""
+    w = get_workload("hf-bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    program = ct.compile(mesh(graph, pp=2, micro=2, schedule="1f1b", recompute="full",
+                              fold=True))
+    trains_like_one_device(w, program)

@@ -186,17 +186,7 @@ class _Folder:
 
     def instance(self, ins: Instruction, m: int, names: dict[str, str]) -> Instruction:
         """Micro-batch ``m``'s run of a block's instruction (``names``: its names)."""
-        if isinstance(ins, Assemble):  # its rows of what ran once, then its own names
-            ins = replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
-        elif isinstance(ins, Forward) and any(v not in self.made and self.batched(v)
-                                              for v in ins.ins):
-            raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
-        elif isinstance(ins, Forward):
-            ins = self.draws_at(ins, m)
-        elif isinstance(ins, Backward) and ins.recompute:  # pieces made again, and drawn again
-            ins = replace(ins, recompute=tuple(self.draws_at(f, m) if isinstance(f, Forward)
-                                               else f for f in ins.recompute))
-        ins = _renamed(ins, names)
+        ins = _renamed(self.own_rows(ins, m), names)
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
         if isinstance(ins, COLLECTIVES):
@@ -205,6 +195,19 @@ class _Folder:
             return replace(ins, keys=tuple((*k, ("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":
             return replace(ins, mask=self.rows(ins.tensor, ins.mask.index, m, ins.mask))
+        return ins
+
+    def own_rows(self, ins: Instruction, m: int) -> Instruction:
+        """``ins`` reading micro-batch ``m``'s rows of what ran once before the micro-batches
+        and drawing its random numbers (what a backward makes again included)."""
+        if isinstance(ins, Assemble):
+            return replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
+        if isinstance(ins, Forward):
+            if any(v not in self.made and self.batched(v) for v in ins.ins):
+                raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
+            return self.draws_at(ins, m)
+        if isinstance(ins, Backward) and ins.recompute:
+            return replace(ins, recompute=tuple(self.own_rows(f, m) for f in ins.recompute))
         return ins
 
     def draws_at(self, ins: Forward, m: int) -> Forward:
