@@ -109,6 +109,13 @@ def test_steps_that_miss_a_step_or_deadlock_are_refused(gpt):
                            1: [("F", 1, 0), ("B", 1, 1), ("B", 1, 0), ("F", 1, 1)]})
     with pytest.raises(DeadlockError, match="device 1: B1.1 waits for F1.1"):
         plan.check()
+    # tensor-parallel peers exchange within a step: they run their steps in one order
+    plan = pipeline(graph, 2, 2, "1f1b", tp=2, fold=True)
+    steps = {d: list(s) for d, s in plan.steps.items()}
+    steps[1] = [steps[1][1], steps[1][0], *steps[1][2:]]
+    plan.micro_batches(2, steps)
+    with pytest.raises(PlanError, match="devices 0 and 1 share steps"):
+        plan.check()
 
 
 def test_a_folded_pipeline_draws_each_micro_batchs_own_random_numbers():

@@ -56,6 +56,7 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
             raise PlanError(f"the steps of device {device} do not fit the template: {what}; "
                             f"it runs {_shown(sorted(mine))} for micro-batches "
                             f"0..{plan.micro - 1}")
+    _refuse_peers_apart(plan, held)
     # (device, cell) waits on (device, cell); one cell's pieces on several devices (tensor
     # parallel peers) run together, as the template does
     waits: set[tuple[int, Cell, int, Cell]] = set()
@@ -65,6 +66,24 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
             waits.add((e.dst.device, b, e.src.device, a))
     _play(plan, waits)
     return {device: _kept(plan.steps[device]) for device in held}
+
+
+def _refuse_peers_apart(plan: Plan, held: dict[int, set[Cell]]) -> None:
+    """Devices that share a step (tensor-parallel peers) exchange within it: they must run
+    the steps they share in one order."""
+    first: dict[frozenset, int] = {}
+    for device, mine in held.items():
+        first.setdefault(frozenset(mine), device)
+    for a, b in ((a, b) for a in first.values() for b in held if b != a):
+        shared = held[a] & held[b]
+        if not shared:
+            continue
+        mine, theirs = ([s for s in plan.steps.get(d, []) if s[:2] in shared] for d in (a, b))
+        if mine != theirs:
+            at = next(i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y)
+            raise PlanError(f"devices {a} and {b} share steps {_shown(sorted(shared))} but "
+                            f"run them in other orders: {_shown([mine[at]])} against "
+                            f"{_shown([theirs[at]])}; run them in one order")
 
 
 def _refuse_what_differs(plan: Plan, cells: dict[PlanOp, Cell]) -> None:
