@@ -89,13 +89,14 @@ def _steps(ranks: list[list[Instruction]]) -> dict[int, object]:
     collective's members must all be in one step, which runs once per micro-batch on
     each of them (messages between steps are matched per micro-batch instead)."""
     out: dict[int, object] = {}
+    marked = False
     for code in ranks:
         cell: object = "before"
         for ins in code:
             if isinstance(ins, Block):
-                cell = ins.cell if ins.cell is not None else "after"
+                cell, marked = ins.cell if ins.cell is not None else "after", True
             out[id(ins)] = cell
-    return out if any(isinstance(ins, Block) for code in ranks for ins in code) else {}
+    return out if marked else {}
 
 
 def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[int, object],

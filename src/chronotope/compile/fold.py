@@ -38,6 +38,7 @@ from chronotope.compile.program import (
     Send,
     Wait,
     WeightGrad,
+    fresh_name,
     reads,
     writes,
 )
@@ -157,7 +158,7 @@ class _Folder:
                 if v not in totals:
                     totals[v] = mine
                     continue
-                total = self.fresh(f"{v}_sum")
+                total = fresh_name(f"{v}_sum", self.taken)
                 whole = tuple(slice(0, n) for n in self.shapes[v])
                 out.append(Assemble(total, self.shapes[v], self.tensor_of[v].dtype,
                                     [Part(totals[v], whole, whole, Fraction(1)),
@@ -171,18 +172,11 @@ class _Folder:
     def names_of(self, m: int) -> dict[str, str]:
         """Micro-batch ``m``'s name of everything the blocks make."""
         if m not in self.names:
-            self.names[m] = {v: self.fresh(f"{v}_m{m}") for v in sorted(self.made)}
+            self.names[m] = {v: fresh_name(f"{v}_m{m}", self.taken) for v in sorted(self.made)}
         return self.names[m]
 
     def name(self, var: str, m: int) -> str:
         return self.names_of(m)[var] if m and var in self.made else var
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
 
     def instance(self, ins: Instruction, m: int, names: dict[str, str]) -> Instruction:
         """Micro-batch ``m``'s run of a block's instruction (``names``: its names)."""
@@ -194,7 +188,7 @@ class _Folder:
                 return replace(ins, key=(*ins.key, ("micro", m)))
             return replace(ins, keys=tuple((*k, ("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":
-            return replace(ins, mask=self.rows(ins.tensor, ins.mask.index, m, ins.mask))
+            return replace(ins, mask=self.rows(ins.tensor, ins.mask, m))
         return ins
 
     def own_rows(self, ins: Instruction, m: int) -> Instruction:
@@ -218,14 +212,10 @@ class _Folder:
             return ins
         if (op, m) not in self.drawn:
             out = op.outputs[0]
-            a = self.axes.get(out.ptensor)
-            if a is None:
+            if out.ptensor not in self.axes:
                 raise PlanError(f"{op.name} draws random numbers, and which of its output's "
                                 "axes holds the batch is not known: compile without fold")
-            lo, hi = out.mask.index[a]
-            index = list(out.mask.index)
-            index[a] = (lo + m * (hi - lo), hi + m * (hi - lo))
-            moved = VTensor(out.ptensor, Mask(tuple(index), out.mask.value))
+            moved = VTensor(out.ptensor, self.rows(out.ptensor, out.mask, m))
             self.drawn[(op, m)] = replace(op, piece=replace(
                 op.piece, outputs=(moved, *op.piece.outputs[1:])))
         return replace(ins, op=self.drawn[(op, m)])
@@ -247,20 +237,23 @@ class _Folder:
         if not self.batched(p.src):
             return p
         a = self.axes[self.tensor_of[p.src]]
-        s = p.src_slices[a]
-        width = s.stop - s.start
         moved = list(p.src_slices)
-        moved[a] = slice(s.start + m * width, s.stop + m * width)
+        moved[a] = slice(*_later(p.src_slices[a].start, p.src_slices[a].stop, m))
         return replace(p, src_slices=tuple(moved))
 
-    def rows(self, t: PTensor, index: tuple, m: int, mask: Mask) -> Mask:
+    def rows(self, t: PTensor, mask: Mask, m: int) -> Mask:
+        """Micro-batch ``m``'s rows of ``t`` where ``mask`` has micro-batch 0's."""
         a = self.axes.get(t)
         if a is None:
             return mask
-        lo, hi = index[a]
-        moved = list(index)
-        moved[a] = (lo + m * (hi - lo), hi + m * (hi - lo))
+        moved = list(mask.index)
+        moved[a] = _later(*mask.index[a], m)
         return Mask(tuple(moved), mask.value)
+
+
+def _later(lo: int, hi: int, m: int) -> tuple[int, int]:
+    """Micro-batch ``m``'s run along the batch axis, where micro-batch 0's is ``lo:hi``."""
+    return lo + m * (hi - lo), hi + m * (hi - lo)
 
 
 def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:

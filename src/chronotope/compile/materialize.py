@@ -177,14 +177,7 @@ class Materializer:
                 self.tail[rank].append(SetBuffer(bname, var))
         ranks = []
         for rank, seq in sorted(self.sequences.items()):
-            flat: list[Instruction] = []
-            for op in seq if not self.cells else self.in_blocks(seq):
-                if isinstance(op, Block):
-                    first = not any(isinstance(x, Block) for x in flat)
-                    flat += [*self.received_once[rank], op] if first else \
-                        [op, *self.sent_once[rank]] if op.cell is None else [op]
-                else:
-                    flat += [*self.pre[op], self.main[op], *self.post[op]]
+            flat = self.in_blocks(rank, seq) if self.cells else self.code_of(seq)
             ranks.append(self.head[rank] + flat + self.tail[rank])
         ranks = collectives(ranks)
         if not self.cells:  # a template's gradients are summed once every micro-batch ran
@@ -205,19 +198,25 @@ class Materializer:
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)
 
-    def in_blocks(self, seq: list[PlanOp]) -> list[PlanOp | Block]:
-        """A template rank's pieces as folding runs them: first what runs once before the
+    def code_of(self, ops: list[PlanOp]) -> list[Instruction]:
+        return [x for op in ops for x in (*self.pre[op], self.main[op], *self.post[op])]
+
+    def in_blocks(self, rank: int, seq: list[PlanOp]) -> list[Instruction]:
+        """A template rank's code as folding runs it: first what runs once before the
         micro-batches (forward pieces of no cell: tables from weights, counts from the
-        labels), then each step's pieces after a ``Block`` mark, in the order the template
-        runs them, then, after the end mark, the backward of what ran once."""
-        once = [op for op in seq if op not in self.cells and not op.is_backward]
+        labels; what the steps receive once), then each step's pieces after a ``Block``
+        mark, in the order the template runs them, then, after the end mark, what the
+        rank sends of its micro-batches' sums and the backward of what ran once."""
         steps: dict[tuple[str, int], list[PlanOp]] = {}
         for op in seq:
             if op in self.cells:
                 steps.setdefault(self.cells[op], []).append(op)
-        after = [op for op in seq if op not in self.cells and op.is_backward]
-        return [*once, *(x for cell, ops in steps.items() for x in (Block(cell), *ops)),
-                Block(None), *after]
+        out = [*self.code_of([op for op in seq if op not in self.cells and not op.is_backward]),
+               *self.received_once[rank]]
+        for cell, ops in steps.items():
+            out += [Block(cell), *self.code_of(ops)]
+        return [*out, Block(None), *self.sent_once[rank],
+                *self.code_of([op for op in seq if op not in self.cells and op.is_backward])]
 
     def over_replicas(self, rank: int, grads: list[Grad]) -> list[Grad]:
         """The gradients ``rank`` hands to its owned regions, summed over its replicas first

@@ -42,6 +42,7 @@ from chronotope.compile.program import (
     Wait,
     WeightGrad,
     first_reads,
+    fresh_name,
     reads,
     results,
     writes,
@@ -107,13 +108,14 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> lis
         if isinstance(ins, Recv):
             slot = posted[i]
             if slot < 2 * use:
-                ins = replace(ins, handle=_handle(ins.var, handles))
+                ins = replace(ins, handle=fresh_name(f"{ins.var}_pending", handles))
                 out.append(((2 * use, 1), Wait(ins.handle, (ins.var,))))
             out.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
             continue
         if isinstance(ins, STARTED) and use > i + 1:
             made = results(ins)  # none on a broadcast's root: waited on at the end
-            ins = replace(ins, handle=_handle(made[0] if made else f"{ins.src}_sent", handles))
+            base = made[0] if made else f"{ins.src}_sent"
+            ins = replace(ins, handle=fresh_name(f"{base}_pending", handles))
             out.append(((2 * use, 1), Wait(ins.handle, results(ins),
                                            unpack=isinstance(ins, MULTI))))
         out.append(((2 * i + 1,), ins))
@@ -182,14 +184,6 @@ def _untouched(ins: Instruction) -> bool:
     if isinstance(ins, Forward):
         return not (any(ins.grad) or any(ins.out_grad) or ins.recompute)
     return isinstance(ins, Assemble)
-
-
-def _handle(var: str, taken: set[str]) -> str:
-    name, i = f"{var}_pending", 1
-    while name in taken:
-        name, i = f"{var}_pending_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 def _first_reads(code: list[Instruction]) -> dict[int, int]:

@@ -37,6 +37,7 @@ from chronotope.compile.program import (
     WeightGrad,
     first_reads,
     flat,
+    fresh_name,
     reads,
     writes,
 )
@@ -82,13 +83,13 @@ def reshard(code: list[Instruction]) -> list[Instruction]:
         reader = min((first[v] for v in ins.vars if v in first), default=None)
         key = i if reader is None else unit_of(code[reader], reader)
         use = _uses(code, i)
-        unit = units.setdefault(key, _Unit([], [], []))
-        if use is None or unit is None:
+        mine = units.setdefault(key, _Unit([], [], []))
+        if use is None or mine is None:
             units[key] = None  # read by what may keep a view of it: never freed
             continue
-        unit.gathers.append(ins)
-        unit.forward = sorted(unit.forward + use[0])
-        unit.backward = sorted(unit.backward + use[1])
+        mine.gathers.append(ins)
+        mine.forward = sorted(mine.forward + use[0])
+        mine.backward = sorted(mine.backward + use[1])
     ready = [u for u in units.values() if u is not None and u.forward and u.backward
              and u.forward[-1] < u.backward[0]]
     freed = sorted((u for u in ready if any(u.forward[-1] < i < u.backward[0]
@@ -172,11 +173,14 @@ def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: se
     calls: dict[tuple, list[tuple[AllGather, int]]] = defaultdict(list)
     for g in unit.gathers:
         calls[(g.ranks, g.dtype)] += [(g, k) for k in range(len(g.vars))]
+    def again(v: str) -> str:
+        return fresh_name(f"{v}_{AGAIN}", taken)
+
     out = []
     for outputs in calls.values():
         call = flat(outputs)
-        loads = [replace(code[made[v]], var=_fresh(v, taken)) for v in call.srcs]
-        out.append([*loads, replace(call, vars=tuple(_fresh(v, taken) for v in call.vars),
+        loads = [replace(code[made[v]], var=again(v)) for v in call.srcs]
+        out.append([*loads, replace(call, vars=tuple(map(again, call.vars)),
                                     srcs=tuple(x.var for x in loads),
                                     keys=tuple((*key, AGAIN) for key in call.keys))])
     return out
@@ -187,10 +191,3 @@ def _outputs_of(unit: _Unit, again: AllGather) -> tuple[str, ...]:
     by_key = {key: var for g in unit.gathers for key, var in zip(g.keys, g.vars)}
     return tuple(by_key[key[:-1]] for key in again.keys)
 
-
-def _fresh(var: str, taken: set[str]) -> str:
-    name, i = f"{var}_{AGAIN}", 1
-    while name in taken:
-        name, i = f"{var}_{AGAIN}_{i}", i + 1
-    taken.add(name)
-    return name

@@ -423,12 +423,12 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
             size[key] = _nbytes(v)
             if v.ptensor.kind is TensorKind.PARAM:
                 gathered[key].append((i, op))
-    live = [(first[key], last[key], size[key]) for key in first]
+    alive = [(first[key], last[key], size[key]) for key in first]
     if plan.reshard:
-        live = [x for key, x in zip(first, live) if key not in gathered] + \
+        alive = [x for key, x in zip(first, alive) if key not in gathered] + \
             _resharded(gathered, size)
     delta = [0] * (len(seq) + 1)
-    for start, end, nbytes in live:
+    for start, end, nbytes in alive:
         delta[start] += nbytes
         delta[end + 1] -= nbytes
     peak = live = 0

@@ -39,6 +39,7 @@ from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import Fusion, PlanOp
+from chronotope.plan.steps import cells_of
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -503,9 +504,7 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
     """Order each stage rank's micro-batch groups as its schedule says; a schedule with
     weight-gradient steps (W) splits every backward first."""
     pp = len(orders)
-    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
-    if split:
-        plan.split_backward([p for pieces in cells.values() for p in pieces])
+    split = _split_for(plan, cells, orders)
     for i in range(dp):
         for r in range(pp):
             held = [s for s, rank in enumerate(rank_of) if rank == r]
@@ -537,19 +536,25 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
                 plan.order(before, after)
 
 
+def _split_for(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]],
+               orders: dict[int, list[Step]]) -> bool:
+    """Whether the schedule has weight-gradient steps (W): then every backward is split
+    first."""
+    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
+    if split:
+        plan.split_backward([p for pieces in cells.values() for p in pieces])
+    return split
+
+
 def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, tp: int,
           micro: int, orders: dict[int, list[Step]], rank_of: list[int]) -> None:
     """A template's steps: each device of stage rank ``r`` runs its schedule; a schedule
     with weight-gradient steps (W) splits every backward first."""
     pp = len(orders)
-    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
-    if split:
-        plan.split_backward([p for pieces in cells.values() for p in pieces])
+    _split_for(plan, cells, orders)
     # a stage without parameters has no weight-gradient step, and one that nothing
     # trainable runs before (a frozen stem) no backward at all
-    made = {(kind, s) for (_, s, _), pieces in cells.items() for leaf in plan.leaves(pieces)
-            for kind, part in (("B", plan.backward_op), ("W", plan.weight_op))
-            if part(leaf) is not None}
+    made = set(cells_of(plan).values())
     steps = {}
     for i in range(dp):
         for r in range(pp):

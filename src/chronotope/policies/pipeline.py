@@ -292,14 +292,18 @@ def step_of(plan: Plan) -> dict[PlanOp, str]:
     return out
 
 
+def _written(steps: list[Step]) -> list[str]:
+    """Steps as action strings; a backward whose weight part is a step of its own is ``I``."""
+    split = any(kind == "W" for kind, _, _ in steps)
+    return [f"{s}{'I' if kind == 'B' and split else kind}{m}" for kind, s, m in steps]
+
+
 def actions(plan: Plan) -> dict[int, list[str]]:
     """Per rank, its stage's forward / backward micro-batch steps in the order it runs them,
     as torch pipelining action strings (``"0F1"``, ``"1B0"``); ranks without stages are
     left out. A run of pieces of one step is one action."""
     if plan.micro > 1:  # a template: its steps are written down
-        return {d: [f"{s}{'I' if kind == 'B' and any(k == 'W' for k, _, _ in steps) else kind}"
-                    f"{m}" for kind, s, m in steps]
-                for d, steps in sorted(plan.steps.items()) if steps}
+        return {d: _written(steps) for d, steps in sorted(plan.steps.items()) if steps}
     steps_of = step_of(plan)
     checked = plan.check()
     out: dict[int, list[str]] = {}
