@@ -1,7 +1,6 @@
 """Gradient reductions in buckets, started while the rest of the backward runs."""
 
 import math
-import warnings
 
 import pytest
 
@@ -14,17 +13,13 @@ from chronotope.compile.program import (
     sums_gradients,
 )
 from chronotope.errors import PlanError
-from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, zero
-from tests.policies.plan_testing import trains_like_one_device
+from tests.policies.plan_testing import captured, trains_like_one_device
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
+    return captured("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)
 
 
 def gradient_reductions(code):

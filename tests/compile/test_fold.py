@@ -7,20 +7,16 @@ import pytest
 import chronotope as ct
 from chronotope.compile.program import Micro
 from chronotope.errors import DeadlockError, PlanError
-from chronotope.models import get_workload
 from chronotope.policies import actions, mesh, pipeline, timeline
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
-from tests.policies.plan_testing import trains_like_one_device
+from tests.policies.plan_testing import captured, trains_like_one_device
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    w = get_workload("gpt", n_layer=4, d_model=32, n_head=2, block_size=16, batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
+    return captured("gpt", n_layer=4, d_model=32, n_head=2, block_size=16, batch_size=8)
 
 
 FOLDED = {
@@ -121,11 +117,8 @@ def test_steps_that_miss_a_step_or_deadlock_are_refused(gpt):
 def test_a_folded_pipeline_draws_each_micro_batchs_own_random_numbers():
     """Dropout on the counter stream: each micro-batch's pieces draw its rows' numbers, as
     the cut pipeline's and one device's do."""
-    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8,
-                     dropout=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(w)
+    w, graph = captured("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8,
+                        dropout=0.1)
     for kw in (dict(pp=2, micro=4, schedule="1f1b"), dict(pp=2, micro=4, recompute="full")):
         trains_like_one_device(w, ct.compile(mesh(graph, fold=True, **kw)))
     with pytest.raises(PlanError, match="fold runs one pipeline"):
@@ -146,10 +139,7 @@ def test_each_micro_batch_reads_its_rows_of_a_mask_made_once_also_when_made_agai
     """BERT's attention mask is made once a step from the inputs (and broadcast to the
     batch from a buffer) on the first stage, read on the second in every micro-batch, and
     read again where full recompute makes the attention again."""
-    w = get_workload("hf-bert")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(w)
+    w, graph = captured("hf-bert")
     program = ct.compile(mesh(graph, pp=2, micro=2, schedule="1f1b", recompute="full",
                               fold=True))
     trains_like_one_device(w, program)

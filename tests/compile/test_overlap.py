@@ -1,6 +1,5 @@
 """Communication started early and waited on late, in the order NCCL matches messages."""
 
-import warnings
 
 import pytest
 import torch
@@ -21,16 +20,13 @@ from chronotope.compile.program import (
 )
 from chronotope.compile.replay import Costs, replay
 from chronotope.compile.reshard import is_regather
-from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, sequence_parallel, zero
+from tests.policies.plan_testing import captured
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    w = get_workload("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ct.capture(w)
+    return captured("gpt", n_layer=2, d_model=32, n_head=2, block_size=16, batch_size=8)[1]
 
 
 PLANS = {

@@ -19,22 +19,18 @@ from chronotope.compile.program import (
 from chronotope.compile.reshard import is_regather
 from chronotope.compile.simulate import simulate
 from chronotope.cost.network import cluster_for
-from chronotope.models import get_workload
 from chronotope.models.workload import Workload
 from chronotope.plan.storage import unit
 from chronotope.policies import zero
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
-from tests.policies.plan_testing import trains_like_one_device
+from tests.policies.plan_testing import captured, trains_like_one_device
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    w = get_workload("gpt", n_layer=3, d_model=32, n_head=2, block_size=16, batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w, ct.capture(w)
+    return captured("gpt", n_layer=3, d_model=32, n_head=2, block_size=16, batch_size=8)
 
 
 def units_of(code, at):
