@@ -9,7 +9,10 @@ from chronotope.compile.program import (
     AllGather,
     AllReduce,
     Backward,
+    Loss,
+    Recv,
     ReduceScatter,
+    Send,
     sums_gradients,
 )
 from chronotope.errors import PlanError
@@ -23,8 +26,9 @@ def gpt():
 
 
 def gradient_reductions(code):
+    """Reductions of gradients (one may carry the loss too)."""
     return [(i, ins) for i, ins in enumerate(code) if isinstance(ins, (AllReduce, ReduceScatter))
-            and sums_gradients(ins.keys)]
+            and any(sums_gradients((k,)) for k in ins.keys)]
 
 
 def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gpt):
@@ -38,21 +42,39 @@ def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gp
     for _, ins in found:
         sizes = [math.prod(s) * 4 for s in ins.shapes]
         assert len(sizes) == 1 or sum(sizes) <= cap * 2**20
-    keys = [k for _, ins in found for k in ins.keys]
+    keys = [k for _, ins in found for k in ins.keys if sums_gradients((k,))]
     # every weight's but wpe's, whose input's gradient is summed instead (one per rank)
     assert len(keys) == len(set(keys)) == len(graph.params)
     trains_like_one_device(w, program)
 
 
 def test_a_model_smaller_than_a_bucket_reduces_in_the_fewest_calls_the_backward_allows(gpt):
-    """One bucket before the embeddings' backward, which reads the summed gradient of the
-    position embedding's output; the tied embedding's gradient, made last, after it."""
+    """The summed gradient of the position embedding's output, which the embeddings'
+    backward reads, goes out alone before it; every weight's gradient, the tied
+    embedding's made last included, in one call after it (as DDP's one bucket)."""
     _, graph = gpt
     code = ct.compile(data_parallel(graph, 2)).ranks[1]
     found = gradient_reductions(code)
     last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
     assert len(found) == 2 and found[0][0] < last_backward < found[1][0]
-    assert [k[0] for k in found[1][1].keys] == ["grad(wte.weight)"]
+    assert [k[0] for k in found[0][1].keys] == ["grad(embedding_1)"]
+    assert {k[0] for k in found[1][1].keys if sums_gradients((k,))} == {
+        f"grad({p})" for p in graph.params} - {"grad(wpe.weight)"}
+
+
+def test_the_loss_rides_in_a_gradient_bucket_not_a_message_of_its_own(gpt):
+    """Data parallel's shares of the loss are summed in the last gradient bucket: rank 0
+    reports the global loss with no send, receive or collective of its own."""
+    w, graph = gpt
+    program = ct.compile(data_parallel(graph, 2))
+    for code in program.ranks:
+        assert not [ins for ins in code if isinstance(ins, (Send, Recv))]
+        assert len([ins for ins in code if isinstance(ins, AllReduce)]) == 3  # count, 2 buckets
+    code = program.ranks[0]
+    loss = next(ins for ins in code if isinstance(ins, Loss))
+    bucket = next(ins for ins in code if isinstance(ins, AllReduce) and loss.var in ins.vars)
+    assert sum(sums_gradients((k,)) for k in bucket.keys) == len(bucket.keys) - 1
+    trains_like_one_device(w, program)
 
 
 def test_zero_reduce_scatters_start_as_their_gradients_are_made(gpt):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from chronotope.compile.program import (
     AllReduce,
     Instruction,
+    Loss,
     ReduceScatter,
     first_reads,
     flat,
@@ -83,13 +84,17 @@ class _Sum:
 
 
 def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]:
-    """By group, the gradient sums this rank's all-reduces and reduce-scatters make (not
-    those of anything else: a loss's count, a forward partial sum)."""
+    """By group, the gradient sums this rank's all-reduces and reduce-scatters make, and
+    the sums it only reports (the loss, which rides in a gradient bucket); not those of
+    anything else: a loss's count, a forward partial sum."""
     made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
     needed = first_reads(code)
+    reported = _reported(code)
     out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
     for at, ins in enumerate(code):
-        if not isinstance(ins, (AllReduce, ReduceScatter)) or not sums_gradients(ins.keys):
+        if not isinstance(ins, (AllReduce, ReduceScatter)) or not (
+                sums_gradients(ins.keys) or isinstance(ins, AllReduce)
+                and set(ins.vars) <= reported):
             continue
         if any(isinstance(code[made[v]], (AllReduce, ReduceScatter))
                for srcs in ins.srcs for v in srcs if v in made):
@@ -100,33 +105,45 @@ def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]
     return out
 
 
+def _reported(code: list[Instruction]) -> set[str]:
+    """What the step only reports (the loss): read by nothing but ``Loss``, or unread."""
+    read_by_others = {var for ins in code if not isinstance(ins, Loss) for var in reads(ins)}
+    return {var for ins in code for var in writes(ins)} - read_by_others
+
+
 def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
               ) -> list[tuple[int, Instruction]]:
     """(where, instruction): the reductions of ``found`` (by readiness) in buckets of at
     most ``bucket_bytes`` (all-reduces and reduce-scatters apart), each after its last
-    gradient is made and before any of its sums is read (a sum the backward itself reads
-    ends its bucket)."""
+    gradient is made and before any of its sums is read. A sum the backward itself reads
+    before the next one is made goes out then, alone with what is as urgent; the rest
+    of its bucket waits to fill (one call at the end, not two, for a small model)."""
     out: list[tuple[int, Instruction]] = []
     bucket: list[_Sum] = []
-    size = 0.0
 
-    def close() -> None:
-        nonlocal bucket, size
-        if bucket:
-            out.append((bucket[-1].ready, flat([(e.instruction, e.index) for e in bucket])))
-        bucket, size = [], 0.0
+    def nbytes(e: _Sum) -> float:
+        ins = e.instruction
+        size = math.prod(ins.shapes[e.index]) * ins.dtype.itemsize
+        return size * len(group) if isinstance(ins, ReduceScatter) else size  # all sent
+
+    def close(entries: list[_Sum]) -> None:
+        if entries:
+            out.append((max(e.ready for e in entries),
+                        flat([(e.instruction, e.index) for e in entries])))
 
     for entry in found:
         ins = entry.instruction
-        nbytes = math.prod(ins.shapes[entry.index]) * ins.dtype.itemsize
-        if isinstance(ins, ReduceScatter):
-            nbytes *= len(group)  # each member sends its whole gradient
-        if bucket and (size + nbytes > bucket_bytes
-                       or entry.ready >= min(e.needed for e in bucket)
-                       or type(bucket[0].instruction) is not type(ins)
+        if bucket and (type(bucket[0].instruction) is not type(ins)
                        or bucket[0].instruction.dtype != ins.dtype):
-            close()
+            close(bucket)
+            bucket = []
+        urgent = [e for e in bucket if e.needed <= entry.ready]
+        if urgent:
+            close(urgent)
+            bucket = [e for e in bucket if e.needed > entry.ready]
+        if bucket and sum(map(nbytes, bucket)) + nbytes(entry) > bucket_bytes:
+            close(bucket)
+            bucket = []
         bucket.append(entry)
-        size += nbytes
-    close()
+    close(bucket)
     return out

@@ -11,6 +11,7 @@ import builtins
 import importlib
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -89,13 +90,15 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         arriving = {op.forward.name: tuple(g is not None for g in grads)
                     for ins in code if isinstance(ins, Backward)
                     for op, grads in zip(ins.ops, ins.grad_outputs)}
+    # ticks time each instruction: views stay one line each there
+    splits = _splits(code) if items is code and not ticks else {}
     for k, ins in enumerate(items):
         if isinstance(ins, Region):
             call, function = _region(ins, len(functions), later[k], arriving)
             body += call
             functions.append(function)
             continue
-        body += render_instruction(ins)
+        body += splits[id(ins)] if id(ins) in splits else render_instruction(ins)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
     if any(re.search(rf"\b{_RNG}", line) for line in body):
@@ -180,6 +183,53 @@ def _region(region: Region, k: int, read_later: set[str],
     if fusion is not None:
         function += ["", "", f"{name} = torch.compile({name}, backend={fusion.backend!r})"]
     return lines, function
+
+
+def _splits(code: list[Instruction]) -> dict[int, list[str]]:
+    """Views that cut one tensor into runs along one dim, all of it, between two
+    micro-batch marks: the first renders as one ``split`` that makes every run, the rest
+    as nothing (a view's backward is a zero-filled copy of the whole tensor, added up
+    per view; a split's, one cat)."""
+    shape_of: dict[str, tuple[int, ...]] = {}
+    views: dict[tuple[str, int], list[Assemble]] = defaultdict(list)
+    segment = 0
+    for ins in code:
+        if isinstance(ins, Micro):
+            segment += 1
+        elif isinstance(ins, Forward):
+            shape_of.update((var, v.mask.shape) for var, v in zip(ins.outs, ins.op.outputs))
+        elif isinstance(ins, Assemble) and ins.is_view:
+            views[(ins.parts[0].src, segment)].append(ins)
+    out: dict[int, list[str]] = {}
+    for (src, _), found in views.items():
+        cut = _tiling(shape_of.get(src), [v.parts[0].src_slices for v in found])
+        if cut is None:
+            continue
+        dim, order = cut
+        runs = [found[k] for k in order]
+        sizes = [v.shape[dim] for v in runs]
+        size = sizes[0] if len(set(sizes)) == 1 else tuple(sizes)
+        out[id(found[0])] = [f"{_targets([v.var for v in runs])} = {src}.split({size}, "
+                             f"dim={dim})"]
+        out.update((id(v), []) for v in found[1:])
+    return out
+
+
+def _tiling(shape: tuple[int, ...] | None, boxes: list[tuple[slice, ...]]
+            ) -> tuple[int, list[int]] | None:
+    """(dim, order): the boxes, in that order, are consecutive runs of a tensor of
+    ``shape`` along ``dim`` that cover it, whole along every other dim; else None."""
+    if shape is None or len(boxes) < 2 or any(len(b) != len(shape) for b in boxes):
+        return None
+    cut = {d for b in boxes for d, (s, n) in enumerate(zip(b, shape)) if s != slice(0, n)}
+    if len(cut) != 1:
+        return None
+    dim = cut.pop()
+    order = sorted(range(len(boxes)), key=lambda k: boxes[k][dim].start)
+    ends = [0] + [boxes[k][dim].stop for k in order]
+    if any(boxes[k][dim].start != end for k, end in zip(order, ends)) or ends[-1] != shape[dim]:
+        return None
+    return dim, order
 
 
 def render_instruction(ins: Instruction) -> list[str]:
@@ -327,7 +377,11 @@ def _communication(ins: Instruction) -> str:
 
 
 def _grads(keys: tuple[tuple, ...]) -> str:
-    return ", grads=True" if sums_gradients(keys) else ""
+    """Whether the sums are gradients, and which are not (a loss in a gradient bucket)."""
+    plain = tuple(i for i, k in enumerate(keys) if not sums_gradients((k,)))
+    if len(plain) == len(keys):
+        return ""
+    return ", grads=True" + (f", plain={plain}" if plain else "")
 
 
 def _no_grad(ins: Forward) -> list[str]:

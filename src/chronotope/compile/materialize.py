@@ -5,7 +5,8 @@ For every piece a rank reads, the overlapping pieces that wrote it are found
 right region is used as is; otherwise the parts are cut out, sent from other
 ranks, and assembled: regions concatenated, partial values summed. After the
 backward, each rank sums the gradient of every parameter region it stores,
-and rank 0 assembles the loss.
+and rank 0 assembles the loss (where every rank holds a share of it, as in data
+parallel, the shares are summed in a gradient bucket rather than sent).
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ class Materializer:
                 grads = self.over_replicas(rank, grads)
             self.tail[rank] += grads
         loss = self.plan.graph.loss
-        var = self.read(0, VTensor(loss, Mask.full(loss.shape)), self.tail[0])
+        whole = VTensor(loss, Mask.full(loss.shape))
+        for rank in self.loss_summers(whole):
+            self.read(rank, whole, self.tail[rank])
+        var = self.read(0, whole, self.tail[0])
         if self.replicas is not None:  # the global loss: the replicas' shares summed
             whole = self.name(0, f"{var}_total", loss.shape)
             self.tail[0].append(AllReduce((whole,), ((var,),), self.replicas.group(0),
@@ -197,6 +201,18 @@ class Materializer:
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes)
+
+    def loss_summers(self, whole: VTensor) -> list[int]:
+        """The ranks that sum the loss with rank 0 rather than send it their parts: all
+        that hold a partial value of the whole loss, rank 0 among them (data parallel's
+        shares). Their sum is one all-reduce, which ``buckets`` puts in a gradient
+        bucket: rank 0 reports the loss without a message of its own."""
+        found = self.sources.find(whole, 0)
+        holders = {p.device for p, _ in found}
+        if (0 not in holders or len(holders) < 2 or self.replicas is not None
+                or any(m.index != whole.mask.index for _, m in found)):
+            return []
+        return sorted(holders - {0})
 
     def code_of(self, ops: list[PlanOp]) -> list[Instruction]:
         return [x for op in ops for x in (*self.pre[op], self.main[op], *self.post[op])]

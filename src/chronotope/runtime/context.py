@@ -26,6 +26,7 @@ from torch import nn
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
 from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
+from chronotope.runtime.transport import Started
 
 
 class StepContext:
@@ -207,30 +208,47 @@ class StepContext:
                                   True)
         return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
-    def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]],
-                   ranks: tuple[int, ...], grads: bool = False, async_op: bool = False) -> Any:
+    def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]], ranks: tuple[int, ...],
+                   grads: bool = False, async_op: bool = False, plain: Sequence[int] = ()
+                   ) -> Any:
         """For each entry, the sum of its local pieces and the other ``ranks``' pieces
-        (``grads``: they are gradients, summed in the precision's reduce dtype).
+        (``grads``: gradients, summed in the precision's reduce dtype, but for the entries
+        ``plain``, such as a loss riding in a gradient bucket).
 
-        All entries travel in one flat buffer: one collective call per instruction.
+        All entries travel in one flat buffer: one collective call per instruction (per
+        dtype, where a precision sums the gradients and the loss in two).
         """
         if self.precision is None:
             local = [_sum(pieces) for pieces in tensors]
             given = [t.dtype for t in local]
         else:
-            summed = [self._summed(pieces, grads) for pieces in tensors]
-            wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
-            local = [_as(t, wide) for t, _ in summed]  # one flat buffer: one dtype
+            summed = [self._summed(pieces, grads and i not in plain)
+                       for i, pieces in enumerate(tensors)]
+            local = [t for t, _ in summed]
             given = [dtype for _, dtype in summed]
+        runs: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(local):
+            runs.setdefault(t.dtype, []).append(i)
+        if len(runs) > 1 and self.precision is None:  # one flat buffer: one dtype
+            wide = functools.reduce(torch.promote_types, runs)
+            local, runs = [_as(t, wide) for t in local], {wide: list(range(len(local)))}
+        started = [(at, self._flat_all_reduce([local[i] for i in at], ranks))
+                   for at in runs.values()]
+
+        def parts() -> tuple[torch.Tensor, ...]:
+            out: list[torch.Tensor | None] = [None] * len(local)
+            for at, call in started:
+                total = call.wait()
+                for i, part in zip(at, total.split([local[i].numel() for i in at])):
+                    out[i] = _as(part.view_as(local[i]), given[i])
+            return tuple(out)
+
+        return Started(parts).returned(async_op)
+
+    def _flat_all_reduce(self, local: Sequence[torch.Tensor], ranks: tuple[int, ...]) -> Any:
         fresh = len(local) > 1  # a buffer made here: the transport may sum into it
         flat = torch.cat([t.reshape(-1) for t in local]) if fresh else local[0].reshape(-1)
-        started = self.transport.all_reduce(flat, ranks, self.rank, True, fresh)
-
-        def parts(total: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return tuple(_as(part.view_as(t), dtype) for part, t, dtype in
-                         zip(total.split([t.numel() for t in local]), local, given))
-
-        return started.then(parts).returned(async_op)
+        return self.transport.all_reduce(flat, ranks, self.rank, True, fresh)
 
     def all_gather(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                    dims: Sequence[int], async_op: bool = False) -> Any:
