@@ -52,9 +52,13 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
         if len(per_rank) != len(members) or len(orders) != 1:
             continue  # the members would not make the same buckets
         for rank, found in per_rank.items():
-            for at, ins in _bucketed(found, group, bucket_bytes):
+            riders = [e for e in found if not sums_gradients((e.key,))]
+            summed = [e for e in found if sums_gradients((e.key,))]
+            placed = _bucketed(summed, group, bucket_bytes)
+            placed, riders = _ride(placed, riders)
+            for at, ins in placed:
                 moves[rank][at].append(ins)
-            moved[rank] |= {id(e.instruction) for e in found}
+            moved[rank] |= {id(e.instruction) for e in summed + riders}
     out = [[x for i, ins in enumerate(code) if id(ins) not in moved[rank]
             for x in (ins, *moves[rank].get(i, ()))] for rank, code in enumerate(ranks)]
     if all(_in_order(code) for code in out) and (not check or replay(out).runs_through):
@@ -103,6 +107,24 @@ def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]
             ready = max(made.get(v, at) for v in srcs)
             out[ins.ranks].append(_Sum(ins, index, ready, needed.get(var, len(code))))
     return out
+
+
+def _ride(placed: list[tuple[int, Instruction]], riders: list[_Sum]
+          ) -> tuple[list[tuple[int, Instruction]], list[_Sum]]:
+    """The buckets with the sums the step only reports (the loss) added to the last
+    bucket, where it is an all-reduce of their dtype; and the riders that rode (the
+    others stay where they were, as ZeRO's last bucket is a reduce-scatter)."""
+    if not placed or not riders:
+        return placed, []
+    last = max(range(len(placed)), key=lambda k: placed[k][0])
+    at, bucket = placed[last]
+    riders = [e for e in riders if isinstance(bucket, AllReduce)
+              and e.instruction.dtype == bucket.dtype]
+    if riders:
+        placed = list(placed)
+        placed[last] = (at, flat([*((bucket, k) for k in range(len(bucket.vars))),
+                                  *((e.instruction, e.index) for e in riders)]))
+    return placed, riders
 
 
 def _reported(code: list[Instruction]) -> set[str]:
