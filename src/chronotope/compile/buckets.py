@@ -142,6 +142,7 @@ def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
     of its bucket waits to fill (one call at the end, not two, for a small model)."""
     out: list[tuple[int, Instruction]] = []
     bucket: list[_Sum] = []
+    size = 0.0  # of the bucket
 
     def nbytes(e: _Sum) -> float:
         ins = e.instruction
@@ -153,19 +154,24 @@ def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,
             out.append((max(e.ready for e in entries),
                         flat([(e.instruction, e.index) for e in entries])))
 
+    soonest = math.inf  # the first read of any of the bucket's sums
     for entry in found:
         ins = entry.instruction
         if bucket and (type(bucket[0].instruction) is not type(ins)
                        or bucket[0].instruction.dtype != ins.dtype):
             close(bucket)
-            bucket = []
-        urgent = [e for e in bucket if e.needed <= entry.ready]
-        if urgent:
+            bucket, size, soonest = [], 0.0, math.inf
+        if soonest <= entry.ready:
+            urgent = [e for e in bucket if e.needed <= entry.ready]
             close(urgent)
             bucket = [e for e in bucket if e.needed > entry.ready]
-        if bucket and sum(map(nbytes, bucket)) + nbytes(entry) > bucket_bytes:
+            size = sum(map(nbytes, bucket))
+            soonest = min((e.needed for e in bucket), default=math.inf)
+        if bucket and size + nbytes(entry) > bucket_bytes:
             close(bucket)
-            bucket = []
+            bucket, size, soonest = [], 0.0, math.inf
         bucket.append(entry)
+        size += nbytes(entry)
+        soonest = min(soonest, entry.needed)
     close(bucket)
     return out
