@@ -38,14 +38,13 @@ from chronotope.compile.program import (
     Send,
     Wait,
     WeightGrad,
-    fresh_name,
     reads,
     writes,
 )
 from chronotope.errors import PlanError
 from chronotope.graph import rng
 from chronotope.graph.axes import batch_dims, batch_start
-from chronotope.graph.ir import Graph, PTensor
+from chronotope.graph.ir import Graph, PTensor, fresh_name
 from chronotope.graph.mask import Mask, VTensor
 from chronotope.plan.plan import Plan, PlanOp
 

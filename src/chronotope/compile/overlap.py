@@ -42,7 +42,6 @@ from chronotope.compile.program import (
     Wait,
     WeightGrad,
     first_reads,
-    fresh_name,
     reads,
     results,
     writes,
@@ -51,6 +50,7 @@ from chronotope.compile.replay import Costs, replay
 from chronotope.compile.reshard import check_shared, is_regather, unit_of
 from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
+from chronotope.graph.ir import fresh_name
 from chronotope.plan.plan import PlanOp
 
 _COMPUTE = (Forward, Backward, WeightGrad)

@@ -427,15 +427,6 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     return ()
 
 
-def fresh_name(base: str, taken: set[str]) -> str:
-    """``base``, or ``base_1``, ``base_2``, ... : the first not in ``taken`` (which gets it)."""
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
-
-
 def first_reads(code: list[Instruction]) -> dict[str, int]:
     """Where each local tensor is first read in ``code`` (by index)."""
     first: dict[str, int] = {}

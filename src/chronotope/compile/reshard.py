@@ -37,11 +37,11 @@ from chronotope.compile.program import (
     WeightGrad,
     first_reads,
     flat,
-    fresh_name,
     reads,
     writes,
 )
 from chronotope.errors import PlanError
+from chronotope.graph.ir import fresh_name
 from chronotope.plan.plan import PlanOp
 from chronotope.plan.storage import ALLOCATING, unit
 

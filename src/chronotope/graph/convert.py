@@ -21,7 +21,16 @@ import torch.nn.functional as F
 
 from chronotope.errors import CaptureError
 from chronotope.graph import functional, rng
-from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, Source, TensorKind, TensorMeta
+from chronotope.graph.ir import (
+    DEVICE,
+    Graph,
+    Op,
+    PTensor,
+    Source,
+    TensorKind,
+    TensorMeta,
+    fresh_name,
+)
 from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
 from chronotope.graph.signature import Signature
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
@@ -82,18 +91,10 @@ class Converter:
 
     # ---- tensors -------------------------------------------------------------------------
 
-    @staticmethod
-    def unique(name: str, used: set[str]) -> str:
-        base, i = name, 1
-        while name in used:
-            name, i = f"{base}_v{i}", i + 1
-        used.add(name)
-        return name
-
     def new_tensor(self, value: torch.Tensor, name: str, kind: TensorKind,
                    producer: Op | None = None) -> PTensor:
         meta = TensorMeta(tuple(value.shape), value.dtype)
-        t = PTensor(self.unique(name, self.tensor_names), meta, kind, producer)
+        t = PTensor(fresh_name(name, self.tensor_names, "_v"), meta, kind, producer)
         self.current[id(value)] = t
         self.alive.append(value)
         return t
@@ -340,7 +341,7 @@ class Converter:
 
         s_args, s_kwargs = device_args(target, args, kwargs, DEVICE)
         s_args, s_kwargs = map_leaves(s_args, stored), map_leaves(s_kwargs, stored)
-        name = self.unique(node_name, self.op_names)
+        name = fresh_name(node_name, self.op_names, "_v")
         inputs = tuple(iter_tensors((s_args, s_kwargs)))
         op = Op(name, target_name(target), target, s_args, s_kwargs, inputs, (), source=source)
         op.outputs = tuple(

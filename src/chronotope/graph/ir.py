@@ -15,6 +15,16 @@ if TYPE_CHECKING:
     from chronotope.graph.registry import OpRegistry
 
 
+def fresh_name(base: str, taken: set[str], sep: str = "_") -> str:
+    """``base``, or ``base{sep}1``, ``base{sep}2``, ... : the first not in ``taken``
+    (which gets it)."""
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}{sep}{i}", i + 1
+    taken.add(name)
+    return name
+
+
 class TensorKind(StrEnum):
     INPUT = "input"  # a batch input of the training step
     PARAM = "param"
