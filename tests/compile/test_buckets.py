@@ -44,23 +44,31 @@ def test_small_buckets_start_during_the_backward_and_hold_every_gradient_once(gp
                  if sums_gradients((k,))]  # and the loss, riding in the last
         assert len(sizes) == 1 or sum(sizes) <= cap * 2**20
     keys = [k for _, ins in found for k in ins.keys if sums_gradients((k,))]
-    # every weight's but wpe's, whose input's gradient is summed instead (one per rank)
     assert len(keys) == len(set(keys)) == len(graph.params)
     trains_like_one_device(w, program)
 
 
-def test_a_model_smaller_than_a_bucket_reduces_in_the_fewest_calls_the_backward_allows(gpt):
-    """The summed gradient of the position embedding's output, which the embeddings'
-    backward reads, goes out alone before it; every weight's gradient, the tied
-    embedding's made last included, in one call after it (as DDP's one bucket)."""
+def test_a_model_smaller_than_a_bucket_reduces_in_one_call_after_the_backward(gpt):
+    """Every weight's gradient, the tied embedding's made last and the position
+    embedding's (whose copies each run their backward on their rank's share of its
+    output's gradient) included, in one call after the backward, as DDP's one bucket."""
     _, graph = gpt
     code = ct.compile(data_parallel(graph, 2)).ranks[1]
     found = gradient_reductions(code)
     last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
-    assert len(found) == 2 and found[0][0] < last_backward < found[1][0]
-    assert [k[0] for k in found[0][1].keys] == ["grad(embedding_1)"]
-    assert {k[0] for k in found[1][1].keys if sums_gradients((k,))} == {
-        f"grad({p})" for p in graph.params} - {"grad(wpe.weight)"}
+    assert len(found) == 1 and last_backward < found[0][0]
+    assert {k[0] for k in found[0][1].keys if sums_gradients((k,))} == {
+        f"grad({p})" for p in graph.params}
+
+
+@pytest.mark.parametrize("make", [
+    lambda g: mesh(g, dp=2, tp=2),  # the data-parallel copies share, the tensor-parallel not
+    lambda g: zero(g, 2, 3),  # the shares' sum is reduce-scattered
+    lambda g: mesh(g, dp=2, micro=2, fold=True),  # each rank's share sums two micro-batches
+], ids=["dp x tp", "zero-3", "dp fold"])
+def test_copies_on_shares_of_a_gradient_train_like_one_device(gpt, make):
+    w, graph = gpt
+    trains_like_one_device(w, ct.compile(make(graph)))
 
 
 def test_the_loss_rides_in_a_gradient_bucket_not_a_message_of_its_own(gpt):
@@ -70,7 +78,7 @@ def test_the_loss_rides_in_a_gradient_bucket_not_a_message_of_its_own(gpt):
     program = ct.compile(data_parallel(graph, 2))
     for code in program.ranks:
         assert not [ins for ins in code if isinstance(ins, (Send, Recv))]
-        assert len([ins for ins in code if isinstance(ins, AllReduce)]) == 3  # count, 2 buckets
+        assert len([ins for ins in code if isinstance(ins, AllReduce)]) == 2  # count, bucket
     code = program.ranks[0]
     loss = next(ins for ins in code if isinstance(ins, Loss))
     bucket = next(ins for ins in code if isinstance(ins, AllReduce) and loss.var in ins.vars)

@@ -16,7 +16,7 @@ def _graph(name: str) -> ct.Graph:
         return ct.capture(get_workload(name))
 
 
-def test_data_parallel_backward_is_one_call_between_its_all_reduces():
+def test_data_parallel_backward_is_one_call():
     program = ct.compile(ct.policies.data_parallel(_graph("gpt"), 2))
     code = program.ranks[0]
     regions = [i for i in code if isinstance(i, Backward)]
@@ -25,9 +25,10 @@ def test_data_parallel_backward_is_one_call_between_its_all_reduces():
     mine = {b for f in plan.forward_leaves() if f.device == 0
             and (b := plan.backward_op(f)) is not None}
     assert pieces == len(mine) and {op for r in regions for op in r.ops} == mine
-    # The position embedding's gradient sum is the only communication inside the
-    # backward (each rank's loss piece divides its own sum by the all-reduced count).
-    assert len(regions) == 2 and max(len(r.ops) for r in regions) > 0.9 * pieces
+    # Nothing communicates inside the backward: each rank's loss piece divides its own sum
+    # by the all-reduced count, and the position embedding's copy runs its backward on its
+    # rank's share of its output's gradient.
+    assert len(regions) == 1
     linked = sum(sum(f.linked) for f in code if isinstance(f, Forward) and f.linked)
     assert linked > pieces  # most edges carry their gradient inside autograd
 

@@ -145,6 +145,35 @@ def test_data_parallel_replicates_weights_and_halves_activations():
     assert sorted(v.mask.value.as_part() for v in grads) == [(0, 2), (1, 2)]
 
 
+def _position_embedding_backward(plan: ct.Plan) -> list[tuple]:
+    """Per copy of the position embedding: the share of its output's gradient its backward
+    reads, the share of the weight's gradient it yields, and that gradient's copy marks."""
+    found = []
+    for leaf in plan.leaves("embedding_1"):
+        bw = plan.backward_op(leaf)
+        found.append((bw.inputs[0].mask.value.as_part(), bw.outputs[0].mask.value.as_part(),
+                      len(bw.copies[0])))
+    return found
+
+
+def test_copies_run_their_backward_on_their_devices_share_of_a_partial_gradient():
+    """The position embedding sees no batch: data parallelism runs a copy of it on every
+    device, and each device's half of the batch passes back a partial sum of its output's
+    gradient. Each copy runs its backward on that share (backward is linear in it), so
+    the weight's gradient is a partial sum like every other weight's, summed with them
+    after the backward instead of its output's gradient in the middle of it. Where the
+    gradient arrives whole (tensor parallelism replicates its reader too), copies read it
+    whole; on a mesh, only the data-parallel copies split it."""
+    from chronotope.policies import mesh
+
+    g = graph()
+    assert _position_embedding_backward(mesh(g, dp=2)) == [((0, 2), (0, 2), 0),
+                                                           ((1, 2), (1, 2), 0)]
+    assert _position_embedding_backward(mesh(g, tp=2)) == [((0, 1), (0, 1), 1)] * 2
+    assert _position_embedding_backward(mesh(g, dp=2, tp=2)) == [
+        ((0, 2), (0, 2), 1), ((0, 2), (0, 2), 1), ((1, 2), (1, 2), 1), ((1, 2), (1, 2), 1)]
+
+
 def test_tensor_parallel_weights_split_memory():
     g = graph()
     plan = ct.Plan(g, 2)

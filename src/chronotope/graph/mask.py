@@ -85,6 +85,14 @@ class ValueRange:
     def contains(self, other: ValueRange) -> bool:
         return self.lo <= other.lo and other.hi <= self.hi
 
+    def of(self, whole: ValueRange) -> ValueRange:
+        """This share of ``whole``: ``part(i, n).of(w)`` is ``w.split(n)[i]``."""
+        if self.is_full:
+            return whole
+        if whole.is_full:
+            return self
+        return ValueRange(whole.lo + self.lo * whole.width, whole.lo + self.hi * whole.width)
+
     def split(self, parts: int) -> list[ValueRange]:
         """Cut into ``parts`` equal consecutive ranges (nested partial sums)."""
         if parts < 1:

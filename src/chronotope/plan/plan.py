@@ -175,6 +175,8 @@ class Plan:
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp | None] = {}
         self._weight: dict[PlanOp, PlanOp | None] = {}
+        self._gradient_splits: dict[str, bool] = {}  # see ``_splits_gradient``
+        self._readers: dict[PTensor, list[Op]] | None = None
         shares = _gradient_shares(graph, self.requires_grad)
         for i, op in enumerate(graph.ops):
             sizes = op.signature.bind(op.input_shapes,
@@ -426,10 +428,12 @@ class Plan:
         if fwd.is_backward or fwd.children:
             raise PlanError(f"{fwd.name} is not a forward leaf op")
         rg = self.requires_grad
-        grad_in = tuple(VTensor(self.grad(v.ptensor), Mask(v.mask.index))
+        marks, taken = self._gradient_share(fwd)
+        grad_in = tuple(VTensor(self.grad(v.ptensor), Mask(v.mask.index, taken))
                         for v in fwd.outputs if v.ptensor in rg)
         grad_out = [(v.ptensor.kind is TensorKind.PARAM,
-                     VTensor(self.grad(v.ptensor), Mask(v.mask.index, share)), copies)
+                     VTensor(self.grad(v.ptensor), Mask(v.mask.index, taken.of(share))),
+                     tuple(m for m in copies if m not in marks))
                     for v, share, copies in zip(fwd.inputs, fwd.piece.grad_shares,
                                                 fwd.input_grad_copies()) if v.ptensor in rg]
         parts = [grad_out]
@@ -446,6 +450,67 @@ class Plan:
             self._by_name[op.name] = op
         self._backward[fwd] = made[0] if made else None
         self._weight[fwd] = made[1] if len(made) > 1 else None
+
+    def _gradient_share(self, fwd: PlanOp, through: str | None = None
+                        ) -> tuple[frozenset[tuple[str, int]], ValueRange]:
+        """The share of its output's gradient a copy runs its backward on, and the copy
+        marks that share undoes.
+
+        A copy (a piece every sibling of which computes the same output, such as a position
+        embedding under data parallelism) whose gradient arrives as partial sums on the
+        siblings' devices anyway, and which passes gradients to parameters only, runs its
+        backward on its device's share: backward is linear in the output's gradient, so
+        its parameters' gradients become partial sums, summed with every other gradient
+        (in the buckets) instead of the output's gradient being summed mid-backward.
+        ``through`` stops at that copy level, for deciding it.
+        """
+        marks, taken = [], ValueRange.FULL
+        for mark in self._copy_marks(fwd):
+            if mark[0] == through:
+                break
+            if self._splits_gradient(mark[0]):
+                taken = taken.split(len(self.op(mark[0]).children))[mark[1]]
+                marks.append(mark)
+        return frozenset(marks), taken
+
+    def _copy_marks(self, fwd: PlanOp) -> list[tuple[str, int]]:
+        """The copy marks (outermost first) shared by a piece's outputs and the gradients
+        it passes on, where it has them and passes gradients to parameters only."""
+        rg = self.requires_grad
+        outs = [c for v, c in zip(fwd.outputs, fwd.output_copies()) if v.ptensor in rg]
+        grads = [c for v, c in zip(fwd.inputs, fwd.input_grad_copies()) if v.ptensor in rg]
+        if (not outs or not grads or fwd.device is None
+                or any(v.ptensor.kind is not TensorKind.PARAM
+                       for v in fwd.inputs if v.ptensor in rg)):
+            return []
+        common = set(outs[0]).intersection(*outs[1:], *grads)
+        return [m for m in outs[0] if m in common]
+
+    def _splits_gradient(self, parent: str) -> bool:
+        """Whether the copies ``parent`` was cut into each take a share of the output's
+        gradient (see ``_gradient_share``): decided once for all of them, so that their
+        shares add up, and only where every copy's share holds what its device's readers
+        of the output pass back (nothing moves to make it)."""
+        if parent not in self._gradient_splits:
+            n = len(self.op(parent).children)
+            self._gradient_splits[parent] = all(
+                self._holds_local_gradient(leaf, parent, n) for leaf in self.leaves(parent))
+        return self._gradient_splits[parent]
+
+    def _holds_local_gradient(self, leaf: PlanOp, parent: str, n: int) -> bool:
+        mark = next((m for m in self._copy_marks(leaf) if m[0] == parent), None)
+        if mark is None:
+            return False
+        _, taken = self._gradient_share(leaf, through=parent)
+        share = taken.split(n)[mark[1]]
+        if self._readers is None:
+            self._readers = self.graph.consumers()
+        local = [s for v in leaf.outputs if v.ptensor in self.requires_grad
+                 for op in self._readers.get(v.ptensor, ()) for reader in self.leaves(op.name)
+                 if reader.device == leaf.device
+                 for u, s in zip(reader.inputs, reader.piece.grad_shares)
+                 if u.ptensor is v.ptensor and Mask(u.mask.index).overlaps(Mask(v.mask.index))]
+        return bool(local) and all(share.contains(s) for s in local)
 
     def grad(self, t: PTensor) -> PTensor:
         """The gradient tensor of ``t``: one per forward tensor, produced piecewise."""
