@@ -2,7 +2,7 @@
 peak memory: co-shard vs recompute.
 
     python benchmarks/pipeline.py [--stages 4] [--micro 8] [--steps 6] [--layers 8]
-                                  [--rounds 3] [--only time|memory]
+                                  [--rounds 3] [--only time|zero-bubble|memory]
 
 Time: the same built-in GPT on ``--stages`` gloo processes (cores shared evenly),
 SGD, ``--micro`` micro-batches. torch's stages hold equal runs of blocks (the
@@ -11,6 +11,14 @@ output projection); chronotope cuts stages of equal FLOPs from the captured
 graph and orders them with op_order. Prints the median step time of each and
 the ratio (goal: <= 1.00), the same 1F1B folded (one micro-batch compiled, all
 run from it), and chronotope's zero-bubble zb1 beside them.
+
+Zero bubble: zb1 fills the time a rank waits with weight gradients, so it gains
+only where ranks have idle time. With more processes than cores (the time table's
+4 on a 2-core machine) a waiting rank's core runs another rank, and there is none.
+This table runs as many stages as cores (``--zb-stages``), few micro-batches
+(``--zb-micro``) and wider layers (``--zb-d-model``), so that compute dominates and
+1F1B's bubble is idle time, and prints zb1's step time as a ratio to chronotope's
+1F1B in the same run (goal: <= 1.00).
 
 Memory: one device, a GPT with long sequences (``--mem-seq``), one training
 step under each activation policy: the plan's estimate and the measured peak of
@@ -156,6 +164,24 @@ def memory_table(seq: int, d_model: int) -> Table:
     return table
 
 
+def step_times(stages: int, micro: int, steps: int, overrides: dict, rounds: int,
+               schedules: tuple[str, ...], torch_too: bool) -> tuple[float, dict[str, float]]:
+    """Median step time of torch's Schedule1F1B (0.0 without ``torch_too``) and of each of
+    chronotope's ``schedules``, over ``rounds`` alternated runs (the machine drifts)."""
+    runs = [(torch_step_time(stages, micro, steps, overrides) if torch_too else 0.0,
+             {s: chronotope_step_time(stages, micro, steps, overrides, s) for s in schedules})
+            for _ in range(rounds)]
+    return (statistics.median(b for b, _ in runs),
+            {s: statistics.median(o[s] for _, o in runs) for s in schedules})
+
+
+def _title(overrides: dict, micro: int, stages: int, rounds: int, steps: int) -> str:
+    return (f"GPT d_model={overrides['d_model']}, {overrides['n_layer']} layers, batch "
+            f"{overrides['batch_size']} x {overrides['block_size']} tokens, {micro} "
+            f"micro-batches, on {stages} gloo processes (median of {rounds} alternated runs "
+            f"of {steps - 1} steps' median, slowest rank)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
@@ -165,33 +191,40 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--zb-stages", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--zb-micro", type=int, default=4)
+    p.add_argument("--zb-d-model", type=int, default=256)
     p.add_argument("--mem-seq", type=int, default=1024)
     p.add_argument("--mem-d-model", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each, alternated (this machine's speed drifts)")
-    p.add_argument("--only", choices=("time", "memory"))
+    p.add_argument("--only", choices=("time", "zero-bubble", "memory"))
     args = p.parse_args()
     console = Console(width=120)
-    if args.only != "memory":
-        overrides = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
-                     "batch_size": args.batch}
+    shape = {"d_model": args.d_model, "n_layer": args.layers, "block_size": args.seq,
+             "batch_size": args.batch}
+    if args.only in (None, "time"):
         schedules = ("1f1b", "1f1b fold", "zb1")
-        runs = [(torch_step_time(args.stages, args.micro, args.steps, overrides),
-                 {s: chronotope_step_time(args.stages, args.micro, args.steps, overrides, s)
-                  for s in schedules})
-                for _ in range(args.rounds)]  # alternated: the machine drifts
-        base = statistics.median(b for b, _ in runs)
-        ours = {s: statistics.median(o[s] for _, o in runs) for s in schedules}
-        table = Table(title=f"GPT d_model={args.d_model}, {args.layers} layers, batch "
-                            f"{args.batch} x {args.seq} tokens, {args.micro} micro-batches, on "
-                            f"{args.stages} gloo processes (median of {args.rounds} alternated "
-                            f"runs of {args.steps - 1} steps' median, slowest rank)")
+        base, ours = step_times(args.stages, args.micro, args.steps, shape, args.rounds,
+                                schedules, torch_too=True)
+        table = Table(title=_title(shape, args.micro, args.stages, args.rounds, args.steps))
         for col in ("chronotope schedule", "torch Schedule1F1B ms", "chronotope ms", "ratio"):
             table.add_column(col, justify="right" if col != "chronotope schedule" else "left")
         for name, t in ours.items():
             table.add_row(name, f"{base * 1e3:.1f}", f"{t * 1e3:.1f}", f"{t / base:.2f}")
         console.print(table)
-    if args.only != "time":
+    if args.only in (None, "zero-bubble"):
+        wide = {**shape, "d_model": args.zb_d_model}
+        _, ours = step_times(args.zb_stages, args.zb_micro, args.steps, wide, args.rounds,
+                             ("1f1b", "zb1"), torch_too=False)
+        table = Table(title="zero bubble where ranks have idle time: "
+                      + _title(wide, args.zb_micro, args.zb_stages, args.rounds, args.steps))
+        for col in ("chronotope 1f1b ms", "chronotope zb1 ms", "zb1 / 1f1b", "goal"):
+            table.add_column(col, justify="right")
+        table.add_row(f"{ours['1f1b'] * 1e3:.1f}", f"{ours['zb1'] * 1e3:.1f}",
+                      f"{ours['zb1'] / ours['1f1b']:.2f}", "<= 1.00")
+        console.print(table)
+    if args.only in (None, "memory"):
         console.print(memory_table(args.mem_seq, args.mem_d_model))
 
 
