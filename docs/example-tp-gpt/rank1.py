@@ -10,123 +10,136 @@ import torch
 
 
 def step(rt):
-    # arange.1: factory  (gpt.py:115)
+    # arange.1: factory  (gpt.py:117)
     arange = torch.arange(32, device=rt.device)
     idx = rt.input('idx')
     wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
-    # embedding.1: embedding  (gpt.py:116, wte)
+    # embedding.1: embedding  (gpt.py:118, wte)
     idx, wte_weight_in = rt.enter('embedding.1', (idx, wte_weight), (False, True))
-    embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+    embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
+            norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding.1', (embedding,))
     del wte_weight_in
     del idx, wte_weight
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
-    # embedding_1.1: embedding  (gpt.py:116, wpe)
+    # embedding_1.1: embedding  (gpt.py:118, wpe)
     arange, wpe_weight_in = rt.enter('embedding_1.1', (arange, wpe_weight), (False, True))
-    embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+    embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
+            max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     rt.leave('embedding_1.1', (embedding_1,))
     del wpe_weight_in
     del arange, wpe_weight
-    # add.1: add  (gpt.py:116)
+    # add.1: add  (gpt.py:118)
     add = operator.add(embedding, embedding_1)
     rt.leave('add.1', (add,))
     del embedding, embedding_1
     h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
-    # layer_norm.1: layer_norm  (gpt.py:88, h.0.ln_1)
-    h_0_ln_1_weight_in, h_0_ln_1_bias_in = rt.enter('layer_norm.1', (h_0_ln_1_weight, h_0_ln_1_bias), (True, True))
-    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in, bias=h_0_ln_1_bias_in, eps=1e-05)
+    # layer_norm.1: layer_norm  (gpt.py:90, h.0.ln_1)
+    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter('layer_norm.1', (h_0_ln_1_weight,
+            h_0_ln_1_bias), (True, True))
+    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
+            bias=h_0_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm.1', (layer_norm,))
     del h_0_ln_1_weight_in, h_0_ln_1_bias_in
     del h_0_ln_1_weight, h_0_ln_1_bias
     h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((32, 64),))
-    # linear.0.1: linear  (gpt.py:54, h.0.attn.c_attn)
-    layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in = rt.enter('linear.0.1', (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
-    linear = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in)
+    # linear.0.1: linear  (gpt.py:56, h.0.attn.c_attn)
+    (layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter('linear.0.1',
+            (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
+    linear = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_in,
+            h_0_attn_c_attn_bias_in)
     rt.leave('linear.0.1', (linear,))
     del layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
     del h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
     h_0_attn_c_attn_weight_1 = rt.param('h.0.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_0_attn_c_attn_bias_1 = rt.param('h.0.attn.c_attn.bias', ((96, 128),))
-    # linear.1.1: linear  (gpt.py:54, h.0.attn.c_attn)
-    layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in = rt.enter('linear.1.1', (layer_norm, h_0_attn_c_attn_weight_1, h_0_attn_c_attn_bias_1), (True, True, True))
-    linear_1 = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in)
+    # linear.1.1: linear  (gpt.py:56, h.0.attn.c_attn)
+    (layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in) = rt.enter('linear.1.1',
+            (layer_norm, h_0_attn_c_attn_weight_1, h_0_attn_c_attn_bias_1), (True, True, True))
+    linear_1 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_1_in,
+            h_0_attn_c_attn_bias_1_in)
     rt.leave('linear.1.1', (linear_1,))
     del layer_norm_in, h_0_attn_c_attn_weight_1_in, h_0_attn_c_attn_bias_1_in
     del h_0_attn_c_attn_weight_1, h_0_attn_c_attn_bias_1
     h_0_attn_c_attn_weight_2 = rt.param('h.0.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_0_attn_c_attn_bias_2 = rt.param('h.0.attn.c_attn.bias', ((160, 192),))
-    # linear.2.1: linear  (gpt.py:54, h.0.attn.c_attn)
-    layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in = rt.enter('linear.2.1', (layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2), (True, True, True))
-    linear_2 = torch._C._nn.linear(layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in)
+    # linear.2.1: linear  (gpt.py:56, h.0.attn.c_attn)
+    (layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in) = rt.enter('linear.2.1',
+            (layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2), (True, True, True))
+    linear_2 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_2_in,
+            h_0_attn_c_attn_bias_2_in)
     rt.leave('linear.2.1', (linear_2,))
     del layer_norm_in, h_0_attn_c_attn_weight_2_in, h_0_attn_c_attn_bias_2_in
     del layer_norm, h_0_attn_c_attn_weight_2, h_0_attn_c_attn_bias_2
-    # chunk.1: narrow  (gpt.py:54, h.0.attn)
+    # chunk.1: narrow  (gpt.py:56, h.0.attn)
     chunk = linear.reshape((4, 32, 32))
     rt.leave('chunk.1', (chunk,))
     del linear
-    # chunk_v1.1: narrow  (gpt.py:54, h.0.attn)
+    # chunk_v1.1: narrow  (gpt.py:56, h.0.attn)
     chunk_v1 = linear_1.reshape((4, 32, 32))
     rt.leave('chunk_v1.1', (chunk_v1,))
     del linear_1
-    # chunk_v2.1: narrow  (gpt.py:54, h.0.attn)
+    # chunk_v2.1: narrow  (gpt.py:56, h.0.attn)
     chunk_v2 = linear_2.reshape((4, 32, 32))
     rt.leave('chunk_v2.1', (chunk_v2,))
     del linear_2
-    # view.1: reshape  (gpt.py:55, h.0.attn)
+    # view.1: reshape  (gpt.py:57, h.0.attn)
     view = chunk.reshape((4, 32, 2, 16))
     rt.leave('view.1', (view,))
     del chunk
-    # transpose.1: transpose  (gpt.py:55, h.0.attn)
+    # transpose.1: transpose  (gpt.py:57, h.0.attn)
     transpose = view.transpose(1, 2)
     rt.leave('transpose.1', (transpose,))
     del view
-    # view_1.1: reshape  (gpt.py:56, h.0.attn)
+    # view_1.1: reshape  (gpt.py:58, h.0.attn)
     view_1 = chunk_v1.reshape((4, 32, 2, 16))
     rt.leave('view_1.1', (view_1,))
     del chunk_v1
-    # transpose_1.1: transpose  (gpt.py:56, h.0.attn)
+    # transpose_1.1: transpose  (gpt.py:58, h.0.attn)
     transpose_1 = view_1.transpose(1, 2)
     rt.leave('transpose_1.1', (transpose_1,))
     del view_1
-    # view_2.1: reshape  (gpt.py:57, h.0.attn)
+    # view_2.1: reshape  (gpt.py:59, h.0.attn)
     view_2 = chunk_v2.reshape((4, 32, 2, 16))
     rt.leave('view_2.1', (view_2,))
     del chunk_v2
-    # transpose_2.1: transpose  (gpt.py:57, h.0.attn)
+    # transpose_2.1: transpose  (gpt.py:59, h.0.attn)
     transpose_2 = view_2.transpose(1, 2)
     rt.leave('transpose_2.1', (transpose_2,))
     del view_2
-    # scaled_dot_product_attention.1: attention  (gpt.py:59, h.0.attn)
-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(transpose, transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
+    # scaled_dot_product_attention.1: attention  (gpt.py:61, h.0.attn)
+    scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention(transpose,
+            transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention.1', (scaled_dot_product_attention,))
     del transpose, transpose_1, transpose_2
-    # transpose_3.1: transpose  (gpt.py:60, h.0.attn)
+    # transpose_3.1: transpose  (gpt.py:62, h.0.attn)
     transpose_3 = scaled_dot_product_attention.transpose(1, 2)
     rt.leave('transpose_3.1', (transpose_3,))
     del scaled_dot_product_attention
-    # contiguous.1: contiguous  (gpt.py:60, h.0.attn)
+    # contiguous.1: contiguous  (gpt.py:62, h.0.attn)
     contiguous = transpose_3.contiguous()
     rt.leave('contiguous.1', (contiguous,))
     del transpose_3
-    # view_3.1: reshape  (gpt.py:60, h.0.attn)
+    # view_3.1: reshape  (gpt.py:62, h.0.attn)
     view_3 = contiguous.reshape((4, 32, 32))
     rt.leave('view_3.1', (view_3,))
     del contiguous
     h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
-    # linear_1.1: linear  (gpt.py:61, h.0.attn.c_proj)
+    # linear_1.1: linear  (gpt.py:63, h.0.attn.c_proj)
     h_0_attn_c_proj_bias_share = h_0_attn_c_proj_bias * 0.5
-    h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in = rt.enter('linear_1.1', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
-    linear_1_1 = torch._C._nn.linear(view_3, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in)
+    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in) = rt.enter('linear_1.1',
+            (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
+    linear_1_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
+            h_0_attn_c_proj_bias_share_in)
     rt.leave('linear_1.1', (linear_1_1,))
     del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
     del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
     linear_1_2, = rt.all_reduce([(linear_1_1,)], ranks=(0, 1))
     del linear_1_1
-    # add_1.1: add  (gpt.py:88, h.0)
+    # add_1.1: add  (gpt.py:90, h.0)
     add_in, linear_1_2_in = rt.enter('add_1.1', (add, linear_1_2), (True, True))
     add_1 = operator.add(add_in, linear_1_2_in)
     rt.leave('add_1.1', (add_1,))
@@ -134,36 +147,42 @@ def step(rt):
     del add, linear_1_2
     h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
-    # layer_norm_1.1: layer_norm  (gpt.py:89, h.0.ln_2)
-    h_0_ln_2_weight_in, h_0_ln_2_bias_in = rt.enter('layer_norm_1.1', (h_0_ln_2_weight, h_0_ln_2_bias), (True, True))
-    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in, bias=h_0_ln_2_bias_in, eps=1e-05)
+    # layer_norm_1.1: layer_norm  (gpt.py:91, h.0.ln_2)
+    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter('layer_norm_1.1', (h_0_ln_2_weight,
+            h_0_ln_2_bias), (True, True))
+    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
+            bias=h_0_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_1.1', (layer_norm_1,))
     del h_0_ln_2_weight_in, h_0_ln_2_bias_in
     del h_0_ln_2_weight, h_0_ln_2_bias
     h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((128, 256),))
-    # linear_2.1: linear  (gpt.py:74, h.0.mlp.c_fc)
-    layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in = rt.enter('linear_2.1', (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
-    linear_2_1 = torch._C._nn.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in)
+    # linear_2.1: linear  (gpt.py:76, h.0.mlp.c_fc)
+    (layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter('linear_2.1',
+            (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
+    linear_2_1 = torch.nn.functional.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in,
+            h_0_mlp_c_fc_bias_in)
     rt.leave('linear_2.1', (linear_2_1,))
     del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
     del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
-    # gelu.1: gelu  (gpt.py:74, h.0.mlp)
-    gelu = torch._C._nn.gelu(linear_2_1)
+    # gelu.1: gelu  (gpt.py:76, h.0.mlp)
+    gelu = torch.nn.functional.gelu(linear_2_1)
     rt.leave('gelu.1', (gelu,))
     del linear_2_1
     h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
-    # linear_3.1: linear  (gpt.py:74, h.0.mlp.c_proj)
+    # linear_3.1: linear  (gpt.py:76, h.0.mlp.c_proj)
     h_0_mlp_c_proj_bias_share = h_0_mlp_c_proj_bias * 0.5
-    h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in = rt.enter('linear_3.1', (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias_share), (True, True))
-    linear_3 = torch._C._nn.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in)
+    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in) = rt.enter('linear_3.1',
+            (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias_share), (True, True))
+    linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in,
+            h_0_mlp_c_proj_bias_share_in)
     rt.leave('linear_3.1', (linear_3,))
     del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
     del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
     linear_3_1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
     del linear_3
-    # add_2.1: add  (gpt.py:89, h.0)
+    # add_2.1: add  (gpt.py:91, h.0)
     add_1_in, linear_3_1_in = rt.enter('add_2.1', (add_1, linear_3_1), (True, True))
     add_2 = operator.add(add_1_in, linear_3_1_in)
     rt.leave('add_2.1', (add_2,))
@@ -171,100 +190,113 @@ def step(rt):
     del add_1, linear_3_1
     h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
     h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
-    # layer_norm_2.1: layer_norm  (gpt.py:88, h.1.ln_1)
-    h_1_ln_1_weight_in, h_1_ln_1_bias_in = rt.enter('layer_norm_2.1', (h_1_ln_1_weight, h_1_ln_1_bias), (True, True))
-    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in, bias=h_1_ln_1_bias_in, eps=1e-05)
+    # layer_norm_2.1: layer_norm  (gpt.py:90, h.1.ln_1)
+    (h_1_ln_1_weight_in, h_1_ln_1_bias_in) = rt.enter('layer_norm_2.1', (h_1_ln_1_weight,
+            h_1_ln_1_bias), (True, True))
+    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in,
+            bias=h_1_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_2.1', (layer_norm_2,))
     del h_1_ln_1_weight_in, h_1_ln_1_bias_in
     del h_1_ln_1_weight, h_1_ln_1_bias
     h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((32, 64),))
-    # linear_4.0.1: linear  (gpt.py:54, h.1.attn.c_attn)
-    layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in = rt.enter('linear_4.0.1', (layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True, True))
-    linear_4 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in)
+    # linear_4.0.1: linear  (gpt.py:56, h.1.attn.c_attn)
+    (layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in) = rt.enter('linear_4.0.1',
+            (layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True, True))
+    linear_4 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_in,
+            h_1_attn_c_attn_bias_in)
     rt.leave('linear_4.0.1', (linear_4,))
     del layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in
     del h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
     h_1_attn_c_attn_weight_1 = rt.param('h.1.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_1_attn_c_attn_bias_1 = rt.param('h.1.attn.c_attn.bias', ((96, 128),))
-    # linear_4.1.1: linear  (gpt.py:54, h.1.attn.c_attn)
-    layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in = rt.enter('linear_4.1.1', (layer_norm_2, h_1_attn_c_attn_weight_1, h_1_attn_c_attn_bias_1), (True, True, True))
-    linear_4_1 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in)
+    # linear_4.1.1: linear  (gpt.py:56, h.1.attn.c_attn)
+    (layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in) = rt.enter(
+            'linear_4.1.1', (layer_norm_2, h_1_attn_c_attn_weight_1, h_1_attn_c_attn_bias_1), (True,
+            True, True))
+    linear_4_1 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_1_in,
+            h_1_attn_c_attn_bias_1_in)
     rt.leave('linear_4.1.1', (linear_4_1,))
     del layer_norm_2_in, h_1_attn_c_attn_weight_1_in, h_1_attn_c_attn_bias_1_in
     del h_1_attn_c_attn_weight_1, h_1_attn_c_attn_bias_1
     h_1_attn_c_attn_weight_2 = rt.param('h.1.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_1_attn_c_attn_bias_2 = rt.param('h.1.attn.c_attn.bias', ((160, 192),))
-    # linear_4.2.1: linear  (gpt.py:54, h.1.attn.c_attn)
-    layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in = rt.enter('linear_4.2.1', (layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2), (True, True, True))
-    linear_4_2 = torch._C._nn.linear(layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in)
+    # linear_4.2.1: linear  (gpt.py:56, h.1.attn.c_attn)
+    (layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in) = rt.enter(
+            'linear_4.2.1', (layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2), (True,
+            True, True))
+    linear_4_2 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_2_in,
+            h_1_attn_c_attn_bias_2_in)
     rt.leave('linear_4.2.1', (linear_4_2,))
     del layer_norm_2_in, h_1_attn_c_attn_weight_2_in, h_1_attn_c_attn_bias_2_in
     del layer_norm_2, h_1_attn_c_attn_weight_2, h_1_attn_c_attn_bias_2
-    # chunk_1.1: narrow  (gpt.py:54, h.1.attn)
+    # chunk_1.1: narrow  (gpt.py:56, h.1.attn)
     chunk_1 = linear_4.reshape((4, 32, 32))
     rt.leave('chunk_1.1', (chunk_1,))
     del linear_4
-    # chunk_1_v1.1: narrow  (gpt.py:54, h.1.attn)
+    # chunk_1_v1.1: narrow  (gpt.py:56, h.1.attn)
     chunk_1_v1 = linear_4_1.reshape((4, 32, 32))
     rt.leave('chunk_1_v1.1', (chunk_1_v1,))
     del linear_4_1
-    # chunk_1_v2.1: narrow  (gpt.py:54, h.1.attn)
+    # chunk_1_v2.1: narrow  (gpt.py:56, h.1.attn)
     chunk_1_v2 = linear_4_2.reshape((4, 32, 32))
     rt.leave('chunk_1_v2.1', (chunk_1_v2,))
     del linear_4_2
-    # view_4.1: reshape  (gpt.py:55, h.1.attn)
+    # view_4.1: reshape  (gpt.py:57, h.1.attn)
     view_4 = chunk_1.reshape((4, 32, 2, 16))
     rt.leave('view_4.1', (view_4,))
     del chunk_1
-    # transpose_4.1: transpose  (gpt.py:55, h.1.attn)
+    # transpose_4.1: transpose  (gpt.py:57, h.1.attn)
     transpose_4 = view_4.transpose(1, 2)
     rt.leave('transpose_4.1', (transpose_4,))
     del view_4
-    # view_5.1: reshape  (gpt.py:56, h.1.attn)
+    # view_5.1: reshape  (gpt.py:58, h.1.attn)
     view_5 = chunk_1_v1.reshape((4, 32, 2, 16))
     rt.leave('view_5.1', (view_5,))
     del chunk_1_v1
-    # transpose_5.1: transpose  (gpt.py:56, h.1.attn)
+    # transpose_5.1: transpose  (gpt.py:58, h.1.attn)
     transpose_5 = view_5.transpose(1, 2)
     rt.leave('transpose_5.1', (transpose_5,))
     del view_5
-    # view_6.1: reshape  (gpt.py:57, h.1.attn)
+    # view_6.1: reshape  (gpt.py:59, h.1.attn)
     view_6 = chunk_1_v2.reshape((4, 32, 2, 16))
     rt.leave('view_6.1', (view_6,))
     del chunk_1_v2
-    # transpose_6.1: transpose  (gpt.py:57, h.1.attn)
+    # transpose_6.1: transpose  (gpt.py:59, h.1.attn)
     transpose_6 = view_6.transpose(1, 2)
     rt.leave('transpose_6.1', (transpose_6,))
     del view_6
-    # scaled_dot_product_attention_1.1: attention  (gpt.py:59, h.1.attn)
-    scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
+    # scaled_dot_product_attention_1.1: attention  (gpt.py:61, h.1.attn)
+    scaled_dot_product_attention_1 = torch.nn.functional.scaled_dot_product_attention(transpose_4,
+            transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_1.1', (scaled_dot_product_attention_1,))
     del transpose_4, transpose_5, transpose_6
-    # transpose_7.1: transpose  (gpt.py:60, h.1.attn)
+    # transpose_7.1: transpose  (gpt.py:62, h.1.attn)
     transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
     rt.leave('transpose_7.1', (transpose_7,))
     del scaled_dot_product_attention_1
-    # contiguous_1.1: contiguous  (gpt.py:60, h.1.attn)
+    # contiguous_1.1: contiguous  (gpt.py:62, h.1.attn)
     contiguous_1 = transpose_7.contiguous()
     rt.leave('contiguous_1.1', (contiguous_1,))
     del transpose_7
-    # view_7.1: reshape  (gpt.py:60, h.1.attn)
+    # view_7.1: reshape  (gpt.py:62, h.1.attn)
     view_7 = contiguous_1.reshape((4, 32, 32))
     rt.leave('view_7.1', (view_7,))
     del contiguous_1
     h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
-    # linear_5.1: linear  (gpt.py:61, h.1.attn.c_proj)
+    # linear_5.1: linear  (gpt.py:63, h.1.attn.c_proj)
     h_1_attn_c_proj_bias_share = h_1_attn_c_proj_bias * 0.5
-    h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in = rt.enter('linear_5.1', (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias_share), (True, True))
-    linear_5 = torch._C._nn.linear(view_7, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in)
+    (h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in) = rt.enter('linear_5.1',
+            (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias_share), (True, True))
+    linear_5 = torch.nn.functional.linear(view_7, h_1_attn_c_proj_weight_in,
+            h_1_attn_c_proj_bias_share_in)
     rt.leave('linear_5.1', (linear_5,))
     del h_1_attn_c_proj_bias_share, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in
     del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
     linear_5_1, = rt.all_reduce([(linear_5,)], ranks=(0, 1))
     del linear_5
-    # add_3.1: add  (gpt.py:88, h.1)
+    # add_3.1: add  (gpt.py:90, h.1)
     add_2_in, linear_5_1_in = rt.enter('add_3.1', (add_2, linear_5_1), (True, True))
     add_3 = operator.add(add_2_in, linear_5_1_in)
     rt.leave('add_3.1', (add_3,))
@@ -272,36 +304,42 @@ def step(rt):
     del add_2, linear_5_1
     h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
     h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
-    # layer_norm_3.1: layer_norm  (gpt.py:89, h.1.ln_2)
-    h_1_ln_2_weight_in, h_1_ln_2_bias_in = rt.enter('layer_norm_3.1', (h_1_ln_2_weight, h_1_ln_2_bias), (True, True))
-    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in, bias=h_1_ln_2_bias_in, eps=1e-05)
+    # layer_norm_3.1: layer_norm  (gpt.py:91, h.1.ln_2)
+    (h_1_ln_2_weight_in, h_1_ln_2_bias_in) = rt.enter('layer_norm_3.1', (h_1_ln_2_weight,
+            h_1_ln_2_bias), (True, True))
+    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in,
+            bias=h_1_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_3.1', (layer_norm_3,))
     del h_1_ln_2_weight_in, h_1_ln_2_bias_in
     del h_1_ln_2_weight, h_1_ln_2_bias
     h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((128, 256),))
-    # linear_6.1: linear  (gpt.py:74, h.1.mlp.c_fc)
-    layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in = rt.enter('linear_6.1', (layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True, True))
-    linear_6 = torch._C._nn.linear(layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in)
+    # linear_6.1: linear  (gpt.py:76, h.1.mlp.c_fc)
+    (layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in) = rt.enter('linear_6.1',
+            (layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True, True))
+    linear_6 = torch.nn.functional.linear(layer_norm_3_in, h_1_mlp_c_fc_weight_in,
+            h_1_mlp_c_fc_bias_in)
     rt.leave('linear_6.1', (linear_6,))
     del layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in
     del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
-    # gelu_1.1: gelu  (gpt.py:74, h.1.mlp)
-    gelu_1 = torch._C._nn.gelu(linear_6)
+    # gelu_1.1: gelu  (gpt.py:76, h.1.mlp)
+    gelu_1 = torch.nn.functional.gelu(linear_6)
     rt.leave('gelu_1.1', (gelu_1,))
     del linear_6
     h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
-    # linear_7.1: linear  (gpt.py:74, h.1.mlp.c_proj)
+    # linear_7.1: linear  (gpt.py:76, h.1.mlp.c_proj)
     h_1_mlp_c_proj_bias_share = h_1_mlp_c_proj_bias * 0.5
-    h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in = rt.enter('linear_7.1', (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias_share), (True, True))
-    linear_7 = torch._C._nn.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in)
+    (h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in) = rt.enter('linear_7.1',
+            (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias_share), (True, True))
+    linear_7 = torch.nn.functional.linear(gelu_1, h_1_mlp_c_proj_weight_in,
+            h_1_mlp_c_proj_bias_share_in)
     rt.leave('linear_7.1', (linear_7,))
     del h_1_mlp_c_proj_bias_share, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in
     del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
     linear_7_1, = rt.all_reduce([(linear_7,)], ranks=(0, 1))
     del linear_7
-    # add_4.1: add  (gpt.py:89, h.1)
+    # add_4.1: add  (gpt.py:91, h.1)
     add_3_in, linear_7_1_in = rt.enter('add_4.1', (add_3, linear_7_1), (True, True))
     add_4 = operator.add(add_3_in, linear_7_1_in)
     rt.leave('add_4.1', (add_4,))
@@ -309,100 +347,113 @@ def step(rt):
     del add_3, linear_7_1
     h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
     h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
-    # layer_norm_4.1: layer_norm  (gpt.py:88, h.2.ln_1)
-    h_2_ln_1_weight_in, h_2_ln_1_bias_in = rt.enter('layer_norm_4.1', (h_2_ln_1_weight, h_2_ln_1_bias), (True, True))
-    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in, bias=h_2_ln_1_bias_in, eps=1e-05)
+    # layer_norm_4.1: layer_norm  (gpt.py:90, h.2.ln_1)
+    (h_2_ln_1_weight_in, h_2_ln_1_bias_in) = rt.enter('layer_norm_4.1', (h_2_ln_1_weight,
+            h_2_ln_1_bias), (True, True))
+    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in,
+            bias=h_2_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_4.1', (layer_norm_4,))
     del h_2_ln_1_weight_in, h_2_ln_1_bias_in
     del h_2_ln_1_weight, h_2_ln_1_bias
     h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((32, 64),))
-    # linear_8.0.1: linear  (gpt.py:54, h.2.attn.c_attn)
-    layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in = rt.enter('linear_8.0.1', (layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True, True))
-    linear_8 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in)
+    # linear_8.0.1: linear  (gpt.py:56, h.2.attn.c_attn)
+    (layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in) = rt.enter('linear_8.0.1',
+            (layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True, True))
+    linear_8 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_in,
+            h_2_attn_c_attn_bias_in)
     rt.leave('linear_8.0.1', (linear_8,))
     del layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in
     del h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
     h_2_attn_c_attn_weight_1 = rt.param('h.2.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_2_attn_c_attn_bias_1 = rt.param('h.2.attn.c_attn.bias', ((96, 128),))
-    # linear_8.1.1: linear  (gpt.py:54, h.2.attn.c_attn)
-    layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in = rt.enter('linear_8.1.1', (layer_norm_4, h_2_attn_c_attn_weight_1, h_2_attn_c_attn_bias_1), (True, True, True))
-    linear_8_1 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in)
+    # linear_8.1.1: linear  (gpt.py:56, h.2.attn.c_attn)
+    (layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in) = rt.enter(
+            'linear_8.1.1', (layer_norm_4, h_2_attn_c_attn_weight_1, h_2_attn_c_attn_bias_1), (True,
+            True, True))
+    linear_8_1 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_1_in,
+            h_2_attn_c_attn_bias_1_in)
     rt.leave('linear_8.1.1', (linear_8_1,))
     del layer_norm_4_in, h_2_attn_c_attn_weight_1_in, h_2_attn_c_attn_bias_1_in
     del h_2_attn_c_attn_weight_1, h_2_attn_c_attn_bias_1
     h_2_attn_c_attn_weight_2 = rt.param('h.2.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_2_attn_c_attn_bias_2 = rt.param('h.2.attn.c_attn.bias', ((160, 192),))
-    # linear_8.2.1: linear  (gpt.py:54, h.2.attn.c_attn)
-    layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in = rt.enter('linear_8.2.1', (layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2), (True, True, True))
-    linear_8_2 = torch._C._nn.linear(layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in)
+    # linear_8.2.1: linear  (gpt.py:56, h.2.attn.c_attn)
+    (layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in) = rt.enter(
+            'linear_8.2.1', (layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2), (True,
+            True, True))
+    linear_8_2 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_2_in,
+            h_2_attn_c_attn_bias_2_in)
     rt.leave('linear_8.2.1', (linear_8_2,))
     del layer_norm_4_in, h_2_attn_c_attn_weight_2_in, h_2_attn_c_attn_bias_2_in
     del layer_norm_4, h_2_attn_c_attn_weight_2, h_2_attn_c_attn_bias_2
-    # chunk_2.1: narrow  (gpt.py:54, h.2.attn)
+    # chunk_2.1: narrow  (gpt.py:56, h.2.attn)
     chunk_2 = linear_8.reshape((4, 32, 32))
     rt.leave('chunk_2.1', (chunk_2,))
     del linear_8
-    # chunk_2_v1.1: narrow  (gpt.py:54, h.2.attn)
+    # chunk_2_v1.1: narrow  (gpt.py:56, h.2.attn)
     chunk_2_v1 = linear_8_1.reshape((4, 32, 32))
     rt.leave('chunk_2_v1.1', (chunk_2_v1,))
     del linear_8_1
-    # chunk_2_v2.1: narrow  (gpt.py:54, h.2.attn)
+    # chunk_2_v2.1: narrow  (gpt.py:56, h.2.attn)
     chunk_2_v2 = linear_8_2.reshape((4, 32, 32))
     rt.leave('chunk_2_v2.1', (chunk_2_v2,))
     del linear_8_2
-    # view_8.1: reshape  (gpt.py:55, h.2.attn)
+    # view_8.1: reshape  (gpt.py:57, h.2.attn)
     view_8 = chunk_2.reshape((4, 32, 2, 16))
     rt.leave('view_8.1', (view_8,))
     del chunk_2
-    # transpose_8.1: transpose  (gpt.py:55, h.2.attn)
+    # transpose_8.1: transpose  (gpt.py:57, h.2.attn)
     transpose_8 = view_8.transpose(1, 2)
     rt.leave('transpose_8.1', (transpose_8,))
     del view_8
-    # view_9.1: reshape  (gpt.py:56, h.2.attn)
+    # view_9.1: reshape  (gpt.py:58, h.2.attn)
     view_9 = chunk_2_v1.reshape((4, 32, 2, 16))
     rt.leave('view_9.1', (view_9,))
     del chunk_2_v1
-    # transpose_9.1: transpose  (gpt.py:56, h.2.attn)
+    # transpose_9.1: transpose  (gpt.py:58, h.2.attn)
     transpose_9 = view_9.transpose(1, 2)
     rt.leave('transpose_9.1', (transpose_9,))
     del view_9
-    # view_10.1: reshape  (gpt.py:57, h.2.attn)
+    # view_10.1: reshape  (gpt.py:59, h.2.attn)
     view_10 = chunk_2_v2.reshape((4, 32, 2, 16))
     rt.leave('view_10.1', (view_10,))
     del chunk_2_v2
-    # transpose_10.1: transpose  (gpt.py:57, h.2.attn)
+    # transpose_10.1: transpose  (gpt.py:59, h.2.attn)
     transpose_10 = view_10.transpose(1, 2)
     rt.leave('transpose_10.1', (transpose_10,))
     del view_10
-    # scaled_dot_product_attention_2.1: attention  (gpt.py:59, h.2.attn)
-    scaled_dot_product_attention_2 = torch._C._nn.scaled_dot_product_attention(transpose_8, transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
+    # scaled_dot_product_attention_2.1: attention  (gpt.py:61, h.2.attn)
+    scaled_dot_product_attention_2 = torch.nn.functional.scaled_dot_product_attention(transpose_8,
+            transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_2.1', (scaled_dot_product_attention_2,))
     del transpose_8, transpose_9, transpose_10
-    # transpose_11.1: transpose  (gpt.py:60, h.2.attn)
+    # transpose_11.1: transpose  (gpt.py:62, h.2.attn)
     transpose_11 = scaled_dot_product_attention_2.transpose(1, 2)
     rt.leave('transpose_11.1', (transpose_11,))
     del scaled_dot_product_attention_2
-    # contiguous_2.1: contiguous  (gpt.py:60, h.2.attn)
+    # contiguous_2.1: contiguous  (gpt.py:62, h.2.attn)
     contiguous_2 = transpose_11.contiguous()
     rt.leave('contiguous_2.1', (contiguous_2,))
     del transpose_11
-    # view_11.1: reshape  (gpt.py:60, h.2.attn)
+    # view_11.1: reshape  (gpt.py:62, h.2.attn)
     view_11 = contiguous_2.reshape((4, 32, 32))
     rt.leave('view_11.1', (view_11,))
     del contiguous_2
     h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
-    # linear_9.1: linear  (gpt.py:61, h.2.attn.c_proj)
+    # linear_9.1: linear  (gpt.py:63, h.2.attn.c_proj)
     h_2_attn_c_proj_bias_share = h_2_attn_c_proj_bias * 0.5
-    h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in = rt.enter('linear_9.1', (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias_share), (True, True))
-    linear_9 = torch._C._nn.linear(view_11, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in)
+    (h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in) = rt.enter('linear_9.1',
+            (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias_share), (True, True))
+    linear_9 = torch.nn.functional.linear(view_11, h_2_attn_c_proj_weight_in,
+            h_2_attn_c_proj_bias_share_in)
     rt.leave('linear_9.1', (linear_9,))
     del h_2_attn_c_proj_bias_share, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in
     del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
     linear_9_1, = rt.all_reduce([(linear_9,)], ranks=(0, 1))
     del linear_9
-    # add_5.1: add  (gpt.py:88, h.2)
+    # add_5.1: add  (gpt.py:90, h.2)
     add_4_in, linear_9_1_in = rt.enter('add_5.1', (add_4, linear_9_1), (True, True))
     add_5 = operator.add(add_4_in, linear_9_1_in)
     rt.leave('add_5.1', (add_5,))
@@ -410,36 +461,42 @@ def step(rt):
     del add_4, linear_9_1
     h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
     h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
-    # layer_norm_5.1: layer_norm  (gpt.py:89, h.2.ln_2)
-    h_2_ln_2_weight_in, h_2_ln_2_bias_in = rt.enter('layer_norm_5.1', (h_2_ln_2_weight, h_2_ln_2_bias), (True, True))
-    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in, bias=h_2_ln_2_bias_in, eps=1e-05)
+    # layer_norm_5.1: layer_norm  (gpt.py:91, h.2.ln_2)
+    (h_2_ln_2_weight_in, h_2_ln_2_bias_in) = rt.enter('layer_norm_5.1', (h_2_ln_2_weight,
+            h_2_ln_2_bias), (True, True))
+    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in,
+            bias=h_2_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_5.1', (layer_norm_5,))
     del h_2_ln_2_weight_in, h_2_ln_2_bias_in
     del h_2_ln_2_weight, h_2_ln_2_bias
     h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((128, 256),))
-    # linear_10.1: linear  (gpt.py:74, h.2.mlp.c_fc)
-    layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in = rt.enter('linear_10.1', (layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True, True))
-    linear_10 = torch._C._nn.linear(layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in)
+    # linear_10.1: linear  (gpt.py:76, h.2.mlp.c_fc)
+    (layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in) = rt.enter('linear_10.1',
+            (layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True, True))
+    linear_10 = torch.nn.functional.linear(layer_norm_5_in, h_2_mlp_c_fc_weight_in,
+            h_2_mlp_c_fc_bias_in)
     rt.leave('linear_10.1', (linear_10,))
     del layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in
     del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
-    # gelu_2.1: gelu  (gpt.py:74, h.2.mlp)
-    gelu_2 = torch._C._nn.gelu(linear_10)
+    # gelu_2.1: gelu  (gpt.py:76, h.2.mlp)
+    gelu_2 = torch.nn.functional.gelu(linear_10)
     rt.leave('gelu_2.1', (gelu_2,))
     del linear_10
     h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
-    # linear_11.1: linear  (gpt.py:74, h.2.mlp.c_proj)
+    # linear_11.1: linear  (gpt.py:76, h.2.mlp.c_proj)
     h_2_mlp_c_proj_bias_share = h_2_mlp_c_proj_bias * 0.5
-    h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in = rt.enter('linear_11.1', (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias_share), (True, True))
-    linear_11 = torch._C._nn.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in)
+    (h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in) = rt.enter('linear_11.1',
+            (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias_share), (True, True))
+    linear_11 = torch.nn.functional.linear(gelu_2, h_2_mlp_c_proj_weight_in,
+            h_2_mlp_c_proj_bias_share_in)
     rt.leave('linear_11.1', (linear_11,))
     del h_2_mlp_c_proj_bias_share, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in
     del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
     linear_11_1, = rt.all_reduce([(linear_11,)], ranks=(0, 1))
     del linear_11
-    # add_6.1: add  (gpt.py:89, h.2)
+    # add_6.1: add  (gpt.py:91, h.2)
     add_5_in, linear_11_1_in = rt.enter('add_6.1', (add_5, linear_11_1), (True, True))
     add_6 = operator.add(add_5_in, linear_11_1_in)
     rt.leave('add_6.1', (add_6,))
@@ -447,100 +504,114 @@ def step(rt):
     del add_5, linear_11_1
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
-    # layer_norm_6.1: layer_norm  (gpt.py:88, h.3.ln_1)
-    h_3_ln_1_weight_in, h_3_ln_1_bias_in = rt.enter('layer_norm_6.1', (h_3_ln_1_weight, h_3_ln_1_bias), (True, True))
-    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in, bias=h_3_ln_1_bias_in, eps=1e-05)
+    # layer_norm_6.1: layer_norm  (gpt.py:90, h.3.ln_1)
+    (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('layer_norm_6.1', (h_3_ln_1_weight,
+            h_3_ln_1_bias), (True, True))
+    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in,
+            bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.1', (layer_norm_6,))
     del h_3_ln_1_weight_in, h_3_ln_1_bias_in
     del h_3_ln_1_weight, h_3_ln_1_bias
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((32, 64),))
-    # linear_12.0.1: linear  (gpt.py:54, h.3.attn.c_attn)
-    layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in = rt.enter('linear_12.0.1', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True, True))
-    linear_12 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in)
+    # linear_12.0.1: linear  (gpt.py:56, h.3.attn.c_attn)
+    (layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in) = rt.enter(
+            'linear_12.0.1', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True,
+            True, True))
+    linear_12 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in,
+            h_3_attn_c_attn_bias_in)
     rt.leave('linear_12.0.1', (linear_12,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
     del h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
     h_3_attn_c_attn_weight_1 = rt.param('h.3.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_3_attn_c_attn_bias_1 = rt.param('h.3.attn.c_attn.bias', ((96, 128),))
-    # linear_12.1.1: linear  (gpt.py:54, h.3.attn.c_attn)
-    layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in = rt.enter('linear_12.1.1', (layer_norm_6, h_3_attn_c_attn_weight_1, h_3_attn_c_attn_bias_1), (True, True, True))
-    linear_12_1 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in)
+    # linear_12.1.1: linear  (gpt.py:56, h.3.attn.c_attn)
+    (layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in) = rt.enter(
+            'linear_12.1.1', (layer_norm_6, h_3_attn_c_attn_weight_1, h_3_attn_c_attn_bias_1),
+            (True, True, True))
+    linear_12_1 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_1_in,
+            h_3_attn_c_attn_bias_1_in)
     rt.leave('linear_12.1.1', (linear_12_1,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_1_in, h_3_attn_c_attn_bias_1_in
     del h_3_attn_c_attn_weight_1, h_3_attn_c_attn_bias_1
     h_3_attn_c_attn_weight_2 = rt.param('h.3.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_3_attn_c_attn_bias_2 = rt.param('h.3.attn.c_attn.bias', ((160, 192),))
-    # linear_12.2.1: linear  (gpt.py:54, h.3.attn.c_attn)
-    layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in = rt.enter('linear_12.2.1', (layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2), (True, True, True))
-    linear_12_2 = torch._C._nn.linear(layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in)
+    # linear_12.2.1: linear  (gpt.py:56, h.3.attn.c_attn)
+    (layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in) = rt.enter(
+            'linear_12.2.1', (layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2),
+            (True, True, True))
+    linear_12_2 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_2_in,
+            h_3_attn_c_attn_bias_2_in)
     rt.leave('linear_12.2.1', (linear_12_2,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_2_in, h_3_attn_c_attn_bias_2_in
     del layer_norm_6, h_3_attn_c_attn_weight_2, h_3_attn_c_attn_bias_2
-    # chunk_3.1: narrow  (gpt.py:54, h.3.attn)
+    # chunk_3.1: narrow  (gpt.py:56, h.3.attn)
     chunk_3 = linear_12.reshape((4, 32, 32))
     rt.leave('chunk_3.1', (chunk_3,))
     del linear_12
-    # chunk_3_v1.1: narrow  (gpt.py:54, h.3.attn)
+    # chunk_3_v1.1: narrow  (gpt.py:56, h.3.attn)
     chunk_3_v1 = linear_12_1.reshape((4, 32, 32))
     rt.leave('chunk_3_v1.1', (chunk_3_v1,))
     del linear_12_1
-    # chunk_3_v2.1: narrow  (gpt.py:54, h.3.attn)
+    # chunk_3_v2.1: narrow  (gpt.py:56, h.3.attn)
     chunk_3_v2 = linear_12_2.reshape((4, 32, 32))
     rt.leave('chunk_3_v2.1', (chunk_3_v2,))
     del linear_12_2
-    # view_12.1: reshape  (gpt.py:55, h.3.attn)
+    # view_12.1: reshape  (gpt.py:57, h.3.attn)
     view_12 = chunk_3.reshape((4, 32, 2, 16))
     rt.leave('view_12.1', (view_12,))
     del chunk_3
-    # transpose_12.1: transpose  (gpt.py:55, h.3.attn)
+    # transpose_12.1: transpose  (gpt.py:57, h.3.attn)
     transpose_12 = view_12.transpose(1, 2)
     rt.leave('transpose_12.1', (transpose_12,))
     del view_12
-    # view_13.1: reshape  (gpt.py:56, h.3.attn)
+    # view_13.1: reshape  (gpt.py:58, h.3.attn)
     view_13 = chunk_3_v1.reshape((4, 32, 2, 16))
     rt.leave('view_13.1', (view_13,))
     del chunk_3_v1
-    # transpose_13.1: transpose  (gpt.py:56, h.3.attn)
+    # transpose_13.1: transpose  (gpt.py:58, h.3.attn)
     transpose_13 = view_13.transpose(1, 2)
     rt.leave('transpose_13.1', (transpose_13,))
     del view_13
-    # view_14.1: reshape  (gpt.py:57, h.3.attn)
+    # view_14.1: reshape  (gpt.py:59, h.3.attn)
     view_14 = chunk_3_v2.reshape((4, 32, 2, 16))
     rt.leave('view_14.1', (view_14,))
     del chunk_3_v2
-    # transpose_14.1: transpose  (gpt.py:57, h.3.attn)
+    # transpose_14.1: transpose  (gpt.py:59, h.3.attn)
     transpose_14 = view_14.transpose(1, 2)
     rt.leave('transpose_14.1', (transpose_14,))
     del view_14
-    # scaled_dot_product_attention_3.1: attention  (gpt.py:59, h.3.attn)
-    scaled_dot_product_attention_3 = torch._C._nn.scaled_dot_product_attention(transpose_12, transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
+    # scaled_dot_product_attention_3.1: attention  (gpt.py:61, h.3.attn)
+    scaled_dot_product_attention_3 = torch.nn.functional.scaled_dot_product_attention(transpose_12,
+            transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
     rt.leave('scaled_dot_product_attention_3.1', (scaled_dot_product_attention_3,))
     del transpose_12, transpose_13, transpose_14
-    # transpose_15.1: transpose  (gpt.py:60, h.3.attn)
+    # transpose_15.1: transpose  (gpt.py:62, h.3.attn)
     transpose_15 = scaled_dot_product_attention_3.transpose(1, 2)
     rt.leave('transpose_15.1', (transpose_15,))
     del scaled_dot_product_attention_3
-    # contiguous_3.1: contiguous  (gpt.py:60, h.3.attn)
+    # contiguous_3.1: contiguous  (gpt.py:62, h.3.attn)
     contiguous_3 = transpose_15.contiguous()
     rt.leave('contiguous_3.1', (contiguous_3,))
     del transpose_15
-    # view_15.1: reshape  (gpt.py:60, h.3.attn)
+    # view_15.1: reshape  (gpt.py:62, h.3.attn)
     view_15 = contiguous_3.reshape((4, 32, 32))
     rt.leave('view_15.1', (view_15,))
     del contiguous_3
     h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (32, 64)))
     h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
-    # linear_13.1: linear  (gpt.py:61, h.3.attn.c_proj)
+    # linear_13.1: linear  (gpt.py:63, h.3.attn.c_proj)
     h_3_attn_c_proj_bias_share = h_3_attn_c_proj_bias * 0.5
-    h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in = rt.enter('linear_13.1', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True, True))
-    linear_13 = torch._C._nn.linear(view_15, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in)
+    (h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in) = rt.enter('linear_13.1',
+            (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True, True))
+    linear_13 = torch.nn.functional.linear(view_15, h_3_attn_c_proj_weight_in,
+            h_3_attn_c_proj_bias_share_in)
     rt.leave('linear_13.1', (linear_13,))
     del h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in
     del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
     linear_13_1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
-    # add_7.1: add  (gpt.py:88, h.3)
+    # add_7.1: add  (gpt.py:90, h.3)
     add_6_in, linear_13_1_in = rt.enter('add_7.1', (add_6, linear_13_1), (True, True))
     add_7 = operator.add(add_6_in, linear_13_1_in)
     rt.leave('add_7.1', (add_7,))
@@ -548,36 +619,42 @@ def step(rt):
     del add_6, linear_13_1
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
-    # layer_norm_7.1: layer_norm  (gpt.py:89, h.3.ln_2)
-    h_3_ln_2_weight_in, h_3_ln_2_bias_in = rt.enter('layer_norm_7.1', (h_3_ln_2_weight, h_3_ln_2_bias), (True, True))
-    layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in, bias=h_3_ln_2_bias_in, eps=1e-05)
+    # layer_norm_7.1: layer_norm  (gpt.py:91, h.3.ln_2)
+    (h_3_ln_2_weight_in, h_3_ln_2_bias_in) = rt.enter('layer_norm_7.1', (h_3_ln_2_weight,
+            h_3_ln_2_bias), (True, True))
+    layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in,
+            bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.1', (layer_norm_7,))
     del h_3_ln_2_weight_in, h_3_ln_2_bias_in
     del h_3_ln_2_weight, h_3_ln_2_bias
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((128, 256),))
-    # linear_14.1: linear  (gpt.py:74, h.3.mlp.c_fc)
-    layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in = rt.enter('linear_14.1', (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
-    linear_14 = torch._C._nn.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in)
+    # linear_14.1: linear  (gpt.py:76, h.3.mlp.c_fc)
+    (layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in) = rt.enter('linear_14.1',
+            (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
+    linear_14 = torch.nn.functional.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in,
+            h_3_mlp_c_fc_bias_in)
     rt.leave('linear_14.1', (linear_14,))
     del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
     del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
-    # gelu_3.1: gelu  (gpt.py:74, h.3.mlp)
-    gelu_3 = torch._C._nn.gelu(linear_14)
+    # gelu_3.1: gelu  (gpt.py:76, h.3.mlp)
+    gelu_3 = torch.nn.functional.gelu(linear_14)
     rt.leave('gelu_3.1', (gelu_3,))
     del linear_14
     h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)))
     h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
-    # linear_15.1: linear  (gpt.py:74, h.3.mlp.c_proj)
+    # linear_15.1: linear  (gpt.py:76, h.3.mlp.c_proj)
     h_3_mlp_c_proj_bias_share = h_3_mlp_c_proj_bias * 0.5
-    h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in = rt.enter('linear_15.1', (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias_share), (True, True))
-    linear_15 = torch._C._nn.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in)
+    (h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in) = rt.enter('linear_15.1',
+            (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias_share), (True, True))
+    linear_15 = torch.nn.functional.linear(gelu_3, h_3_mlp_c_proj_weight_in,
+            h_3_mlp_c_proj_bias_share_in)
     rt.leave('linear_15.1', (linear_15,))
     del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in
     del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
     linear_15_1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
-    # add_8.1: add  (gpt.py:89, h.3)
+    # add_8.1: add  (gpt.py:91, h.3)
     add_7_in, linear_15_1_in = rt.enter('add_8.1', (add_7, linear_15_1), (True, True))
     add_8 = operator.add(add_7_in, linear_15_1_in)
     rt.leave('add_8.1', (add_8,))
@@ -585,273 +662,363 @@ def step(rt):
     del add_7, linear_15_1
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
-    # layer_norm_8.1: layer_norm  (gpt.py:119, ln_f)
-    ln_f_weight_in, ln_f_bias_in = rt.enter('layer_norm_8.1', (ln_f_weight, ln_f_bias), (True, True))
-    layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in, bias=ln_f_bias_in, eps=1e-05)
+    # layer_norm_8.1: layer_norm  (gpt.py:121, ln_f)
+    (ln_f_weight_in, ln_f_bias_in) = rt.enter('layer_norm_8.1', (ln_f_weight, ln_f_bias), (True,
+            True))
+    layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
+            bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.1', (layer_norm_8,))
     del ln_f_weight_in, ln_f_bias_in
     del add_8, ln_f_weight, ln_f_bias
     wte_weight_1 = rt.param('wte.weight', ((0, 512), (0, 64)))[256:512, 0:64]
-    # linear_16.1: linear  (gpt.py:119, lm_head)
-    layer_norm_8_in, wte_weight_1_in = rt.enter('linear_16.1', (layer_norm_8, wte_weight_1), (True, True))
-    linear_16 = torch._C._nn.linear(layer_norm_8_in, wte_weight_1_in, None)
+    # linear_16.1: linear  (gpt.py:121, lm_head)
+    (layer_norm_8_in, wte_weight_1_in) = rt.enter('linear_16.1', (layer_norm_8, wte_weight_1),
+            (True, True))
+    linear_16 = torch.nn.functional.linear(layer_norm_8_in, wte_weight_1_in, None)
     rt.leave('linear_16.1', (linear_16,))
     del layer_norm_8_in, wte_weight_1_in
     del layer_norm_8, wte_weight_1
-    # view_16.1: reshape  (gpt.py:120)
+    # view_16.1: reshape  (gpt.py:122)
     view_16 = linear_16.reshape((128, 256))
     rt.leave('view_16.1', (view_16,))
     del linear_16
     targets = rt.input('targets')
-    # view_17.1: reshape  (gpt.py:120)
+    # view_17.1: reshape  (gpt.py:122)
     view_17 = targets.view(-1)
     del targets
-    view_16_1 = rt.all_gather(view_16, ranks=(0, 1), dim=1)
+    view_16_1, = rt.all_gather([view_16], ranks=(0, 1), dims=(1,))
     del view_16
-    # cross_entropy_sum.1: cross_entropy  (gpt.py:120)
+    # cross_entropy_sum.1: cross_entropy  (gpt.py:122)
     view_16_1_in, view_17 = rt.enter('cross_entropy_sum.1', (view_16_1, view_17), (True, False))
-    cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_1_in, target=view_17, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum', label_smoothing=0.0)
+    cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_1_in, target=view_17,
+            weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum',
+            label_smoothing=0.0)
     rt.leave('cross_entropy_sum.1', (cross_entropy_sum,))
     del view_16_1_in
     del view_16_1
-    # cross_entropy_count.1: loss_denominator  (gpt.py:120)
+    # cross_entropy_count.1: loss_denominator  (gpt.py:122)
     cross_entropy_count = rt.target('cross_entropy_count')(view_17, None, -100, torch.float32)
     del view_17
-    # cross_entropy.1: truediv  (gpt.py:120)
+    # cross_entropy.1: truediv  (gpt.py:122)
     cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count)
     rt.leave('cross_entropy.1', (cross_entropy,))
     del cross_entropy_sum, cross_entropy_count
     d_loss = rt.seed((), torch.float32)
     # backward of 2 pieces in one call
-    d_view_16, = rt.backward({'cross_entropy.1': (d_loss,)}, ('cross_entropy.1', 'cross_entropy_sum.1'))
+    (d_view_16,) = rt.backward({'cross_entropy.1': (d_loss,)}, ('cross_entropy.1',
+            'cross_entropy_sum.1'))
     del d_loss
     grad_view_16 = d_view_16[0:128, 256:512]
     del d_view_16
     # backward of 2 pieces in one call
-    d_layer_norm_8, d_wte_weight = rt.backward({'view_16.1': (grad_view_16,)}, ('view_16.1', 'linear_16.1'))
+    (d_layer_norm_8, d_wte_weight) = rt.backward({'view_16.1': (grad_view_16,)}, ('view_16.1',
+            'linear_16.1'))
     del grad_view_16
-    rt.send(d_wte_weight[0:256, 0:64], to=0, tag=53)
-    grad_layer_norm_8, = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True)
+    grad_layer_norm_8_pending = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True,
+            async_op=True)
     del d_layer_norm_8
+    grad_wte_weight__from0_pending = rt.recv((256, 64), torch.float32, src=0, tag=54, async_op=True)
+    rt.send(d_wte_weight[0:256, 0:64], to=0, tag=53)
+    grad_layer_norm_8, = grad_layer_norm_8_pending.wait()
+    del grad_layer_norm_8_pending
     # backward of 2 pieces in one call
-    d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15 = rt.backward({'layer_norm_8.1': (grad_layer_norm_8,)}, ('layer_norm_8.1', 'add_8.1'))
+    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward(
+            {'layer_norm_8.1': (grad_layer_norm_8,)}, ('layer_norm_8.1', 'add_8.1'))
     del grad_layer_norm_8
     # backward of 3 pieces in one call
-    d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias = rt.backward({'linear_15.1': (d_linear_15,)}, ('linear_15.1', 'gelu_3.1', 'linear_14.1'))
+    (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight,
+            d_h_3_mlp_c_fc_bias) = rt.backward({'linear_15.1': (d_linear_15,)}, ('linear_15.1',
+            'gelu_3.1', 'linear_14.1'))
     del d_linear_15
-    grad_layer_norm_7, = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True)
+    grad_layer_norm_7_pending = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True,
+            async_op=True)
     del d_layer_norm_7
     grad_add_7 = d_add_7[0:4, 0:32, 0:64]
     del d_add_7
+    grad_layer_norm_7, = grad_layer_norm_7_pending.wait()
+    del grad_layer_norm_7_pending
     # backward of 2 pieces in one call
-    d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13 = rt.backward({'layer_norm_7.1': (grad_layer_norm_7,), 'add_7.1': (grad_add_7,)}, ('layer_norm_7.1', 'add_7.1'))
+    (d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13) = rt.backward(
+            {'layer_norm_7.1': (grad_layer_norm_7,), 'add_7.1': (grad_add_7,)}, ('layer_norm_7.1',
+            'add_7.1'))
     del grad_layer_norm_7, grad_add_7
     # backward of 17 pieces in one call
-    d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_layer_norm_6_1, d_h_3_attn_c_attn_weight_1, d_h_3_attn_c_attn_bias_1, d_layer_norm_6_2, d_h_3_attn_c_attn_weight_2, d_h_3_attn_c_attn_bias_2 = rt.backward({'linear_13.1': (d_linear_13,)}, ('linear_13.1', 'view_15.1', 'contiguous_3.1', 'transpose_15.1', 'scaled_dot_product_attention_3.1', 'transpose_14.1', 'view_14.1', 'transpose_13.1', 'view_13.1', 'transpose_12.1', 'view_12.1', 'chunk_3_v2.1', 'chunk_3_v1.1', 'chunk_3.1', 'linear_12.0.1', 'linear_12.1.1', 'linear_12.2.1'))
+    (d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight,
+            d_h_3_attn_c_attn_bias, d_layer_norm_6_1, d_h_3_attn_c_attn_weight_1,
+            d_h_3_attn_c_attn_bias_1, d_layer_norm_6_2, d_h_3_attn_c_attn_weight_2,
+            d_h_3_attn_c_attn_bias_2) = rt.backward({'linear_13.1': (d_linear_13,)}, ('linear_13.1',
+            'view_15.1', 'contiguous_3.1', 'transpose_15.1', 'scaled_dot_product_attention_3.1',
+            'transpose_14.1', 'view_14.1', 'transpose_13.1', 'view_13.1', 'transpose_12.1',
+            'view_12.1', 'chunk_3_v2.1', 'chunk_3_v1.1', 'chunk_3.1', 'linear_12.0.1',
+            'linear_12.1.1', 'linear_12.2.1'))
     del d_linear_13
-    grad_layer_norm_6, = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2)], ranks=(0, 1), grads=True)
+    grad_layer_norm_6_pending = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_1,
+            d_layer_norm_6_2)], ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm_6, d_layer_norm_6_1, d_layer_norm_6_2
     grad_add_6 = d_add_6[0:4, 0:32, 0:64]
     del d_add_6
+    grad_layer_norm_6, = grad_layer_norm_6_pending.wait()
+    del grad_layer_norm_6_pending
     # backward of 2 pieces in one call
-    d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11 = rt.backward({'layer_norm_6.1': (grad_layer_norm_6,), 'add_6.1': (grad_add_6,)}, ('layer_norm_6.1', 'add_6.1'))
+    (d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = rt.backward(
+            {'layer_norm_6.1': (grad_layer_norm_6,), 'add_6.1': (grad_add_6,)}, ('layer_norm_6.1',
+            'add_6.1'))
     del grad_layer_norm_6, grad_add_6
     # backward of 3 pieces in one call
-    d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_layer_norm_5, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias = rt.backward({'linear_11.1': (d_linear_11,)}, ('linear_11.1', 'gelu_2.1', 'linear_10.1'))
+    (d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_layer_norm_5, d_h_2_mlp_c_fc_weight,
+            d_h_2_mlp_c_fc_bias) = rt.backward({'linear_11.1': (d_linear_11,)}, ('linear_11.1',
+            'gelu_2.1', 'linear_10.1'))
     del d_linear_11
-    grad_layer_norm_5, = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1), grads=True)
+    grad_layer_norm_5_pending = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1), grads=True,
+            async_op=True)
     del d_layer_norm_5
     grad_add_5 = d_add_5[0:4, 0:32, 0:64]
     del d_add_5
+    grad_layer_norm_5, = grad_layer_norm_5_pending.wait()
+    del grad_layer_norm_5_pending
     # backward of 2 pieces in one call
-    d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_add_4, d_linear_9 = rt.backward({'layer_norm_5.1': (grad_layer_norm_5,), 'add_5.1': (grad_add_5,)}, ('layer_norm_5.1', 'add_5.1'))
+    (d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_add_4, d_linear_9) = rt.backward(
+            {'layer_norm_5.1': (grad_layer_norm_5,), 'add_5.1': (grad_add_5,)}, ('layer_norm_5.1',
+            'add_5.1'))
     del grad_layer_norm_5, grad_add_5
     # backward of 17 pieces in one call
-    d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_layer_norm_4, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_layer_norm_4_1, d_h_2_attn_c_attn_weight_1, d_h_2_attn_c_attn_bias_1, d_layer_norm_4_2, d_h_2_attn_c_attn_weight_2, d_h_2_attn_c_attn_bias_2 = rt.backward({'linear_9.1': (d_linear_9,)}, ('linear_9.1', 'view_11.1', 'contiguous_2.1', 'transpose_11.1', 'scaled_dot_product_attention_2.1', 'transpose_10.1', 'view_10.1', 'transpose_9.1', 'view_9.1', 'transpose_8.1', 'view_8.1', 'chunk_2_v2.1', 'chunk_2_v1.1', 'chunk_2.1', 'linear_8.0.1', 'linear_8.1.1', 'linear_8.2.1'))
+    (d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_layer_norm_4, d_h_2_attn_c_attn_weight,
+            d_h_2_attn_c_attn_bias, d_layer_norm_4_1, d_h_2_attn_c_attn_weight_1,
+            d_h_2_attn_c_attn_bias_1, d_layer_norm_4_2, d_h_2_attn_c_attn_weight_2,
+            d_h_2_attn_c_attn_bias_2) = rt.backward({'linear_9.1': (d_linear_9,)}, ('linear_9.1',
+            'view_11.1', 'contiguous_2.1', 'transpose_11.1', 'scaled_dot_product_attention_2.1',
+            'transpose_10.1', 'view_10.1', 'transpose_9.1', 'view_9.1', 'transpose_8.1', 'view_8.1',
+            'chunk_2_v2.1', 'chunk_2_v1.1', 'chunk_2.1', 'linear_8.0.1', 'linear_8.1.1',
+            'linear_8.2.1'))
     del d_linear_9
-    grad_layer_norm_4, = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2)], ranks=(0, 1), grads=True)
+    grad_layer_norm_4_pending = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_1,
+            d_layer_norm_4_2)], ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm_4, d_layer_norm_4_1, d_layer_norm_4_2
     grad_add_4 = d_add_4[0:4, 0:32, 0:64]
     del d_add_4
+    grad_layer_norm_4, = grad_layer_norm_4_pending.wait()
+    del grad_layer_norm_4_pending
     # backward of 2 pieces in one call
-    d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7 = rt.backward({'layer_norm_4.1': (grad_layer_norm_4,), 'add_4.1': (grad_add_4,)}, ('layer_norm_4.1', 'add_4.1'))
+    (d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7) = rt.backward(
+            {'layer_norm_4.1': (grad_layer_norm_4,), 'add_4.1': (grad_add_4,)}, ('layer_norm_4.1',
+            'add_4.1'))
     del grad_layer_norm_4, grad_add_4
     # backward of 3 pieces in one call
-    d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_layer_norm_3, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias = rt.backward({'linear_7.1': (d_linear_7,)}, ('linear_7.1', 'gelu_1.1', 'linear_6.1'))
+    (d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_layer_norm_3, d_h_1_mlp_c_fc_weight,
+            d_h_1_mlp_c_fc_bias) = rt.backward({'linear_7.1': (d_linear_7,)}, ('linear_7.1',
+            'gelu_1.1', 'linear_6.1'))
     del d_linear_7
-    grad_layer_norm_3, = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1), grads=True)
+    grad_layer_norm_3_pending = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1), grads=True,
+            async_op=True)
     del d_layer_norm_3
     grad_add_3 = d_add_3[0:4, 0:32, 0:64]
     del d_add_3
+    grad_layer_norm_3, = grad_layer_norm_3_pending.wait()
+    del grad_layer_norm_3_pending
     # backward of 2 pieces in one call
-    d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_add_2, d_linear_5 = rt.backward({'layer_norm_3.1': (grad_layer_norm_3,), 'add_3.1': (grad_add_3,)}, ('layer_norm_3.1', 'add_3.1'))
+    (d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_add_2, d_linear_5) = rt.backward(
+            {'layer_norm_3.1': (grad_layer_norm_3,), 'add_3.1': (grad_add_3,)}, ('layer_norm_3.1',
+            'add_3.1'))
     del grad_layer_norm_3, grad_add_3
     # backward of 17 pieces in one call
-    d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_layer_norm_2, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_layer_norm_2_1, d_h_1_attn_c_attn_weight_1, d_h_1_attn_c_attn_bias_1, d_layer_norm_2_2, d_h_1_attn_c_attn_weight_2, d_h_1_attn_c_attn_bias_2 = rt.backward({'linear_5.1': (d_linear_5,)}, ('linear_5.1', 'view_7.1', 'contiguous_1.1', 'transpose_7.1', 'scaled_dot_product_attention_1.1', 'transpose_6.1', 'view_6.1', 'transpose_5.1', 'view_5.1', 'transpose_4.1', 'view_4.1', 'chunk_1_v2.1', 'chunk_1_v1.1', 'chunk_1.1', 'linear_4.0.1', 'linear_4.1.1', 'linear_4.2.1'))
+    (d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_layer_norm_2, d_h_1_attn_c_attn_weight,
+            d_h_1_attn_c_attn_bias, d_layer_norm_2_1, d_h_1_attn_c_attn_weight_1,
+            d_h_1_attn_c_attn_bias_1, d_layer_norm_2_2, d_h_1_attn_c_attn_weight_2,
+            d_h_1_attn_c_attn_bias_2) = rt.backward({'linear_5.1': (d_linear_5,)}, ('linear_5.1',
+            'view_7.1', 'contiguous_1.1', 'transpose_7.1', 'scaled_dot_product_attention_1.1',
+            'transpose_6.1', 'view_6.1', 'transpose_5.1', 'view_5.1', 'transpose_4.1', 'view_4.1',
+            'chunk_1_v2.1', 'chunk_1_v1.1', 'chunk_1.1', 'linear_4.0.1', 'linear_4.1.1',
+            'linear_4.2.1'))
     del d_linear_5
-    grad_layer_norm_2, = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2)], ranks=(0, 1), grads=True)
+    grad_layer_norm_2_pending = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_1,
+            d_layer_norm_2_2)], ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm_2, d_layer_norm_2_1, d_layer_norm_2_2
     grad_add_2 = d_add_2[0:4, 0:32, 0:64]
     del d_add_2
+    grad_layer_norm_2, = grad_layer_norm_2_pending.wait()
+    del grad_layer_norm_2_pending
     # backward of 2 pieces in one call
-    d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3 = rt.backward({'layer_norm_2.1': (grad_layer_norm_2,), 'add_2.1': (grad_add_2,)}, ('layer_norm_2.1', 'add_2.1'))
+    (d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3) = rt.backward(
+            {'layer_norm_2.1': (grad_layer_norm_2,), 'add_2.1': (grad_add_2,)}, ('layer_norm_2.1',
+            'add_2.1'))
     del grad_layer_norm_2, grad_add_2
     # backward of 3 pieces in one call
-    d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias = rt.backward({'linear_3.1': (d_linear_3,)}, ('linear_3.1', 'gelu.1', 'linear_2.1'))
+    (d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight,
+            d_h_0_mlp_c_fc_bias) = rt.backward({'linear_3.1': (d_linear_3,)}, ('linear_3.1',
+            'gelu.1', 'linear_2.1'))
     del d_linear_3
-    grad_layer_norm_1, = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1), grads=True)
+    grad_layer_norm_1_pending = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1), grads=True,
+            async_op=True)
     del d_layer_norm_1
     grad_add_1 = d_add_1[0:4, 0:32, 0:64]
     del d_add_1
+    grad_layer_norm_1, = grad_layer_norm_1_pending.wait()
+    del grad_layer_norm_1_pending
     # backward of 2 pieces in one call
-    d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_add, d_linear_1 = rt.backward({'layer_norm_1.1': (grad_layer_norm_1,), 'add_1.1': (grad_add_1,)}, ('layer_norm_1.1', 'add_1.1'))
+    (d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_add, d_linear_1) = rt.backward(
+            {'layer_norm_1.1': (grad_layer_norm_1,), 'add_1.1': (grad_add_1,)}, ('layer_norm_1.1',
+            'add_1.1'))
     del grad_layer_norm_1, grad_add_1
     # backward of 17 pieces in one call
-    d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_layer_norm, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_bias, d_layer_norm_9, d_h_0_attn_c_attn_weight_1, d_h_0_attn_c_attn_bias_1, d_layer_norm_10, d_h_0_attn_c_attn_weight_2, d_h_0_attn_c_attn_bias_2 = rt.backward({'linear_1.1': (d_linear_1,)}, ('linear_1.1', 'view_3.1', 'contiguous.1', 'transpose_3.1', 'scaled_dot_product_attention.1', 'transpose_2.1', 'view_2.1', 'transpose_1.1', 'view_1.1', 'transpose.1', 'view.1', 'chunk_v2.1', 'chunk_v1.1', 'chunk.1', 'linear.0.1', 'linear.1.1', 'linear.2.1'))
+    (d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_layer_norm, d_h_0_attn_c_attn_weight,
+            d_h_0_attn_c_attn_bias, d_layer_norm_9, d_h_0_attn_c_attn_weight_1,
+            d_h_0_attn_c_attn_bias_1, d_layer_norm_10, d_h_0_attn_c_attn_weight_2,
+            d_h_0_attn_c_attn_bias_2) = rt.backward({'linear_1.1': (d_linear_1,)}, ('linear_1.1',
+            'view_3.1', 'contiguous.1', 'transpose_3.1', 'scaled_dot_product_attention.1',
+            'transpose_2.1', 'view_2.1', 'transpose_1.1', 'view_1.1', 'transpose.1', 'view.1',
+            'chunk_v2.1', 'chunk_v1.1', 'chunk.1', 'linear.0.1', 'linear.1.1', 'linear.2.1'))
     del d_linear_1
-    grad_layer_norm, = rt.all_reduce([(d_layer_norm, d_layer_norm_9, d_layer_norm_10)], ranks=(0, 1), grads=True)
+    grad_layer_norm_pending = rt.all_reduce([(d_layer_norm, d_layer_norm_9, d_layer_norm_10)],
+            ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm, d_layer_norm_9, d_layer_norm_10
     grad_add = d_add[0:4, 0:32, 0:64]
     del d_add
+    grad_layer_norm, = grad_layer_norm_pending.wait()
+    del grad_layer_norm_pending
     # backward of 4 pieces in one call
-    d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_1 = rt.backward({'layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)}, ('layer_norm.1', 'add.1', 'embedding_1.1', 'embedding.1'))
+    (d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_1) = rt.backward(
+            {'layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)}, ('layer_norm.1', 'add.1',
+            'embedding_1.1', 'embedding.1'))
     del grad_layer_norm, grad_add
-    grad_wte_weight__from0 = rt.recv((256, 64), torch.float32, src=0, tag=54)
-    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_1[0:512, 0:64], (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)), 1.0), (grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0)])
+    grad_wte_weight__from0 = grad_wte_weight__from0_pending.wait()
+    del grad_wte_weight__from0_pending
+    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_1[0:512, 0:64], (slice(0,
+            512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512), slice(0, 64)),
+            1.0), (grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0, 64)), 1.0)])
     del d_wte_weight, d_wte_weight_1, grad_wte_weight__from0
-    rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight[0:512, 0:64])
+    rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight)
     del grad_wte_weight
-    rt.grad('wpe.weight', ((0, 32), (0, 64)), d_wpe_weight[0:32, 0:64])
+    rt.grad('wpe.weight', ((0, 32), (0, 64)), d_wpe_weight)
     del d_wpe_weight
-    rt.grad('h.0.ln_1.weight', ((0, 64),), d_h_0_ln_1_weight[0:64])
+    rt.grad('h.0.ln_1.weight', ((0, 64),), d_h_0_ln_1_weight)
     del d_h_0_ln_1_weight
-    rt.grad('h.0.ln_1.bias', ((0, 64),), d_h_0_ln_1_bias[0:64])
+    rt.grad('h.0.ln_1.bias', ((0, 64),), d_h_0_ln_1_bias)
     del d_h_0_ln_1_bias
-    rt.grad('h.0.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_0_attn_c_attn_weight[0:32, 0:64])
+    rt.grad('h.0.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_0_attn_c_attn_weight)
     del d_h_0_attn_c_attn_weight
-    rt.grad('h.0.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_0_attn_c_attn_weight_1[0:32, 0:64])
+    rt.grad('h.0.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_0_attn_c_attn_weight_1)
     del d_h_0_attn_c_attn_weight_1
-    rt.grad('h.0.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_0_attn_c_attn_weight_2[0:32, 0:64])
+    rt.grad('h.0.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_0_attn_c_attn_weight_2)
     del d_h_0_attn_c_attn_weight_2
-    rt.grad('h.0.attn.c_attn.bias', ((32, 64),), d_h_0_attn_c_attn_bias[0:32])
+    rt.grad('h.0.attn.c_attn.bias', ((32, 64),), d_h_0_attn_c_attn_bias)
     del d_h_0_attn_c_attn_bias
-    rt.grad('h.0.attn.c_attn.bias', ((96, 128),), d_h_0_attn_c_attn_bias_1[0:32])
+    rt.grad('h.0.attn.c_attn.bias', ((96, 128),), d_h_0_attn_c_attn_bias_1)
     del d_h_0_attn_c_attn_bias_1
-    rt.grad('h.0.attn.c_attn.bias', ((160, 192),), d_h_0_attn_c_attn_bias_2[0:32])
+    rt.grad('h.0.attn.c_attn.bias', ((160, 192),), d_h_0_attn_c_attn_bias_2)
     del d_h_0_attn_c_attn_bias_2
-    rt.grad('h.0.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_0_attn_c_proj_weight[0:64, 0:32])
+    rt.grad('h.0.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_0_attn_c_proj_weight)
     del d_h_0_attn_c_proj_weight
-    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), d_h_0_attn_c_proj_bias[0:64])
+    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), d_h_0_attn_c_proj_bias)
     del d_h_0_attn_c_proj_bias
-    rt.grad('h.0.ln_2.weight', ((0, 64),), d_h_0_ln_2_weight[0:64])
+    rt.grad('h.0.ln_2.weight', ((0, 64),), d_h_0_ln_2_weight)
     del d_h_0_ln_2_weight
-    rt.grad('h.0.ln_2.bias', ((0, 64),), d_h_0_ln_2_bias[0:64])
+    rt.grad('h.0.ln_2.bias', ((0, 64),), d_h_0_ln_2_bias)
     del d_h_0_ln_2_bias
-    rt.grad('h.0.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_0_mlp_c_fc_weight[0:128, 0:64])
+    rt.grad('h.0.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_0_mlp_c_fc_weight)
     del d_h_0_mlp_c_fc_weight
-    rt.grad('h.0.mlp.c_fc.bias', ((128, 256),), d_h_0_mlp_c_fc_bias[0:128])
+    rt.grad('h.0.mlp.c_fc.bias', ((128, 256),), d_h_0_mlp_c_fc_bias)
     del d_h_0_mlp_c_fc_bias
-    rt.grad('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_0_mlp_c_proj_weight[0:64, 0:128])
+    rt.grad('h.0.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_0_mlp_c_proj_weight)
     del d_h_0_mlp_c_proj_weight
-    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), d_h_0_mlp_c_proj_bias[0:64])
+    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), d_h_0_mlp_c_proj_bias)
     del d_h_0_mlp_c_proj_bias
-    rt.grad('h.1.ln_1.weight', ((0, 64),), d_h_1_ln_1_weight[0:64])
+    rt.grad('h.1.ln_1.weight', ((0, 64),), d_h_1_ln_1_weight)
     del d_h_1_ln_1_weight
-    rt.grad('h.1.ln_1.bias', ((0, 64),), d_h_1_ln_1_bias[0:64])
+    rt.grad('h.1.ln_1.bias', ((0, 64),), d_h_1_ln_1_bias)
     del d_h_1_ln_1_bias
-    rt.grad('h.1.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_1_attn_c_attn_weight[0:32, 0:64])
+    rt.grad('h.1.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_1_attn_c_attn_weight)
     del d_h_1_attn_c_attn_weight
-    rt.grad('h.1.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_1_attn_c_attn_weight_1[0:32, 0:64])
+    rt.grad('h.1.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_1_attn_c_attn_weight_1)
     del d_h_1_attn_c_attn_weight_1
-    rt.grad('h.1.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_1_attn_c_attn_weight_2[0:32, 0:64])
+    rt.grad('h.1.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_1_attn_c_attn_weight_2)
     del d_h_1_attn_c_attn_weight_2
-    rt.grad('h.1.attn.c_attn.bias', ((32, 64),), d_h_1_attn_c_attn_bias[0:32])
+    rt.grad('h.1.attn.c_attn.bias', ((32, 64),), d_h_1_attn_c_attn_bias)
     del d_h_1_attn_c_attn_bias
-    rt.grad('h.1.attn.c_attn.bias', ((96, 128),), d_h_1_attn_c_attn_bias_1[0:32])
+    rt.grad('h.1.attn.c_attn.bias', ((96, 128),), d_h_1_attn_c_attn_bias_1)
     del d_h_1_attn_c_attn_bias_1
-    rt.grad('h.1.attn.c_attn.bias', ((160, 192),), d_h_1_attn_c_attn_bias_2[0:32])
+    rt.grad('h.1.attn.c_attn.bias', ((160, 192),), d_h_1_attn_c_attn_bias_2)
     del d_h_1_attn_c_attn_bias_2
-    rt.grad('h.1.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_1_attn_c_proj_weight[0:64, 0:32])
+    rt.grad('h.1.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_1_attn_c_proj_weight)
     del d_h_1_attn_c_proj_weight
-    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), d_h_1_attn_c_proj_bias[0:64])
+    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), d_h_1_attn_c_proj_bias)
     del d_h_1_attn_c_proj_bias
-    rt.grad('h.1.ln_2.weight', ((0, 64),), d_h_1_ln_2_weight[0:64])
+    rt.grad('h.1.ln_2.weight', ((0, 64),), d_h_1_ln_2_weight)
     del d_h_1_ln_2_weight
-    rt.grad('h.1.ln_2.bias', ((0, 64),), d_h_1_ln_2_bias[0:64])
+    rt.grad('h.1.ln_2.bias', ((0, 64),), d_h_1_ln_2_bias)
     del d_h_1_ln_2_bias
-    rt.grad('h.1.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_1_mlp_c_fc_weight[0:128, 0:64])
+    rt.grad('h.1.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_1_mlp_c_fc_weight)
     del d_h_1_mlp_c_fc_weight
-    rt.grad('h.1.mlp.c_fc.bias', ((128, 256),), d_h_1_mlp_c_fc_bias[0:128])
+    rt.grad('h.1.mlp.c_fc.bias', ((128, 256),), d_h_1_mlp_c_fc_bias)
     del d_h_1_mlp_c_fc_bias
-    rt.grad('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_1_mlp_c_proj_weight[0:64, 0:128])
+    rt.grad('h.1.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_1_mlp_c_proj_weight)
     del d_h_1_mlp_c_proj_weight
-    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), d_h_1_mlp_c_proj_bias[0:64])
+    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), d_h_1_mlp_c_proj_bias)
     del d_h_1_mlp_c_proj_bias
-    rt.grad('h.2.ln_1.weight', ((0, 64),), d_h_2_ln_1_weight[0:64])
+    rt.grad('h.2.ln_1.weight', ((0, 64),), d_h_2_ln_1_weight)
     del d_h_2_ln_1_weight
-    rt.grad('h.2.ln_1.bias', ((0, 64),), d_h_2_ln_1_bias[0:64])
+    rt.grad('h.2.ln_1.bias', ((0, 64),), d_h_2_ln_1_bias)
     del d_h_2_ln_1_bias
-    rt.grad('h.2.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_2_attn_c_attn_weight[0:32, 0:64])
+    rt.grad('h.2.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_2_attn_c_attn_weight)
     del d_h_2_attn_c_attn_weight
-    rt.grad('h.2.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_2_attn_c_attn_weight_1[0:32, 0:64])
+    rt.grad('h.2.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_2_attn_c_attn_weight_1)
     del d_h_2_attn_c_attn_weight_1
-    rt.grad('h.2.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_2_attn_c_attn_weight_2[0:32, 0:64])
+    rt.grad('h.2.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_2_attn_c_attn_weight_2)
     del d_h_2_attn_c_attn_weight_2
-    rt.grad('h.2.attn.c_attn.bias', ((32, 64),), d_h_2_attn_c_attn_bias[0:32])
+    rt.grad('h.2.attn.c_attn.bias', ((32, 64),), d_h_2_attn_c_attn_bias)
     del d_h_2_attn_c_attn_bias
-    rt.grad('h.2.attn.c_attn.bias', ((96, 128),), d_h_2_attn_c_attn_bias_1[0:32])
+    rt.grad('h.2.attn.c_attn.bias', ((96, 128),), d_h_2_attn_c_attn_bias_1)
     del d_h_2_attn_c_attn_bias_1
-    rt.grad('h.2.attn.c_attn.bias', ((160, 192),), d_h_2_attn_c_attn_bias_2[0:32])
+    rt.grad('h.2.attn.c_attn.bias', ((160, 192),), d_h_2_attn_c_attn_bias_2)
     del d_h_2_attn_c_attn_bias_2
-    rt.grad('h.2.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_2_attn_c_proj_weight[0:64, 0:32])
+    rt.grad('h.2.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_2_attn_c_proj_weight)
     del d_h_2_attn_c_proj_weight
-    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), d_h_2_attn_c_proj_bias[0:64])
+    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), d_h_2_attn_c_proj_bias)
     del d_h_2_attn_c_proj_bias
-    rt.grad('h.2.ln_2.weight', ((0, 64),), d_h_2_ln_2_weight[0:64])
+    rt.grad('h.2.ln_2.weight', ((0, 64),), d_h_2_ln_2_weight)
     del d_h_2_ln_2_weight
-    rt.grad('h.2.ln_2.bias', ((0, 64),), d_h_2_ln_2_bias[0:64])
+    rt.grad('h.2.ln_2.bias', ((0, 64),), d_h_2_ln_2_bias)
     del d_h_2_ln_2_bias
-    rt.grad('h.2.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_2_mlp_c_fc_weight[0:128, 0:64])
+    rt.grad('h.2.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_2_mlp_c_fc_weight)
     del d_h_2_mlp_c_fc_weight
-    rt.grad('h.2.mlp.c_fc.bias', ((128, 256),), d_h_2_mlp_c_fc_bias[0:128])
+    rt.grad('h.2.mlp.c_fc.bias', ((128, 256),), d_h_2_mlp_c_fc_bias)
     del d_h_2_mlp_c_fc_bias
-    rt.grad('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_2_mlp_c_proj_weight[0:64, 0:128])
+    rt.grad('h.2.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_2_mlp_c_proj_weight)
     del d_h_2_mlp_c_proj_weight
-    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), d_h_2_mlp_c_proj_bias[0:64])
+    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), d_h_2_mlp_c_proj_bias)
     del d_h_2_mlp_c_proj_bias
-    rt.grad('h.3.ln_1.weight', ((0, 64),), d_h_3_ln_1_weight[0:64])
+    rt.grad('h.3.ln_1.weight', ((0, 64),), d_h_3_ln_1_weight)
     del d_h_3_ln_1_weight
-    rt.grad('h.3.ln_1.bias', ((0, 64),), d_h_3_ln_1_bias[0:64])
+    rt.grad('h.3.ln_1.bias', ((0, 64),), d_h_3_ln_1_bias)
     del d_h_3_ln_1_bias
-    rt.grad('h.3.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_3_attn_c_attn_weight[0:32, 0:64])
+    rt.grad('h.3.attn.c_attn.weight', ((32, 64), (0, 64)), d_h_3_attn_c_attn_weight)
     del d_h_3_attn_c_attn_weight
-    rt.grad('h.3.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_3_attn_c_attn_weight_1[0:32, 0:64])
+    rt.grad('h.3.attn.c_attn.weight', ((96, 128), (0, 64)), d_h_3_attn_c_attn_weight_1)
     del d_h_3_attn_c_attn_weight_1
-    rt.grad('h.3.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_3_attn_c_attn_weight_2[0:32, 0:64])
+    rt.grad('h.3.attn.c_attn.weight', ((160, 192), (0, 64)), d_h_3_attn_c_attn_weight_2)
     del d_h_3_attn_c_attn_weight_2
-    rt.grad('h.3.attn.c_attn.bias', ((32, 64),), d_h_3_attn_c_attn_bias[0:32])
+    rt.grad('h.3.attn.c_attn.bias', ((32, 64),), d_h_3_attn_c_attn_bias)
     del d_h_3_attn_c_attn_bias
-    rt.grad('h.3.attn.c_attn.bias', ((96, 128),), d_h_3_attn_c_attn_bias_1[0:32])
+    rt.grad('h.3.attn.c_attn.bias', ((96, 128),), d_h_3_attn_c_attn_bias_1)
     del d_h_3_attn_c_attn_bias_1
-    rt.grad('h.3.attn.c_attn.bias', ((160, 192),), d_h_3_attn_c_attn_bias_2[0:32])
+    rt.grad('h.3.attn.c_attn.bias', ((160, 192),), d_h_3_attn_c_attn_bias_2)
     del d_h_3_attn_c_attn_bias_2
-    rt.grad('h.3.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_3_attn_c_proj_weight[0:64, 0:32])
+    rt.grad('h.3.attn.c_proj.weight', ((0, 64), (32, 64)), d_h_3_attn_c_proj_weight)
     del d_h_3_attn_c_proj_weight
-    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), d_h_3_attn_c_proj_bias[0:64])
+    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), d_h_3_attn_c_proj_bias)
     del d_h_3_attn_c_proj_bias
-    rt.grad('h.3.ln_2.weight', ((0, 64),), d_h_3_ln_2_weight[0:64])
+    rt.grad('h.3.ln_2.weight', ((0, 64),), d_h_3_ln_2_weight)
     del d_h_3_ln_2_weight
-    rt.grad('h.3.ln_2.bias', ((0, 64),), d_h_3_ln_2_bias[0:64])
+    rt.grad('h.3.ln_2.bias', ((0, 64),), d_h_3_ln_2_bias)
     del d_h_3_ln_2_bias
-    rt.grad('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_3_mlp_c_fc_weight[0:128, 0:64])
+    rt.grad('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)), d_h_3_mlp_c_fc_weight)
     del d_h_3_mlp_c_fc_weight
-    rt.grad('h.3.mlp.c_fc.bias', ((128, 256),), d_h_3_mlp_c_fc_bias[0:128])
+    rt.grad('h.3.mlp.c_fc.bias', ((128, 256),), d_h_3_mlp_c_fc_bias)
     del d_h_3_mlp_c_fc_bias
-    rt.grad('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_3_mlp_c_proj_weight[0:64, 0:128])
+    rt.grad('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)), d_h_3_mlp_c_proj_weight)
     del d_h_3_mlp_c_proj_weight
-    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), d_h_3_mlp_c_proj_bias[0:64])
+    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), d_h_3_mlp_c_proj_bias)
     del d_h_3_mlp_c_proj_bias
-    rt.grad('ln_f.weight', ((0, 64),), d_ln_f_weight[0:64])
+    rt.grad('ln_f.weight', ((0, 64),), d_ln_f_weight)
     del d_ln_f_weight
-    rt.grad('ln_f.bias', ((0, 64),), d_ln_f_bias[0:64])
+    rt.grad('ln_f.bias', ((0, 64),), d_ln_f_bias)
     del d_ln_f_bias
