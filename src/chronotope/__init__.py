@@ -30,7 +30,7 @@ from chronotope.plan.files import load_plan
 from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
-from chronotope.runtime.train import train
+from chronotope.runtime.train import save, train
 from chronotope.schedule import Schedule, schedule, schedule_primitive, tune
 from chronotope.search import SearchResult, search
 
@@ -42,6 +42,6 @@ __all__ = [
     "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
-    "load_weights", "policies", "run", "schedule", "schedule_primitive", "search",
+    "load_weights", "policies", "run", "save", "schedule", "schedule_primitive", "search",
     "SearchResult", "train", "tune",
 ]

@@ -64,7 +64,7 @@ from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
 from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
-from chronotope.runtime.train import mean_step_time, train
+from chronotope.runtime.train import mean_step_time, save, train
 from chronotope.schedule import apply, schedule, tune
 from chronotope.search import METHODS
 from chronotope.search import search as find_plan
@@ -428,7 +428,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                               "program can be planned but not written with --out")
     workload, program = _compiled(args, device)
     _warn_unsplit(program.plan, out)
-    files = program.save(args.out, workload, compile=args.compile) if args.out else []
+    files = save(program, workload, args.out, compile=args.compile) if args.out else []
     if args.save_plan:
         program.plan.save(args.save_plan)
     checked = program.plan.check()

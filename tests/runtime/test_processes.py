@@ -109,7 +109,7 @@ def torchrun(directory: Path) -> list[float]:
 
 def test_saved_program_runs_under_torchrun(tmp_path):
     w, program = gpt_program(2)
-    program.save(str(tmp_path), w, steps=2)
+    ct.save(program, w, str(tmp_path), steps=2)
     assert (tmp_path / "rank1.py").read_text().startswith('"""Rank 1 of 2')
     assert torchrun(tmp_path) == pytest.approx(train_reference(w, 2, Optim()).losses, rel=1e-5)
 
@@ -117,5 +117,5 @@ def test_saved_program_runs_under_torchrun(tmp_path):
 def test_a_saved_program_with_an_op_of_the_users_file_runs_under_torchrun(tmp_path):
     w = load_workload(f"{MODELS / 'user_ops_model.py'}:make")
     program = compile(data_parallel(ct.capture(w), 2))
-    program.save(str(tmp_path), w, steps=2)
+    ct.save(program, w, str(tmp_path), steps=2)
     assert torchrun(tmp_path) == pytest.approx(train_reference(w, 2, Optim()).losses, rel=1e-5)

@@ -253,7 +253,7 @@ def test_a_run_killed_while_saving_leaves_the_last_checkpoint_in_use(tmp_path):
 def test_the_torchrun_launcher_trains_on_the_data_and_keeps_the_weights(tmp_path):
     w, graph = gpt(dropout=0.0)
     program = ct.compile(mesh(graph, dp=2))
-    program.save(str(tmp_path), w, steps=2)
+    ct.save(program, w, str(tmp_path), steps=2)
     src = os.path.dirname(os.path.dirname(ct.__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}

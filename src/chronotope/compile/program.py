@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
 
 import torch
 
@@ -499,13 +498,6 @@ class Program:
         return {"p2p": received, "all_reduce": int(reduced), "all_gather": int(gathered),
                 "reduce_scatter": int(scattered), "all_to_all": int(exchanged),
                 "broadcast": broadcast}
-
-    def save(self, directory: str, workload: Any, steps: int = 10, optim: Any = None,
-             compile: str | None = None) -> list[str]:
-        """Write every rank's module and a torchrun launcher (see ``runtime.train.save``)."""
-        from chronotope.runtime.train import save
-
-        return save(self, workload, directory, steps, optim, compile)
 
     def code(self, rank: int, regions: bool = False) -> str:
         """Rank ``rank``'s step as a readable Python module; with ``regions``, its runs of
