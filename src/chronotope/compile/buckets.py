@@ -52,8 +52,9 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
         if len(per_rank) != len(members) or len(orders) != 1:
             continue  # the members would not make the same buckets
         for rank, found in per_rank.items():
-            riders = [e for e in found if not sums_gradients((e.key,))]
-            summed = [e for e in found if sums_gradients((e.key,))]
+            summed, riders = [], []
+            for e in found:
+                (summed if sums_gradients((e.key,)) else riders).append(e)
             placed = _bucketed(summed, group, bucket_bytes)
             placed, riders = _ride(placed, riders)
             for at, ins in placed:
