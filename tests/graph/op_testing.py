@@ -1,6 +1,7 @@
 """What the per-op tests share: a small model around one op, a plan that splits only that op,
 and the check against one device."""
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -11,7 +12,9 @@ import torch
 from torch import nn
 
 import chronotope as ct
+from chronotope.graph.batch import model_loss
 from chronotope.graph.ir import Op
+from chronotope.graph.rng import CounterRandom
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
@@ -84,6 +87,39 @@ def trains_like_one_device(plan: ct.Plan, w: ct.Workload, steps: int = STEPS,
     run = run_in_threads(ct.compile(plan), w, steps, Optim("sgd", 0.1))
     diff = compare(run, train_reference(w, steps, Optim("sgd", 0.1)))
     assert diff.within(tolerance), diff
+
+
+def eager_step(w: ct.Workload, seed: int = 0):
+    """Loss and parameter gradients of (a copy of) the model run as written (random ops on
+    the counter-based stream, as captured ones are); the model's buffers stay as they are."""
+    model = copy.deepcopy(w.model)
+    torch.manual_seed(seed)
+    with CounterRandom():
+        out = model(*w.inputs, **w.kwargs)
+        loss = w.loss_fn(out, *w.targets) if w.loss_fn else model_loss(out)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def graph_step(graph: ct.Graph, w: ct.Workload, seed: int = 0):
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = ct.execute(graph, w)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
+    w.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same_step(graph: ct.Graph, w: ct.Workload, rtol: float = 1e-6):
+    ref_loss, ref_grads = eager_step(w)
+    loss, grads = graph_step(graph, w)
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        scale = ref_grads[name].abs().max().clamp_min(1e-12)
+        assert ((g - ref_grads[name]).abs().max() / scale).item() <= rtol, name
 
 
 def the_op(graph: ct.Graph, kind: str) -> Op:

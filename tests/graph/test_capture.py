@@ -9,45 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
-from chronotope.graph.capture import model_loss
-from chronotope.graph.rng import CounterRandom
 from chronotope.models import get_workload
+from tests.graph.op_testing import assert_same_step
 
 BUILTINS = ["gpt", "llama", "bert", "t5", "swin", "evoformer"]
-
-
-def eager_step(w: ct.Workload, seed: int = 0):
-    """Loss and parameter gradients of the model run as written (random ops on the
-    counter-based stream, as captured ones are)."""
-    w.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with CounterRandom():
-        out = w.model(*w.inputs, **w.kwargs)
-        loss = w.loss_fn(out, *w.targets) if w.loss_fn else model_loss(out)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
-    w.model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
-def graph_step(graph: ct.Graph, w: ct.Workload, seed: int = 0):
-    w.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = ct.execute(graph, w)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
-    w.model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
-def assert_same_step(graph: ct.Graph, w: ct.Workload, rtol: float = 1e-6):
-    ref_loss, ref_grads = eager_step(w)
-    loss, grads = graph_step(graph, w)
-    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
-    assert grads.keys() == ref_grads.keys()
-    for name, g in grads.items():
-        scale = ref_grads[name].abs().max().clamp_min(1e-12)
-        assert ((g - ref_grads[name]).abs().max() / scale).item() <= rtol, name
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -124,26 +89,6 @@ def test_inplace_updates_become_ssa():
     assert len(produced) == len(set(produced))  # every version is a new tensor
     assert graph.unannotated_ops() == []
     assert_same_step(graph, ct.Workload(model, (x, mask)))
-
-
-class WritesThroughView(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x):
-        y = self.proj(x)
-        y[:, :4].mul_(3.0)  # updates y through a view
-        return y.pow(2).mean()
-
-
-def test_writes_through_views_fall_back_to_export():
-    model, x = WritesThroughView(), torch.randn(4, 8)
-    with pytest.raises(ct.CaptureError, match="view"):
-        ct.capture(model, x, frontend="fx")
-    graph = ct.capture(model, x)
-    assert graph.frontend == "export"
-    assert_same_step(graph, ct.Workload(model, (x,)))
 
 
 class UpdatesParameter(nn.Module):

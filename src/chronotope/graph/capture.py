@@ -8,13 +8,10 @@ same converter, so the graph means the same thing either way.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
-import keyword
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -23,89 +20,23 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from chronotope.errors import CaptureError
+from chronotope.graph.batch import Batch, identifiers, model_loss
 from chronotope.graph.convert import Converter, Leaf, OpFailed
 from chronotope.graph.ir import Graph, Source, TensorKind
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry, warn_unannotated
-from chronotope.graph.trace import Tracer, frame_source, is_library_file, strip_root, user_frame
+from chronotope.graph.trace import (
+    StateChanged,
+    Tracer,
+    frame_source,
+    is_library_file,
+    strip_root,
+    user_frame,
+)
+from chronotope.graph.verify import CHECK_UP_TO, CaptureMismatch, skipped, verify
 from chronotope.models.workload import Workload
 
 Frontend = Literal["auto", "fx", "export"]
-
-
-def model_loss(output: Any) -> Any:
-    """The loss inside a model's output: itself, the first item, or the ``loss`` entry."""
-    if isinstance(output, (torch.Tensor, fx.Proxy)):
-        return output
-    if isinstance(output, Mapping) or hasattr(output, "loss"):
-        loss = output["loss"] if isinstance(output, Mapping) else output.loss
-        if loss is None:
-            raise CaptureError("the model returned no loss (loss is None); pass its labels "
-                               "in the example batch, or pass loss_fn=")
-        return loss
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    return output
-
-
-@dataclass
-class Batch:
-    """The example batch, flattened: tensors become graph inputs, the rest stays constant."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    targets: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, example_inputs: Any, kwargs: Mapping[str, Any] | None = None,
-           targets: tuple[Any, ...] = ()) -> Batch:
-        """Accept a tensor, a tuple of arguments, or a dict of keyword arguments."""
-        kwargs = dict(kwargs or {})
-        if isinstance(example_inputs, Mapping):
-            example_inputs, kwargs = (), {**example_inputs, **kwargs}
-        elif not isinstance(example_inputs, (tuple, list)):
-            example_inputs = (example_inputs,)
-        return cls(tuple(example_inputs), kwargs, tuple(targets))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [x for x in self.leaves()[0] if isinstance(x, torch.Tensor)]
-
-    def leaves(self) -> tuple[list[Any], pytree.TreeSpec]:
-        return pytree.tree_flatten((self.args, self.kwargs, self.targets))
-
-    def tensor_names(self, model: nn.Module) -> list[str]:
-        """Argument names for the tensor leaves, from the model's forward signature."""
-        try:
-            bound = inspect.signature(model.forward).bind_partial(*self.args).arguments
-            arg_names = list(bound)
-        except (TypeError, ValueError):
-            arg_names = []
-        arg_names += [f"arg{i}" for i in range(len(arg_names), len(self.args))]
-        top = (
-            list(zip(arg_names, self.args))
-            + list(self.kwargs.items())
-            + [("target" if i == 0 else f"target_{i}", t) for i, t in enumerate(self.targets)]
-        )
-        names: list[str] = []
-        for name, value in top:
-            if isinstance(value, torch.Tensor):
-                names.append(name)
-            else:
-                n = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value))
-                names += [f"{name}_{i}" for i in range(n)]
-        return _identifiers(names)
-
-
-def _identifiers(names: list[str]) -> list[str]:
-    out: list[str] = []
-    for n in names:
-        n = re.sub(r"\W", "_", n)
-        if not n or n[0].isdigit() or keyword.iskeyword(n) or n == "self":
-            n = f"x_{n}"
-        while n in out:
-            n += "_"
-        out.append(n)
-    return out
 
 
 class Step(nn.Module):
@@ -124,7 +55,7 @@ class Step(nn.Module):
         self.tensors = batch.tensors()
         self.names = batch.tensor_names(model)
         if len(self.names) != len(self.tensors):
-            self.names = _identifiers([f"input{i}" for i in range(len(self.tensors))])
+            self.names = identifiers([f"input{i}" for i in range(len(self.tensors))])
         # Tracers read ``forward`` from the class, so each Step gets a class of its own.
         params = ", ".join(self.names)
         scope: dict[str, Any] = {}
@@ -151,12 +82,18 @@ def capture(
     registry: OpRegistry | None = None,
     frontend: Frontend = "auto",
     name: str | None = None,
+    check_up_to: int | None = CHECK_UP_TO,
 ) -> Graph:
     """Capture ``loss = loss_fn(model(*example_inputs, **kwargs), *targets)`` as a Graph.
 
     Without ``loss_fn`` the model's output is the loss (a scalar, or the first
     item / ``loss`` entry of what it returns). A model built on the meta device
     is captured without allocating its weights.
+
+    Capture then checks itself: the graph and the model as written run once each on the
+    example batch, and a loss, gradient or buffer update that differs raises
+    ``CaptureMismatch`` naming it (``graph/verify.py``). Models with more than
+    ``check_up_to`` parameters, or on the meta device, are not run; 0 skips the check.
     """
     if isinstance(model, Workload):
         w = model
@@ -166,25 +103,49 @@ def capture(
     step = Step(model, Batch.of(example_inputs, kwargs, targets), loss_fn)
     registry = registry or DEFAULT_REGISTRY
 
+    check = not skipped(model, step.tensors, check_up_to)
     if frontend == "export":
         try:
             graph = capture_export(step, registry, name)
         except Exception as export_error:
             raise _capture_error(name, "torch.export", export_error) from export_error
+        if check:
+            _verify(graph, step)
     else:
         try:
             graph = capture_fx(step, registry, name)
-        except OpFailed:
-            raise  # the example batch does not fit the model: the other frontend would agree
+            if check:
+                _verify(graph, step)
+        except (OpFailed, StateChanged):
+            raise  # the example batch does not fit the model, or forward changes state the
+            # step cannot carry: the other frontend would agree
         except Exception as fx_error:
             if frontend == "fx":
+                if isinstance(fx_error, CaptureMismatch):
+                    raise
                 raise _capture_error(name, "torch.fx", fx_error) from fx_error
             try:
                 graph = capture_export(step, registry, name)
             except Exception as export_error:
+                if isinstance(fx_error, CaptureMismatch):
+                    raise fx_error from None
                 raise _capture_error(name, "torch.fx", fx_error, export_error) from export_error
+            if check:
+                try:
+                    _verify(graph, step)
+                except CaptureMismatch:  # fx's account of the difference: its ops are the user's
+                    raise (fx_error if isinstance(fx_error, CaptureMismatch) else
+                           _capture_error(name, "torch.fx", fx_error)) from None
     warn_unannotated([op.kind for op in graph.unannotated_ops()], name)
     return graph
+
+
+def _verify(graph: Graph, step: Step) -> None:
+    """``verify`` the graph against the model it came from, on the example batch."""
+    leaves = {t.name: v for t, v in zip(graph.inputs, step.tensors)}
+    leaves.update(step.model.named_parameters())
+    leaves.update(step.model.named_buffers())
+    verify(graph, step.model, step.step, step.tensors, leaves)
 
 
 def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
@@ -213,14 +174,15 @@ def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
         output=lambda v: v,
         source=lambda n: n.meta.get("source"),
     )
-    return conv.graph(loss, name, step.names)
+    return conv.graph(loss, name, step.names, dict(step.model.named_parameters()))
 
 
 def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with _export_output():
+    with _export_output(), torch.enable_grad():
         ep = torch.export.export(step, tuple(step.tensors), strict=False)
+    _detach_no_grad_blocks(ep.graph)
     ep = ep.run_decompositions({})  # functional: in-place updates become new tensors
     sig = ep.graph_signature
     model_params = dict(step.model.named_parameters())
@@ -261,7 +223,21 @@ def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:
         output=output,
         source=export_source,
     )
-    return conv.graph(loss, name, step.names)
+    return conv.graph(loss, name, step.names, model_params)
+
+
+def _detach_no_grad_blocks(graph: fx.Graph) -> None:
+    """What a ``torch.no_grad()`` block reads, detached: the block then passes no gradient
+    once its ops are inlined into the decomposed graph, which keeps no grad mode."""
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled \
+                or node.args[0] is not False:
+            continue
+        with graph.inserting_before(node):
+            reads = [graph.call_function(torch.ops.aten.detach.default, (a,))
+                     if isinstance(a, fx.Node) else a for a in node.args[2:]]
+        node.args = (*node.args[:2], *reads)
+    graph.lint()
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')

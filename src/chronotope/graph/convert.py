@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from chronotope.errors import CaptureError
 from chronotope.graph import functional, rng
 from chronotope.graph.ir import (
     DEVICE,
+    NO_GRAD_KINDS,
     Graph,
     Op,
     PTensor,
@@ -31,7 +32,13 @@ from chronotope.graph.ir import (
     TensorMeta,
     fresh_name,
 )
-from chronotope.graph.registry import OpCall, OpRegistry, iter_tensors, map_leaves
+from chronotope.graph.registry import (
+    OpCall,
+    OpRegistry,
+    autograd_function,
+    iter_tensors,
+    map_leaves,
+)
 from chronotope.graph.signature import Signature
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
 
@@ -45,6 +52,20 @@ _RANDOM = re.compile(r"rand|dropout|bernoulli|normal(?!ize)|uniform|multinomial"
 
 class OpFailed(CaptureError):
     """An op could not run on the example shapes: the inputs, not the frontend, are wrong."""
+
+
+@dataclass
+class View:
+    """How a tensor was made as a view of ``parent``: the call that made it (made again
+    when the parent changes) and how a write into it reaches the parent."""
+
+    parent: torch.Tensor
+    name: str
+    target: Any
+    args: tuple
+    kwargs: dict
+    outs: list[torch.Tensor]  # every output of that call (an unbind makes several views)
+    source: Source | None
 
 
 @dataclass
@@ -67,6 +88,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
+    function = autograd_function(target)
+    if function is not None:
+        return function.__name__
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
@@ -80,7 +104,17 @@ class Converter:
         self.ops: list[Op] = []
         self.current: dict[int, PTensor] = {}  # id(meta tensor) -> its latest version
         self.alive: list[torch.Tensor] = []  # keeps ids unique while converting
-        self.view_bases: set[int] = set()
+        # Views and writes through them: each view's maker, the writes each base has had,
+        # and which of them a view's current version reflects (older: made again on read).
+        self.views: dict[int, View] = {}
+        self.opaque: set[int] = set()  # views of something other than their first input
+        self.writes: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+        # autograd's view of the step: what carries a gradient, the grad mode of the call
+        # being converted, and each tensor's detached version for calls without grad
+        self.requires_grad: set[PTensor] = set()
+        self.grad = True
+        self.detached: dict[PTensor, PTensor] = {}
         self.tensor_names: set[str] = set()
         self.op_names: set[str] = set()
         self.leaves: dict[str, tuple[torch.Tensor, PTensor]] = {}
@@ -110,6 +144,10 @@ class Converter:
         meta = meta if isinstance(meta, torch.Tensor) else to_meta(leaf.value)
         t = self.new_tensor(meta, leaf.name, leaf.kind)
         t.frozen = leaf.kind is TensorKind.PARAM and not leaf.value.requires_grad
+        if (leaf.kind is TensorKind.PARAM and not t.frozen) or (
+                leaf.kind is TensorKind.INPUT and leaf.value is not None
+                and leaf.value.requires_grad):
+            self.requires_grad.add(t)
         self.leaves[leaf.name] = (meta, t)
         if leaf.kind is TensorKind.INPUT:
             self.batch.append(t)
@@ -145,6 +183,8 @@ class Converter:
         raise CaptureError(f"{self.model_name}: the traced graph has no output")
 
     def loss(self, value: Any) -> PTensor:
+        if _is_tensor(value):
+            self.refresh(value)
         if not _is_tensor(value) or value.dim() != 0 or not value.dtype.is_floating_point:
             got = f"a tensor of shape {list(value.shape)}" if _is_tensor(value) else repr(value)
             raise CaptureError(
@@ -159,9 +199,14 @@ class Converter:
         target = _VIEW_AS_RESHAPE.get(node.target, node.target)
         if target is operator.getitem and not _is_tensor(args[0]):
             return args[0][args[1]]  # a size, or one output of a multi-output op
+        self.grad = node.meta.get("grad", True)
         inputs = _tensors((args, kwargs))
+        for x in inputs:
+            self.refresh(x)
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
+        if target is torch.ops.aten.copy.default and _is_tensor(args[1]):
+            return self.copied(node.name, args[0], args[1], source)
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
         if rng.rewritable(target, args, kwargs):  # a piece of it then draws exactly its slice
             target, kwargs = rng.rewrite(target, kwargs, self.draws)
@@ -194,11 +239,89 @@ class Converter:
             return result  # returns its input unchanged (contiguous on a contiguous tensor)
         if mutated is None and self.as_slices(node.name, target, args, kwargs, outs, source):
             return result
-        op = self.emit(node.name, target, args, kwargs, outs, source)
+        self.emit(node.name, target, args, kwargs, outs, source)
         if mutated is not None:
-            self.current[id(mutated)] = op.outputs[0]
+            self.write(mutated, outs[0], node.name, source)
             return mutated
         return result
+
+    # ---- views and writes through them ---------------------------------------------------
+
+    def root(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor ``t`` is a view of (through views of views), or ``t`` itself."""
+        while (view := self.views.get(id(t))) is not None:
+            t = view.parent
+        return t
+
+    def refresh(self, t: torch.Tensor) -> None:
+        """Make ``t`` again from its base if the base was written since ``t`` was made: a
+        view reads what its base holds now."""
+        view = self.views.get(id(t))
+        if view is None or self.seen[id(t)] == self.writes.get(id(self.root(t)), 0):
+            return
+        self.refresh(view.parent)
+        self.emit(view.name, view.target, view.args, view.kwargs, view.outs, view.source)
+
+    def write(self, t: torch.Tensor, value: torch.Tensor, name: str,
+              source: Source | None) -> None:
+        """``t`` now holds ``value`` (both meta tensors): each base ``t`` is a view of gets
+        ``value`` written into its part, and every other view of them is made again when
+        next read. Under ``torch.no_grad()`` the write keeps the tensor's gradient path,
+        as autograd does for an in-place op it does not record."""
+        chain, values = [t], [value]
+        while (view := self.views.get(id(chain[-1]))) is not None:
+            target, args = self.scatter(view, values[-1], name, source)
+            values.append(self.op_result(f"{name}_write", target, args, {}, source))
+            chain.append(view.parent)
+        root = chain[-1]
+        if not self.grad and self.current[id(root)] in self.requires_grad:
+            self.grad = True  # the write itself is recorded, with the gradient passing through
+            values[-1] = self.op_result(f"{name}_through", functional.through,
+                                        (root, values[-1]), {}, source)
+            chain, values = [root], values[-1:]  # its views are made again from it
+        for x, v in zip(chain, values):
+            self.current[id(x)] = self.current[id(v)]
+        self.writes[id(root)] = self.writes.get(id(root), 0) + 1
+        for x in chain:
+            self.seen[id(x)] = self.writes[id(root)]
+
+    def scatter(self, view: View, value: torch.Tensor, name: str, source: Source | None
+                ) -> tuple[Any, tuple]:
+        """The call that writes ``value`` into the part of ``view.parent`` that ``view`` is:
+        an index assignment for a box (an index, a narrow, a select), the inverse for a
+        view of all of it (a reshape, a permutation)."""
+        parent, target = view.parent, view.target
+        kind = getattr(self.registry.of(target), "kind", None)
+        n = parent.dim()
+        index: Any = None
+        if kind == "getitem" and _basic_index(view.args[1]):
+            index = view.args[1]
+        elif kind in ("narrow", "select", "slice"):
+            dim = int(_argument(view, 1, "dim", 0)) % n
+            if kind == "narrow":
+                start = int(_argument(view, 2, "start", 0)) % parent.shape[dim]
+                at: Any = slice(start, start + int(_argument(view, 3, "length", 0)))
+            elif kind == "select":
+                at = int(_argument(view, 2, "index", 0))
+            else:
+                at = slice(_argument(view, 2, "start", None), _argument(view, 3, "end", None),
+                           _argument(view, 4, "step", 1))
+            index = (*[slice(None)] * dim, at)
+        if index is not None:
+            return functional.setitem, (parent, index, value)
+        if kind == "reshape":
+            return torch.reshape, (value, tuple(parent.shape))
+        order = _permutation(view, kind, n)
+        if order is not None:
+            inverse = [0] * n
+            for i, d in enumerate(order):
+                inverse[d] = i
+            return torch.permute, (value, tuple(inverse))
+        where = f" at {source}" if source else ""
+        raise CaptureError(
+            f"{self.model_name}: in-place op {name}{where} writes through a view made by "
+            f"{target_name(target)} ({view.name}), which capture cannot follow; write it out "
+            "of place, or capture with frontend='export'")
 
     def as_slices(self, name: str, target: Any, args: tuple, kwargs: dict,
                   outs: list[torch.Tensor], source: Source | None) -> bool:
@@ -225,6 +348,20 @@ class Converter:
             self.emit(name, torch.narrow, (x, d, start, o.shape[d]), {}, [o], source)
             start += o.shape[d]
         return start == x.shape[d]
+
+    def copied(self, name: str, dst: torch.Tensor, src: torch.Tensor,
+               source: Source | None) -> torch.Tensor:
+        """``aten.copy(dst, src)`` (an exported graph's form of ``dst.copy_(src)``, which has
+        no derivative) as what it makes: ``src`` in ``dst``'s dtype, broadcast to its shape.
+        ``dst`` gives only its shape, so its values are not read."""
+        value = src
+        if src.dtype != dst.dtype:
+            value = self.op_result(f"{name}_to", torch.ops.aten._to_copy.default, (value,),
+                                   {"dtype": dst.dtype}, source)
+        if value.shape != dst.shape:
+            value = self.op_result(name, torch.ops.aten.expand.default,
+                                   (value, list(dst.shape)), {}, source)
+        return value
 
     def mean_as_sum(self, name: str, target: Any, args: tuple, kwargs: dict,
                     source: Source | None) -> torch.Tensor | None:
@@ -263,7 +400,7 @@ class Converter:
         result, updates = found
         for old, new in updates:
             self.check_mutable(old, node, source)
-            self.current[id(old)] = self.current[id(new)]
+            self.write(old, new, node.name, source)
         return result
 
     def update(self, name: str, value: torch.Tensor) -> None:
@@ -300,17 +437,17 @@ class Converter:
         where = f" at {source}" if source else ""
         if not _is_tensor(t):
             raise CaptureError(f"{self.model_name}: in-place op {node.name}{where} on a non-tensor")
-        current = self.current.get(id(t))
+        current = self.current.get(id(self.root(t)))
         if current is not None and current.kind is TensorKind.PARAM:
             raise CaptureError(
                 f"{self.model_name}: in-place update of parameter {current.name} by "
                 f"{node.name}{where}; a captured training step may change parameters only "
                 "through their gradients (keep state that changes in buffers)"
             )
-        if t._base is not None or id(t) in self.view_bases:
+        if any(id(x) in self.opaque for x in (t, self.root(t))):
             raise CaptureError(
-                f"{self.model_name}: in-place op {node.name}{where} writes through a view, which "
-                "SSA rewriting cannot follow; write it out of place, or capture with "
+                f"{self.model_name}: in-place op {node.name}{where} writes through a view "
+                "whose base capture does not know; write it out of place, or capture with "
                 "frontend='export'"
             )
 
@@ -336,7 +473,9 @@ class Converter:
              outs: list[torch.Tensor], source: Source | None) -> Op:
         def stored(x: Any) -> Any:
             if _is_tensor(x):
-                return self.current[id(x)]
+                t = self.current[id(x)]
+                return t if self.grad or t not in self.requires_grad else \
+                    self.detach(t, source)
             return DEVICE if isinstance(x, torch.device) else x
 
         s_args, s_kwargs = device_args(target, args, kwargs, DEVICE)
@@ -348,12 +487,43 @@ class Converter:
             self.new_tensor(o, name if len(outs) == 1 else f"{name}_{i}", TensorKind.ACTIVATION, op)
             for i, o in enumerate(outs)
         )
-        for o in outs:
-            if o._base is not None:
-                self.view_bases.add(id(o._base))
+        self.made_views(name, target, args, kwargs, outs, source)
         self.annotate(op)
         self.ops.append(op)
+        if self.grad and op.kind not in NO_GRAD_KINDS and any(
+                t in self.requires_grad for t in inputs):
+            self.requires_grad.update(o for o in op.outputs
+                                      if o.dtype.is_floating_point or o.dtype.is_complex)
         return op
+
+    def made_views(self, name: str, target: Any, args: tuple, kwargs: dict,
+                   outs: list[torch.Tensor], source: Source | None) -> None:
+        """Remember which outputs are views of the call's first input, and how to make
+        them again; a view of another input cannot be written through. (A view of what
+        the call made inside itself, as a linear's reshaped product, is a new tensor.)"""
+        ins = _tensors((args, kwargs))
+        bases = [x if x._base is None else x._base for x in ins]
+        for o in outs:
+            if o._base is None or not any(o._base is b for b in bases):
+                continue
+            if o._base is bases[0]:
+                self.views[id(o)] = View(ins[0], name, target, args, kwargs, outs, source)
+                self.seen[id(o)] = self.writes.get(id(self.root(ins[0])), 0)
+            else:
+                self.opaque.add(id(o))
+
+    def detach(self, t: PTensor, source: Source | None) -> PTensor:
+        """``t`` without its gradient path, made once per version: what a call under
+        ``torch.no_grad()`` reads."""
+        if t not in self.detached:
+            name = fresh_name(f"{t.name}_detach", self.op_names, "_v")
+            op = Op(name, "detach", "detach", (t,), {}, (t,), (), source=source)
+            op.outputs = (PTensor(fresh_name(name, self.tensor_names, "_v"), t.meta,
+                                  TensorKind.ACTIVATION, op),)
+            self.annotate(op)
+            self.ops.append(op)
+            self.detached[t] = op.outputs[0]
+        return self.detached[t]
 
     def annotate(self, op: Op) -> None:
         opdef = self.registry.of(op.target)
@@ -384,7 +554,13 @@ class Converter:
 
     # ---- result --------------------------------------------------------------------------
 
-    def graph(self, loss: PTensor, name: str, input_names: list[str]) -> Graph:
+    def graph(self, loss: PTensor, name: str, input_names: list[str],
+              params: Mapping[str, torch.Tensor] = {}) -> Graph:
+        """The captured step; ``params`` (the model's, by name) are all kept, those forward
+        never reads too: they get no gradient and are stored as they are."""
+        for pname, value in params.items():
+            if pname not in self.leaves:
+                self.leaf(Leaf(pname, TensorKind.PARAM, value))
         by_kind: dict[TensorKind, dict[str, PTensor]] = {k: {} for k in TensorKind}
         for _, t in self.leaves.values():
             by_kind[t.kind][t.name] = t
@@ -407,6 +583,43 @@ class Converter:
             frontend=self.frontend,
             registry=self.registry,
         )
+
+
+def _basic_index(index: Any) -> bool:
+    """An index of ints, slices (of ints), None and ``...``: its result is a box of views."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(it is None or it is Ellipsis or isinstance(it, int) or (
+        isinstance(it, slice) and all(v is None or isinstance(v, int)
+                                      for v in (it.start, it.stop, it.step)))
+        for it in items)
+
+
+def _argument(view: View, index: int, name: str, default: Any) -> Any:
+    return view.kwargs[name] if name in view.kwargs else \
+        view.args[index] if index < len(view.args) else default
+
+
+def _permutation(view: View, kind: str | None, n: int) -> list[int] | None:
+    """Where each dim of the view comes from in its parent, for a permuting view."""
+    if kind == "permute":
+        dims = view.args[1:] if not isinstance(_argument(view, 1, "dims", None), (tuple, list)) \
+            else _argument(view, 1, "dims", None)
+        return [int(d) % n for d in dims]
+    if kind != "transpose":
+        return None
+    order = list(range(n))
+    if view.target is getattr:  # x.T, x.mT
+        if view.args[1] == "T":
+            return order[::-1]
+        a, b = n - 2, n - 1
+    elif n < 2:
+        return order
+    elif len(view.args) < 3 and not view.kwargs:  # x.t()
+        a, b = 0, 1
+    else:
+        a, b = int(_argument(view, 1, "dim0", 0)) % n, int(_argument(view, 2, "dim1", 1)) % n
+    order[a], order[b] = order[b], order[a]
+    return order
 
 
 def is_random(op: Op) -> bool:

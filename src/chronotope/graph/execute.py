@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from chronotope.errors import CaptureError
-from chronotope.graph.capture import Batch
+from chronotope.graph.batch import Batch
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor
 from chronotope.graph.registry import iter_tensors, map_leaves
 from chronotope.models.workload import Workload
@@ -67,15 +67,23 @@ def bind(graph: Graph, leaves: Mapping[str, torch.Tensor]
 
 def run_graph(graph: Graph, leaves: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Run the graph given its inputs, parameters, buffers and constants by name."""
+    return run_step(graph, leaves)[0]
+
+
+def run_step(graph: Graph, leaves: Mapping[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``run_graph``'s loss, and the new value of each buffer the step updates, by name."""
     values, device = bind(graph, leaves)
     free = last_uses(graph)
+    kept = {*graph.buffer_updates.values(), graph.loss}
     with torch.device(device):
         for i, op in enumerate(graph.ops):
             for t, v in zip(op.outputs, run_op(op, values, device), strict=True):
                 values[t] = v
             for t in free.get(i, ()):
-                values.pop(t, None)
-    return values[graph.loss]
+                if t not in kept:
+                    values.pop(t, None)
+    return values[graph.loss], {n: values[t] for n, t in graph.buffer_updates.items()}
 
 
 def execute(

@@ -24,6 +24,12 @@ def updated(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torch.Te
     return y
 
 
+def through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``, with ``x``'s gradient passing straight through: ``x`` written in place
+    under ``torch.no_grad()``, which autograd does not record."""
+    return value.detach() + (x - x.detach())
+
+
 def loss_denominator(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
                      dtype: torch.dtype) -> torch.Tensor:
     """What a mean-reduced cross entropy divides by: the (weighted) count of counted labels."""

@@ -25,6 +25,14 @@ def fresh_name(base: str, taken: set[str], sep: str = "_") -> str:
     return name
 
 
+# Kinds of op whose outputs carry no gradient back to their inputs: what they make depends
+# on the inputs' shapes, or is made without autograd (``detach``, ``torch.no_grad()``).
+NO_GRAD_KINDS = frozenset({
+    "detach", "factory", "fill", "argmax", "argmin", "one_hot", "zeros_like", "ones_like",
+    "full_like", "empty_like", "rand_like", "randn_like",
+})
+
+
 class TensorKind(StrEnum):
     INPUT = "input"  # a batch input of the training step
     PARAM = "param"

@@ -109,6 +109,15 @@ class OpDef:
 OP_DEF = "__chronotope_op__"  # the attribute of a registered user op that holds its entry
 
 
+def autograd_function(target: Any) -> type | None:
+    """The ``torch.autograd.Function`` whose ``apply`` ``target`` is, if it is one."""
+    owner = getattr(target, "__self__", None)
+    if (isinstance(owner, type) and issubclass(owner, torch.autograd.Function)
+            and getattr(target, "__name__", None) == "apply"):
+        return owner
+    return None
+
+
 def iter_leaves(tree: Any) -> Iterable[Any]:
     """Leaves of nested tuples/lists/dicts/slices, in argument order."""
     if isinstance(tree, (tuple, list)):
@@ -169,7 +178,9 @@ class OpRegistry:
         """The entry for a target; an operator overload falls back to its packet, then to
         its qualified name (``"transformers::grouped_mm_fallback"``: an op of a library
         that registers it only once imported). A user op carries its own entry."""
-        own = getattr(target, OP_DEF, None)
+        function = autograd_function(target)
+        own = function.__dict__.get(OP_DEF) if function is not None else \
+            getattr(target, OP_DEF, None)
         if isinstance(own, OpDef):
             return own
         try:
@@ -204,12 +215,16 @@ def register_op(signature: SignatureRule, *, name: str | None = None) -> Callabl
     ``signature`` is a string (or a function of ``OpCall`` returning one); strings are
     parsed now so a typo fails at import, not at capture. The returned function records
     itself as a single node when traced, and carries its entry (``OP_DEF``), which
-    every registry finds.
+    every registry finds. A ``torch.autograd.Function`` (always one op) gets the entry
+    itself: each piece of it then runs the Function's own forward and backward.
     """
     if isinstance(signature, str):
         Signature.parse(signature)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+            setattr(fn, OP_DEF, OpDef(name or fn.__name__, signature, user=True))
+            return fn
         if not callable(fn):
             raise SignatureError(f"register_op decorates a function, got {fn!r}")
 

@@ -8,12 +8,13 @@ mode — while tensor values stay symbolic.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import sys
 import sysconfig
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from chronotope.errors import CaptureError
 from chronotope.graph.ir import Source
 from chronotope.graph.registry import OpRegistry, map_leaves
 
@@ -167,8 +169,116 @@ class _RecordFactories(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod, unbound
+
+
+def _reentrant_checkpoint() -> type | None:
+    """``torch.utils.checkpoint``'s Function for ``use_reentrant=True``: it only saves
+    memory, so capture follows the function it checkpoints."""
+    from torch.utils import checkpoint
+
+    return getattr(checkpoint, "CheckpointFunction", None)
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``torch.autograd.Function.apply`` while tracing: on traced values, one node whose
+    target is that ``apply``, so the op runs the user's forward and, in backward, the
+    user's own backward (tracing through ``forward`` would keep its ops and lose its
+    gradient rule). A reentrant ``torch.utils.checkpoint`` is followed into the function
+    it runs instead."""
+    proxy = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, fx.Proxy)),
+                 None)
+    if proxy is None:
+        return _APPLY.__get__(None, cls)(*args, **kwargs)
+    if cls is _reentrant_checkpoint():  # (run_function, preserve_rng_state, *inputs)
+        return args[0](*args[2:])
+    return proxy.tracer.create_proxy("call_function", _APPLY.__get__(None, cls), args, kwargs)
+
+
+class StateChanged(CaptureError):
+    """Forward changed state of the model that a captured step cannot carry."""
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, fx.Proxy):
+        return "a traced tensor"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else type(value).__name__
+
+
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def _model_state(tracer: Tracer, root: torch.nn.Module) -> Iterator[None]:
+    """While tracing: ``Function.apply`` as one node (``_apply``); a traced value assigned
+    to a buffer (``self.n += 1``, ``self.ema = 0.9 * self.ema + ...``) recorded as the
+    buffer's update. Afterwards the model is as it was; forward changing other state it
+    had (a Python counter, a tensor kept for the next step) raises ``StateChanged``
+    naming it, as a captured step would never change it."""
+    paths = {id(m): strip_root(name) for name, m in root.named_modules()}
+    before = {id(m): dict(m.__dict__) for m in root.modules()}
+    setattr_ = torch.nn.Module.__setattr__
+
+    def assign(module: torch.nn.Module, name: str, value: Any) -> None:
+        buffers = module.__dict__.get("_buffers", {})
+        if not isinstance(value, fx.Proxy) or id(module) not in paths:
+            return setattr_(module, name, value)
+        where = ".".join(p for p in (paths[id(module)], name) if p)
+        if name in module.__dict__.get("_parameters", {}):
+            raise StateChanged(f"forward assigns a computed tensor to parameter {where}; a "
+                               "training step changes parameters only through their gradients")
+        old = buffers.get(name)
+        if old is None:
+            return setattr_(module, name, value)
+        new = value.node.meta.get("val")
+        if isinstance(new, torch.Tensor) and (new.shape != old.shape or new.dtype != old.dtype):
+            raise StateChanged(
+                f"forward replaces buffer {where} {str(old.dtype).removeprefix('torch.')}"
+                f"{list(old.shape)} with a {str(new.dtype).removeprefix('torch.')}"
+                f"{list(new.shape)} tensor; a captured step keeps each buffer's shape and "
+                "dtype (write into it in place, or keep what grows out of the model)")
+        tracer.create_proxy("call_method", "copy_", (tracer.getattr(name, old, {}), value), {})
+
+    torch.autograd.Function.apply = classmethod(_apply)
+    torch.nn.Module.__setattr__ = assign
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = _APPLY
+        torch.nn.Module.__setattr__ = setattr_
+        changed = []
+        for m in root.modules():
+            was = before[id(m)]
+            now = m.__dict__
+            for key in set(was) | set(now):  # torch's and libraries' own caches are private
+                old, new = was.get(key, _UNSET), now.get(key, _UNSET)
+                if not key.startswith("_") and old is not _UNSET and not _same(old, new):
+                    changed.append((paths[id(m)], key, old, new))
+            m.__dict__.clear()
+            m.__dict__.update(was)
+        if changed:
+            path, key, old, new = changed[0]
+            where = ".".join(p for p in (path, key) if p)
+            raise StateChanged(
+                f"forward changes {where} from {_described(old)} to {_described(new)}: Python "
+                "state a captured step cannot see, so every step would run as the first did. "
+                "Keep state that changes in a buffer (self.register_buffer), or leave it out "
+                "of forward")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal plain values (an int set to itself again), else the same object."""
+    if isinstance(a, (int, float, str, bool, type(None))) and type(a) is type(b):
+        return a == b
+    return a is b
+
+
 class Tracer(fx.Tracer):
-    """Traces through all modules (no leaves), recording each node's source, module and meta."""
+    """Traces through all modules (no leaves), recording each node's source, module, meta
+    and grad mode (a node made under ``torch.no_grad()`` passes no gradient)."""
 
     def __init__(self, example: Mapping[str, torch.Tensor], registry: OpRegistry) -> None:
         super().__init__()
@@ -178,21 +288,24 @@ class Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self.module_ids = {id(m) for m in root.modules()}
+        self.attr_proxies: dict[str, fx.Proxy] = {}
         self.tensor_paths = {
             id(t): name
             for name, t in [*root.named_parameters(), *root.named_buffers()]
         }
-        with _RecordFactories(self):
+        # The training step runs with gradients on, whatever the caller's mode.
+        with _RecordFactories(self), _model_state(self, root), torch.enable_grad():
             return super().trace(root, concrete_args)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        """Parameters and buffers by a dict lookup (fx searches all of them on every access)."""
+        """Parameters and buffers by a dict lookup (fx searches all of them on every access),
+        one node each for the whole trace."""
         name = self.tensor_paths.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
         if name is None:
             return super().getattr(attr, attr_val, parameter_proxy_cache)
-        if name not in parameter_proxy_cache:
-            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-        return parameter_proxy_cache[name]
+        if name not in self.attr_proxies:
+            self.attr_proxies[name] = self.create_proxy("get_attr", name, (), {})
+        return self.attr_proxies[name]
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
@@ -214,6 +327,7 @@ class Tracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         module = strip_root(self.scope.module_path)
         node.meta["source"] = frame_source(user_frame(sys._getframe(1)), module)
+        node.meta["grad"] = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         node.meta["val"] = self.meta_value(node)
         return node
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Union
 
 from chronotope.errors import PlanError
 from chronotope.graph import rng
-from chronotope.graph.ir import Graph, Op, PTensor, TensorKind, TensorMeta
+from chronotope.graph.ir import NO_GRAD_KINDS, Graph, Op, PTensor, TensorKind, TensorMeta
 from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
@@ -44,7 +44,6 @@ class Fusion:
 
 
 # Kinds whose outputs carry no gradient even when their inputs do.
-_NO_GRAD_KINDS = frozenset({"detach", "factory", "fill", "argmax", "argmin", "one_hot"})
 
 
 @dataclass(eq=False)
@@ -581,20 +580,21 @@ def _copies(parent: PlanOp, piece: Piece, i: int) -> tuple[tuple[Copies, ...],
 
 
 def differentiable(graph: Graph) -> set[PTensor]:
-    """Tensors the loss is differentiated through: trainable parameters (not frozen ones),
-    and what is computed from them that the loss is computed from (not a detached pass,
-    like recycling's)."""
+    """Tensors the loss is differentiated through: trainable parameters (not frozen ones)
+    it is computed from, and what is computed from them that the loss is computed from
+    (not a detached pass, like recycling's). A parameter the loss is not computed from
+    gets no gradient, as in eager PyTorch: no update, no optimizer state."""
     params = set(graph.trainable())
     rg = set(params)
     for op in graph.ops:
-        if op.kind in _NO_GRAD_KINDS or not any(t in rg for t in op.inputs):
+        if op.kind in NO_GRAD_KINDS or not any(t in rg for t in op.inputs):
             continue
         rg.update(t for t in op.outputs if t.dtype.is_floating_point)
     reaches = {graph.loss}
     for op in reversed(graph.ops):
-        if op.kind not in _NO_GRAD_KINDS and any(t in reaches for t in op.outputs):
+        if op.kind not in NO_GRAD_KINDS and any(t in reaches for t in op.outputs):
             reaches.update(op.inputs)
-    return params | (rg & reaches)
+    return rg & reaches
 
 
 def _gradient_shares(graph: Graph, rg: set[PTensor]) -> dict[Op, tuple[ValueRange, ...]]:

@@ -99,6 +99,10 @@ def storage(plan: Plan, sequences: dict[int, list[PlanOp]]) -> Storage:
             if name not in plan.updates and name in reads[d] \
                     and plan.graph.params[name] in plan.grads:
                 owned[d][name] = [Owned(r, r) for r in regions]
+    first = min(sequences, default=None)
+    for name, t in plan.graph.params.items():  # read by no piece: kept whole, as it is
+        if first is not None and not any(name in stored[d] for d in sequences):
+            stored[first][name] = [Mask.full(t.shape)]
     return Storage(stored, {d: dict(o) for d, o in owned.items()})
 
 

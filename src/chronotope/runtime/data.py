@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from chronotope.errors import ChronotopeError
-from chronotope.graph.capture import Batch
+from chronotope.graph.batch import Batch
 from chronotope.graph.ir import Graph
 from chronotope.models.workload import Workload
 

@@ -14,7 +14,8 @@ from torch import nn
 from chronotope.compile.program import Program
 from chronotope.compile.regions import FUNCTION
 from chronotope.errors import ChronotopeError
-from chronotope.graph.capture import Batch, capture
+from chronotope.graph.batch import Batch
+from chronotope.graph.capture import capture
 from chronotope.graph.ir import Graph
 from chronotope.graph.mask import Mask
 from chronotope.graph.rng import Stream

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chronotope.graph.capture import model_loss
+from chronotope.graph.batch import model_loss
 from chronotope.graph.rng import CounterRandom, Stream
 from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, RunResult

@@ -77,7 +77,7 @@ def reference(fn: Any) -> Target | None:
         found = sys.modules.get(module)
         for part in path.split("."):
             found = getattr(found, part, None)
-        if found is fn:
+        if found is fn or (inspect.ismethod(fn) and found == fn):  # a class's method, made anew
             return Target(module, path, getattr(sys.modules[module], "__file__", None),
                           _registering_module(fn))
     return None
@@ -103,6 +103,9 @@ def _names(fn: Any) -> list[tuple[str, str]]:
         return [("torch", "ops." + fn._qualified_op_name.replace("::", "."))]
     if isinstance(fn, torch._ops.HigherOrderOperator):
         return [("torch", f"ops.{fn.namespace}.{fn.name()}")]
+    owner = getattr(fn, "__self__", None)
+    if inspect.ismethod(fn) and isinstance(owner, type):  # a classmethod: Function.apply
+        return [(owner.__module__, f"{owner.__qualname__}.{fn.__name__}")]
     module = getattr(fn, "__module__", None) or ""
     names = [getattr(fn, a, None) for a in ("__qualname__", "__name__")]
     # A torch function may live in a private module and be public under torch or F.

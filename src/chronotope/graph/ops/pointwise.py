@@ -171,6 +171,7 @@ def register(reg: OpRegistry) -> None:
         reg.add(targets, name.strip("_"), pointwise)
     for fn in ACTIVATIONS:
         reg.add([fn], fn.__name__, pointwise)
+    reg.add([functional.through], "through", pointwise, linear_inputs=(0, 1))
 
     reg.add([torch.sum, *method("sum"), aten.sum], "sum", reduction("+"))
     reg.add([torch.mean, *method("mean"), aten.mean], "mean", reduction("+"),
