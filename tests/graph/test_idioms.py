@@ -147,10 +147,40 @@ def test_a_registered_function_splits_along_its_signature():
         trains_like_one_device(policy(graph), w)
 
 
-@pytest.mark.parametrize("name", ["gradient reversal", "two outputs, a parameter"])
-def test_an_unregistered_function_runs_whole_under_data_parallel(name):
+SIGNED = {  # what each Function's forward lets split
+    "gradient reversal": "s0 s1 -> s0 s1",
+    "straight-through": "s0 s1 -> s0 s1",
+    # the product's features meet a sum over them: only the batch splits
+    "two outputs, a parameter": "s0 i0_1^, i1_0^ -> s0 o0_1^, s0 1",
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNED))
+def test_an_unregistered_function_splits_as_its_forward_does(name):
     w = workload(body(FUNCTIONS[name]))
-    trains_like_one_device(ct.policies.data_parallel(captured(w.model, *w.inputs), 2), w)
+    graph = captured(w.model, *w.inputs)
+    (op,) = [op for op in graph if op.kind in ("GradReverse", "StraightThrough", "ScaleBoth")]
+    assert str(op.signature) == SIGNED[name]
+    for plan in (ct.policies.data_parallel(graph, 2), ct.policies.tensor_parallel(graph, 2),
+                 ct.policies.pipeline(graph, 2, 2, "1f1b")):
+        trains_like_one_device(plan, w)
+
+
+def test_a_function_whose_forward_cannot_run_on_meta_runs_whole():
+    class OnData(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * float(x.abs().max())  # reads a value: no meta tensor can
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    w = workload(body(lambda h, x: OnData.apply(h)))
+    graph = captured(w.model, *w.inputs)
+    (op,) = [op for op in graph if op.kind == "OnData"]
+    assert op.signature is None
+    trains_like_one_device(ct.policies.data_parallel(graph, 2), w)
 
 
 class Checkpointed(nn.Module):

@@ -114,9 +114,11 @@ def _change(t: PTensor, producers: list, readers: list, cluster: Cluster) -> Cha
         return None
     box = Mask(tuple((min(m.index[d][0] for _, m in producers),
                       max(m.index[d][1] for _, m in producers)) for d in range(len(t.shape))))
+    if not all(box.contains(Mask(m.index)) for _, m in readers):
+        return None  # read beyond what this group's producers make
     src = _layout([(op.device, m) for op, m in producers], box)
     dst = _layout(list(readers), box)
-    if src is None or dst is None or not all(box.contains(Mask(m.index)) for _, m in readers):
+    if src is None or dst is None:
         return None
     shape = box.shape
     if max((*src.devices, *dst.devices)) >= cluster.ndevices:

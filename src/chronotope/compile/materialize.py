@@ -295,6 +295,7 @@ class Materializer:
         for i, ins in enumerate(code):
             if not (isinstance(ins, Assemble) and ins.pattern is None and len(ins.parts) > 2
                     and all(p.scale == 1 and p.src in made_at and readers[p.src] == 1
+                            and self.shapes[rank].get(p.src) == ins.shape  # all of it
                             and covers(p.src_slices, ins.shape)
                             and covers(p.dst_slices, ins.shape) for p in ins.parts)):
                 continue

@@ -67,7 +67,7 @@ def follow(graph: Graph, start: dict[PTensor, int]) -> dict[Op, str | None]:
 
 def batch_start(graph: Graph) -> dict[PTensor, int]:
     """Where the batch starts: axis 0 of every batch input."""
-    return {t: 0 for t in graph.inputs if t.shape}
+    return {t: 0 for t in graph.batched_inputs()}
 
 
 def batch_dims(graph: Graph) -> dict[Op, str | None]:

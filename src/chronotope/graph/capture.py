@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from chronotope.errors import CaptureError
 from chronotope.graph.batch import Batch, identifiers, model_loss
 from chronotope.graph.convert import Converter, Leaf, OpFailed
+from chronotope.graph.functions import sign_functions
 from chronotope.graph.ir import Graph, Source, TensorKind
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry, warn_unannotated
@@ -136,6 +137,7 @@ def capture(
                 except CaptureMismatch:  # fx's account of the difference: its ops are the user's
                     raise (fx_error if isinstance(fx_error, CaptureMismatch) else
                            _capture_error(name, "torch.fx", fx_error)) from None
+    sign_functions(graph)
     warn_unannotated([op.kind for op in graph.unannotated_ops()], name)
     return graph
 

@@ -47,7 +47,8 @@ _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 _NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 _IDENTITY_METHODS = frozenset({"cpu", "cuda", "requires_grad_", "retain_grad"})
-_RANDOM = re.compile(r"rand|dropout|bernoulli|normal(?!ize)|uniform|multinomial")
+_RANDOM = re.compile(
+    r"rand|dropout|bernoulli|normal(?!ize)|uniform|multinomial|exponential|geometric|cauchy")
 
 
 class OpFailed(CaptureError):
@@ -205,6 +206,7 @@ class Converter:
             self.refresh(x)
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             return args[0]
+        target, args, kwargs = _shape_read(node, target, args, kwargs)
         if target is torch.ops.aten.copy.default and _is_tensor(args[1]):
             return self.copied(node.name, args[0], args[1], source)
         mutated, target, args, kwargs = self.functional_form(node, target, args, kwargs, source)
@@ -423,7 +425,9 @@ class Converter:
         elif (node.op == "call_method" and target.endswith("_") and not target.startswith("__")
               and target not in _NOT_INPLACE):
             mutated = args[0]
-            if hasattr(torch.Tensor, target[:-1]) and self.registry.of(target[:-1]):
+            if target in rng.FILLS:  # new numbers from the counter stream (rewritten below)
+                node.op = "call_function"
+            elif hasattr(torch.Tensor, target[:-1]) and self.registry.of(target[:-1]):
                 target = target[:-1]
             else:
                 node.op = "call_function"  # the out-of-place helper is a plain function
@@ -583,6 +587,39 @@ class Converter:
             frontend=self.frontend,
             registry=self.registry,
         )
+
+
+# Calls that read a tensor argument for its shape, dtype or device only, made to take those
+# as constants: a piece of such a call then waits on no other piece for them (a micro-batch
+# on the whole batch). ``x.view_as(y)`` -> ``x.view(y.shape)``; ``x.new_zeros(s)`` ->
+# ``torch.zeros(s, dtype=x.dtype, device=x.device)``.
+_AS_SHAPE = {"view_as": "view", "reshape_as": "reshape", "expand_as": "expand"}
+_NEW = {"new_zeros": torch.zeros, "new_ones": torch.ones, "new_empty": torch.empty,
+        "new_full": torch.full, "new_tensor": torch.tensor}
+_ATEN_NEW = {getattr(torch.ops.aten, name).default: fn for name, fn in _NEW.items()
+             if name != "new_tensor"}
+
+
+def _shape_read(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    if not args or not _is_tensor(args[0]):
+        return target, args, kwargs
+    if target in _ATEN_NEW:  # an exported x.new_zeros(size)
+        x = args[0]
+        made = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+        return _ATEN_NEW[target], args[1:], {"dtype": x.dtype, "device": x.device, **made}
+    if node.op != "call_method":
+        return target, args, kwargs
+    if target in _AS_SHAPE and len(args) == 2 and _is_tensor(args[1]):
+        return _AS_SHAPE[target], (args[0], tuple(args[1].shape)), kwargs
+    if target == "type_as" and len(args) == 2 and _is_tensor(args[1]):
+        return "to", (args[0], args[1].dtype), kwargs
+    if target in _NEW:
+        node.op = "call_function"
+        x = args[0]
+        made = {"dtype": kwargs.get("dtype") or x.dtype, "device": kwargs.get("device") or x.device,
+                **{k: v for k, v in kwargs.items() if k not in ("dtype", "device")}}
+        return _NEW[target], args[1:], made
+    return target, args, kwargs
 
 
 def _basic_index(index: Any) -> bool:

@@ -29,7 +29,7 @@ def fresh_name(base: str, taken: set[str], sep: str = "_") -> str:
 # on the inputs' shapes, or is made without autograd (``detach``, ``torch.no_grad()``).
 NO_GRAD_KINDS = frozenset({
     "detach", "factory", "fill", "argmax", "argmin", "one_hot", "zeros_like", "ones_like",
-    "full_like", "empty_like", "rand_like", "randn_like",
+    "full_like", "empty_like", "rand_like", "randn_like", "random",
 })
 
 
@@ -201,8 +201,16 @@ class Graph:
 
     @property
     def batch_size(self) -> int:
-        """Samples in the example batch: the first input's leading dim (0 without one)."""
-        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 0
+        """Samples in the example batch: the leading dim most batch inputs share, the first
+        input's among equals (0 without inputs). An input led by another size (the flat
+        ids of an ``EmbeddingBag`` beside its per-bag offsets) is not samples."""
+        sizes = [t.shape[0] for t in self.inputs if t.shape]
+        return max(sizes, key=lambda n: (sizes.count(n), -sizes.index(n))) if sizes else 0
+
+    def batched_inputs(self) -> list[PTensor]:
+        """The inputs whose leading dim is the batch's samples."""
+        n = self.batch_size
+        return [t for t in self.inputs if t.shape and t.shape[0] == n]
 
     def consumers(self) -> dict[PTensor, list[Op]]:
         users: dict[PTensor, list[Op]] = {}

@@ -21,7 +21,7 @@ from chronotope.errors import CaptureError
 from chronotope.graph.convert import Converter, Leaf, is_random
 from chronotope.graph.ir import Graph, Op, PTensor, Source, TensorKind
 from chronotope.graph.registry import map_leaves
-from chronotope.graph.trace import Tracer
+from chronotope.graph.trace import Call, Tracer
 
 
 def reads(ops: Sequence[Op]) -> list[PTensor]:
@@ -86,7 +86,7 @@ def _trace(graph: Graph, fn: Callable[..., Any], inputs: list[PTensor], module: 
     """``fn``'s ops on ``inputs`` (named and annotated as capture would) and its results."""
     names = [f"x{i}" for i in range(len(inputs))]
     metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs]
-    root = _Call(fn, names)
+    root = Call(fn, names)
     if any(True for _ in root.parameters()) or any(True for _ in root.buffers()):
         raise CaptureError(f"{_label(fn)} has parameters or buffers of its own: a rewrite "
                            "reads only the replaced ops' inputs (replace the whole module "
@@ -171,18 +171,6 @@ def _topological(ops: list[Op], replaced: list[Op]) -> list[Op]:
                            "reads one of its results and feeds another of its ops; replace "
                            "a run that ends before anything outside reads it")
     return out
-
-
-class _Call(nn.Module):
-    """``fn`` as a module whose ``forward`` takes named tensors, which fx can trace."""
-
-    def __init__(self, fn: Callable[..., Any], names: list[str]) -> None:
-        super().__init__()
-        self.fn = fn
-        scope: dict[str, Any] = {}
-        exec(f"def forward(self, {', '.join(names)}):\n"
-             f"    return self.fn({', '.join(names)})\n", scope)
-        self.__class__ = type("Call", (_Call,), {"forward": scope["forward"]})
 
 
 def _span(ops: Sequence[Op]) -> str:

@@ -115,12 +115,38 @@ def randn_like(input: torch.Tensor, *, key: int, stream: Stream = Stream(),
                   device=input.device)
 
 
-def bernoulli(input: torch.Tensor, p: float | None = None, *, key: int,
+def bernoulli(input: torch.Tensor, p: Any = None, *, key: int,
               stream: Stream = Stream(), region: Region = None, **_: Any) -> torch.Tensor:
-    """``torch.bernoulli(probs)`` (or ``x.bernoulli(p)``): 1 with each element's probability."""
-    probs = input if p is None else torch.full_like(input, p)
+    """``torch.bernoulli(probs)`` (or ``x.bernoulli(p)``, ``x.bernoulli_(p)``): 1 with each
+    element's probability."""
+    probs = input if p is None else p.to(input.dtype).expand_as(input) \
+        if isinstance(p, torch.Tensor) else torch.full_like(input, p)
     u = uniform(stream, key, input.shape, region, dtype=probs.dtype, device=input.device)
     return (u < probs).to(input.dtype)
+
+
+# ``x.uniform_(a, b)`` and its kin fill ``x`` with new numbers: these make them as a new
+# tensor of ``x``'s shape and dtype (``x`` gives only those), drawn like ``rand_like``.
+
+
+def fill_uniform(input: torch.Tensor, low: float = 0.0, high: float = 1.0, *, key: int,
+                 stream: Stream = Stream(), region: Region = None, **kw: Any) -> torch.Tensor:
+    low, high = kw.get("from", low), kw.get("to", high)
+    u = uniform(stream, key, input.shape, region, device=input.device)
+    return (low + (high - low) * u).to(input.dtype)
+
+
+def fill_normal(input: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, key: int,
+                stream: Stream = Stream(), region: Region = None, **_: Any) -> torch.Tensor:
+    return (mean + std * normal(stream, key, input.shape, region,
+                                device=input.device)).to(input.dtype)
+
+
+def fill_exponential(input: torch.Tensor, lambd: float = 1.0, *, key: int,
+                     stream: Stream = Stream(), region: Region = None,
+                     **_: Any) -> torch.Tensor:
+    u = uniform(stream, key, input.shape, region, device=input.device)
+    return (-torch.log1p(-u) / lambd).to(input.dtype)
 
 
 def _sizes(size: Sequence[Any]) -> tuple[int, ...]:
@@ -178,11 +204,26 @@ REWRITES: dict[Any, Callable[..., Any]] = {
     torch.randn_like: randn_like,
     torch.ops.aten.randn_like.default: randn_like,
     torch.bernoulli: bernoulli,
+    torch.ops.aten.bernoulli.default: bernoulli,
+    torch.ops.aten.bernoulli.p: bernoulli,
+    torch.ops.aten.uniform.default: fill_uniform,
+    torch.ops.aten.normal_functional.default: fill_normal,
+    torch.ops.aten.exponential.default: fill_exponential,
     torch.rand: rand,
     torch.randn: randn,
     F.scaled_dot_product_attention: attention,
     torch.ops.aten.scaled_dot_product_attention.default: attention,
 }
+
+# In-place draws, by the method (eager code under ``CounterRandom``) and by its name (a
+# traced ``call_method``): each fills its tensor with a counter form's new tensor.
+FILLS: dict[str, Callable[..., Any]] = {
+    "bernoulli_": bernoulli, "uniform_": fill_uniform, "normal_": fill_normal,
+    "exponential_": fill_exponential,
+}
+REWRITES.update(FILLS)
+REWRITES.update({getattr(torch.Tensor, name): fn for name, fn in FILLS.items()})
+_FILLED = frozenset(getattr(torch.Tensor, name) for name in FILLS)
 
 # The sliceable forms' argument names differ from torch's where the key would clash.
 _RENAMED = {attention: {"key": "key_"}}
@@ -264,4 +305,5 @@ class CounterRandom(TorchFunctionMode):
             return result
         fn, kw = rewrite(func, kwargs, self.calls)
         self.calls += 1
-        return fn(*args, **kw, stream=self.stream)
+        drawn = fn(*args, **kw, stream=self.stream)
+        return args[0].copy_(drawn) if func in _FILLED else drawn

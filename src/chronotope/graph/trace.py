@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from chronotope.errors import CaptureError
 from chronotope.graph.ir import Source
-from chronotope.graph.registry import OpRegistry, map_leaves
+from chronotope.graph.registry import OpRegistry, autograd_function, map_leaves
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _GRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -100,9 +100,35 @@ def call_on_meta(kind: str, target: Any, args: tuple, kwargs: dict,
     except Exception:
         opdef = registry.lookup(target) if registry is not None and kind != "call_method" else None
         inferred = opdef.infer(args, kwargs) if opdef is not None else None
+        if inferred is None and autograd_function(target) is not None:
+            inferred = _run_on_zeros(target, args, kwargs)
         if inferred is None:
             raise
         return inferred
+
+
+_ZEROS_UP_TO = 1 << 24  # elements of the inputs a Function's forward may run on, to learn shapes
+
+
+def _run_on_zeros(target: Any, args: tuple, kwargs: dict) -> Any:
+    """A Function's outputs (as meta tensors) from its forward run on zeros of its inputs'
+    shapes, for a forward that reads values (``.item()``) and so cannot run on meta; None
+    when the inputs are too large or it fails there too."""
+    metas = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if sum(t.numel() for t in metas) > _ZEROS_UP_TO:
+        return None
+
+    def zeros(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.zeros(x.shape, dtype=x.dtype)
+        return torch.device("cpu") if x == META else x
+
+    try:
+        with torch.no_grad():
+            out = target(*map_leaves(args, zeros), **map_leaves(kwargs, zeros))
+    except Exception:
+        return None
+    return pytree.tree_map(lambda x: to_meta(x) if isinstance(x, torch.Tensor) else x, out)
 
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -218,8 +244,9 @@ def _model_state(tracer: Tracer, root: torch.nn.Module) -> Iterator[None]:
     buffer's update. Afterwards the model is as it was; forward changing other state it
     had (a Python counter, a tensor kept for the next step) raises ``StateChanged``
     naming it, as a captured step would never change it."""
+    modules = [m for m in root.modules() if m is not root]  # fx keeps its constants on root
     paths = {id(m): strip_root(name) for name, m in root.named_modules()}
-    before = {id(m): dict(m.__dict__) for m in root.modules()}
+    before = {id(m): dict(m.__dict__) for m in modules}
     setattr_ = torch.nn.Module.__setattr__
 
     def assign(module: torch.nn.Module, name: str, value: Any) -> None:
@@ -250,7 +277,7 @@ def _model_state(tracer: Tracer, root: torch.nn.Module) -> Iterator[None]:
         torch.autograd.Function.apply = _APPLY
         torch.nn.Module.__setattr__ = setattr_
         changed = []
-        for m in root.modules():
+        for m in modules:
             was = before[id(m)]
             now = m.__dict__
             for key in set(was) | set(now):  # torch's and libraries' own caches are private
@@ -355,3 +382,15 @@ class Tracer(fx.Tracer):
             return None
         finally:
             self.on_meta = False
+
+
+class Call(torch.nn.Module):
+    """``fn`` as a module whose ``forward`` takes named tensors, which fx can trace."""
+
+    def __init__(self, fn: Any, names: list[str]) -> None:
+        super().__init__()
+        self.fn = fn
+        scope: dict[str, Any] = {}
+        exec(f"def forward(self, {', '.join(names)}):\n"
+             f"    return self.fn({', '.join(names)})\n", scope)
+        self.__class__ = type("Call", (Call,), {"forward": scope["forward"]})

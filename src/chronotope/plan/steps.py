@@ -16,6 +16,7 @@ from collections import defaultdict
 from chronotope.errors import DeadlockError, PlanError
 from chronotope.graph import rng
 from chronotope.graph.convert import is_random
+from chronotope.graph.ir import Op, PTensor
 from chronotope.plan.plan import Plan, PlanOp
 
 Step = tuple[str, int, int]  # (kind, stage, micro-batch)
@@ -98,10 +99,27 @@ def _refuse_what_differs(plan: Plan, cells: dict[PlanOp, Cell]) -> None:
                         f"{drawn.op.name} ({drawn.op.kind}{where}) draws random numbers from "
                         "torch's generator, not the counter stream: no micro-batch would "
                         "draw what one device does. Cut the micro-batches instead (fold=False)")
-    if plan.graph.buffer_updates:
+    per_micro = {op.op for op in cells if not op.is_backward}
+    batched = [name for name, t in plan.graph.buffer_updates.items()
+               if _made_from(t, per_micro)]
+    if batched:  # a counter made from itself alone runs once, as one device runs it
         raise PlanError(f"a template runs micro-batch 0's pieces for every micro-batch, and "
-                        f"the step updates buffers ({', '.join(plan.graph.buffer_updates)}) "
-                        "from the batch: cut the micro-batches instead (fold=False)")
+                        f"the step updates buffers ({', '.join(batched)}) from the batch: "
+                        "cut the micro-batches instead (fold=False)")
+
+
+def _made_from(t: PTensor, ops: set[Op]) -> bool:
+    """Whether ``t`` is computed from what any of ``ops`` makes."""
+    seen, todo = set(), [t]
+    while todo:
+        op = todo.pop().producer
+        if op is None or op in seen:
+            continue
+        if op in ops:
+            return True
+        seen.add(op)
+        todo += op.inputs
+    return False
 
 
 def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:

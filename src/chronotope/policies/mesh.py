@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from chronotope.cost import op_flops
 from chronotope.errors import PlanError
@@ -183,6 +184,13 @@ def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None) -> dict[Op, i
     rotary angles, do not count). ``ops``: cut only these (default: all)."""
     ops = graph.ops if ops is None else list(ops)
     batch_dim = batch_dims(graph)
+    # every stage runs micro-batches, so every stage holds an op that carries the batch
+    carried = [0]
+    for op in ops:
+        carried.append(carried[-1] + (batch_dim[op] is not None))
+    if carried[-1] < pp:
+        raise PlanError(f"{pp} pipeline stages need {pp} ops that carry the batch; "
+                        f"{graph.name} has {carried[-1]}: use fewer stages")
     weight = [op_flops(op) for op in ops]
     before = [0.0]
     for w in weight:
@@ -192,7 +200,8 @@ def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None) -> dict[Op, i
     bounds, last = [], 0
     for k in range(1, pp):
         target = k * total / pp
-        after = range(last + 1, len(ops) - (pp - 1 - k))  # each later stage keeps an op
+        after = [i for i in range(last + 1, len(ops))
+                 if carried[i] - carried[last] >= 1 and carried[-1] - carried[i] >= pp - k]
         near = [i for i in after if abs(before[i] - target) <= total / (2 * pp)] or after
         best = min(near, key=lambda i: (cuts[i], abs(before[i] - target)), default=len(ops))
         bounds.append(best)
@@ -275,6 +284,11 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                         sequence_dims(graph) if sequence and tp > 1 else {})
     if layout.devices and pp > 1:
         raise PlanError(f"ops placed on chosen devices need one pipeline stage, not pp={pp}")
+    batch_dim, unsplit = trail(graph, batch_start(graph))
+    tails = loss_tails(graph, batch_dim, plan.registry)
+    data = data_only(graph)
+    if (pp > 1 or fold) and micro > 1:  # before stages: what no micro-batch runs alone
+        _refuse_barriers(graph, batch_dim, tails, data, schedule, micro)
     if layout.stage is not None:
         stage = layout.stage
     elif schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
@@ -292,7 +306,6 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     # numbered after the previous one's, and its share of the batch and micro-batches
     ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1
     rank_of = _placement(orders, pp, chunks * ways)
-    batch_dim, unsplit = trail(graph, batch_start(graph))
     if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
         plan.unsplit = unsplit
     shards, seq = layout.shards, layout.seq
@@ -302,10 +315,6 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                         f"coshard {coshard}): heads and features must divide by it")
     sharded: dict[tuple[int, int, int], list[list[PlanOp]]] = defaultdict(
         lambda: [[] for _ in range(coshard)])  # (span, group, micro) -> pieces per part
-    tails = loss_tails(graph, batch_dim, plan.registry)
-    data = data_only(graph)
-    if orders:
-        _refuse_barriers(graph, batch_dim, tails, data, schedule, micro)
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
     for op in graph.ops:
         if dp * ways > 1:
@@ -431,6 +440,7 @@ def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data
     whole before anything, as ``mesh`` does."""
     batched = {op for op in graph.ops
                if op not in data and (batch_dim[op] is not None or op in tails)}
+    rows = set(batch_start(graph))  # the inputs, cut into micro-batches' rows
     readers = graph.consumers()
     found = []
     for op in graph.ops:
@@ -443,10 +453,35 @@ def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data
             if any(r not in tails for t in op.outputs for r in readers.get(t, ())):
                 found.append((op, "it makes a sum over the batch that what follows needs "
                               "whole (batch statistics, or a loss that is no sum over samples)"))
-        elif dim is None and any(t.producer in batched for t in op.inputs):
+        elif dim is None and any(t.producer in batched or t in rows for t in op.inputs):
             found.append((op, "it reads the whole batch: no dim of its signature carries it"
                           if op.signature else "it has no signature, so it reads the whole batch"))
+        elif dim is not None:
+            whole = next((t for i, t in enumerate(op.inputs)
+                          if _batched_output(t, batch_dim, batched, tails)
+                          and not _names(op.signature.inputs[i], dim)), None)
+            if whole is not None:
+                found.append((op, f"each micro-batch's piece of it reads all of {whole.name}, "
+                              "which the micro-batches make in parts: no dim of its signature "
+                              "carries the batch into that input"))
     return found
+
+
+def _names(dims: Sequence[Any], name: str) -> bool:
+    """Whether signature dims (one tensor's) have a factor called ``name``."""
+    return any(f.name == name for d in dims for f in d.factors)
+
+
+def _batched_output(t: PTensor, batch_dim: dict[Op, str | None], batched: set[Op],
+                    tails: set[Op]) -> bool:
+    """Whether ``t`` is made in parts by the micro-batches: along its batch axis, by an op
+    that carries the batch without summing over it."""
+    op = t.producer
+    if op is None or op not in batched or op in tails or batch_dim[op] is None:
+        return False
+    dim = batch_dim[op]
+    return not op.signature.dim(dim).reduce and \
+        _names(op.signature.outputs[op.outputs.index(t)], dim)
 
 
 def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op],

@@ -168,6 +168,29 @@ def factory(frozen: bool):
     return rule
 
 
+def recurrent(call: OpCall) -> str | None:
+    """``lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` on padded batches (not packed ones):
+    the batch splits, each piece running the whole recurrence over its rows with the whole
+    weights; the time, feature and layer dims are frozen. With dropout between the layers
+    in training the op draws from torch's generator, which no piece can replay: no split."""
+    a = call.args
+    if len(a) != 9 or not isinstance(a[3], bool) or not isinstance(a[8], bool):
+        return None  # a packed sequence: (data, batch_sizes, hx, params, ...)
+    dropout, train, batch_first = a[5], a[6], a[8]
+    tensors = call.tensors
+    x = tensors[0]
+    if len(x.shape) != 3 or (dropout and train and a[4] > 1):
+        return None
+    hidden = list(a[1]) if isinstance(a[1], (tuple, list)) else [a[1]]
+    ins = [["b", "t^", "i^"] if batch_first else ["t^", "b", "i^"]]
+    ins += [[f"l{k}^", "b", f"h{k}^"] for k in range(len(hidden))]
+    ins += [[f"w{k}_{i}^" for i in range(len(w.shape))]
+            for k, w in enumerate(tensors[1 + len(hidden):])]
+    outs = [["b", "t^", "o^"] if batch_first else ["t^", "b", "o^"]]
+    outs += [[f"l{k}^", "b", f"h{k}^"] for k in range(len(call.outputs) - 1)]
+    return f"{join(*ins)} -> {join(*outs)}"
+
+
 def _targets(*names_: str) -> list[object]:
     found: list[object] = []
     for name in names_:
@@ -190,6 +213,8 @@ def register(reg: OpRegistry) -> None:
     reg.add([F.one_hot, aten.one_hot], "one_hot", one_hot)
     reg.add([F.scaled_dot_product_attention, aten.scaled_dot_product_attention],
             "attention", attention)
+    reg.add([torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu, aten.lstm, aten.gru,
+             aten.rnn_tanh, aten.rnn_relu], "recurrent", recurrent)
     reg.add(_targets("ones", "zeros", "full", "empty", "new_ones", "new_zeros", "new_full",
                      "new_empty")
             + method("new_ones", "new_zeros", "new_full", "new_empty"),

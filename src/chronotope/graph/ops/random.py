@@ -19,6 +19,7 @@ def _made(call: OpCall) -> str:
 
 def register(reg: OpRegistry) -> None:
     reg.add([rng.dropout, rng.native_dropout], "dropout", pointwise)
-    reg.add([rng.rand_like, rng.randn_like, rng.bernoulli], "random", pointwise)
+    reg.add([rng.rand_like, rng.randn_like, rng.bernoulli, rng.fill_uniform, rng.fill_normal,
+             rng.fill_exponential], "random", pointwise)
     reg.add([rng.rand, rng.randn], "random", _made)
     reg.add([rng.attention], "attention", attention)

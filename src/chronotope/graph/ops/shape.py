@@ -47,6 +47,34 @@ def regroup(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], lis
     return groups
 
 
+def _refined(src: Sequence[int], dst: Sequence[int]
+             ) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Factors both groupings of one run of dims are made of, as each axis's run of factor
+    numbers: ``(4, 32) -> (16, 8)`` is ``b (h d) -> (b h) d`` (a batch of 4 sharing a
+    dim with 4 heads, as attention's ``view(L, B * H, D)``). None when the boundaries of
+    one grouping do not divide those of the other."""
+    def ends(sizes: Sequence[int]) -> list[int]:
+        out, p = [], 1
+        for n in sizes:
+            p *= n
+            out.append(p)
+        return out
+
+    bounds = sorted(set(ends(src)) | set(ends(dst)))
+    if any(b % a for a, b in zip([1, *bounds], bounds)):
+        return None
+
+    def runs(sizes: Sequence[int]) -> list[list[int]]:
+        out, at = [], 0
+        for end in ends(sizes):
+            stop = bounds.index(end) + 1
+            out.append(list(range(at, stop)))
+            at = stop
+        return out
+
+    return runs(src), runs(dst)
+
+
 def reshape(call: OpCall) -> str | None:
     """Any op whose output is its input with dims merged or split."""
     src, dst = call.tensors[0].shape, call.out.shape
@@ -68,11 +96,18 @@ def reshape(call: OpCall) -> str | None:
             side_one[one[0]] = group
             for n, idx in enumerate(many):
                 side_many[idx] = fac[n]
-        else:  # an irregular regrouping: nothing can be split
-            for n, i in enumerate(gi):
-                inp[i] = f"g{k}_i{n}^"
-            for n, j in enumerate(gj):
-                out[j] = f"g{k}_o{n}^"
+        else:
+            found = _refined([src[i] for i in gi], [dst[j] for j in gj])
+            if found is None:  # an irregular regrouping: nothing can be split
+                for n, i in enumerate(gi):
+                    inp[i] = f"g{k}_i{n}^"
+                for n, j in enumerate(gj):
+                    out[j] = f"g{k}_o{n}^"
+                continue
+            for side, idx, runs in ((inp, gi, found[0]), (out, gj, found[1])):
+                for axis, run in zip(idx, runs):
+                    fac = [f"g{k}_{n}" for n in run]
+                    side[axis] = fac[0] if len(fac) == 1 else "(" + " ".join(fac) + ")"
     extra = [names(len(t.shape), "x") for t in call.tensors[1:]]  # view_as/reshape_as
     return f"{join(inp, *extra)} -> {' '.join(out)}"
 
