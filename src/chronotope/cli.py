@@ -40,6 +40,7 @@ from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
 from chronotope.graph.convert import torch_random
+from chronotope.graph.verify import CHECK_UP_TO
 from chronotope.measure import calibrate, measure_ops
 from chronotope.measure.profile import profile, save_profile
 from chronotope.models import Workload, default_device, load_function, load_workload
@@ -230,6 +231,10 @@ def _common_args(p: argparse.ArgumentParser, model: bool) -> None:
     if model:
         p.add_argument("--batch-size", type=positive_int, default=None,
                        help="samples in the example batch (default: the model's own)")
+        p.add_argument("--check-up-to", type=int, default=CHECK_UP_TO, metavar="PARAMS",
+                       help="capture runs its graph and the model as written once each on "
+                            "the example batch and refuses a difference, for models up to "
+                            "this many parameters (default %(default)s; 0: never)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -238,7 +243,7 @@ def cmd_capture(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     start = time.perf_counter()
     device = args.device or default_device(args.model)
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
-    graph = _captured(workload, args.frontend)  # its unannotated ops are listed below
+    graph = _captured(workload, args, args.frontend)  # its unannotated ops are listed below
     seconds = time.perf_counter() - start
     unannotated = [
         {"op": op.name, "kind": op.kind, "source": str(op.source) if op.source else None}
@@ -282,7 +287,7 @@ def _mesh(sequence: bool = False, coshard: bool = False
         if args.tp < 1 or args.pp < 1 or args.devices % group:
             raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
-        return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro,
+        return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro or 1,
                     sequence=sequence, coshard=args.coshard if coshard else 1,
                     fold=args.fold, **_activations(args))
     return policy
@@ -310,8 +315,9 @@ def _interlaced(graph: Graph, args: argparse.Namespace) -> Plan:
 
 
 def _micro(graph: Graph, args: argparse.Namespace, stages: int, dp: int) -> int:
-    """--micro, or up to two per stage, as many as each group's batch allows."""
-    if args.micro > 1:
+    """--micro when given (1 included), else up to two per stage, as many as each group's
+    batch allows."""
+    if args.micro is not None:
         return args.micro
     batch = graph.batch_size // dp if graph.batch_size else 1
     return max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
@@ -394,13 +400,14 @@ def _scheduled(graph: Graph, args: argparse.Namespace, workload: Workload
     return sch.plan(), sch.workload
 
 
-def _captured(workload: Workload, frontend: str = "auto") -> Graph:
+def _captured(workload: Workload, args: argparse.Namespace, frontend: str = "auto") -> Graph:
     """The workload's graph, without capture's warnings: the commands report what matters
     of them (`capture` lists the ops without a signature, the plans name what they could
     not split)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return capture(workload, frontend=frontend)
+        return capture(workload, frontend=frontend,
+                       check_up_to=getattr(args, "check_up_to", CHECK_UP_TO))
 
 
 def _compiled(args: argparse.Namespace, device: str = "cpu") -> tuple[Workload, Program]:
@@ -412,7 +419,7 @@ def _program(workload: Workload, args: argparse.Namespace) -> tuple[Workload, Pr
     one replica's rows of the batch and scaled to R data-parallel replicas (``plan.scale``)."""
     replicas = args.replicas
     captured = workload.replica(replicas) if replicas > 1 else workload
-    graph = _captured(captured)
+    graph = _captured(captured, args)
     plan, ran = _plan(graph, args, captured)
     if ran is not captured:  # a schedule replaced modules: train its copy of the model
         workload = replace(workload, model=ran.model)
@@ -643,7 +650,7 @@ def constraint(text: str) -> tuple[str, str]:
 def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
-    graph = _captured(workload)
+    graph = _captured(workload, args)
     cluster = cluster_for(args.devices, args.cluster)
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
@@ -689,7 +696,7 @@ def cmd_tune(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     if not _module_schedule(args.schedule):
         raise ChronotopeError(f"--schedule {args.schedule}: tune takes a module schedule, "
                               "FILE.py:fn")
-    graph = _captured(workload)
+    graph = _captured(workload, args)
     fn = load_function(args.schedule)
     started = time.perf_counter()
     with out.status(f"pricing the knobs of {args.schedule} on {args.devices} devices") as status:
@@ -731,7 +738,7 @@ def cmd_tune(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
-    plan, ran = _plan(_captured(workload), args, workload)
+    plan, ran = _plan(_captured(workload, args), args, workload)
     measured = measure_ops(plan.graph, ran) if args.measure else None
     drawn = timeline(plan, args.flops, measured=measured, bytes_per_s=args.bandwidth or None)
     save_timeline(drawn, args.out, f"{args.model}: {args.policy} on {args.devices} devices")
@@ -901,9 +908,10 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--pp", type=positive_int, default=1,
                          help="pipeline stages (dp-tp, dp-sp: GPipe order; gpipe, 1f1b: "
                               "default --devices, the rest data parallel)")
-        cmd.add_argument("--micro", type=positive_int, default=1,
+        cmd.add_argument("--micro", type=positive_int, default=None,
                          help="micro-batches per data-parallel group (gradient accumulation; "
-                              "gpipe, 1f1b: up to 2 x stages, as the batch allows)")
+                              "default 1, and for the pipelines up to 2 x stages, as the "
+                              "batch allows)")
         cmd.add_argument("--fold", action="store_true",
                          help="plan, check and compile one micro-batch and run every "
                               "micro-batch from it (compile time independent of --micro)")

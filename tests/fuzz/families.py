@@ -1,6 +1,8 @@
 """The model families plans are drawn for: the built-ins from their tiniest configs, small
-models written here that are not transformers, and the zoo's CNN (convolutions, batch
-norm with running statistics, pooling).
+models written here that are not transformers, the zoo's CNN (convolutions, batch
+norm with running statistics, pooling), and one model of everyday idioms (a custom
+Function, no_grad, writes into slices, random draws in place, buffers forward changes,
+an unused head).
 
 Each family is captured once and trained once on one device per step count; every plan
 drawn for it is compared with that run.
@@ -103,13 +105,64 @@ def mixer(seed: int = 0) -> ct.Workload:
     return ct.Workload(Mixer(), (x, y), name="mixer")
 
 
+class Reverse(torch.autograd.Function):
+    """Gradient reversal: the identity forward, the negated gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return -0.5 * g
+
+
+class Idioms(nn.Module):
+    """Everyday idioms in one small model: a custom autograd Function, a statistic under
+    ``torch.no_grad()``, writes into slices of a clone and of a ``new_empty`` tensor, a
+    drop path drawn in place, a counter and a moving average kept in buffers, and a head
+    forward never calls."""
+
+    def __init__(self, features: int = 8, width: int = 12) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.first = nn.Parameter(torch.randn(width) * 0.1)
+        self.left = nn.Linear(width, width // 2)
+        self.right = nn.Linear(width, width - width // 2)
+        self.out = nn.Linear(width, 1)
+        self.unused = nn.Linear(width, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = Reverse.apply(torch.tanh(self.inp(x)))
+        with torch.no_grad():
+            scale = h.abs().amax(-1, keepdim=True) + 1
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        h = (h / scale).clone()
+        h[:, 0] += self.first[0]
+        z = h.new_empty(h.shape)
+        z[..., : h.shape[-1] // 2].copy_(self.left(h))
+        z[..., h.shape[-1] // 2:].copy_(self.right(h))
+        keep = z.new_empty(z.shape[0], 1).bernoulli_(0.75)
+        self.steps += 1
+        return F.mse_loss(self.out(F.relu(z) * keep / 0.75).squeeze(-1), y)
+
+
+def idioms(seed: int = 0) -> ct.Workload:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, generator=g)
+    return ct.Workload(Idioms(), (x, y), name="idioms")
+
+
 def _builtin(name: str) -> Callable[[], ct.Workload]:
     return lambda: get_workload(name, **{"batch_size": BATCH, **TINY[name]})
 
 
 FAMILIES: dict[str, Callable[[], ct.Workload]] = {
     **{name: _builtin(name) for name in TINY}, "towers": towers, "mixer": mixer,
-    "cnn": lambda: cnn_bn(batch_size=BATCH)}
+    "cnn": lambda: cnn_bn(batch_size=BATCH), "idioms": idioms}
 
 
 @functools.cache

@@ -139,6 +139,16 @@ def value_parts_from_a_replica_and_a_partial_sum(plan: ct.Plan) -> None:
     plan.trans(half, ct.ValueSplit(3))
 
 
+def running_sum_of_rows_of_whole_gradients(plan: ct.Plan) -> None:
+    """A layer norm cut in halves along the batch, beside a replica of each of its four
+    readers: a half's gradient is its rows of four whole gradients made one after another,
+    and summing them as they came added the whole gradients into the half (seed 156, an
+    evoformer plan)."""
+    place(plan, plan.trans("layer_norm", ct.Split("d0", 2)), [1, 0])
+    for reader in ["linear", "linear_1", "linear_2", "add_2"]:
+        place(plan, plan.trans(reader, ct.Replicate(2)), [0, 1])
+
+
 @pytest.mark.parametrize("name, ndevices, build", [
     ("mixer", 2, partial_sums_read_in_shares),
     ("swin", 2, replicated_update_on_one_device),
@@ -150,6 +160,7 @@ def value_parts_from_a_replica_and_a_partial_sum(plan: ct.Plan) -> None:
     ("towers", 3, partial_sums_of_replicas_cut_two_ways),
     ("bert", 1, value_parts_from_a_replica_and_a_partial_sum),
     ("bert", 3, local_partial_of_another_replica),
+    ("bert", 2, running_sum_of_rows_of_whole_gradients),
     ("towers", 4, collectives_in_two_orders),
     ("t5", 3, replica_chosen_by_listing_order),
 ], ids=lambda x: getattr(x, "__name__", None))

@@ -56,8 +56,8 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
 # dispatch over every token): a pipeline over micro-batches refuses these, naming the op;
 # with one micro-batch they pipeline equal to one device.
 WHOLE_BATCH = {
-    "mixtral": "sort", "qwen2-moe": "sort", "clip": "cross_entropy",
-    "cnn-bn": "batch_norm_div", "two-tower": "cross_entropy",
+    "mixtral": "sort", "qwen2-moe": "sort", "clip": "index",
+    "cnn-bn": "batch_norm_div", "two-tower": "matmul",
 }
 
 

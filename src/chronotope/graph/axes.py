@@ -80,17 +80,21 @@ def sequence_dims(graph: Graph) -> dict[Op, str | None]:
     return follow(graph, {t: 1 for t in graph.inputs if len(t.shape) >= 2})
 
 
-def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry) -> set[Op]:
+def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegistry
+               ) -> dict[Op, tuple[int, ...]]:
     """Ops without a batch dim that are linear in a batch reduction's partial sums (a mean
-    loss's sum divided by its count): cut along those values, one piece per micro-batch."""
+    loss's sum divided by its count, a learned weight times it), with the inputs they are
+    linear in: cut along those values, one piece per micro-batch, the rest read whole. A
+    smooth function of the sums that is not linear in them (``exp(mean)``) is no tail."""
     made_by = {t: op for op in graph.ops for t in op.outputs}
-    tails = set()
+    tails: dict[Op, tuple[int, ...]] = {}
     for op in graph.ops:
         opdef = registry.of(op.target)
-        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
-        if batch_dim[op] is not None or not linear:
+        if batch_dim[op] is not None or opdef is None:
             continue
-        producers = [made_by.get(op.inputs[j]) for j in linear]
-        if any(p is not None and (batch_dim[p] is not None or p in tails) for p in producers):
-            tails.add(op)
+        summed = {j for j, t in enumerate(op.inputs)
+                  if (p := made_by.get(t)) is not None and (batch_dim[p] is not None or p in tails)}
+        sets = [s for s in opdef.value_splits(len(op.inputs)) if summed & set(s)]
+        if sets:  # what it is linear in, all of the sums where it can be
+            tails[op] = next((s for s in sets if summed <= set(s)), sets[0])
     return tails

@@ -74,6 +74,9 @@ class OpDef:
     # The op is linear in these inputs together: pieces taking value shares of them
     # make value shares of the output (ct.ValueSplit), e.g. a sum divided by a count.
     linear_inputs: tuple[int, ...] = ()
+    # Linear in each tensor input with the others held (a product): pieces may take value
+    # shares of any one input alone.
+    linear_each: bool = False
     user: bool = False
     region: RegionRule | None = None
     decompose: Decomposition | None = None
@@ -82,6 +85,15 @@ class OpDef:
         """Whether a call with these keyword arguments takes a mean over what it reduces
         (a loss without ``reduction="sum"``): a part of it is scaled by its share."""
         return self.mean_reduction and kwargs.get("reduction", "mean") == "mean"
+
+    def value_splits(self, ninputs: int) -> list[tuple[int, ...]]:
+        """The sets of inputs a call with ``ninputs`` tensor inputs may take value shares of
+        together (``ct.ValueSplit``): its jointly linear inputs, and each input alone for a
+        product."""
+        found = [self.linear_in(ninputs)] if self.linear_in(ninputs) else []
+        if self.linear_each and ninputs > 1:
+            found += [(j,) for j in range(ninputs) if (j,) not in found]
+        return found
 
     def linear_in(self, ninputs: int) -> tuple[int, ...]:
         """The inputs a call with ``ninputs`` tensor inputs is linear in: none when one of

@@ -40,9 +40,11 @@ class Replicate:
 
 @dataclass(frozen=True)
 class ValueSplit:
-    """Cut the op into ``parts`` along the values of the inputs it is linear in."""
+    """Cut the op into ``parts`` along the values of the inputs it is linear in (or of
+    ``inputs``, those of them it takes shares of: one factor of a product)."""
 
     parts: int
+    inputs: tuple[int, ...] = ()
 
 
 Algorithm = Split | Replicate | ValueSplit

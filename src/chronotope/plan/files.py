@@ -140,7 +140,7 @@ def _algo_dict(algo: Algorithm) -> dict[str, Any]:
         return {"split": algo.dim, "parts": algo.parts}
     if isinstance(algo, Replicate):
         return {"replicate": algo.n}
-    return {"value_split": algo.parts}
+    return {"value_split": algo.parts, **({"inputs": list(algo.inputs)} if algo.inputs else {})}
 
 
 def _shape(op: Op) -> list[int] | None:
@@ -293,7 +293,7 @@ def _algo(node: dict[str, Any], name: str, source: str) -> Algorithm:
     if "replicate" in node:
         return Replicate(int(node["replicate"]))
     if "value_split" in node:
-        return ValueSplit(int(node["value_split"]))
+        return ValueSplit(int(node["value_split"]), tuple(node.get("inputs", ())))
     raise PlanError(f"{source}: op {name!r} has no split, replicate or value_split")
 
 

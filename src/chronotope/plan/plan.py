@@ -24,7 +24,7 @@ from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
 from chronotope.graph.signature import Signature
 from chronotope.graph.trace import user_frame
-from chronotope.plan.algo import Algorithm, Piece, partition
+from chronotope.plan.algo import Algorithm, Piece, ValueSplit, partition
 from chronotope.plan.pause import collector_paused
 
 if TYPE_CHECKING:
@@ -205,6 +205,13 @@ class Plan:
         opdef = self.registry.of(target.op.target)
         additive = opdef.additive_inputs if opdef is not None else ()
         linear = opdef.linear_in(len(target.op.inputs)) if opdef is not None else ()
+        if isinstance(algo, ValueSplit) and algo.inputs:
+            allowed = opdef.value_splits(len(target.op.inputs)) if opdef is not None else []
+            if tuple(algo.inputs) not in allowed:
+                raise PlanError(f"{target.name} ({target.op.kind}) is not linear in inputs "
+                                f"{list(algo.inputs)} together; it may take value shares of "
+                                f"{' or '.join(map(str, map(list, allowed))) or 'none'}")
+            linear = tuple(algo.inputs)
         pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
         target.children = []
         target.algo = algo

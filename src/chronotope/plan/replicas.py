@@ -66,16 +66,15 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
     for op in graph.ops:
         dim = carried_dim(op, axis)
         opdef = registry.of(op.target)
-        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
         for j, t in enumerate(op.inputs):
-            if t in partial and not (op in tails and j in linear):
+            if t in partial and not (op in tails and j in tails[op]):
                 _refuse(op, f"it needs the whole of {t.name}, a sum over the batch that takes "
                         "a gradient (batch statistics): each replica holds only its part")
             if t in axis and not _carries(op, j, axis[t], dim) and op.kind not in SHAPE_ONLY:
                 _refuse(op, f"it reads {t.name} along the batch, which no dim of its "
                         "signature carries: it needs every replica's rows")
         if op in tails:
-            shares[op] = frozenset(j for j in linear if op.inputs[j] not in partial)
+            shares[op] = frozenset(j for j in tails[op] if op.inputs[j] not in partial)
             partial.update(op.outputs)
         elif dim is not None:
             if is_random(op):

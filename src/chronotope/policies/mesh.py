@@ -340,7 +340,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                 if orders and batched:
                     cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
-    keep = data | tails
+    keep = data | set(tails)
     for op in checkpointed(graph, recompute, "recompute", batch_dim, keep) + \
             [op for op in graph.ops if op.name in layout.recompute and op not in keep]:
         plan.recompute(op.name)
@@ -430,8 +430,8 @@ def data_only(graph: Graph) -> set[Op]:
     return out
 
 
-def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op], data: set[Op]
-             ) -> list[tuple[Op, str]]:
+def barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: dict[Op, tuple[int, ...]],
+             data: set[Op]) -> list[tuple[Op, str]]:
     """Ops no micro-batch can run alone, with the reason: one that reads what micro-batches
     make but no dim of its signature carries the batch (it needs every micro-batch's part),
     or one that sums over the batch for ops that need the whole sum (batch statistics).
@@ -473,7 +473,7 @@ def _names(dims: Sequence[Any], name: str) -> bool:
 
 
 def _batched_output(t: PTensor, batch_dim: dict[Op, str | None], batched: set[Op],
-                    tails: set[Op]) -> bool:
+                    tails: dict[Op, tuple[int, ...]]) -> bool:
     """Whether ``t`` is made in parts by the micro-batches: along its batch axis, by an op
     that carries the batch without summing over it."""
     op = t.producer
@@ -484,8 +484,9 @@ def _batched_output(t: PTensor, batch_dim: dict[Op, str | None], batched: set[Op
         _names(op.signature.outputs[op.outputs.index(t)], dim)
 
 
-def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[Op],
-                     data: set[Op], schedule: str | Schedule, micro: int) -> None:
+def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None],
+                     tails: dict[Op, tuple[int, ...]], data: set[Op], schedule: str | Schedule,
+                     micro: int) -> None:
     found = barriers(graph, batch_dim, tails, data)
     if not found:
         return
@@ -502,11 +503,12 @@ def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None], tails: set[O
         "(@chronotope.register_op)")
 
 
-def batch_cut(op: Op, batch_dim: dict[Op, str | None], tails: set[Op], n: int):
+def batch_cut(op: Op, batch_dim: dict[Op, str | None], tails: dict[Op, tuple[int, ...]],
+              n: int):
     """How ``op`` splits ``n`` ways with the batch: along its batch dim, along the values
     of a loss tail, or replicated when it never sees the batch."""
     if op in tails:
-        return ValueSplit(n)
+        return ValueSplit(n, tails[op])
     return Split(batch_dim[op], n) if batch_dim[op] is not None else Replicate(n)
 
 

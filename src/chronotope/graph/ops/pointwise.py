@@ -156,16 +156,21 @@ LINEAR = {"add": (0, 1), "sub": (0, 1), "mul": (0,), "div": (0,), "true_divide":
           "truediv": (0,), "neg": (0,)}
 
 
+PRODUCTS = frozenset({"mul"})  # linear in each factor with the other held
+
+
 def register(reg: OpRegistry) -> None:
     for name in sorted(set(UNARY + BINARY)):
         targets: list[object] = method(name)
         for ns in (torch, aten):
             if hasattr(ns, name):
                 targets.append(getattr(ns, name))
-        reg.add(targets, name.strip("_"), pointwise, linear_inputs=LINEAR.get(name, ()))
+        reg.add(targets, name.strip("_"), pointwise, linear_inputs=LINEAR.get(name, ()),
+                linear_each=name in PRODUCTS)
     for fn in OPERATORS:
         name = fn.__name__.strip("_")
-        reg.add([fn], name, pointwise, linear_inputs=LINEAR.get(name, ()))
+        reg.add([fn], name, pointwise, linear_inputs=LINEAR.get(name, ()),
+                linear_each=name in PRODUCTS)
     for name in ("__and__", "__or__", "__xor__", "__invert__", "__rsub__", "__radd__"):
         targets = [*method(name), *([getattr(aten, name)] if hasattr(aten, name) else [])]
         reg.add(targets, name.strip("_"), pointwise)
