@@ -3,6 +3,9 @@
 import warnings
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import chronotope as ct
 from chronotope.compile.program import Micro
@@ -143,3 +146,29 @@ def test_each_micro_batch_reads_its_rows_of_a_mask_made_once_also_when_made_agai
     program = ct.compile(mesh(graph, pp=2, micro=2, schedule="1f1b", recompute="full",
                               fold=True))
     trains_like_one_device(w, program)
+
+
+class LearnedWeighting(nn.Module):
+    """A regression loss weighted by a learned log-variance (``exp(-s) * mse + s``): the
+    loss is linear in each micro-batch's sum, and reads ``s`` in every micro-batch."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.s = nn.Parameter(torch.tensor(0.3))
+        self.plain = plain
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mse = F.mse_loss(self.b(torch.tanh(self.a(x))).squeeze(-1), y)
+        return mse + self.s if self.plain else torch.exp(-self.s) * mse + self.s
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_what_every_micro_batch_makes_whole_is_read_once_not_summed(plain):
+    """The gradient of ``s`` under the loss's value split is whole in each micro-batch's
+    piece (a replica): the folded program takes one, as the cut one does."""
+    torch.manual_seed(0)
+    w = ct.Workload(LearnedWeighting(plain), (torch.randn(4, 8), torch.randn(4)))
+    graph = ct.capture(w)
+    for fold in (False, True):
+        trains_like_one_device(w, ct.compile(pipeline(graph, 2, 2, "1f1b", fold=fold)))

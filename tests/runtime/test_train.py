@@ -178,6 +178,35 @@ def test_batch_norm_statistics_are_checkpointed_and_exported(tmp_path):
     assert all(torch.equal(p.detach(), run.params[n]) for n, p in model.named_parameters())
 
 
+class CountsAndSkips(nn.Module):
+    """A counter buffer forward adds one to, and a head forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.unused = nn.Linear(6, 3), nn.Linear(3, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return nn.functional.cross_entropy(self.body(x), y)
+
+
+def test_unused_parameters_and_counters_are_checkpointed_and_exported_as_trained(tmp_path):
+    torch.manual_seed(0)
+    w = ct.Workload(CountsAndSkips(), (torch.randn(8, 6), torch.randint(0, 3, (8,))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    train(ct.compile(pipeline(graph, 2, 2, "1f1b")), w, [w.inputs], 3, OPTIM,
+          save=str(tmp_path / "ck"))
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "w.pt")]) == 0
+    model = copy.deepcopy(w.model)
+    model.load_state_dict(torch.load(tmp_path / "w.pt"), strict=True)
+    assert int(model.steps) == 3  # once a step, not once per micro-batch
+    assert torch.equal(model.unused.weight, w.model.unused.weight)  # no decay, no update
+    assert not torch.equal(model.body.weight, w.model.body.weight)
+
+
 def cli(*argv, capsys):
     code = main(list(argv))
     captured = capsys.readouterr()

@@ -10,6 +10,7 @@ import pytest
 
 import chronotope as ct
 from chronotope.graph.ir import Graph
+from chronotope.policies.pipeline import MULTI_STAGE
 from chronotope.runtime.local import run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 from tests.zoo.harness import OPTIM, POLICIES, STEPS, TOLERANCE, capture, check
@@ -44,20 +45,55 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "clip": SPLIT,
     "cnn-bn": SPLIT,
     "two-tower": SPLIT,
+    "t5-v1.1": ALL,
+    "albert": ALL,
+    "gemma3": ALL,
+    "deepseek-v3": SPLIT,
+    "gpt-bigcode": ALL,
+    "granite": ALL,
+    "olmoe": SPLIT,
+    "mamba": ALL,
+    "bigbird": ALL,
+    "convnext": ALL,
+    "swin": ALL,
+    "siglip": ALL,
+    "unet": ALL,
+    "lstm-lm": ALL,
+    "gru-lm": ALL,
+    "embedding-bag": SPLIT,
+    "drop-path": ALL,
+    "checkpointed": ALL,
+    "checkpointed-reentrant": ALL,
+    "gnn": SPLIT,
+    "sdpa-gqa": ALL,
+    "custom-function": ALL,
+    "no-grad": SPLIT,
+    "inplace-slices": ALL,
+    "unused-param": ALL,
+    "counter-buffer": ALL,
+    "last-token": ALL,
+    "uncertainty-loss": ALL,
 }
 CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy in policies]
 
 # Processes as `chronotope run` trains: an encoder-decoder, a frozen table, a batch-coupled loss,
 # a pipeline, ops captured by torch.export (batch norm, pooling) and random ops.
 GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b"),
-        ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp")]
+        ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp"),
+        # the idioms: a Function's own backward, writes into slices, a counter, an unused
+        # head, random draws in place, a learned loss weight, all across processes
+        ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("counter-buffer", "zero-3"),
+        ("unused-param", "dp"), ("drop-path", "1f1b-fold"), ("uncertainty-loss", "1f1b-fold")]
 
 # What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
-# dispatch over every token): a pipeline over micro-batches refuses these, naming the op;
-# with one micro-batch they pipeline equal to one device.
+# dispatch over every token, bags of an EmbeddingBag, a graph's adjacency over all its
+# nodes, a statistic over the batch): a pipeline over micro-batches refuses these, naming
+# the op; with one micro-batch they pipeline equal to one device.
 WHOLE_BATCH = {
     "mixtral": "sort", "qwen2-moe": "sort", "clip": "index",
     "cnn-bn": "batch_norm_div", "two-tower": "matmul",
+    "deepseek-v3": "sort", "olmoe": "sort", "embedding-bag": "embedding_bag",
+    "gnn": "matmul", "no-grad": "mean",
 }
 
 
@@ -99,3 +135,23 @@ def test_pipelines_refuse_what_needs_the_whole_batch_and_run_it_in_one_micro_bat
     run = run_in_threads(program, FAMILIES[family](), STEPS, OPTIM)
     assert compare(run, train_reference(FAMILIES[family](), STEPS, OPTIM)).within(TOLERANCE)
 
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "chimera")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_pipeline_schedule_compiles_or_is_refused_by_name(family):
+    """No built-in schedule makes a plan that deadlocks: each compiles (its replay runs
+    through) or is refused with a PlanError naming why, never a DeadlockError."""
+    graph = graph_of(family)
+    for schedule in SCHEDULES:
+        try:
+            plan = ct.policies.pipeline(graph, 2, 4, schedule,
+                                        chunks=2 if schedule in MULTI_STAGE else 1)
+            ct.compile(plan)
+        except ct.DeadlockError:
+            raise
+        except ct.PlanError as e:
+            assert "cannot run op" in str(e) or "stages need" in str(e) or \
+                "divisible" in str(e), (schedule, str(e))

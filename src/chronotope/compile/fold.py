@@ -52,15 +52,18 @@ _ONCE = ("param", "constant", "buffer")  # loads alike in every micro-batch
 
 
 def fold(ranks: list[list[Instruction]], plan: Plan, tensor_of: list[dict[str, PTensor]],
-         shapes: list[dict[str, tuple[int, ...]]]) -> list[list[Instruction]]:
-    """Every rank's template code (no frees yet) run for each micro-batch in its steps."""
+         shapes: list[dict[str, tuple[int, ...]]], whole: list[set[str]]
+         ) -> list[list[Instruction]]:
+    """Every rank's template code (no frees yet) run for each micro-batch in its steps;
+    ``whole``: each rank's local tensors that hold a whole value, not a part of a sum."""
     parts = [_split(code) for code in ranks]
     _refuse_once_to_block(parts)
     stride = 1 + max((ins.tag for code in ranks for ins in code
                       if isinstance(ins, (Send, Recv))), default=0)
     axes = batch_axes(plan.graph)
     return [_Folder(rank, plan.steps.get(rank, []), *parts[rank], stride, axes,
-                    tensor_of[rank], shapes[rank]).run() for rank in range(len(ranks))]
+                    tensor_of[rank], shapes[rank], whole[rank]).run()
+            for rank in range(len(ranks))]
 
 
 def batch_axes(graph: Graph) -> dict[PTensor, int]:
@@ -114,7 +117,7 @@ def _refuse_once_to_block(parts) -> None:
 class _Folder:
     def __init__(self, rank: int, steps, before, blocks, after, stride: int,
                  axes: dict[PTensor, int], tensor_of: dict[str, PTensor],
-                 shapes: dict[str, tuple[int, ...]]) -> None:
+                 shapes: dict[str, tuple[int, ...]], whole: set[str]) -> None:
         self.rank, self.steps, self.stride, self.axes = rank, steps, stride, axes
         # what every micro-batch loads alike (weights, constants) is loaded once, before
         loads = [ins for code in blocks.values() for ins in code
@@ -125,8 +128,11 @@ class _Folder:
         self.before, self.blocks, self.after = [*loads, *before], blocks, after
         self.tensor_of, self.shapes = tensor_of, shapes
         self.made = {v for code in blocks.values() for ins in code for v in writes(ins)}
-        # what runs once after the micro-batches reads of what each block makes: summed
-        self.summed = {v for ins in after for v in reads(ins) if v in self.made}
+        # what runs once after the micro-batches reads of what each block makes: summed,
+        # but for a whole value every micro-batch makes alike (the gradient of an input a
+        # value split reads a share of, as a replica): micro-batch 0's is read
+        self.summed = {v for ins in after for v in reads(ins) if v in self.made
+                       and v not in whole}
         self.taken = set(shapes) | self.made
         self.names: dict[int, dict[str, str]] = {}
         self.drawn: dict[tuple[PlanOp, int], PlanOp] = {}  # random pieces, per micro-batch

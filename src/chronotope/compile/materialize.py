@@ -112,6 +112,9 @@ class Materializer:
         # local name holds (``fold`` runs the blocks once per micro-batch)
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.tensor_of: list[dict[str, PTensor]] = [{} for _ in range(n)]
+        # the local tensors each micro-batch of a template makes alike, whole (the gradient
+        # of an input a value split reads a share of, as a replica): read once, not summed
+        self.whole: list[set[str]] = [set() for _ in range(n)]
         self.once = False  # reading for what runs once a step, after every micro-batch
         # what each rank sends of its micro-batches' sums, first thing once they all ran, and
         # receives once of what its micro-batches read alike
@@ -144,6 +147,8 @@ class Materializer:
                     var = self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint,
                                                                              v.mask.shape)
                     self.tensor_of[rank][var] = v.ptensor
+                    if self.alike(op, v.mask):
+                        self.whole[rank].add(var)
         if self.cluster is not None:
             self.layout_changes()
         for rank, seq in sorted(self.sequences.items()):
@@ -192,7 +197,7 @@ class Materializer:
         if not self.cells:
             ranks = overlap(ranks)
         else:  # the folded code is long: one replay checks the buckets and places messages
-            ranks = fold(ranks, self.plan, self.tensor_of, self.shapes)
+            ranks = fold(ranks, self.plan, self.tensor_of, self.shapes, self.whole)
             try:
                 ranks = overlap(buckets(ranks, self.bucket_bytes, check=False))
             except PlanError:
@@ -425,6 +430,12 @@ class Materializer:
                 outs[k] = mine
         return scale, scales, outs
 
+    def alike(self, op: PlanOp, mask: Mask) -> bool:
+        """Whether every micro-batch of a template makes op's output ``mask`` alike: it is
+        a copy at the cut into micro-batches."""
+        k = next(k for k, v in enumerate(op.outputs) if v.mask == mask)
+        return any(name in self.plan.templated for name, _ in op.output_copies()[k])
+
     def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
         """The name of a local tensor holding ``v``, adding what it takes to get it."""
         key = (v.ptensor, v.mask)
@@ -437,6 +448,8 @@ class Materializer:
             var = self.assemble(rank, v, found, pre)
         self.local[rank][key] = var
         self.tensor_of[rank].setdefault(var, v.ptensor)
+        if found and all(self.alike(op, m) for op, m in found):
+            self.whole[rank].add(var)
         return var
 
     def load(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:

@@ -155,6 +155,7 @@ class Plan:
         # micro-batches, and ``steps`` say when each device runs each one's (stage, kind).
         self.micro = 1
         self.steps: dict[int, list[tuple[str, int, int]]] = {}
+        self.templated: set[str] = set()  # the ops ``template`` cut: into micro-batches
         # Ops a policy was to split along the batch but could not, with why (no signature,
         # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
         self.unsplit: dict[Op, str] = {}
@@ -231,6 +232,7 @@ class Plan:
         of ``micro``: see ``micro_batches``)."""
         target = self._one(op, "template")
         first = self.trans(target, algo)[0]
+        self.templated.add(target.name)
         for other in target.children[1:]:
             del self._by_name[other.name]
         target.children = [first]

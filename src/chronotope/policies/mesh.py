@@ -176,7 +176,8 @@ def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
     return out, passes
 
 
-def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None) -> dict[Op, int]:
+def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None,
+           micro_batched: bool = True) -> dict[Op, int]:
     """Cut the ops, in program order, into ``pp`` runs of about equal compute (forward FLOPs
     by the signatures): each cut within half a stage of its share, where the fewest
     activations of the batch cross it. Between two transformer blocks only the residual
@@ -185,9 +186,10 @@ def stages(graph: Graph, pp: int, ops: Sequence[Op] | None = None) -> dict[Op, i
     ops = graph.ops if ops is None else list(ops)
     batch_dim = batch_dims(graph)
     # every stage runs micro-batches, so every stage holds an op that carries the batch
+    # (with one micro-batch, any op will do)
     carried = [0]
     for op in ops:
-        carried.append(carried[-1] + (batch_dim[op] is not None))
+        carried.append(carried[-1] + (batch_dim[op] is not None or not micro_batched))
     if carried[-1] < pp:
         raise PlanError(f"{pp} pipeline stages need {pp} ops that carry the batch; "
                         f"{graph.name} has {carried[-1]}: use fewer stages")
@@ -294,7 +296,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     elif schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
         stage, chunks = recycled_stages(graph, pp)
     else:
-        stage = stages(graph, pp * chunks)
+        stage = stages(graph, pp * chunks, micro_batched=micro > 1)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     if fold and (schedule in DIRECTIONS or schedule in RECYCLING or coshard > 1):
         raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
@@ -495,12 +497,13 @@ def _refuse_barriers(graph: Graph, batch_dim: dict[Op, str | None],
     more = f" (and {len(found) - 1} more: {', '.join(o.name for o, _ in found[1:4])}" \
         f"{'...' if len(found) > 4 else ''})" if len(found) > 1 else ""
     name = schedule if isinstance(schedule, str) else "this schedule"
+    article = "an" if name[0] in "aeiou" else "a"
     raise PlanError(
-        f"a {name} pipeline over {micro} micro-batches cannot run op {op.name} ({op.kind}{where}) "
-        f"once per micro-batch: {why}{more}. Every micro-batch would wait there for all the "
-        "others. Use one micro-batch (micro=1, --micro 1), or, where the op treats samples "
-        "independently, give it a signature naming its batch dim "
-        "(@chronotope.register_op)")
+        f"{article} {name} pipeline over {micro} micro-batches cannot run op {op.name} "
+        f"({op.kind}{where}) once per micro-batch: {why}{more}. Every micro-batch would "
+        "wait there for all the others. Use one micro-batch (micro=1, --micro 1), or, "
+        "where the op treats samples independently, give it a signature naming its batch "
+        "dim (@chronotope.register_op)")
 
 
 def batch_cut(op: Op, batch_dim: dict[Op, str | None], tails: dict[Op, tuple[int, ...]],
