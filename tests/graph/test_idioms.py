@@ -13,6 +13,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.graph.verify import CaptureMismatch
+from chronotope.runtime.local import run_in_threads
 from tests.graph.op_testing import assert_same_step, trains_like_one_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,6 +164,28 @@ def test_an_unregistered_function_splits_as_its_forward_does(name):
     assert str(op.signature) == SIGNED[name]
     for plan in (ct.policies.data_parallel(graph, 2), ct.policies.tensor_parallel(graph, 2),
                  ct.policies.pipeline(graph, 2, 2, "1f1b")):
+        trains_like_one_device(plan, w)
+
+
+class CentredGradient(torch.autograd.Function):
+    """The identity forward, a backward that centres the gradient over the batch: its
+    forward treats rows alone, its backward does not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+def test_a_function_splits_only_where_its_own_backward_does():
+    w = workload(body(lambda h, x: CentredGradient.apply(h)))
+    graph = captured(w.model, *w.inputs)
+    (op,) = [op for op in graph if op.kind == "CentredGradient"]
+    assert op.signature.splittable() == ["s1"], str(op.signature)  # features, not the batch
+    for plan in (ct.policies.data_parallel(graph, 2), ct.policies.tensor_parallel(graph, 2)):
         trains_like_one_device(plan, w)
 
 
@@ -378,11 +401,10 @@ def test_unused_parameters_get_no_gradient_and_stay_as_they_are(policy):
             "zero-3": lambda: ct.policies.zero(graph, 2, 3),
             "1f1b": lambda: ct.policies.pipeline(graph, 2, 2, "1f1b")}[policy]()
     assert not {graph.params[n] for n in ("pooler.weight", "decoy")} & set(plan.grads)
-    run = ct.run(ct.compile(plan), w, 2, ct.Optim("adamw", 0.1, weight_decay=0.1)) \
-        if policy == "dp" else None
     trains_like_one_device(plan, w)
-    if run is not None:  # weight decay too leaves them alone, as torch.optim does
-        assert torch.equal(run.params["pooler.weight"], w.model.pooler.weight.detach())
+    decayed = run_in_threads(ct.compile(plan), w, 2, ct.Optim("adamw", 0.1, weight_decay=0.1))
+    for name in ("pooler.weight", "pooler.bias", "decoy"):  # weight decay leaves them alone too
+        assert torch.equal(decayed.params[name], w.model.get_parameter(name).detach()), name
 
 
 # ---- state forward changes --------------------------------------------------------------

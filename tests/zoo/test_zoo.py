@@ -80,10 +80,8 @@ CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy
 # a pipeline, ops captured by torch.export (batch norm, pooling) and random ops.
 GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b"),
         ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp"),
-        # the idioms: a Function's own backward, writes into slices, a counter, an unused
-        # head, random draws in place, a learned loss weight, all across processes
-        ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("counter-buffer", "zero-3"),
-        ("unused-param", "dp"), ("drop-path", "1f1b-fold"), ("uncertainty-loss", "1f1b-fold")]
+        # the idioms: a Function's own backward, writes into slices, random draws in place
+        ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("drop-path", "1f1b-fold")]
 
 # What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
 # dispatch over every token, bags of an EmbeddingBag, a graph's adjacency over all its
