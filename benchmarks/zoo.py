@@ -1,5 +1,6 @@
-"""The model zoo (tests/zoo) under dp, tp, zero-3 and 1f1b on two ranks: a family x policy
-table of the largest relative differences from one device, and of what fails and where.
+"""The model zoo (tests/zoo) under dp, tp, zero-3, 1f1b and folded 1f1b on two ranks: a
+family x policy table of the largest relative differences from one device, and of what
+fails and where.
 
     python benchmarks/zoo.py [--families opt vit] [--policies dp 1f1b] [--transport gloo] [--json]
 """

@@ -2,10 +2,15 @@
 and the plans still train like one device."""
 
 import math
+import warnings
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
+import chronotope as ct
 from chronotope.compile import compile
 from chronotope.compile.program import AllGather, Recv
 from chronotope.cost.network import Link, load_cluster
@@ -69,3 +74,29 @@ def test_p2p_and_single_nodes_make_no_searched_changes(gpt):
     assert not compile(plan).changes  # one DGX A100 node: messages are as cheap
     with pytest.raises(PlanError, match="unknown comm 'nccl'"):
         compile(plan, comm="nccl")
+
+
+class PoolOne(nn.Module):
+    """A normed stream read at one position of its sequence (a last-token or class-token
+    pooling): the read lies inside one of the pieces the norm was cut into."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(32, 16), nn.LayerNorm(16)
+        self.mix, self.head = nn.Linear(16, 16), nn.Linear(16, 3)
+        self.position = position
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.mix(self.embed(ids)))
+        return F.cross_entropy(self.head(h[:, self.position, :]), y)
+
+
+@pytest.mark.parametrize("position", [0, 5, -1])
+def test_a_read_of_one_position_of_a_split_sequence_trains_like_one_device(position):
+    torch.manual_seed(0)
+    w = ct.Workload(PoolOne(position), (torch.randint(0, 32, (4, 12)), torch.randint(0, 3, (4,))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    for plan in (mesh(graph, tp=2), mesh(graph, tp=2, sequence=True), mesh(graph, dp=2, tp=2)):
+        trains_like_one_device(w, compile(plan))
