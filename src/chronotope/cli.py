@@ -39,8 +39,9 @@ from chronotope.compile.simulate import simulate
 from chronotope.cost.network import ClusterError, cluster_for, load_cluster
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph import Graph, capture
+from chronotope.graph.batch import Batch
 from chronotope.graph.convert import torch_random
-from chronotope.graph.verify import CHECK_UP_TO
+from chronotope.graph.verify import CHECK_UP_TO, skipped
 from chronotope.measure import calibrate, measure_ops
 from chronotope.measure.profile import profile, save_profile
 from chronotope.models import Workload, default_device, load_function, load_workload
@@ -245,6 +246,8 @@ def cmd_capture(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=device, batch_size=args.batch_size)
     graph = _captured(workload, args, args.frontend)  # its unannotated ops are listed below
     seconds = time.perf_counter() - start
+    checked = not skipped(workload.model, Batch.of(workload.inputs, workload.kwargs,
+                                                   workload.targets).tensors(), args.check_up_to)
     unannotated = [
         {"op": op.name, "kind": op.kind, "source": str(op.source) if op.source else None}
         for op in graph.unannotated_ops()
@@ -253,12 +256,15 @@ def cmd_capture(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         emit({
             "model": args.model, "num_ops": len(graph), "num_params": graph.num_params,
             "unannotated_ops": unannotated, "frontend": graph.frontend,
-            "capture_s": round(seconds, 3),
+            "capture_s": round(seconds, 3), "checked": checked,
         })
         return 0
     if args.print_graph:
         out.print(str(graph), markup=False, highlight=False)
     _summary(graph, seconds, out)
+    out.print("the graph's loss, gradients and buffer updates equal the model's own on the "
+              "example batch" if checked else "not run against the model (meta device, or "
+              "above --check-up-to parameters)")
     return 0
 
 

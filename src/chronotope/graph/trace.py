@@ -276,24 +276,31 @@ def _model_state(tracer: Tracer, root: torch.nn.Module) -> Iterator[None]:
     finally:
         torch.autograd.Function.apply = _APPLY
         torch.nn.Module.__setattr__ = setattr_
-        changed = []
-        for m in modules:
-            was = before[id(m)]
-            now = m.__dict__
-            for key in set(was) | set(now):  # torch's and libraries' own caches are private
-                old, new = was.get(key, _UNSET), now.get(key, _UNSET)
-                if not key.startswith("_") and old is not _UNSET and not _same(old, new):
-                    changed.append((paths[id(m)], key, old, new))
-            m.__dict__.clear()
-            m.__dict__.update(was)
-        if changed:
-            path, key, old, new = changed[0]
-            where = ".".join(p for p in (path, key) if p)
-            raise StateChanged(
-                f"forward changes {where} from {_described(old)} to {_described(new)}: Python "
-                "state a captured step cannot see, so every step would run as the first did. "
-                "Keep state that changes in a buffer (self.register_buffer), or leave it out "
-                "of forward")
+        changed = _restore(modules, before, paths)
+    if changed:  # only once tracing went through: a failure is reported as itself
+        path, key, old, new = changed[0]
+        where = ".".join(p for p in (path, key) if p)
+        raise StateChanged(
+            f"forward changes {where} from {_described(old)} to {_described(new)}: Python "
+            "state a captured step cannot see, so every step would run as the first did. "
+            "Keep state that changes in a buffer (self.register_buffer), or leave it out "
+            "of forward")
+
+
+def _restore(modules: list[torch.nn.Module], before: dict[int, dict[str, Any]],
+             paths: dict[int, str]) -> list[tuple[str, str, Any, Any]]:
+    """Each module's attributes as before tracing; the public ones forward changed (torch's
+    and libraries' own caches are private)."""
+    changed = []
+    for m in modules:
+        was, now = before[id(m)], m.__dict__
+        for key in set(was) | set(now):
+            old, new = was.get(key, _UNSET), now.get(key, _UNSET)
+            if not key.startswith("_") and old is not _UNSET and not _same(old, new):
+                changed.append((paths[id(m)], key, old, new))
+        m.__dict__.clear()
+        m.__dict__.update(was)
+    return changed
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -72,7 +72,7 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
     tensors = Batch.of(workload.inputs, workload.kwargs, workload.targets).tensors()
     batches = replica_batches(graph, tensors, replicas)
     if replicas > 1:
-        same_but_batch(graph, capture(workload, registry=graph.registry,
+        same_but_batch(graph, capture(workload, registry=graph.registry, check_up_to=0,
                                       frontend=graph.frontend, name=graph.name), replicas)
     targets = portable({op.name: op.target for op in graph.ops if callable(op.target)})
     owners: dict[tuple[str, tuple], int] = defaultdict(int)
