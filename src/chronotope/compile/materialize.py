@@ -433,6 +433,8 @@ class Materializer:
     def alike(self, op: PlanOp, mask: Mask) -> bool:
         """Whether every micro-batch of a template makes op's output ``mask`` alike: it is
         a copy at the cut into micro-batches."""
+        if not self.plan.templated:
+            return False
         k = next(k for k, v in enumerate(op.outputs) if v.mask == mask)
         return any(name in self.plan.templated for name, _ in op.output_copies()[k])
 

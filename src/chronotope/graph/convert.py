@@ -603,10 +603,8 @@ _ATEN_NEW = {getattr(torch.ops.aten, name).default: fn for name, fn in _NEW.item
 def _shape_read(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
     if not args or not _is_tensor(args[0]):
         return target, args, kwargs
-    if target in _ATEN_NEW:  # an exported x.new_zeros(size)
-        x = args[0]
-        made = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
-        return _ATEN_NEW[target], args[1:], {"dtype": x.dtype, "device": x.device, **made}
+    if target in _ATEN_NEW:  # an exported x.new_zeros(size): its other keywords are defaults
+        return _ATEN_NEW[target], args[1:], _made_like(args[0], kwargs, {})
     if node.op != "call_method":
         return target, args, kwargs
     if target in _AS_SHAPE and len(args) == 2 and _is_tensor(args[1]):
@@ -615,11 +613,16 @@ def _shape_read(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> tuple[
         return "to", (args[0], args[1].dtype), kwargs
     if target in _NEW:
         node.op = "call_function"
-        x = args[0]
-        made = {"dtype": kwargs.get("dtype") or x.dtype, "device": kwargs.get("device") or x.device,
-                **{k: v for k, v in kwargs.items() if k not in ("dtype", "device")}}
-        return _NEW[target], args[1:], made
+        rest = {k: v for k, v in kwargs.items() if k not in ("dtype", "device")}
+        return _NEW[target], args[1:], _made_like(args[0], kwargs, rest)
     return target, args, kwargs
+
+
+def _made_like(x: torch.Tensor, kwargs: dict, rest: dict) -> dict:
+    """A factory's keywords for ``x.new_*(..., **kwargs)``: ``x``'s dtype and device unless
+    given, and ``rest``."""
+    return {"dtype": kwargs.get("dtype") or x.dtype, "device": kwargs.get("device") or x.device,
+            **rest}
 
 
 def _basic_index(index: Any) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +56,8 @@ def derived(op: Op, registry: OpRegistry | None, depth: int = 0) -> Signature | 
         if dims is None:
             return None
         names = {d for axes in dims for d in axes if d not in (None, "1")}
-        kept = {d for d in names if _backward_agrees(op, dims, d)}
+        trial = _Trial.of(op)
+        kept = {d for d in names if trial is not None and trial.agrees(dims, d)}
         if not kept:
             return None
         sig = Signature.parse(_text(dims, len(op.inputs), kept))
@@ -73,14 +76,7 @@ def _forward_ops(op: Op, registry: OpRegistry) -> tuple[list[Op], list[PTensor],
     own_ctx = function.setup_context is torch.autograd.Function.setup_context
 
     def forward(*tensors: torch.Tensor) -> Any:
-        it = iter(tensors)
-
-        def real(x: Any) -> Any:
-            if isinstance(x, PTensor):
-                return next(it)
-            return torch.device("meta") if x is DEVICE else x
-
-        args, kwargs = map_leaves(op.args, real), map_leaves(op.kwargs, real)
+        args, kwargs = _arguments(op, tensors, torch.device("meta"))
         if not own_ctx:  # forward(*args), then setup_context(ctx, inputs, output)
             return function.forward(*args, **kwargs)
         ctx = FunctionCtx()
@@ -98,6 +94,19 @@ def _forward_ops(op: Op, registry: OpRegistry) -> tuple[list[Op], list[PTensor],
     values = list(result) if isinstance(result, (tuple, list)) else [result]
     outs = [conv.current[id(v)] for v in values if isinstance(v, torch.Tensor)]
     return conv.ops, list(conv.batch), outs
+
+
+def _arguments(op: Op, tensors: Sequence[torch.Tensor], device: torch.device
+               ) -> tuple[tuple, dict]:
+    """``op``'s arguments with ``tensors`` for its inputs, in order, on ``device``."""
+    it = iter(tensors)
+
+    def real(x: Any) -> Any:
+        if isinstance(x, PTensor):
+            return next(it)
+        return device if x is DEVICE else x
+
+    return map_leaves(op.args, real), map_leaves(op.kwargs, real)
 
 
 def _composed(ops: list[Op], ins: list[PTensor], outs: list[PTensor]
@@ -161,67 +170,81 @@ def _text(dims: list[list[str | None]], ninputs: int, kept: set[str]) -> str:
 _CHECK_UP_TO = 1 << 22  # elements of a Function's inputs its backward is checked on
 
 
-def _backward_agrees(op: Op, dims: list[list[str | None]], name: str) -> bool:
-    """Whether the Function's own forward and backward, run on random inputs in two pieces
-    along ``name``, give the whole run's outputs and input gradients: its backward treats
-    the dim as independently as its forward does (a backward that sums over the batch,
-    say, does not)."""
-    function = autograd_function(op.target)
-    nin = len(op.inputs)
-    if sum(math.prod(t.shape) for t in op.inputs) > _CHECK_UP_TO:
-        return False
-    gen = torch.Generator().manual_seed(0)
-    whole = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
-             if t.dtype.is_floating_point else torch.zeros(t.shape, dtype=t.dtype)
-             for t in op.inputs]
-    grads_out = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
-                 for t in op.outputs]
+@dataclass
+class _Trial:
+    """A Function op run whole on random inputs and output gradients, against which runs
+    in two pieces along a dim are compared: its backward treats that dim as independently
+    as its forward does, or not (a backward that sums over the batch, say)."""
 
-    def run(values: list[torch.Tensor], grads: list[torch.Tensor]):
-        leaves = [v.detach().requires_grad_(v.is_floating_point()) for v in values]
-        it = iter(leaves)
-        args = map_leaves(op.args, lambda x: next(it) if isinstance(x, PTensor) else
-                          torch.device("cpu") if x is DEVICE else x)
-        kwargs = map_leaves(op.kwargs, lambda x: next(it) if isinstance(x, PTensor) else
-                            torch.device("cpu") if x is DEVICE else x)
-        outs = function.apply(*args, **kwargs)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        floats = [x for x in leaves if x.requires_grad]
-        got = torch.autograd.grad(
-            [o for o in outs if o.requires_grad], floats,
-            [g for o, g in zip(outs, grads) if o.requires_grad], allow_unused=True)
-        found = iter(got)
-        return [o.detach() for o in outs], [next(found) if x.requires_grad else None
-                                            for x in leaves]
+    op: Op
+    inputs: list[torch.Tensor]
+    grads_out: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
 
-    def piece(t: torch.Tensor, axes: list[str | None], k: int) -> torch.Tensor:
-        a = axes.index(name) if name in axes else None
-        if a is None:
-            return t
-        half = t.shape[a] // 2
-        return t.narrow(a, 0, half) if k == 0 else t.narrow(a, half, t.shape[a] - half)
+    @classmethod
+    def of(cls, op: Op) -> _Trial | None:
+        """The whole run, or None for inputs too large to try or a Function that fails."""
+        if sum(math.prod(t.shape) for t in op.inputs) > _CHECK_UP_TO:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+                  if t.dtype.is_floating_point else torch.zeros(t.shape, dtype=t.dtype)
+                  for t in op.inputs]
+        grads_out = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+                     for t in op.outputs]
+        try:
+            return cls(op, inputs, grads_out, *_run(op, inputs, grads_out))
+        except Exception:
+            return None
 
-    try:
-        outs, grads = run(whole, grads_out)
-        pieces = [run([piece(v, dims[j], k) for j, v in enumerate(whole)],
-                      [piece(g, dims[nin + j], k) for j, g in enumerate(grads_out)])
-                  for k in (0, 1)]
-    except Exception:
-        return False
-    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+    def agrees(self, dims: list[list[str | None]], name: str) -> bool:
+        """Whether runs in two pieces along ``name`` give the whole run's outputs and input
+        gradients (``dims``: each tensor's dim names, the inputs' then the outputs')."""
+        nin = len(self.op.inputs)
 
-    for j, axes in enumerate(dims[nin:]):  # outputs: the pieces' side by side, or each whole
-        got = [p[0][j] for p in pieces]
-        if not (close(torch.cat(got, axes.index(name)), outs[j]) if name in axes
-                else all(close(g, outs[j]) for g in got)):
+        def piece(t: torch.Tensor, axes: list[str | None], k: int) -> torch.Tensor:
+            if name not in axes:
+                return t
+            a = axes.index(name)
+            half = t.shape[a] // 2
+            return t.narrow(a, 0, half) if k == 0 else t.narrow(a, half, t.shape[a] - half)
+
+        try:
+            pieces = [_run(self.op, [piece(v, dims[j], k) for j, v in enumerate(self.inputs)],
+                           [piece(g, dims[nin + j], k) for j, g in enumerate(self.grads_out)])
+                      for k in (0, 1)]
+        except Exception:
             return False
-    for j, axes in enumerate(dims[:nin]):  # gradients: side by side, or partial sums
-        if grads[j] is None:
-            continue
-        got = [p[1][j] if p[1][j] is not None else torch.zeros_like(piece(grads[j], axes, k))
-               for k, p in enumerate(pieces)]
-        joined = torch.cat(got, axes.index(name)) if name in axes else got[0] + got[1]
-        if not close(joined, grads[j]):
-            return False
-    return True
+        for j, axes in enumerate(dims[nin:]):  # outputs: the pieces' side by side, or whole
+            got = [p[0][j] for p in pieces]
+            if not (_close(torch.cat(got, axes.index(name)), self.outs[j]) if name in axes
+                    else all(_close(g, self.outs[j]) for g in got)):
+                return False
+        for j, axes in enumerate(dims[:nin]):  # gradients: side by side, or partial sums
+            if self.grads[j] is None:
+                continue
+            got = [p[1][j] if p[1][j] is not None else
+                   torch.zeros_like(piece(self.grads[j], axes, k)) for k, p in enumerate(pieces)]
+            joined = torch.cat(got, axes.index(name)) if name in axes else got[0] + got[1]
+            if not _close(joined, self.grads[j]):
+                return False
+        return True
+
+
+def _run(op: Op, values: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The Function's outputs on ``values`` and its input gradients for ``grads_out``."""
+    leaves = [v.detach().requires_grad_(v.is_floating_point()) for v in values]
+    args, kwargs = _arguments(op, leaves, torch.device("cpu"))
+    outs = autograd_function(op.target).apply(*args, **kwargs)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    floats = [x for x in leaves if x.requires_grad]
+    got = iter(torch.autograd.grad(
+        [o for o in outs if o.requires_grad], floats,
+        [g for o, g in zip(outs, grads_out) if o.requires_grad], allow_unused=True))
+    return [o.detach() for o in outs], [next(got) if x.requires_grad else None for x in leaves]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
