@@ -380,6 +380,15 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
     """The plan of --plan FILE, of a module schedule (--schedule FILE.py:fn), or of
     --policy, and the workload it runs (a schedule's ``replace`` swaps modules in a copy);
     its errors say which options asked for it."""
+    plan, workload = _planned(graph, args, workload)
+    if getattr(args, "dtype", None):
+        plan.dtype = args.dtype
+    args.dtype = plan.dtype  # what run and train compute in
+    return plan, workload
+
+
+def _planned(graph: Graph, args: argparse.Namespace, workload: Workload
+             ) -> tuple[Plan, Workload]:
     if args.plan:
         plan = load_plan(graph, args.plan)
         args.policy, args.devices = Path(args.plan).name, plan.ndevices  # for the reports
@@ -532,8 +541,8 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             "max_loss_rel_diff": diff.max_loss_rel_diff if diff else None,
             "max_param_rel_diff": diff.max_param_rel_diff if diff else None,
             "max_buffer_rel_diff": diff.max_buffer_rel_diff if diff else None,
-            "match": ok, "tolerance": precision.tolerance, "step_time_s": step_time,
-            "torch_random_ops": unmatched,
+            "match": ok, "tolerance": precision.tolerance, "dtype": precision.dtype,
+            "step_time_s": step_time, "torch_random_ops": unmatched,
         })
         return code
     table = Table(title=f"{args.model}: {args.policy} on {program.plan.world_size} processes")
@@ -846,7 +855,9 @@ def cmd_simulate(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               "bubble_ratio": sim.bubble_ratio,
               "ranks": [asdict(r) for r in sim.ranks]})
         return 0
-    how = "measured op times" if measured else f"FLOPs at {cluster.peak() / 1e12:g} TFLOP/s"
+    dtype = program.plan.dtype
+    how = "measured op times" if measured else \
+        f"FLOPs at {cluster.peak(dtype) / 1e12:g} TFLOP/s ({dtype})"
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices of "
                         f"{cluster.name} ({how}), one step")
     for col in ("rank", "compute ms", "comm ms", "bubble ms", "peak memory"):
@@ -957,6 +968,11 @@ def parser() -> argparse.ArgumentParser:
                              help="run the plan as this many data-parallel replicas of "
                                   "--devices each (plan.scale): made on one replica's rows "
                                   "of the batch, compiled once (default 1)")
+            cmd.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                             help="compute in bf16 or fp16 under autocast, with fp32 master "
+                                  "weights and optimizer state (fp16 scales the loss); "
+                                  "priced in memory and the 16-bit FLOP rate, and recorded "
+                                  "in the plan (default: a --plan file's, else fp32)")
             cmd.add_argument("--bucket-mb", type=positive_float, default=BUCKET_MB,
                              help="gradient reductions start in buckets of this many MiB as "
                                   f"the backward makes them (default {BUCKET_MB:g}, as DDP)")
@@ -1001,9 +1017,6 @@ def parser() -> argparse.ArgumentParser:
                              help="clip gradients to this global norm across all ranks")
             cmd.add_argument("--timeout", type=positive_float, default=60.0,
                              help="seconds a rank waits on another before giving up")
-            cmd.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                             help="compute in bf16 or fp16 under autocast, with fp32 master "
-                                  "weights and optimizer state (fp16 scales the loss)")
             cmd.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
                              help="what gradients are summed in across ranks")
             cmd.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",

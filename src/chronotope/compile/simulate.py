@@ -72,16 +72,17 @@ class Simulation:
 
 
 def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | None = None,
-             dtype: str = "float32", calibration: Calibration | None = None) -> Simulation:
+             calibration: Calibration | None = None) -> Simulation:
     """Predicted times of one training step of ``program`` on ``cluster``, pieces from
     ``measured`` op times (with what the runtime adds, as ``measure.calibrate`` fits it)
-    or FLOPs at the peak."""
+    or FLOPs at the cluster's peak for the plan's dtype (its 16-bit tensor-core rate
+    for a bf16 or fp16 plan)."""
     calibration = calibration or Calibration()
     if cluster.ndevices < program.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    prices = _Prices(cluster, measured, cluster.peak(dtype), params, calibration)
+    prices = _Prices(cluster, measured, cluster.peak(program.plan.dtype), params, calibration)
     step = _played(program.ranks, prices, [0.0] * program.ndevices)
     clock = list(step.clock)
     compute, comm = list(step.compute), list(step.comm)

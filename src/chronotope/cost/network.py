@@ -97,8 +97,11 @@ class Cluster:
     def node(self, device: int) -> int:
         return device // self.per_node
 
-    def peak(self, dtype: str = "float32") -> float:
-        return self.flops.get(dtype, self.flops.get("float32", min(self.flops.values())))
+    def peak(self, dtype: str = "fp32") -> float:
+        """FLOP/s of one device computing in ``dtype`` ("fp32", "bf16", "fp16" or torch's
+        names): the tensor cores' rate for 16 bits."""
+        name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        return self.flops.get(name, self.flops.get("float32", min(self.flops.values())))
 
     def link(self, a: int, b: int) -> Link:
         if self.node(a) != self.node(b):

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
+from chronotope.graph.autocast import autocast_dtypes, casts, itemsize
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
@@ -128,7 +129,8 @@ def check(plan: Plan) -> CheckedPlan:
         if isinstance(node, PlanOp):
             sequences[node.device].append(node)
     stored = storage(plan, sequences)
-    memory = {d: estimate_memory(plan, seq, stored, d) for d, seq in sequences.items()}
+    held = Held(plan)
+    memory = {d: estimate_memory(plan, seq, stored, d, held) for d, seq in sequences.items()}
     if plan.micro > 1:  # a template: as many micro-batches' activations as a device keeps
         kept = check_steps(plan, edges, cells_of(plan))
         memory = {d: replace(m, activations=m.activations * kept.get(d, 1))
@@ -385,8 +387,28 @@ def _unassigned_message(ops: list[PlanOp]) -> str:
 # ---- memory --------------------------------------------------------------------------------
 
 
-def _nbytes(v: VTensor) -> int:
-    return v.mask.numel * v.ptensor.dtype.itemsize
+class Held:
+    """Bytes per element of each tensor as the plan's dtype holds it: under bf16 or fp16
+    autocast, as autocast makes it (a linear's output in 16 bits, a norm's in 32) and a
+    gradient as its tensor; and the ops that keep a 16-bit copy of the weights they read
+    for their backward (``graph/autocast.py``)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.sizes: dict[PTensor, int] = {}
+        self.casting: set = set()
+        if plan.dtype == "fp32":
+            return
+        dtypes = autocast_dtypes(plan.graph, plan.dtype)
+        self.sizes = {t: itemsize(t, dtypes) for t in dtypes}
+        self.sizes.update({g: self.sizes[t] for t, g in plan.grads.items() if t in self.sizes})
+        self.casting = {op for op in plan.graph.ops if casts(op, dtypes)}
+
+    def nbytes(self, v: VTensor) -> int:
+        return v.mask.numel * self.sizes.get(v.ptensor, v.ptensor.dtype.itemsize)
+
+    def copy(self, op: PlanOp, v: VTensor) -> int:
+        """The 16-bit copy of weight region ``v`` that ``op`` (or its forward) keeps, if any."""
+        return v.mask.numel * 2 if (op.forward or op).op in self.casting else 0
 
 
 def _reads(op: PlanOp, remade: set[tuple], swapped: set[PlanOp]) -> tuple[VTensor, ...]:
@@ -401,7 +423,9 @@ def _reads(op: PlanOp, remade: set[tuple], swapped: set[PlanOp]) -> tuple[VTenso
     return (*op.inputs, *op.forward.inputs, *op.forward.outputs)
 
 
-def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int) -> Memory:
+def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
+                    held_as: Held | None = None) -> Memory:
+    held_as = held_as or Held(plan)
     param_grads = {plan.grads[p] for p in plan.graph.params.values() if p in plan.grads}
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
@@ -412,15 +436,22 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int)
     held = stored.stored[device]
     for i, op in enumerate(seq):
         for v in (*_reads(op, remade, plan.swapped), *op.outputs):
-            if v.ptensor in param_grads or (v.ptensor.kind is TensorKind.PARAM and any(
-                    m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ()))):
+            if v.ptensor in param_grads:
                 continue  # counted with the parameters
+            if v.ptensor.kind is TensorKind.PARAM and any(
+                    m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ())):
+                if copy := held_as.copy(op, v):  # its 16-bit copy, kept for the backward
+                    key = ("copy", v.ptensor, v.mask)
+                    first.setdefault(key, i)
+                    last[key] = i
+                    size[key] = copy
+                continue  # the weight itself: counted with the parameters
             # A parameter region the device does not store (ZeRO-3) is gathered for the
             # pieces that read it, and autograd keeps it from the forward to the backward.
             key = (v.ptensor, v.mask)
             first.setdefault(key, i)
             last[key] = i
-            size[key] = _nbytes(v)
+            size[key] = held_as.nbytes(v)
             if v.ptensor.kind is TensorKind.PARAM:
                 gathered[key].append((i, op))
     alive = [(first[key], last[key], size[key]) for key in first]

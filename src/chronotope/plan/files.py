@@ -70,6 +70,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "devices": plan.ndevices,
         "replicas": plan.replicas,
         "optimizer": plan.optimizer,
+        "dtype": plan.dtype,
         "param_storage": plan.param_storage,
         "reshard": plan.reshard,
         "updates": {param: {"whole_grad": _whole_grad(op)} for param, op in plan.updates.items()},
@@ -187,6 +188,7 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
         raise PlanError(f"{source} is a plan file of version {data.get('version')}; this "
                         f"chronotope reads version {VERSION}")
     plan = Plan(graph, int(data["devices"]), optimizer=data.get("optimizer", "adam"),
+                dtype=data.get("dtype", "fp32"),
                 registry=registry)
     plan.param_storage = data.get("param_storage", "read")
     plan.reshard = bool(data.get("reshard", False))

@@ -112,6 +112,7 @@ class BackwardOf:
         return f"BackwardOf({self.name})"
 
 
+PLAN_DTYPES = ("fp32", "bf16", "fp16")  # what a step computes in (runtime.precision's names)
 Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
 
 
@@ -135,12 +136,13 @@ class Plan:
     """A plan for ``ndevices`` devices over ``graph``; see the module docstring."""
 
     def __init__(self, graph: Graph, ndevices: int, *, optimizer: str = "adam",
-                 registry: OpRegistry | None = None) -> None:
+                 dtype: str = "fp32", registry: OpRegistry | None = None) -> None:
         if ndevices < 1:
             raise PlanError(f"a plan needs at least one device, got ndevices={ndevices}")
         self.graph = graph
         self.ndevices = ndevices
         self.optimizer = optimizer
+        self.dtype = dtype
         # (data-parallel group, stage, micro-batch) -> its forward pieces, where a pipeline
         # policy made them (for reading the order back as pipeline steps); a stage may be
         # a name, for groups on several ranks (the interlaced pipeline's embedding)
@@ -377,6 +379,20 @@ class Plan:
         self.replicas = replicas
         self.checked = None
         return self
+
+    @property
+    def dtype(self) -> str:
+        """What the step computes in: "fp32", or "bf16" / "fp16" under autocast with fp32
+        master weights and optimizer state. The memory estimate, the simulator and the
+        search price it; ``run`` and ``train`` with this plan compute in it."""
+        return self._dtype
+
+    @dtype.setter
+    def dtype(self, dtype: str) -> None:
+        if dtype not in PLAN_DTYPES:
+            raise PlanError(f"unknown plan dtype {dtype!r}: use {', '.join(PLAN_DTYPES)}")
+        self._dtype = dtype
+        self.checked = None
 
     @property
     def world_size(self) -> int:

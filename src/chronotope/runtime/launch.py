@@ -31,7 +31,7 @@ from chronotope.runtime.local import (
     model_buffers,
     rank_specs,
 )
-from chronotope.runtime.precision import Precision, check_precision
+from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
@@ -208,6 +208,7 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
     """One process per rank on this machine; returns rank 0's losses and the final weights.
     ``precision``: mixed precision, refused first if an op cannot run in it; ``compile``: a
     ``torch.compile`` backend for the forward regions (see ``rank_specs``)."""
+    precision = precision or plan_precision(program.plan)
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     results = launch(rank_specs(program, workload, compile), steps, optim, backend, timeout,
                      precision)

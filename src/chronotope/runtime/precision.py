@@ -47,16 +47,18 @@ from __future__ import annotations
 import ast
 import contextlib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from chronotope.errors import ChronotopeError
+from chronotope.graph.autocast import autocast_dtypes
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph, Op
+    from chronotope.plan.plan import Plan
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
@@ -159,6 +161,11 @@ class Precision:
         return LossScale(self) if self.scaled else None
 
 
+def plan_precision(plan: Plan) -> Precision | None:
+    """The mixed precision a plan was made for (``plan.dtype``), None for fp32."""
+    return None if plan.dtype == "fp32" else Precision(plan.dtype)
+
+
 def tolerance(precision: Precision | None) -> float:
     return FP32_TOLERANCE if precision is None else precision.tolerance
 
@@ -257,8 +264,10 @@ def check_precision(graph: Graph, precision: Precision | None,
         if why:
             raise PrecisionError(f"{_where(op)} cannot run in {name} on {device_type}: {why}; "
                                  "train in fp32 or rewrite the op")
-    for op, dtypes in _autocast_dtypes(graph, precision, device_type):
+    inferred = autocast_dtypes(graph, precision.dtype)
+    for op in graph.ops:
         if op.kind in SAME_DTYPE:
+            dtypes = [inferred.get(t, t.dtype) for t in op.inputs]
             floats = sorted({str(d).removeprefix("torch.") for d in dtypes
                              if d is not None and d.is_floating_point})
             if len(floats) > 1:
@@ -266,56 +275,6 @@ def check_precision(graph: Graph, precision: Precision | None,
                     f"{_where(op)} cannot run in {name}: under autocast its tensors come as "
                     f"{' and '.join(floats)}, and {op.kind} needs one dtype; cast the source "
                     "to the destination's dtype in the model (or train in fp32)")
-
-
-def _autocast_dtypes(graph: Graph, precision: Precision, device_type: str
-                     ) -> Iterator[tuple[Op, list[torch.dtype | None]]]:
-    """Each op with the dtypes its input tensors have under autocast, inferred on fake
-    tensors (shapes and dtypes only); None where an earlier op could not be followed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from chronotope.graph.execute import run_op
-    from chronotope.graph.ir import PTensor
-
-    if device_type != "cpu":  # fake CUDA tensors need a CUDA build: follow CPU's policy
-        device_type = "cpu"
-    device = torch.device(device_type)
-    values: dict[PTensor, Any] = {}
-    dtypes: dict[PTensor, torch.dtype | None] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            precision.autocast(device_type), warn_nothing():
-        for op in graph.ops:
-            ins = [dtypes.get(t, t.dtype) for t in op.inputs]
-            yield op, ins
-            outs: list[Any] = []
-            if all(t in values or _leaf(t, graph) for t in op.inputs):
-                try:
-                    for t in op.inputs:
-                        if t not in values:
-                            values[t] = mode.from_tensor(
-                                torch.empty(t.shape, dtype=t.dtype, device=device))
-                    outs = run_op(op, values, device)
-                except Exception:  # noqa: BLE001  (not followable on fake tensors: skip)
-                    outs = []
-            for i, t in enumerate(op.outputs):
-                if i < len(outs) and isinstance(outs[i], torch.Tensor):
-                    values[t] = outs[i]
-                    dtypes[t] = outs[i].dtype
-                else:
-                    dtypes[t] = None
-
-
-def _leaf(t: Any, graph: Graph) -> bool:
-    return t in graph.inputs or t in graph.params.values() or t in graph.buffers.values() \
-        or t.name in graph.constants
-
-
-@contextlib.contextmanager
-def warn_nothing() -> Iterator[None]:
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 # ---- a dtype error raised while a rank's step ran ----------------------------------------

@@ -48,7 +48,7 @@ from chronotope.runtime.local import (
 )
 from chronotope.runtime.metrics import JsonlLog
 from chronotope.runtime.optim import Optim
-from chronotope.runtime.precision import Precision, check_precision
+from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
 
@@ -272,6 +272,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
     Returns the losses of the steps run, the final weights and buffers.
     """
+    precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
                          timeout, precision)
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
