@@ -66,7 +66,7 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
         if a is not None and b is not None and a != b:
             waits.add((e.dst.device, b, e.src.device, a))
     _play(plan, waits)
-    return {device: _kept(plan.steps[device]) for device in held}
+    return {device: kept(plan.steps[device]) for device in held}
 
 
 def _refuse_peers_apart(plan: Plan, held: dict[int, set[Cell]]) -> None:
@@ -154,7 +154,7 @@ def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:
         raise DeadlockError("\n".join(lines))
 
 
-def _kept(steps: list[Step]) -> int:
+def kept(steps: list[Step]) -> int:
     """The most micro-batches whose forward ran and whose last backward step has not."""
     last = {m: i for i, (kind, _, m) in enumerate(steps) if kind != "F"}
     alive, most = set(), 0

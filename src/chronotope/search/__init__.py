@@ -1,20 +1,22 @@
 """Automatic plan search: a plan found by a solver goes through the same check, compile and
 runtime as one written by hand.
 
-``search(graph, devices, cluster=..., memory=...)`` prices two families under the cluster's
-cost model and keeps the cheapest that fits ``memory`` per device by the plan's own
-estimate: every op cut over all devices as the intra-op ILP (``search/ilp.py``) finds
-best on each device mesh, and pipelines whose stages the stage DP (``search/stages.py``)
-cuts, each stage cut by the ILP on its own devices. The plan is built with the
-primitives, simulated, and reported next to the ready-made data- and tensor-parallel
-plans.
+``search(graph, devices, cluster=..., memory=...)`` prices three families under the
+cluster's cost model, in the dtype the step computes in, and keeps the cheapest that fits
+``memory`` per device (the cluster's device memory unless given) by the plan's own
+estimate: the mesh policy's knobs (``search/knobs.py``: data, tensor and pipeline degrees,
+micro-batches, interleaving, recompute, sequence parallelism: what experts run at
+scale), every op cut over all devices as the intra-op ILP (``search/ilp.py``) finds best
+on each device mesh, and pipelines whose stages the stage DP (``search/stages.py``) cuts,
+each stage cut by the ILP on its own devices. The plan is built with the primitives,
+simulated, and reported next to the ready-made data- and tensor-parallel plans.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +26,12 @@ from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph.ir import Graph, Op
 from chronotope.plan.check import format_bytes
-from chronotope.plan.plan import Plan
+from chronotope.plan.plan import PLAN_DTYPES, Plan
 from chronotope.search.build import build, build_pipeline
 from chronotope.search.drec import DRecError, joint
 from chronotope.search.drec import Pipeline as DRecPipeline
 from chronotope.search.ilp import NoFit, Solution, first_reads, solve, updates_cut
+from chronotope.search.knobs import Model, points
 from chronotope.search.space import (
     TRAINING_FLOPS,
     ConstraintError,
@@ -43,7 +46,9 @@ from chronotope.search.space import (
 )
 from chronotope.search.stages import Pipeline, pipelines
 
-METHODS = ("auto", "ilp", "drec")
+METHODS = ("auto", "mesh", "ilp", "drec")
+PER_OP_UP_TO = 64  # devices up to which "auto" also searches per op (ILP, D-Rec): beyond,
+# their plans over every device are too large to build here
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
 FINALISTS = 3  # the ILP's cheapest options that fit, built and simulated to pick one (and
 # the cheapest pipeline, or plan over all devices, if none of them is one)
@@ -85,15 +90,23 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
            pipeline: bool = True, simulate: bool = True,
-           constraints: dict[str, str] | None = None) -> SearchResult:
+           constraints: dict[str, str] | None = None, dtype: str = "fp32",
+           replica: Callable[[int], Graph] | None = None) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
-    device (by the plan's own estimate).
+    device by the plan's own estimate (default: the cluster's device memory; ``math.inf``
+    for no limit), computing in ``dtype`` ("fp32", "bf16", "fp16": priced at its FLOP
+    rate and memory, recorded in the plan).
 
-    ``method``: ``"ilp"`` (the intra-op ILP over every mesh ``devices`` factors into, or
-    ``mesh`` alone, ``(2, 4)``: two groups of four; and, unless ``pipeline`` is off or a
-    mesh is given, pipelines by the stage DP), ``"drec"`` (the recursive bi-partition
-    and its pipelines: no solver, devices a power of two), or ``"auto"``: both, the one
-    the simulator finds faster.
+    ``method``: ``"mesh"`` (the mesh policy's knobs, ``search/knobs.py``), ``"ilp"`` (the
+    intra-op ILP over every mesh ``devices`` factors into, or ``mesh`` alone, ``(2, 4)``:
+    two groups of four; and, unless ``pipeline`` is off or a mesh is given, pipelines by
+    the stage DP), ``"drec"`` (the recursive bi-partition and its pipelines: no solver,
+    devices a power of two), or ``"auto"``: the mesh policy's knobs, and up to
+    ``PER_OP_UP_TO`` devices the other two; the one the simulator finds fastest.
+
+    ``replica``: the graph of ``1 / r`` of the batch (``lambda r: ct.capture(workload.
+    replica(r))``); with it the mesh family builds data parallelism as replicas of one
+    group (``plan.scale``), whose plan is as small at 1,024 devices as at 16.
 
     ``constraints``: ``{pattern: strategies}``, shell-style, for the ILP: ops whose name or
     module matches ``pattern`` keep the strategies whose label matches (``{"h.*.mlp.*":
@@ -114,16 +127,30 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if constraints and method == "drec":
         raise SearchError("D-Rec searches its own space and takes no constraints: use "
                           "method='ilp'")
+    if dtype not in PLAN_DTYPES:
+        raise SearchError(f"unknown dtype {dtype!r}: use {', '.join(PLAN_DTYPES)}")
+    if constraints and method == "mesh":
+        raise SearchError("the mesh family takes no constraints: use method='ilp'")
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
+    if memory is None:
+        memory = cluster.memory
+    elif math.isinf(memory):
+        memory = None
     start, clock = time.perf_counter(), _Clock()
     found: list[_Found] = []
     explored: list[dict[str, Any]] = []
     errors: list[SearchError] = []
-    runs = {"ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
-                                   pipeline, explored, clock, simulate, constraints),
-            "drec": lambda: _by_drec(graph, devices, cluster, memory, explored, clock)}
-    for name in ("ilp", "drec") if method == "auto" else (method,):
+    runs = {"mesh": lambda: _by_knobs(graph, devices, cluster, memory, dtype, replica,
+                                      explored, clock, simulate),
+            "ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
+                                   pipeline, explored, clock, simulate, constraints, dtype),
+            "drec": lambda: _by_drec(graph, devices, cluster, memory, explored, clock, dtype)}
+    for name in ("mesh", "ilp", "drec") if method == "auto" else (method,):
+        if name == "mesh" and method == "auto" and (constraints or mesh is not None):
+            continue  # the constraints and the mesh given are the per-op families'
+        if name != "mesh" and method == "auto" and devices > PER_OP_UP_TO:
+            continue
         if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
             continue  # D-Rec halves the devices: only powers of two, no given mesh
         if name == "drec" and method == "auto" and found and not simulate:
@@ -145,8 +172,8 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
                   for f in found]
         best = min(range(len(found)), key=lambda i: priced[i]["predicted_step_s"])
         candidates = [priced[best], *priced[:best], *priced[best + 1:]]
-        if simulate:
-            candidates += [c for c in (_ready_made(graph, devices, name, cluster)
+        if simulate and devices <= PER_OP_UP_TO:
+            candidates += [c for c in (_ready_made(graph, devices, name, cluster, dtype)
                                        for name in ("dp", "tp")) if c is not None]
     for c in candidates:
         c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
@@ -171,12 +198,12 @@ class _Found:
 def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             time_limit: float, mesh: Sequence[int] | None, pipeline: bool,
             explored: list[dict[str, Any]], clock: _Clock, simulate: bool,
-            constraints: dict[str, str] | None) -> _Found:
+            constraints: dict[str, str] | None, dtype: str = "fp32") -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits; simulating, the fastest in the
     simulator of the cheapest few that fit and the cheapest of the other family."""
     options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
-                                     pipeline, explored, constraints)
+                                     pipeline, explored, constraints, dtype)
     peak, why, fitting = None, [], []
     families: set[bool] = set()  # pipelines or not, among those that fit
     other = 0  # tries at one more, the cheapest of the other family, should the model err
@@ -190,11 +217,11 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             other += 1
         try:
             if isinstance(option, Pipeline):
-                choice, plan, peaks = _pipeline_plan(graph, option, memory, clock)
+                choice, plan, peaks = _pipeline_plan(graph, option, memory, clock, dtype)
                 layout = option.label
             else:
                 solution, plan, peaks = _fitted(graph, *option, cluster, memory, time_limit,
-                                                clock)
+                                                clock, dtype)
                 choice, layout, seconds = solution.choice, str(solution.mesh), solution.seconds
             fitting.append(_Found("ilp", plan, peaks, layout,
                                   {op.name: s.label for op, s in choice.items()}, seconds,
@@ -217,10 +244,67 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     return fitting[0]
 
 
+def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
+              dtype: str, replica: Callable[[int], Graph] | None,
+              explored: list[dict[str, Any]], clock: _Clock, simulate: bool) -> _Found:
+    """The mesh policy's knobs, each point priced by ``knobs.Model``: the cheapest few that
+    fit built and checked by the plan's own memory estimate (a point the estimate finds
+    too big gives way to the next), the fastest of them in the simulator."""
+    model = Model(graph, cluster, dtype)
+    ranked = sorted((model.price(k) for k in points(model, devices, cluster.per_node)),
+                    key=lambda p: p.seconds)
+    if not ranked:
+        raise SearchError(f"no mesh over {devices} devices divides the batch of "
+                          f"{graph.batch_size} and the model's blocks")
+    fitting = [p for p in ranked if memory is None or p.memory <= memory]
+    if not fitting:
+        least = min(ranked, key=lambda p: p.memory)
+        raise SearchError(
+            f"no plan over {devices} devices fits {format_bytes(memory or 0)} per device: "
+            f"the least any point of the space needs is about {format_bytes(least.memory)} "
+            f"({least.knobs.label}; {format_bytes(least.states)} of it weights, gradients and "
+            f"optimizer state); give more memory or devices, or compute in 16 bits")
+    found: list[_Found] = []
+    wanted = FINALISTS if simulate else 1
+    for p in fitting[:4 * wanted]:
+        if len(found) == wanted:
+            break
+        try:
+            with clock("build"):
+                plan = p.knobs.plan(graph, dtype, replica)
+        except PlanError as e:  # a barrier no micro-batch runs alone, say
+            explored.append({"method": "mesh", "option": p.knobs.label,
+                             "model_step_s": p.seconds, "refused": str(e)})
+            continue
+        peaks = _peaks(plan, clock)
+        explored.append({"method": "mesh", "option": p.knobs.label, "model_step_s": p.seconds,
+                         "model_memory_bytes": p.memory, "peak_memory_bytes": max(peaks)})
+        if memory is None or max(peaks) <= memory:
+            found.append(_Found("mesh", plan, peaks, p.knobs.label,
+                                {op.name: s.label for op, s in
+                                 model.choice(p.knobs.tp, p.knobs.sequence).items()},
+                                p.seconds))
+    if not found:
+        tried = "; ".join(f"{e['option']}: " + (e.get("refused") or
+                                                 format_bytes(e["peak_memory_bytes"]))
+                          for e in explored if e["method"] == "mesh")
+        raise SearchError(f"the cheapest points that fit {format_bytes(memory or 0)} by the "
+                          "search's model could not be built or do not fit by the plan's "
+                          f"estimate: {tried[:400]}")
+    if len(found) > 1:
+        with clock("simulate"):
+            for f in found:
+                f.priced = _simulated("searched (mesh)", f.plan, cluster)
+                explored.append({"method": "mesh", "option": f.layout, "model_step_s": f.model_s,
+                                 "simulated_step_s": f.priced["predicted_step_s"]})
+        return min(found, key=lambda f: f.priced["predicted_step_s"])
+    return found[0]
+
+
 def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
                 time_limit: float = 60.0, mesh: Sequence[int] | None = None,
                 pipeline: bool = True, explored: list[dict[str, Any]] | None = None,
-                constraints: dict[str, str] | None = None
+                constraints: dict[str, str] | None = None, dtype: str = "fp32"
                 ) -> tuple[list[tuple[float, Any]], int]:
     """The ILP's decision, nothing built: its optimum on every mesh (or ``mesh``) as
     ``(solution, space, groups)`` and the stage DP's pipelines, cheapest first by the cost
@@ -232,8 +316,8 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
     whole = Plan(graph, 1)  # the whole-op pieces every mesh's strategies start from
     for shape in meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]:
         try:
-            space = constrain(graph, strategies(graph, shape, cluster, whole=whole),
-                              constraints)
+            space = constrain(graph, strategies(graph, shape, cluster, whole=whole,
+                                                dtype=dtype), constraints)
         except ConstraintError as e:  # a cut the constraints name that this mesh has not
             refused.append(f"mesh {shape}: {e}")
             continue
@@ -250,7 +334,8 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
         explored.append({"method": "ilp", "option": f"mesh {shape}",
                          "model_step_s": solution.seconds})
     if pipeline and mesh is None and devices > 1:
-        for stages in pipelines(graph, devices, cluster, memory, time_limit, constraints):
+        for stages in pipelines(graph, devices, cluster, memory, time_limit, constraints,
+                                dtype):
             variables += sum(sol.variables for sol in stages.solutions)
             options.append((stages.seconds, stages))
             explored.append({"method": "ilp", "option": stages.label,
@@ -258,20 +343,20 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
     if not options and least is None and refused:
         raise SearchError("; ".join(refused[:2]))
     if not options:
-        space = strategies(graph, devices, cluster, whole=whole)
+        space = strategies(graph, devices, cluster, whole=whole, dtype=dtype)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
     options.sort(key=lambda option: option[0])
     return options, variables
 
 
 def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
-             explored: list[dict[str, Any]], clock: _Clock) -> _Found:
+             explored: list[dict[str, Any]], clock: _Clock, dtype: str = "fp32") -> _Found:
     """D-Rec's plan over all devices, or its pipeline of D-Rec plans over fewer (the
     thesis's joint search), the cheapest by its symbolic cost that fits."""
     batch = graph.batch_size or 1
     micro = max(m for m in (1, 2, 4, 8, 16) if batch % m == 0)
     # compute in the unit of the symbolic cost (an element sent within a node)
-    per_element = cluster.intra.bandwidth / 4 / cluster.peak()
+    per_element = cluster.intra.bandwidth / 4 / cluster.peak(dtype)
     compute = {op: TRAINING_FLOPS * op_flops(op) * per_element for op in graph.ops}
     built: dict[int, tuple[Plan, list[int]]] = {}
 
@@ -279,6 +364,7 @@ def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
         try:
             with clock("build"):
                 plan = _drec_plan(graph, devices, stages, micro)
+                plan.dtype = dtype
         except PlanError:
             return False
         peaks = _peaks(plan, clock)
@@ -320,7 +406,7 @@ class _TooBig(Exception):
 
 
 def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
-            memory: float | None, time_limit: float, clock: _Clock
+            memory: float | None, time_limit: float, clock: _Clock, dtype: str = "fp32"
             ) -> tuple[Solution, Plan, list[int]]:
     """The solution's plan, solved again with a tighter budget until the plan's own memory
     estimate fits: the solver counts activations coarsely, the estimate by liveness."""
@@ -330,6 +416,7 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
             plan = build(graph, solution.mesh.shape,
                          {op: s.algos for op, s in solution.choice.items()},
                          zero_weights(graph, solution.choice))
+            plan.dtype = dtype
         peaks = _peaks(plan, clock)
         if memory is None or max(peaks) <= memory:
             return solution, plan, peaks
@@ -343,13 +430,14 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
     raise _TooBig(max(peaks))
 
 
-def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None, clock: _Clock
-                   ) -> tuple[dict[Op, Strategy], Plan, list[int]]:
+def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None, clock: _Clock,
+                   dtype: str = "fp32") -> tuple[dict[Op, Strategy], Plan, list[int]]:
     choice = {op: s for sol in found.solutions for op, s in sol.choice.items()}
     with clock("build"):
         plan = build_pipeline(graph, found.stage_devices, found.stage_of, found.micro,
                               {op: s.algos for op, s in choice.items()},
                               zero=zero_weights(graph, choice))
+        plan.dtype = dtype
     peaks = _peaks(plan, clock)
     if memory is not None and max(peaks) > memory:
         raise _TooBig(max(peaks))
@@ -379,12 +467,13 @@ def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             "peak_memory_bytes": max(checked.memory[d].total for d in range(plan.ndevices))}
 
 
-def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster
+def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster, dtype: str
                 ) -> dict[str, Any] | None:
     from chronotope.policies import mesh
 
     try:
         plan = mesh(graph, dp=devices) if name == "dp" else mesh(graph, tp=devices)
+        plan.dtype = dtype
         return _simulated(name, plan, cluster)
     except PlanError:
         return None

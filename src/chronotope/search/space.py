@@ -100,15 +100,16 @@ def sharded(layout: Layout, mesh: Mesh) -> int:
 
 
 def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
-               registry: OpRegistry | None = None, whole: Plan | None = None
-               ) -> dict[Op, list[Strategy]]:
-    """Every op's strategies over ``mesh`` (at least replicating it on every axis).
+               registry: OpRegistry | None = None, whole: Plan | None = None,
+               dtype: str = "fp32") -> dict[Op, list[Strategy]]:
+    """Every op's strategies over ``mesh`` (at least replicating it on every axis), their
+    compute at the cluster's FLOP rate for ``dtype``.
     ``whole``: a one-device plan of the graph, whose whole-op pieces ``Plan.trans`` starts
     from (made here if not given; a caller searching many meshes makes it once)."""
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     registry = registry or graph.registry or DEFAULT_REGISTRY
     scratch = whole if whole is not None else Plan(graph, 1, registry=registry)
-    peak = cluster.peak()
+    peak = cluster.peak(dtype)
     out: dict[Op, list[Strategy]] = {}
     seen: dict[tuple, list[Strategy]] = {}  # ops alike (repeated layers') are cut alike
     for op in graph.ops:

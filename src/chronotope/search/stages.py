@@ -68,15 +68,15 @@ class Pipeline:
 
 
 def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
-              time_limit: float = 60.0, constraints: dict[str, str] | None = None
-              ) -> list[Pipeline]:
+              time_limit: float = 60.0, constraints: dict[str, str] | None = None,
+              dtype: str = "fp32") -> list[Pipeline]:
     """Every pipeline the DP finds that fits, cheapest first: stage counts that divide the
     devices, micro-batches from one to four per stage that divide the batch
     (``constraints``: as ``space.constrain`` takes them)."""
     batch = graph.batch_size or 1
     cuts = cut_positions(graph)
     found = []
-    spaces = _Spaces(graph, cluster, constraints)
+    spaces = _Spaces(graph, cluster, constraints, dtype)
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
         micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
@@ -226,8 +226,9 @@ class _Spaces:
     one-device plan and batch dims are shared by all of them."""
 
     def __init__(self, graph: Graph, cluster: Cluster,
-                 constraints: dict[str, str] | None = None) -> None:
+                 constraints: dict[str, str] | None = None, dtype: str = "fp32") -> None:
         self.graph, self.cluster, self.constraints = graph, cluster, constraints
+        self.dtype = dtype
         self.whole = Plan(graph, 1)
         self.batch = _batch_sizes(graph, self.whole)
         self.made: dict[tuple[Mesh, int], tuple[dict[Op, list[Strategy]], dict[Op, Hashable]]] = {}
@@ -238,7 +239,8 @@ class _Spaces:
         groups of repeated ops."""
         if (mesh, micro) not in self.made:
             space = constrain(self.graph, strategies(self.graph, mesh, self.cluster,
-                                                     whole=self.whole), self.constraints) \
+                                                     whole=self.whole, dtype=self.dtype),
+                              self.constraints) \
                 if micro == 1 else _dividing(self.on(mesh, 1)[0], micro, self.batch)
             self.made[(mesh, micro)] = space, repeated(self.graph, space)
         return self.made[(mesh, micro)]

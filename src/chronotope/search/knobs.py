@@ -1,0 +1,318 @@
+"""The mesh policy's knobs searched: what experts choose at scale, priced point by point.
+
+Training GPT-3 175B on 1,024 GPUs, experts choose a handful of numbers: data, tensor and
+pipeline degrees, the micro-batches, interleaved stages, recompute, sequence parallelism,
+the dtype. Each point of that space is ``policies.mesh`` (Megatron's cuts, stages of
+about equal compute, 1F1B or interleaved order, folded: planned for one micro-batch) and
+priced here without building it:
+
+- each op's time on one micro-batch: its compute at the dtype's FLOP rate under the cut
+  tensor parallelism makes of it, and the layout changes of what it reads
+  (``stages.op_seconds`` on the ILP's strategies over the ``tp`` devices); a
+  recomputed op runs its forward once more;
+- a rank's time per micro-batch is its stages' and the messages to the next stage; the
+  step is ``micro * T + (sum(T) - T) / chunks`` for the slowest rank's ``T`` (1F1B's fill
+  and drain, shortened by interleaving), then the gradients' all-reduce over the
+  data-parallel replicas and the optimizer's update;
+- a device holds its stages' weights, gradients and optimizer state (fp32, their
+  tensor-parallel slices) and, per micro-batch in flight, what its ops keep for the
+  backward (as autocast makes it: 16 bits after a linear; a recomputed op nothing, but
+  one block's while it is made again; a 16-bit copy of each weight a linear casts).
+
+The cheapest points that fit are built (data parallel as replicas of one group,
+``plan.scale``, where the graph of one replica's rows can be had) and checked by the
+plan's own memory estimate; the search simulates them and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from chronotope.cost.network import Cluster
+from chronotope.graph.autocast import autocast_dtypes, casts, itemsize
+from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
+from chronotope.graph.ir import Graph, Op, PTensor
+from chronotope.plan.algo import Replicate, Split
+from chronotope.plan.check import OPTIMIZER_STATES
+from chronotope.plan.plan import Plan, differentiable
+from chronotope.plan.steps import kept
+from chronotope.policies.mesh import (
+    _crossing,
+    checkpointed,
+    data_only,
+    mesh,
+    stages,
+    tensor_parallel_dims,
+)
+from chronotope.policies.pipeline import SCHEDULES
+from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads
+from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
+from chronotope.search.stages import op_seconds
+
+RECOMPUTE = (None, "selective", "full")
+CHUNKS = (1, 2, 4)  # stages per rank tried (interleaved beyond one)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point: ``dp`` replicas of ``pp`` stages of ``tp`` devices; ``micro`` micro-batches
+    per replica; ``chunks`` stages per rank (interleaved 1F1B beyond one)."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro: int
+    chunks: int = 1
+    recompute: str | None = None
+    sequence: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.chunks > 1 else "1f1b"
+
+    @property
+    def label(self) -> str:
+        text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}, {self.micro} micro-batches"
+        if self.chunks > 1:
+            text += f", {self.chunks} stages per rank"
+        if self.recompute:
+            text += f", recompute {self.recompute}"
+        return text + (", sequence parallel" if self.sequence else "")
+
+    def plan(self, graph: Graph, dtype: str = "fp32",
+             replica: Callable[[int], Graph] | None = None) -> Plan:
+        """The point as a plan: ``policies.mesh`` folded over its micro-batches; with
+        ``replica`` (the graph of ``1 / r`` of the batch), one replica scaled ``dp`` times."""
+        unit = replica(self.dp) if replica is not None and self.dp > 1 else graph
+        dp = self.dp if unit is graph else 1
+        plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
+                    schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
+                    sequence=self.sequence, fold=self.micro > 1)
+        plan.dtype = dtype
+        return plan.scale(self.dp) if dp != self.dp else plan
+
+
+@dataclass
+class Priced:
+    knobs: Knobs
+    seconds: float  # the model's step time
+    memory: float  # bytes on the fullest device
+    states: float  # of ``memory``: weights, gradients and optimizer state
+    rank: int  # the fullest device's stage rank
+
+
+class Model:
+    """What pricing any point of one graph on one cluster needs, made once."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, dtype: str = "fp32",
+                 optimizer: str = "adam") -> None:
+        self.graph, self.cluster, self.dtype = graph, cluster, dtype
+        self.states = 2 + OPTIMIZER_STATES[optimizer]  # the weight, its gradient, its state
+        self.ops = graph.ops
+        self.index = {op: i for i, op in enumerate(self.ops)}
+        self.whole = Plan(graph, 1)
+        self.batch = graph.batch_size or 1
+        self.batch_dim = batch_dims(graph)
+        self.needs_grad = differentiable(graph)
+        dtypes = autocast_dtypes(graph, dtype)
+        self.kept = {t: itemsize(t, dtypes) for t in dtypes}
+        self.casting = {op for op in self.ops if dtype != "fp32" and casts(op, dtypes)}
+        self.keep = data_only(graph) | set(loss_tails(graph, self.batch_dim,
+                                                      self.whole.registry))
+        crossing = _crossing(self.ops)
+        inner = crossing[1:-1]
+        self.blocks = 1 + sum(c == min(inner) for c in inner) if inner else 1
+        self.first = first_reads(self.ops)
+        self._choices: dict[tuple[int, bool], dict[Op, Strategy]] = {}
+        self._terms: dict[tuple, np.ndarray] = {}
+        self._times: dict[tuple, np.ndarray] = {}
+        self._stages: dict[tuple[int, bool], np.ndarray] = {}
+        self._recomputed: dict[str | None, np.ndarray] = {}
+        self._sends: dict[tuple, float] = {}
+
+    # ---- per op ----------------------------------------------------------------------
+
+    def choice(self, tp: int, sequence: bool) -> dict[Op, Strategy]:
+        """Each op's strategy over ``tp`` devices as ``policies.mesh`` cuts it."""
+        key = (tp, sequence)
+        if key not in self._choices:
+            space = strategies(self.graph, Mesh((tp,)), self.cluster, whole=self.whole,
+                               dtype=self.dtype)
+            shards = tensor_parallel_dims(self.graph, tp) if tp > 1 else {}
+            seq = sequence_dims(self.graph) if sequence else {}
+            out = {}
+            for op in self.ops:
+                shard = shards.get(op)
+                dim = shard.dim if shard is not None else seq.get(op)
+                wanted = (Split(dim, tp),) if dim is not None and tp > 1 else (Replicate(tp),)
+                found = [s for s in space.get(op, ()) if not s.zero]
+                pick = next((s for s in found if s.algos == wanted), None) or next(
+                    (s for s in found if s.algos == (Replicate(tp),)), None)
+                if pick is not None:
+                    out[op] = pick
+            self._choices[key] = out
+        return self._choices[key]
+
+    def terms(self, tp: int, sequence: bool) -> np.ndarray:
+        """Per op: [compute s (forward and backward, whole batch), kept bytes (whole
+        batch), cast weight copies, weight state bytes, once-a-step sync s, weight
+        gradient bytes, the activation gradients its backward holds (whole batch)]."""
+        key = (tp, sequence)
+        if key not in self._terms:
+            choice, m = self.choice(tp, sequence), Mesh((tp,))
+            pricer = Pricer(m, self.cluster)
+            rows = []
+            for op in self.ops:
+                s = choice.get(op)
+                if s is None:
+                    rows.append((0.0,) * 7)
+                    continue
+                kept = sum(self._bytes(t) / sharded(lay, m)
+                           for t, lay in zip(op.outputs, s.outputs))
+                held = kept + sum(self._bytes(t) / sharded(lay, m)
+                                  for t, lay in zip(op.inputs, s.inputs)
+                                  if t in self.needs_grad and t not in self.graph_params)
+                params = [(i, t) for i, t in enumerate(op.inputs) if t in self.graph_params]
+                copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
+                             for i, t in params) if op in self.casting else 0.0
+                grads = sum(math.prod(op.inputs[i].shape) * 4 / sharded(s.inputs[i], m)
+                            for i in self.first[op] if op.inputs[i] in self.needs_grad)
+                rows.append((s.compute, kept, copies,
+                             _weight_bytes(op, s, self.first[op], self.states, m),
+                             _op_sync(op, s, self.first[op], pricer), grads, held))
+            self._terms[key] = np.array(rows).reshape(len(self.ops), 7)
+        return self._terms[key]
+
+    def _bytes(self, t: PTensor) -> float:
+        return math.prod(t.shape) * self.kept.get(t, t.dtype.itemsize)
+
+    @property
+    def graph_params(self) -> set[PTensor]:
+        if not hasattr(self, "_params"):
+            self._params = set(self.graph.params.values())
+        return self._params
+
+    def times(self, tp: int, sequence: bool, m: int) -> np.ndarray:
+        """Each op's seconds on ``1 / m`` of the batch: compute and layout changes."""
+        key = (tp, sequence, m)
+        if key not in self._times:
+            self._times[key] = np.array(op_seconds(self.graph, self.choice(tp, sequence),
+                                                   Mesh((tp,)), self.cluster, m))
+        return self._times[key]
+
+    def stage_of(self, stages_: int, micro_batched: bool) -> np.ndarray:
+        key = (stages_, micro_batched)
+        if key not in self._stages:
+            cut = stages(self.graph, stages_, micro_batched=micro_batched)
+            self._stages[key] = np.array([cut[op] for op in self.ops])
+        return self._stages[key]
+
+    def recomputed(self, how: str | None) -> np.ndarray:
+        if how not in self._recomputed:
+            ops = set(checkpointed(self.graph, how, "recompute", self.batch_dim, self.keep))
+            self._recomputed[how] = np.array([op in ops for op in self.ops], dtype=bool)
+        return self._recomputed[how]
+
+    def sends(self, k: Knobs, m: int, stage_of: np.ndarray) -> float:
+        """Seconds of one micro-batch's messages between consecutive stages on the
+        slowest boundary, forward and back: every tensor-parallel rank sends its copy (a
+        slice under sequence parallelism), across nodes sharing their networks."""
+        key = (k.tp, k.pp, k.chunks, k.sequence, m, k.micro > 1)
+        if key not in self._sends:
+            worst = 0.0
+            bounds = np.flatnonzero(np.diff(stage_of)) + 1
+            for v, at in enumerate(bounds):
+                before = {t for op in self.ops[:at] for t in op.outputs}
+                crossing = {t for op in self.ops[at:] for t in op.inputs if t in before}
+                size = sum(math.prod(t.shape) * t.dtype.itemsize * (1 + (t in self.needs_grad))
+                           for t in crossing) / m / (k.tp if k.sequence else 1)
+                a, b = v % k.pp, (v + 1) % k.pp
+                worst = max(worst, self.cluster.transfer(
+                    [(a * k.tp + j, b * k.tp + j, size) for j in range(k.tp)]))
+            self._sends[key] = worst
+        return self._sends[key]
+
+    # ---- a point ---------------------------------------------------------------------
+
+    def price(self, k: Knobs) -> Priced:
+        m = k.dp * k.micro  # micro-batches of the whole batch
+        terms = self.terms(k.tp, k.sequence)
+        stage_of = self.stage_of(k.pp * k.chunks, k.micro > 1)
+        rank_of = stage_of % k.pp
+        again = self.recomputed(k.recompute)
+        seconds = self.times(k.tp, k.sequence, m) + again * terms[:, 0] / 3 / m
+        per_rank = np.bincount(rank_of, weights=seconds, minlength=k.pp)
+        if k.pp > 1:
+            per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
+        slowest = per_rank.max()
+        step = k.micro * slowest + (per_rank.sum() - slowest) / k.chunks
+        sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
+        if k.dp > 1:
+            grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
+            unit = k.tp * k.pp
+            sync = sync + np.array([self.cluster.collective(
+                "all_reduce", grads[r], [tuple(i * unit + r * k.tp + j for i in range(k.dp))
+                                         for j in range(k.tp)]) for r in range(k.pp)])
+        states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
+        kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2])
+        per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
+        remade = np.bincount(rank_of, weights=np.where(again, terms[:, 1] / m + terms[:, 2],
+                                                       0.0), minlength=k.pp)
+        blocks = max(1, self.blocks // (k.pp * k.chunks))
+        transient = [terms[rank_of == r, 6].max(initial=0.0) / m for r in range(k.pp)]
+        memory = np.array([states[r] + self._live(k, r) * (
+            per_micro[r::k.pp].sum() + remade[r] / blocks + transient[r]) for r in range(k.pp)])
+        fullest = int(memory.argmax())
+        return Priced(k, float(step + sync.max()), float(memory[fullest]),
+                      float(states[fullest]), fullest)
+
+    @staticmethod
+    def _live(k: Knobs, rank: int) -> int:
+        """Micro-batches rank ``rank`` holds activations of at once in its schedule's
+        order, as the plan's estimate counts them (``plan.steps``)."""
+        if k.micro == 1:
+            return 1
+        return kept(SCHEDULES[k.schedule](rank, k.pp, k.micro, k.chunks))
+
+
+def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:
+    """Every point over ``devices``: tensor parallelism within a node, pipelines up to
+    a stage per block, micro-batches dividing each replica's rows."""
+    graph = model.graph
+    attention = any(op.kind == "attention" for op in graph.ops)
+    for tp in (t for t in (2 ** i for i in range(devices.bit_length()))
+               if devices % t == 0 and t <= per_node):
+        if tp > 1 and not any(s.algos != (Replicate(tp),)
+                              for s in model.choice(tp, False).values()):
+            continue  # nothing to cut
+        for pp in (p for p in range(1, min(devices // tp, model.blocks) + 1)
+                   if (devices // tp) % p == 0):
+            dp = devices // (tp * pp)
+            if model.batch % dp:
+                continue
+            rows = model.batch // dp
+            for micro in (m for m in range(1, rows + 1) if rows % m == 0):
+                for chunks in CHUNKS if pp > 1 else (1,):
+                    if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
+                        continue
+                    for recompute in RECOMPUTE:
+                        if recompute == "selective" and not attention:
+                            continue
+                        for sequence in (False, True) if tp > 1 else (False,):
+                            yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence)
+
+
+def priced(graph: Graph, devices: int, cluster: Cluster, dtype: str = "fp32",
+           optimizer: str = "adam") -> list[Priced]:
+    """Every point priced, cheapest first."""
+    model = Model(graph, cluster, dtype, optimizer)
+    out = [model.price(k) for k in points(model, devices, cluster.per_node)]
+    return sorted(out, key=lambda p: p.seconds)
