@@ -440,7 +440,8 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
                 continue  # counted with the parameters
             if v.ptensor.kind is TensorKind.PARAM and any(
                     m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ())):
-                if copy := held_as.copy(op, v):  # its 16-bit copy, kept for the backward
+                again = op.forward is not None and (op.forward.device, op.forward) in remade
+                if not again and (copy := held_as.copy(op, v)):  # kept for the backward
                     key = ("copy", v.ptensor, v.mask)
                     first.setdefault(key, i)
                     last[key] = i

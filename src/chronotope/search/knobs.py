@@ -164,7 +164,9 @@ class Model:
     def terms(self, tp: int, sequence: bool) -> np.ndarray:
         """Per op: [compute s (forward and backward, whole batch), kept bytes (whole
         batch), cast weight copies, weight state bytes, once-a-step sync s, weight
-        gradient bytes, the activation gradients its backward holds (whole batch)]."""
+        gradient bytes, the activation gradients its backward holds (whole batch), the
+        copies it keeps of inputs read in another layout than made (whole batch: a
+        column-parallel linear's gathered input under sequence parallelism)]."""
         key = (tp, sequence)
         if key not in self._terms:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
@@ -173,8 +175,12 @@ class Model:
             for op in self.ops:
                 s = choice.get(op)
                 if s is None:
-                    rows.append((0.0,) * 7)
+                    rows.append((0.0,) * 8)
                     continue
+                regathered = sum(
+                    self._bytes(t) / sharded(lay, m) for t, lay in zip(op.inputs, s.inputs)
+                    if t.producer in choice and t in self.needs_grad and
+                    choice[t.producer].outputs[t.producer.outputs.index(t)] != lay)
                 kept = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip(op.outputs, s.outputs))
                 held = kept + sum(self._bytes(t) / sharded(lay, m)
@@ -187,8 +193,9 @@ class Model:
                             for i in self.first[op] if op.inputs[i] in self.needs_grad)
                 rows.append((s.compute, kept, copies,
                              _weight_bytes(op, s, self.first[op], self.states, m),
-                             _op_sync(op, s, self.first[op], pricer), grads, held))
-            self._terms[key] = np.array(rows).reshape(len(self.ops), 7)
+                             _op_sync(op, s, self.first[op], pricer), grads, held,
+                             regathered))
+            self._terms[key] = np.array(rows).reshape(len(self.ops), 8)
         return self._terms[key]
 
     def _bytes(self, t: PTensor) -> float:
@@ -262,7 +269,8 @@ class Model:
                 "all_reduce", grads[r], [tuple(i * unit + r * k.tp + j for i in range(k.dp))
                                          for j in range(k.tp)]) for r in range(k.pp)])
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
-        kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2])
+        kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2]) + \
+            terms[:, 7] / m
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
         remade = np.bincount(rank_of, weights=np.where(again, terms[:, 1] / m + terms[:, 2],
                                                        0.0), minlength=k.pp)
