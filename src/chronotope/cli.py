@@ -47,7 +47,7 @@ from chronotope.measure.profile import profile, save_profile
 from chronotope.models import Workload, default_device, load_function, load_workload
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
-from chronotope.plan.files import load_plan
+from chronotope.plan.files import load_plan, replicas_of
 from chronotope.policies import (
     MULTI_STAGE,
     SCHEDULES,
@@ -433,6 +433,8 @@ def _program(workload: Workload, args: argparse.Namespace) -> tuple[Workload, Pr
     """The plan of ``args`` compiled, and the workload it trains; with --replicas R, made on
     one replica's rows of the batch and scaled to R data-parallel replicas (``plan.scale``)."""
     replicas = args.replicas
+    if args.plan and replicas == 1:  # a scaled plan file: made on one replica's rows
+        replicas = replicas_of(args.plan)
     captured = workload.replica(replicas) if replicas > 1 else workload
     graph = _captured(captured, args)
     plan, ran = _plan(graph, args, captured)
@@ -669,9 +671,10 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     cluster = cluster_for(args.devices, args.cluster)
     with out.status(f"searching plans of {graph.name} over {args.devices} devices"):
         result = find_plan(graph, args.devices, cluster,
-                        memory=args.memory * 2 ** 30 if args.memory else None,
-                        method=args.method, mesh=args.mesh, simulate=args.simulate,
-                        constraints=dict(args.constrain or ()))
+                           memory=args.memory * 2 ** 30 if args.memory else None,
+                           method=args.method, mesh=args.mesh, simulate=args.simulate,
+                           constraints=dict(args.constrain or ()), dtype=args.dtype,
+                           replica=lambda r: _captured(workload.replica(r), args))
     if args.out:
         result.plan.save(args.out)
     if args.json:
@@ -680,13 +683,14 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               "peak_memory_bytes": result.peak_memory_bytes, "search_s": result.search_s,
               "variables": result.variables, "candidates": result.candidates,
               "mesh": result.mesh, "explored": result.explored,
-              "timings": result.timings})
+              "timings": result.timings, "dtype": result.plan.dtype,
+              "simulated": result.simulated})
         return 0
     table = Table(title=f"{graph.name} over {args.devices} devices of {cluster.name}: the plan "
                         f"found ({result.method} on mesh {result.mesh}, "
                         f"{result.variables:,} variables, "
                         f"{result.search_s:.2f} s) and the ready-made ones, "
-                        + ("simulated" if args.simulate else "by the search's cost model"))
+                        + ("simulated" if result.simulated else "by the search's cost model"))
     for col in ("plan", "step ms", "peak memory", "fits"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for c in result.candidates:
@@ -1059,11 +1063,14 @@ def parser() -> argparse.ArgumentParser:
                      help="cost model: a preset (dgx1-v100, dgx-a100, h100-sxm; NAMExN) or a "
                           "profile file (default: DGX A100 nodes enough for --devices)")
     sea.add_argument("--memory", type=positive_float, default=None, metavar="GiB",
-                     help="per-device memory limit, by the plan's own estimate")
+                     help="per-device memory limit, by the plan's own estimate (default: "
+                          "the cluster's device memory)")
     sea.add_argument("--method", choices=METHODS, default="auto",
-                     help="ilp: the intra-op ILP on every mesh and the stage DP's pipelines; "
-                          "drec: recursive halving by a symbolic cost (devices a power of "
-                          "two); auto: both, the faster by the simulator (default)")
+                     help="mesh: the mesh policy's degrees, micro-batches, interleaving, "
+                          "recompute and sequence parallelism; ilp: the intra-op ILP on every "
+                          "mesh and the stage DP's pipelines; drec: recursive halving by a "
+                          "symbolic cost (devices a power of two); auto: mesh, and up to 64 "
+                          "devices the other two, the fastest (default)")
     sea.add_argument("--mesh", type=mesh_shape, default=None, metavar="AxB",
                      help="search this device mesh only, e.g. 2x4 (default: every factoring "
                           "of --devices into one or two axes)")
@@ -1073,9 +1080,14 @@ def parser() -> argparse.ArgumentParser:
                      help="ops or modules matching OPS (shell-style) may only be cut as CUT "
                           "says on every mesh axis: 'h.*.mlp.*=split b*', 'lm_head=replicate'; "
                           "repeatable (ILP only)")
-    sea.add_argument("--no-simulate", dest="simulate", action="store_false",
-                     help="compare plans by the search's own cost model instead of compiling "
-                          "and simulating them (for plans too large to compile quickly)")
+    sea.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=None,
+                     help="compile and simulate the cheapest plans found to pick one, or "
+                          "compare them by the search's own cost model (default: simulate "
+                          "up to 64 devices)")
+    sea.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                     help="what the step computes in: priced at the cluster's FLOP rate "
+                          "for it, activations as autocast makes them, fp32 master weights "
+                          "and optimizer state; recorded in the plan (default fp32)")
     _common_args(sea, model=True)
 
     tun = sub.add_parser("tune", help="choose a module schedule's knobs (sch.knob) by the "

@@ -120,6 +120,7 @@ class _Prices(Costs):
         self.params, self.calibration = params, calibration
         self.cluster, self.measured, self.peak = cluster, measured, peak
         self.free: dict[tuple, float] = {}  # link resources: when each is free again
+        self.computed: dict[tuple, float] = {}  # by the pieces an instruction runs
 
     def message(self, src: int, dst: int, nbytes: float, ready: float, since: float,
                 ) -> tuple[float, float]:
@@ -157,10 +158,15 @@ class _Prices(Costs):
         return (1.0 - self.cluster.overlap) * seconds
 
     def local(self, rank: int, ins, since: float) -> float:
+        """An instruction's own time; its pieces' compute priced once (a folded program
+        runs one micro-batch's pieces for every micro-batch)."""
         if isinstance(ins, Free):
             return 0.0
-        compute = instruction_compute(ins, self.measured, self.peak)
-        return self.calibration.seconds(*features(ins), compute, self.cluster.copy_bandwidth)
+        key = _pieces(ins)
+        if key not in self.computed:
+            self.computed[key] = instruction_compute(ins, self.measured, self.peak)
+        return self.calibration.seconds(*features(ins), self.computed[key],
+                                        self.cluster.copy_bandwidth)
 
 
 def _priced(ins, params: dict) -> tuple[str, float]:
@@ -194,6 +200,17 @@ def features(ins: object) -> tuple[str, int, int]:
     if isinstance(ins, Refill):
         return "Refill", 0, ins.nbytes
     return type(ins).__name__, 0, 0
+
+
+def _pieces(ins: object) -> tuple:
+    """What an instruction's compute depends on: the pieces it runs (alive while the
+    program is, so their ids do not change)."""
+    if isinstance(ins, (Forward, WeightGrad)):
+        return (type(ins), id(ins.op))
+    if isinstance(ins, Backward):
+        return (Backward, *(id(op) for op in ins.ops), None,
+                *(id(f.op) for f in ins.recompute if isinstance(f, Forward)))
+    return (type(ins),)
 
 
 def instruction_compute(ins: object, times: dict[str, OpTime] | None,

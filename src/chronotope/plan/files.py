@@ -171,13 +171,23 @@ def _names(plan: Plan, ops: set[PlanOp]) -> list[str]:
 
 def load_plan(graph: Graph, path: str | os.PathLike,
               registry: OpRegistry | None = None) -> Plan:
-    """The plan file at ``path`` applied to ``graph`` through the primitives."""
+    """The plan file at ``path`` applied to ``graph`` through the primitives (a scaled
+    plan's graph is one replica's: see ``replicas_of``)."""
+    return plan_from_dict(graph, _read(path), str(path), registry)
+
+
+def replicas_of(path: str | os.PathLike) -> int:
+    """The data-parallel replicas a plan file runs (``plan.scale``): its graph is captured
+    on ``1 / replicas`` of the batch."""
+    return int(_read(path).get("replicas", 1))
+
+
+def _read(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read plan file {str(path)!r}: {e}") from e
-    return plan_from_dict(graph, data, str(path), registry)
 
 
 def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",

@@ -31,7 +31,7 @@ from chronotope.search.build import build, build_pipeline
 from chronotope.search.drec import DRecError, joint
 from chronotope.search.drec import Pipeline as DRecPipeline
 from chronotope.search.ilp import NoFit, Solution, first_reads, solve, updates_cut
-from chronotope.search.knobs import Model, points
+from chronotope.search.knobs import Knobs, Model, points
 from chronotope.search.space import (
     TRAINING_FLOPS,
     ConstraintError,
@@ -47,6 +47,8 @@ from chronotope.search.space import (
 from chronotope.search.stages import Pipeline, pipelines
 
 METHODS = ("auto", "mesh", "ilp", "drec")
+SIMULATED_UP_TO = 64  # devices up to which the finalists are simulated unless told: beyond,
+# compiling one (a scaled unit of 64 ranks or more) takes minutes here
 PER_OP_UP_TO = 64  # devices up to which "auto" also searches per op (ILP, D-Rec): beyond,
 # their plans over every device are too large to build here
 ROUNDS = 6  # solves at most, tightening the budget to the plan's own memory estimate
@@ -72,6 +74,7 @@ class SearchResult:
     mesh: str = ""  # the layout of the plan found: "2x4", or "2 stages x 4, 8 micro-batches"
     explored: list[dict[str, Any]] = field(default_factory=list)  # each option's optimum
     timings: dict[str, float] = field(default_factory=dict)  # decide, build, check, simulate
+    simulated: bool = True  # the steps are the simulator's (else the search's cost model's)
 
 
 class _Clock(dict):
@@ -89,7 +92,7 @@ class _Clock(dict):
 def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
-           pipeline: bool = True, simulate: bool = True,
+           pipeline: bool = True, simulate: bool | None = None,
            constraints: dict[str, str] | None = None, dtype: str = "fp32",
            replica: Callable[[int], Graph] | None = None) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
@@ -114,9 +117,9 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     D-Rec searches its own space and takes none.
 
     ``simulate``: compile and simulate the plans found and the ready-made data- and
-    tensor-parallel plans to compare them (off, for plans too large to compile quickly:
-    the ILP's cheapest by its own cost model; ``"auto"`` then takes D-Rec's plan only
-    where the ILP finds none, its symbolic cost not being seconds)."""
+    tensor-parallel plans to compare them (default: up to ``SIMULATED_UP_TO`` devices;
+    off, the cheapest by the search's own cost model; ``"auto"`` then takes D-Rec's plan
+    only where the ILP finds none, its symbolic cost not being seconds)."""
     if method not in METHODS:
         raise SearchError(f"unknown search method {method!r}: use {', '.join(METHODS)}")
     if devices < 1:
@@ -133,6 +136,8 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
         raise SearchError("the mesh family takes no constraints: use method='ilp'")
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
+    if simulate is None:
+        simulate = devices <= SIMULATED_UP_TO
     if memory is None:
         memory = cluster.memory
     elif math.isinf(memory):
@@ -180,7 +185,7 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     f = found[best]
     return SearchResult(f.plan, f.method, priced[best]["predicted_step_s"], f.peaks,
                         clock["decide"], f.variables, candidates, f.choices, f.layout, explored,
-                        dict(clock))
+                        dict(clock), simulate)
 
 
 @dataclass
@@ -270,13 +275,11 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         if len(found) == wanted:
             break
         try:
-            with clock("build"):
-                plan = p.knobs.plan(graph, dtype, replica)
+            plan, peaks = _knobs_plan(graph, p.knobs, dtype, replica, clock)
         except PlanError as e:  # a barrier no micro-batch runs alone, say
             explored.append({"method": "mesh", "option": p.knobs.label,
                              "model_step_s": p.seconds, "refused": str(e)})
             continue
-        peaks = _peaks(plan, clock)
         explored.append({"method": "mesh", "option": p.knobs.label, "model_step_s": p.seconds,
                          "model_memory_bytes": p.memory, "peak_memory_bytes": max(peaks)})
         if memory is None or max(peaks) <= memory:
@@ -299,6 +302,23 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
                                  "simulated_step_s": f.priced["predicted_step_s"]})
         return min(found, key=lambda f: f.priced["predicted_step_s"])
     return found[0]
+
+
+def _knobs_plan(graph: Graph, knobs: Knobs, dtype: str,
+                replica: Callable[[int], Graph] | None, clock: _Clock
+                ) -> tuple[Plan, list[int]]:
+    """The point's plan and its estimate: data parallelism as replicas of one group where
+    each replica can run alone, else written into the plan."""
+    if replica is not None and knobs.dp > 1:
+        try:
+            with clock("build"):
+                plan = knobs.plan(graph, dtype, replica)
+            return plan, _peaks(plan, clock)
+        except PlanError:  # an op that needs every replica's rows
+            pass
+    with clock("build"):
+        plan = knobs.plan(graph, dtype)
+    return plan, _peaks(plan, clock)
 
 
 def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
