@@ -24,7 +24,12 @@ from chronotope.plan.replicas import same_but_batch
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.optim import Optim
-from chronotope.runtime.precision import Precision, check_precision, step_error
+from chronotope.runtime.precision import (
+    Precision,
+    check_precision,
+    plan_precision,
+    step_error,
+)
 from chronotope.runtime.targets import Target, portable, resolve
 from chronotope.runtime.transport import OrderedTransport, RankFailed, Replica
 
@@ -302,7 +307,8 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
     """Every rank as a thread of this process: the same generated code, messages in memory,
     matched by order as NCCL matches them (``OrderedTransport``). With ``measure_memory``,
     each rank's peak of what its steps made (``PeakMemory``); with ``precision``, mixed
-    precision (refused first if an op cannot run in it)."""
+    precision (default: the plan's dtype; refused first if an op cannot run in it)."""
+    precision = precision or plan_precision(program.plan)
     check_precision(program.plan.graph, precision, "cpu")
     transport = OrderedTransport(timeout)
     ranks = [Rank(spec, transport, optim or Optim(), precision=precision)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -137,6 +138,7 @@ class Model:
         self._stages: dict[tuple[int, bool], np.ndarray] = {}
         self._recomputed: dict[str | None, np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
+        self._crossed: dict[int, float] = {}
 
     # ---- per op ----------------------------------------------------------------------
 
@@ -237,15 +239,22 @@ class Model:
             worst = 0.0
             bounds = np.flatnonzero(np.diff(stage_of)) + 1
             for v, at in enumerate(bounds):
-                before = {t for op in self.ops[:at] for t in op.outputs}
-                crossing = {t for op in self.ops[at:] for t in op.inputs if t in before}
-                size = sum(math.prod(t.shape) * t.dtype.itemsize * (1 + (t in self.needs_grad))
-                           for t in crossing) / m / (k.tp if k.sequence else 1)
+                size = self._crossing(int(at)) / m / (k.tp if k.sequence else 1)
                 a, b = v % k.pp, (v + 1) % k.pp
                 worst = max(worst, self.cluster.transfer(
                     [(a * k.tp + j, b * k.tp + j, size) for j in range(k.tp)]))
             self._sends[key] = worst
         return self._sends[key]
+
+    def _crossing(self, at: int) -> float:
+        """Bytes a cut before op ``at`` sends per whole batch: what ops before it make and
+        ops after it read, and those tensors' gradients back."""
+        if at not in self._crossed:
+            before = {t for op in self.ops[:at] for t in op.outputs}
+            crossing = {t for op in self.ops[at:] for t in op.inputs if t in before}
+            self._crossed[at] = sum(math.prod(t.shape) * t.dtype.itemsize *
+                                    (1 + (t in self.needs_grad)) for t in crossing)
+        return self._crossed[at]
 
     # ---- a point ---------------------------------------------------------------------
 
@@ -261,13 +270,13 @@ class Model:
             per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
         slowest = per_rank.max()
         step = k.micro * slowest + (per_rank.sum() - slowest) / k.chunks
-        sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
-        if k.dp > 1:
+        sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp).max()
+        if k.dp > 1:  # the rank with the most gradients finishes last
             grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
-            unit = k.tp * k.pp
-            sync = sync + np.array([self.cluster.collective(
+            r, unit = int(grads.argmax()), k.tp * k.pp
+            sync += self.cluster.collective(
                 "all_reduce", grads[r], [tuple(i * unit + r * k.tp + j for i in range(k.dp))
-                                         for j in range(k.tp)]) for r in range(k.pp)])
+                                         for j in range(k.tp)])
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
         kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2]) + \
             terms[:, 7] / m
@@ -279,7 +288,7 @@ class Model:
         memory = np.array([states[r] + self._live(k, r) * (
             per_micro[r::k.pp].sum() + remade[r] / blocks + transient[r]) for r in range(k.pp)])
         fullest = int(memory.argmax())
-        return Priced(k, float(step + sync.max()), float(memory[fullest]),
+        return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
 
     @staticmethod
@@ -288,7 +297,14 @@ class Model:
         order, as the plan's estimate counts them (``plan.steps``)."""
         if k.micro == 1:
             return 1
-        return kept(SCHEDULES[k.schedule](rank, k.pp, k.micro, k.chunks))
+        if k.chunks == 1:  # 1F1B: the forwards of the stages downstream, and one
+            return min(k.pp - rank, k.micro)
+        return _interleaved_live(rank, k.pp, k.micro, k.chunks)
+
+
+@lru_cache(maxsize=65536)
+def _interleaved_live(rank: int, pp: int, micro: int, chunks: int) -> int:
+    return kept(SCHEDULES["interleaved"](rank, pp, micro, chunks))
 
 
 def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:

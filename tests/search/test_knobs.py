@@ -1,0 +1,110 @@
+"""The mesh policy's knobs searched: each point priced like the plan it builds, the knobs
+chosen where they pay (16 bits, recompute, micro-batches) and their plans trained like one
+device."""
+
+import warnings
+
+import pytest
+from search_testing import capture
+
+import chronotope as ct
+from chronotope.cost.network import cluster_for
+from chronotope.models import get_workload
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.precision import BF16_TOLERANCE, Precision
+from chronotope.runtime.reference import compare, train_reference
+from chronotope.search import SearchError, search
+from chronotope.search.knobs import Knobs, Model, points
+
+
+def meta(name, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(get_workload(name, device="meta", **kw), check_up_to=0)
+
+
+KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4, 8),
+         Knobs(1, 2, 4, 8, recompute="full"), Knobs(1, 2, 4, 8, recompute="selective"),
+         Knobs(1, 2, 4, 8, chunks=2), Knobs(1, 4, 2, 4, sequence=True),
+         Knobs(2, 2, 2, 4, recompute="full", sequence=True)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_each_point_is_priced_within_20_percent_of_its_plans_own_estimate(dtype):
+    graph = meta("gpt3-1.3b", batch_size=16, n_layer=8)
+    model = Model(graph, cluster_for(8, "dgx-a100"), dtype)
+    for knobs in KNOBS:
+        estimate = max(m.total for m in knobs.plan(graph, dtype).check().memory.values())
+        assert 0.8 < model.price(knobs).memory / estimate < 1.2, knobs.label
+
+
+def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parallelism():
+    graph = meta("gpt3-1.3b", batch_size=16, n_layer=8)
+    model = Model(graph, cluster_for(8, "dgx-a100"))
+    space = list(points(model, 8, 8))
+    assert {(k.dp, k.tp, k.pp) for k in space} >= {(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)}
+    assert {k.recompute for k in space} == {None, "selective", "full"}
+    assert {k.chunks for k in space} == {1, 2, 4} and {k.sequence for k in space} == {False, True}
+    assert all(k.devices == 8 and 16 % (k.dp * k.micro) == 0 for k in space)
+
+
+def test_16_bit_training_is_priced_at_the_tensor_core_rate_and_in_half_the_activations():
+    graph = meta("gpt3-1.3b", batch_size=16, n_layer=8)
+    cluster = cluster_for(8, "dgx-a100")
+    fp32 = search(graph, 8, cluster, method="mesh", simulate=False)
+    bf16 = search(graph, 8, cluster, method="mesh", simulate=False, dtype="bf16")
+    assert bf16.plan.dtype == "bf16" and fp32.plan.dtype == "fp32"
+    assert bf16.predicted_step_s < fp32.predicted_step_s / 4
+
+
+def test_gpt3_175b_fits_1024_a100s_in_16_bits_as_megatron_trains_it():
+    graph = meta("gpt3-175b", batch_size=1536)
+    cluster = cluster_for(1024, "dgx-a100x128")
+    model = Model(graph, cluster, "bf16")
+    priced = [model.price(k) for k in points(model, 1024, 8)]
+    fitting = [p for p in priced if p.memory <= cluster.memory]
+    assert fitting and all(p.knobs.tp <= 8 for p in priced)  # within a node
+    best = min(fitting, key=lambda p: p.seconds)
+    assert best.knobs.pp > 1 and best.knobs.tp == 8  # tensor parallel inside, pipeline across
+    with pytest.raises(SearchError, match="the least any point of the space needs is about"):
+        search(graph, 1024, cluster, method="mesh", memory=8 * 2 ** 30, simulate=False)
+
+
+def test_when_memory_binds_the_search_recomputes_and_trains_like_one_device():
+    w = get_workload("gpt", batch_size=8)
+    graph = capture(w)
+    cluster = cluster_for(2, "dgx-a100")
+    model = Model(graph, cluster)
+    priced = [model.price(k) for k in points(model, 2, 8)]
+    without = min(p.memory for p in priced if p.knobs.recompute is None)
+    within = min(p.memory for p in priced if p.knobs.recompute is not None)
+    assert within < without
+    result = search(graph, 2, cluster, method="mesh", memory=(within + without) / 2)
+    assert "recompute" in result.mesh and result.plan.recomputed
+    run = run_in_threads(ct.compile(result.plan), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+def test_when_memory_binds_data_parallelism_accumulates_micro_batches_alike():
+    w = get_workload("gpt", batch_size=8)
+    graph = capture(w)
+    cluster = cluster_for(2, "dgx-a100")
+    model = Model(graph, cluster)
+    dp = [model.price(k) for k in points(model, 2, 8)
+          if k.dp == 2 and k.recompute is None and not k.sequence]
+    whole = next(p.memory for p in dp if p.knobs.micro == 1)
+    least = min(p.memory for p in dp)
+    assert least < whole  # one micro-batch's activations live at a time
+    knobs = min((p for p in dp if p.knobs.micro > 1), key=lambda p: p.memory).knobs
+    run = run_in_threads(ct.compile(knobs.plan(graph)), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+def test_a_16_bit_search_trains_like_one_device_under_autocast():
+    w = get_workload("gpt", batch_size=8)
+    result = search(capture(w), 2, method="mesh", dtype="bf16")
+    assert result.plan.dtype == "bf16"
+    run = run_in_threads(ct.compile(result.plan), w, 2, Optim("sgd", 0.1))  # the plan's dtype
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1),
+                                        Precision("bf16"))).within(BF16_TOLERANCE)
+    assert not compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
