@@ -1,6 +1,7 @@
 """Automatic plan search: how long it takes to decide, and how good its plans are.
 
     python benchmarks/search.py [--quick] [--skip-scale] [--model M] [--cluster C]
+    python benchmarks/search.py --knobs        # the two tables of the mesh family alone
 
 One table, everything priced on this machine without a GPU or profiling:
 
@@ -11,6 +12,15 @@ One table, everything priced on this machine without a GPU or profiling:
 * end to end (``--end-to-end``, a second table): each tiny built-in model and a user's
   model file searched for 2 and 4 processes and run with ``run --plan PLAN --check``
   on gloo processes against one device.
+* the mesh family at scale (``--knobs``): GPT-3 175B in bf16 on 64 to 4,096 A100s and
+  Llama-3 70B on 1,024 H100s, global batch 1,536: the plan found, its step and memory by
+  the search's model and the plan's estimate, and the time and memory the search took
+  (each case in a fresh process). Goal: 1,024 devices in <= 60 s and 8 GB.
+* Megatron-LM's published plans (``--knobs``; Narayanan et al., SC'21, Table 1): each
+  row's model, batch and A100 cluster, its tensor and pipeline degrees priced by the same
+  model as the search's plan (with the micro-batches and recompute that suit them best:
+  the table does not list them), and the TFLOP/s per GPU each implies beside the
+  measured one. Goal: searched <= 1.00x published.
 * quality rows: for each model and cluster, the ILP's and D-Rec's plans against the
   best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, tp,
   tp with sequence parallel, dp x tp, pipelines x schedules x micro-batches) that fits
@@ -188,6 +198,108 @@ def end_to_end(models: list[str]) -> Table:
     return table
 
 
+# Narayanan et al. (SC'21), Table 1: parameters (billions), heads, hidden, layers, tensor
+# and pipeline degrees, GPUs, global batch, measured TFLOP/s per GPU (sequence 2,048,
+# vocabulary 51,200, A100 80 GB DGX nodes, 16-bit).
+MEGATRON = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+            (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+            (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+            (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148)]
+KNOB_SCALE = [("gpt3-175b", 64, "dgx-a100"), ("gpt3-175b", 256, "dgx-a100"),
+              ("gpt3-175b", 1024, "dgx-a100"), ("gpt3-175b", 4096, "dgx-a100"),
+              ("llama3-70b", 1024, "h100-sxm")]
+
+
+def _knob_case(model: str, devices: int, preset: str, batch: int) -> dict:
+    """One search at scale, in a fresh process: its seconds and peak memory (RSS)."""
+    import resource
+
+    start = time.perf_counter()
+    workload = get_workload(model, device="meta", batch_size=batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(workload, check_up_to=0)
+
+        def replica(r):
+            return ct.capture(workload.replica(r), check_up_to=0)
+
+        captured = time.perf_counter() - start
+        cluster = cluster_for(devices, preset)
+        r = search(graph, devices, cluster, method="mesh", dtype="bf16", replica=replica,
+                   simulate=False)
+    explored = next(e for e in r.explored if e.get("option") == r.mesh)
+    return {"capture_s": captured, "search_s": time.perf_counter() - start - captured,
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "mesh": r.mesh, "step_s": r.predicted_step_s,
+            "model_memory": explored["model_memory_bytes"], "memory": max(r.peak_memory_bytes),
+            "timings": r.timings}
+
+
+def knob_scale_table() -> Table:
+    import multiprocessing
+
+    table = Table(title="the mesh family at scale: GPT-3 175B / Llama-3 70B, bf16, global "
+                        "batch 1,536 (search's model; each case in a fresh process)")
+    for col in ("case", "devices", "plan found", "step s", "memory model / plan estimate",
+                "capture s", "search s", "peak RSS GB"):
+        table.add_column(col, justify="left" if col in ("case", "plan found") else "right")
+    ctx = multiprocessing.get_context("spawn")
+    for model, devices, preset in KNOB_SCALE:
+        with ctx.Pool(1) as pool:
+            c = pool.apply(_knob_case, (model, devices, preset, 1536))
+        table.add_row(f"{model} on {preset}", f"{devices:,}", c["mesh"], f"{c['step_s']:.2f}",
+                      f"{c['model_memory'] / 2**30:.1f} / {c['memory'] / 2**30:.1f} GiB",
+                      f"{c['capture_s']:.1f}", f"{c['search_s']:.1f}", f"{c['rss_gb']:.1f}")
+        print(f"{model} on {devices}: {c}", file=sys.stderr, flush=True)
+    return table
+
+
+def megatron_table() -> Table:
+    """Megatron-LM's Table 1 rows against the search, priced by the same model."""
+    from chronotope.search.knobs import Model, points
+
+    table = Table(title="Megatron-LM's published plans (SC'21 Table 1) vs the search, bf16 on "
+                        "DGX A100 nodes, by the search's model (ratio < 1: the search's is "
+                        "faster)")
+    for col in ("model", "GPUs", "batch", "published (tp x pp x dp)", "its step s",
+                "searched", "step s", "ratio", "TFLOP/s/GPU: published model / measured",
+                "searched model"):
+        table.add_column(col, justify="left" if col in ("published (tp x pp x dp)",
+                                                          "searched") else "right")
+    for size, heads, hidden, layers, tp, pp, gpus, batch, measured in MEGATRON:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = ct.capture(get_workload("gpt", device="meta", batch_size=batch,
+                                            vocab_size=51200, block_size=2048, n_layer=layers,
+                                            n_head=heads, d_model=hidden), check_up_to=0)
+        cluster = cluster_for(gpus, "dgx-a100")
+        model = Model(graph, cluster, "bf16")
+        fits = [p for p in (model.price(k) for k in points(model, gpus, cluster.per_node))
+                if p.memory <= cluster.memory]
+        published = [p for p in fits if (p.knobs.tp, p.knobs.pp) == (tp, pp) and
+                     p.knobs.chunks == 1 and not p.knobs.sequence]
+        best = min(fits, key=lambda p: p.seconds, default=None)
+        theirs = min(published, key=lambda p: p.seconds, default=None)
+        # model FLOPs of a step with full recompute (Megatron's formula, SC'21 section 5.1)
+        flops = 96 * batch * 2048 * layers * hidden ** 2 * (
+            1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
+
+        def rate(p, flops=flops, gpus=gpus) -> str:
+            return f"{flops / p.seconds / gpus / 1e12:.0f}" if p else "-"
+        table.add_row(f"{size}B", f"{gpus:,}", f"{batch:,}",
+                      theirs.knobs.label if theirs else f"tp {tp} x pp {pp}: does not fit",
+                      f"{theirs.seconds:.2f}" if theirs else "-",
+                      best.knobs.label if best else "nothing fits",
+                      f"{best.seconds:.2f}" if best else "-",
+                      f"{best.seconds / theirs.seconds:.3f}x" if best and theirs else "-",
+                      f"{rate(theirs)} / {measured}", rate(best))
+        print(f"{size}B done", file=sys.stderr, flush=True)
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gpt3-1.3b on one DGX A100 only")
@@ -198,7 +310,13 @@ def main() -> None:
                    help="quality rows of this model only (repeatable)")
     p.add_argument("--cluster", action="append", choices=CLUSTERS,
                    help="quality rows on this cluster only (repeatable)")
+    p.add_argument("--knobs", action="store_true",
+                   help="the mesh family's tables alone: scale and Megatron-LM's plans")
     args = p.parse_args()
+    if args.knobs:
+        Console(width=220).print(megatron_table())
+        Console(width=220).print(knob_scale_table())
+        return
     table = Table(title="plan search: time to decide, and simulated step vs the best "
                         "built-in policy that fits (ratio < 1 is better)")
     for col in ("case", "devices", "ILP (stage DP)", "D-Rec", "best built-in", "notes"):

@@ -68,7 +68,7 @@ from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.runtime.train import mean_step_time, save, train
 from chronotope.schedule import apply, schedule, tune
-from chronotope.search import METHODS
+from chronotope.search import METHODS, explain
 from chronotope.search import search as find_plan
 from chronotope.viz import plot_losses, save_timeline
 
@@ -684,7 +684,8 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               "variables": result.variables, "candidates": result.candidates,
               "mesh": result.mesh, "explored": result.explored,
               "timings": result.timings, "dtype": result.plan.dtype,
-              "simulated": result.simulated})
+              "simulated": result.simulated,
+              **({"explain": explain(result)} if args.explain else {})})
         return 0
     table = Table(title=f"{graph.name} over {args.devices} devices of {cluster.name}: the plan "
                         f"found ({result.method} on mesh {result.mesh}, "
@@ -703,10 +704,34 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     out.print("ops: " + ", ".join(f"{n} {label}" for label, n in
                                   sorted(counts.items(), key=lambda kv: -kv[1])))
     out.print("seconds: " + ", ".join(f"{phase} {s:.2f}" for phase, s in result.timings.items()))
+    if args.explain:
+        _print_explained(explain(result), out)
     if args.out:
         out.print(f"wrote {args.out}; run it with chronotope run {args.model} --plan {args.out} "
                   "--check")
     return 0
+
+
+def _print_explained(why: dict[str, Any], out: Console) -> None:
+    line = f"plan: {why['layout']} ({why['method']}), {why['dtype']}, {why['devices']:,} devices"
+    if why["replicas"] > 1:
+        line += f" as {why['replicas']} data-parallel replicas"
+    if why["micro_batches"] > 1:
+        line += f", {why['micro_batches']} micro-batches folded"
+    out.print(line, markup=False, highlight=False)
+    for stage, layers in why["stages"].items():
+        out.print(f"  stage {stage}: {layers}", markup=False, highlight=False)
+    out.print(f"  recomputed ops: {why['recomputed_ops']}; storage: {why['storage']}",
+              markup=False, highlight=False)
+    b = why["binding"]
+    out.print(f"binding: device {b['device']} holds {format_bytes(b['total'])}, most of it "
+              f"{b['term']} (" + ", ".join(f"{k} {format_bytes(v)}" for k, v in
+                                          b["bytes"].items()) + ")", markup=False,
+              highlight=False)
+    for r in why["runners_up"]:
+        out.print(f"  runner-up: {r['option']} ({r['method']}): step {r['step_s'] * 1e3:.3f} ms"
+                  + (f", {format_bytes(r['peak_memory_bytes'])}" if r["peak_memory_bytes"]
+                     else ""), markup=False, highlight=False)
 
 
 def cmd_tune(args: argparse.Namespace, out: Console, emit: Emit) -> int:
@@ -1084,6 +1109,9 @@ def parser() -> argparse.ArgumentParser:
                      help="compile and simulate the cheapest plans found to pick one, or "
                           "compare them by the search's own cost model (default: simulate "
                           "up to 64 devices)")
+    sea.add_argument("--explain", action="store_true",
+                     help="say what the plan is (layout, stages and their layers, recompute, "
+                          "storage, dtype), what fills its fullest device, and the runners-up")
     sea.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                      help="what the step computes in: priced at the cluster's FLOP rate "
                           "for it, activations as autocast makes them, fp32 master weights "

@@ -77,7 +77,7 @@ def test_hf_without_transformers_says_what_to_install(monkeypatch):
 @pytest.mark.parametrize(
     "name, expected, rel",
     [("gpt3-1.3b", 1.3e9, 0.02), ("gpt3-13b", 13e9, 0.02),
-     ("gpt3-175b", 175e9, 0.01), ("llama-70b", 69e9, 0.02)],
+     ("gpt3-175b", 175e9, 0.01), ("llama-70b", 69e9, 0.02), ("llama3-70b", 70.6e9, 0.01)],
 )
 def test_large_presets_build_on_meta_with_their_published_size(name, expected, rel):
     w = get_workload(name, device="meta")

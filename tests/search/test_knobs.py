@@ -2,12 +2,14 @@
 chosen where they pay (16 bits, recompute, micro-batches) and their plans trained like one
 device."""
 
+import json
 import warnings
 
 import pytest
 from search_testing import capture
 
 import chronotope as ct
+from chronotope.cli import main
 from chronotope.cost.network import cluster_for
 from chronotope.models import get_workload
 from chronotope.runtime.local import Optim, run_in_threads
@@ -108,3 +110,17 @@ def test_a_16_bit_search_trains_like_one_device_under_autocast():
     assert compare(run, train_reference(w, 2, Optim("sgd", 0.1),
                                         Precision("bf16"))).within(BF16_TOLERANCE)
     assert not compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+def test_explain_says_the_layout_its_stages_what_binds_and_the_runners_up(capsys):
+    assert main(["search", "gpt", "--devices", "4", "--method", "mesh", "--batch-size", "8",
+                 "--dtype", "bf16", "--explain", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    why = report["explain"]
+    assert report["dtype"] == why["dtype"] == "bf16" and why["layout"] == report["mesh"]
+    assert why["binding"]["term"] in why["binding"]["bytes"] and why["binding"]["total"] > 0
+    assert why["runners_up"] and all(r["option"] != why["layout"] for r in why["runners_up"])
+    assert main(["search", "gpt", "--devices", "4", "--method", "mesh", "--batch-size", "8",
+                 "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "plan: dp" in text and "binding: device" in text and "runner-up:" in text

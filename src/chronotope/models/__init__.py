@@ -45,6 +45,7 @@ BUILTINS: dict[str, Callable[..., Workload]] = {
     "gpt3-39b": partial(gpt, preset="gpt3-39b"),
     "gpt3-175b": partial(gpt, preset="gpt3-175b"),
     "llama-70b": partial(llama, preset="llama-70b"),
+    "llama3-70b": partial(llama, preset="llama3-70b"),
     "hf-gpt2": hf_gpt2,
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
@@ -55,7 +56,8 @@ SPEC_FORM = "path/to/file.py:factory"
 
 
 # Configurations too large to allocate here: built on the meta device unless asked otherwise.
-LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-39b", "gpt3-175b", "llama-70b"})
+LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-39b", "gpt3-175b", "llama-70b",
+                   "llama3-70b"})
 
 
 def default_device(spec: str) -> str:

@@ -28,10 +28,13 @@ class LlamaConfig:
     batch_size: int = 4
 
 
-# Llama 2 70B (Touvron et al. 2023).
+# Llama 2 70B (Touvron et al. 2023); Llama 3 70B (Meta, 2024: a 128K vocabulary, 8K
+# sequences, rope theta 500,000).
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(),
     "llama-70b": LlamaConfig(32000, 4096, 80, 64, 8, 8192, 28672, batch_size=8),
+    "llama3-70b": LlamaConfig(128256, 8192, 80, 64, 8, 8192, 28672, rope_theta=500000.0,
+                              batch_size=8),
 }
 
 

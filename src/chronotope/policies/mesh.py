@@ -245,7 +245,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     devices: rank = (i * pp + s) * tp + j.
 
     ``micro`` cuts each group's batch into micro-batches whose gradients the
-    compiler sums (gradient accumulation). With stages, each stage runs its
+    compiler sums (gradient accumulation); without stages each micro-batch's backward
+    runs before the next one's forward, so one micro-batch's activations live at a time
+    (unless an op needs every micro-batch, batch statistics). With stages, each stage runs its
     micro-batches' forwards and backwards in the order of ``schedule`` (see
     ``policies.pipeline``), written as ``plan.order`` calls; with ``chunks`` > 1
     the model is cut into ``pp * chunks`` stages, and each runs on the stage rank
@@ -302,8 +304,12 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
                         "co-shard; cut the micro-batches instead (fold=False, no --fold)")
     fold = fold and micro > 1
+    accumulating = pp == 1 and chunks == 1 and micro > 1 and schedule in ("gpipe", "1f1b") \
+        and (fold or not barriers(graph, batch_dim, tails, data))
+    if accumulating:  # one stage: each micro-batch's backward before the next's forward,
+        run = SCHEDULES["1f1b"]  # so one micro-batch's activations live at a time
     orders = {r: run(r, pp, micro, chunks) for r in range(pp)} \
-        if (pp > 1 or fold) and micro > 1 else {}
+        if (pp > 1 or fold or accumulating) and micro > 1 else {}
     # several pipelines over the same ranks (chimera): each its own copy of the stages,
     # numbered after the previous one's, and its share of the batch and micro-batches
     ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1

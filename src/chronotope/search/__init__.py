@@ -499,6 +499,66 @@ def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster, dtype: 
         return None
 
 
+def explain(result: SearchResult) -> dict[str, Any]:
+    """The plan found, for reading: its layout, stages and their layers, recompute,
+    storage and dtype; what fills its fullest device most; and the runners-up."""
+    plan = result.plan
+    checked = plan.check()
+    device = max(checked.memory, key=lambda d: checked.memory[d].total)
+    m = checked.memory[device]
+    terms = {"weights": m.params, "gradients": m.grads, "optimizer state": m.optimizer,
+             "activations": m.activations}
+    stages: dict[Any, set[str]] = {}
+    for (_, stage, _), pieces in plan.cells.items():
+        stages.setdefault(stage, set()).update(
+            p.op.source.module for p in pieces if p.op.source and p.op.source.module)
+    kept = {"read": "", "owned": "weights kept only as owned (ZeRO-3)"}
+    return {
+        "layout": result.mesh, "method": result.method, "dtype": plan.dtype,
+        "devices": plan.world_size, "replicas": plan.replicas, "micro_batches": plan.micro,
+        "stages": {str(s): _layers(mods) for s, mods in sorted(stages.items(), key=str)},
+        "recomputed_ops": len({p.op.name for p in plan.recomputed}),
+        "storage": kept.get(plan.param_storage, plan.param_storage) or
+        (f"updates of {len(plan.updates)} weights cut over their devices (ZeRO)"
+         if plan.updates else "every device updates the weights it holds"),
+        "binding": {"device": device, "term": max(terms, key=terms.__getitem__),
+                    "bytes": terms, "total": m.total},
+        "runners_up": _runners_up(result),
+    }
+
+
+def _runners_up(result: SearchResult) -> list[dict[str, Any]]:
+    """The other options explored, each once: simulated where it was, else by the model."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in result.explored:
+        if e.get("model_step_s") is None or e.get("refused") or \
+                e["option"] in (result.mesh, f"mesh {result.mesh}"):
+            continue
+        row = seen.setdefault((e["method"], e["option"]), {
+            "option": e["option"], "method": e["method"], "step_s": e["model_step_s"],
+            "peak_memory_bytes": None})
+        if "simulated_step_s" in e:
+            row["step_s"] = e["simulated_step_s"]
+        row["peak_memory_bytes"] = e.get("peak_memory_bytes") or row["peak_memory_bytes"]
+    return sorted(seen.values(), key=lambda r: r["step_s"])[:5]
+
+
+def _layers(modules: set[str]) -> str:
+    """``h.0`` to ``h.5`` as ``h.0-5``, what else a stage runs named beside it."""
+    numbered: dict[str, list[int]] = {}
+    other = set()
+    for mod in modules:
+        parts = mod.split(".")
+        at = next((i for i, x in enumerate(parts) if x.isdigit()), None)
+        if at is None:
+            other.add(parts[0])
+        else:
+            numbered.setdefault(".".join(parts[:at]), []).append(int(parts[at]))
+    runs = [f"{k}.{min(v)}-{max(v)}" if min(v) != max(v) else f"{k}.{v[0]}"
+            for k, v in sorted(numbered.items())]
+    return ", ".join(runs + sorted(other))
+
+
 def _too_big(memory: float | None, peak: float) -> str:
     return (f"no plan found fits {format_bytes(memory or 0)} per device by the plan's own "
             f"memory estimate: the smallest found needs {format_bytes(peak)}; give more "
@@ -524,4 +584,4 @@ def _no_fit(graph: Graph, space, devices: int, memory: float | None, least: floa
             "give more memory or devices")
 
 
-__all__ = ["METHODS", "SearchError", "SearchResult", "ilp_options", "search"]
+__all__ = ["METHODS", "SearchError", "SearchResult", "explain", "ilp_options", "search"]
