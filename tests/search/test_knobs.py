@@ -124,3 +124,14 @@ def test_explain_says_the_layout_its_stages_what_binds_and_the_runners_up(capsys
                  "--explain"]) == 0
     text = capsys.readouterr().out
     assert "plan: dp" in text and "binding: device" in text and "runner-up:" in text
+
+
+def test_interleaved_micro_batches_alive_stop_growing_after_a_few_rounds():
+    from chronotope.plan.steps import kept
+    from chronotope.policies.pipeline import SCHEDULES
+    from chronotope.search.knobs import _interleaved_live
+
+    for pp, chunks, micro in [(2, 2, 40), (4, 4, 64), (8, 2, 96), (3, 4, 60)]:
+        for rank in range(pp):
+            order = SCHEDULES["interleaved"](rank, pp, micro, chunks)
+            assert _interleaved_live(rank, pp, micro, chunks) == kept(order)

@@ -200,6 +200,18 @@ class Plan:
     def trans(self, op: Ref, algo: Algorithm) -> list[PlanOp]:
         """Partition a forward op (not yet partitioned) into sub-ops; returns them in order."""
         target = self._one(op, "trans")
+        return self._cut(target, algo, self._pieces(target, algo))
+
+    def template(self, op: Ref, algo: Algorithm) -> PlanOp:
+        """Cut a forward op as ``trans`` would and keep only the first piece: the plan is
+        then written for it alone, and the compiler runs the others from it (micro-batch 0
+        of ``micro``: see ``micro_batches``)."""
+        target = self._one(op, "template")
+        first = self._cut(target, algo, self._pieces(target, algo)[:1])[0]
+        self.templated.add(target.name)
+        return first
+
+    def _pieces(self, target: PlanOp, algo: Algorithm) -> list[Piece]:
         if target.is_backward:
             raise PlanError(f"{target.name} is a backward op: partition its forward op instead")
         if target.children:
@@ -215,7 +227,9 @@ class Plan:
                                 f"{list(algo.inputs)} together; it may take value shares of "
                                 f"{' or '.join(map(str, map(list, allowed))) or 'none'}")
             linear = tuple(algo.inputs)
-        pieces = partition(target.name, target.op.signature, target.piece, algo, additive, linear)
+        return partition(target.name, target.op.signature, target.piece, algo, additive, linear)
+
+    def _cut(self, target: PlanOp, algo: Algorithm, pieces: list[Piece]) -> list[PlanOp]:
         target.children = []
         target.algo = algo
         for i, p in enumerate(pieces):
@@ -227,18 +241,6 @@ class Plan:
             self._add(child)
         self.checked = None
         return list(target.children)
-
-    def template(self, op: Ref, algo: Algorithm) -> PlanOp:
-        """Cut a forward op as ``trans`` would and keep only the first piece: the plan is
-        then written for it alone, and the compiler runs the others from it (micro-batch 0
-        of ``micro``: see ``micro_batches``)."""
-        target = self._one(op, "template")
-        first = self.trans(target, algo)[0]
-        self.templated.add(target.name)
-        for other in target.children[1:]:
-            del self._by_name[other.name]
-        target.children = [first]
-        return first
 
     def micro_batches(self, micro: int, steps: dict[int, list[tuple[str, int, int]]]) -> None:
         """Make this plan a template: its pieces of the ops the batch flows through are

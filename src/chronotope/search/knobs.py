@@ -27,6 +27,7 @@ plan's own memory estimate; the search simulates them and keeps the fastest.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -128,9 +129,7 @@ class Model:
         self.casting = {op for op in self.ops if dtype != "fp32" and casts(op, dtypes)}
         self.keep = data_only(graph) | set(loss_tails(graph, self.batch_dim,
                                                       self.whole.registry))
-        crossing = _crossing(self.ops)
-        inner = crossing[1:-1]
-        self.blocks = 1 + sum(c == min(inner) for c in inner) if inner else 1
+        self.blocks = _blocks(graph)
         self.first = first_reads(self.ops)
         self._choices: dict[tuple[int, bool], dict[Op, Strategy]] = {}
         self._terms: dict[tuple, np.ndarray] = {}
@@ -281,12 +280,14 @@ class Model:
         kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2]) + \
             terms[:, 7] / m
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
-        remade = np.bincount(rank_of, weights=np.where(again, terms[:, 1] / m + terms[:, 2],
-                                                       0.0), minlength=k.pp)
-        blocks = max(1, self.blocks // (k.pp * k.chunks))
+        # made again in the backward: one run of recomputed ops at a time
+        run = np.cumsum(~again)  # ops of one run of recomputed ops share a number
+        remade = np.bincount(run, weights=np.where(again, terms[:, 1] / m + terms[:, 2], 0.0))
+        largest = np.zeros(k.pp)
+        np.maximum.at(largest, rank_of, remade[run])
         transient = [terms[rank_of == r, 6].max(initial=0.0) / m for r in range(k.pp)]
         memory = np.array([states[r] + self._live(k, r) * (
-            per_micro[r::k.pp].sum() + remade[r] / blocks + transient[r]) for r in range(k.pp)])
+            per_micro[r::k.pp].sum() + largest[r] + transient[r]) for r in range(k.pp)])
         fullest = int(memory.argmax())
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
@@ -302,8 +303,25 @@ class Model:
         return _interleaved_live(rank, k.pp, k.micro, k.chunks)
 
 
-@lru_cache(maxsize=65536)
+def _blocks(graph: Graph) -> int:
+    """How many blocks a pipeline may cut the model into: its repeated layers (modules
+    numbered ``h.0``, ``h.1``, ...), else the places where the fewest activations cross."""
+    layers = {m.group(0) for op in graph.ops if op.source and
+              (m := re.match(r"^(.*?\.)?\d+(?=\.|$)", op.source.module))}
+    if layers:
+        return len(layers)
+    inner = _crossing(graph.ops)[1:-1]
+    return 1 + sum(c == min(inner) for c in inner) if inner else 1
+
+
 def _interleaved_live(rank: int, pp: int, micro: int, chunks: int) -> int:
+    """Past a few rounds of ``pp`` micro-batches the order repeats: what is alive at once
+    no longer grows (``micro`` a multiple of ``pp``, as the points are)."""
+    return _live_in_order(rank, pp, min(micro, pp * (chunks + 3)), chunks)
+
+
+@lru_cache(maxsize=65536)
+def _live_in_order(rank: int, pp: int, micro: int, chunks: int) -> int:
     return kept(SCHEDULES["interleaved"](rank, pp, micro, chunks))
 
 
