@@ -173,15 +173,19 @@ class Model:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
             pricer = Pricer(m, self.cluster)
             rows = []
+            changed: set[tuple] = set()  # a tensor in another layout: one copy, all readers'
             for op in self.ops:
                 s = choice.get(op)
                 if s is None:
                     rows.append((0.0,) * 8)
                     continue
-                regathered = sum(
-                    self._bytes(t) / sharded(lay, m) for t, lay in zip(op.inputs, s.inputs)
-                    if t.producer in choice and t in self.needs_grad and
-                    choice[t.producer].outputs[t.producer.outputs.index(t)] != lay)
+                regathered = 0.0
+                for t, lay in zip(op.inputs, s.inputs):
+                    if t.producer in choice and t in self.needs_grad and (t, lay) not in \
+                            changed and choice[t.producer].outputs[
+                                t.producer.outputs.index(t)] != lay:
+                        changed.add((t, lay))
+                        regathered += self._bytes(t) / sharded(lay, m)
                 kept = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip(op.outputs, s.outputs))
                 held = kept + sum(self._bytes(t) / sharded(lay, m)
@@ -277,17 +281,13 @@ class Model:
                 "all_reduce", grads[r], [tuple(i * unit + r * k.tp + j for i in range(k.dp))
                                          for j in range(k.tp)])
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
-        kept = np.where(again, 0.0, terms[:, 1]) / m + np.where(again, 0.0, terms[:, 2]) + \
-            terms[:, 7] / m
+        # what the backward keeps: a recomputed op's outputs and weight copies are made
+        # again, but not its inputs read in another layout than made (gathered copies)
+        kept = np.where(again, 0.0, terms[:, 1] / m + terms[:, 2]) + terms[:, 7] / m
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
-        # made again in the backward: one run of recomputed ops at a time
-        run = np.cumsum(~again)  # ops of one run of recomputed ops share a number
-        remade = np.bincount(run, weights=np.where(again, terms[:, 1] / m + terms[:, 2], 0.0))
-        largest = np.zeros(k.pp)
-        np.maximum.at(largest, rank_of, remade[run])
         transient = [terms[rank_of == r, 6].max(initial=0.0) / m for r in range(k.pp)]
         memory = np.array([states[r] + self._live(k, r) * (
-            per_micro[r::k.pp].sum() + largest[r] + transient[r]) for r in range(k.pp)])
+            per_micro[r::k.pp].sum() + transient[r]) for r in range(k.pp)])
         fullest = int(memory.argmax())
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
