@@ -257,6 +257,30 @@ def knob_scale_table() -> Table:
     return table
 
 
+def agreement_table() -> Table:
+    """The search's model against the simulator, point by point (the finalists' check)."""
+    from chronotope.search.knobs import Knobs, Model
+
+    points_ = [Knobs(8, 1, 1, 2), Knobs(2, 4, 1, 4), Knobs(1, 8, 1, 1), Knobs(2, 2, 2, 8),
+               Knobs(1, 2, 4, 8), Knobs(1, 2, 4, 8, chunks=2),
+               Knobs(2, 2, 2, 8, recompute="full"), Knobs(1, 4, 2, 8, sequence=True)]
+    table = Table(title="the search's model vs the simulator: GPT-3 1.3B cut to 8 layers, "
+                        "batch 16, bf16, one DGX A100 (ratio: model / simulated)")
+    for col in ("point", "model ms", "simulated ms", "ratio", "model memory", "estimate"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    graph = captured("gpt3-1.3b", 16, n_layer=8)
+    cluster = cluster_for(8, "dgx-a100")
+    model = Model(graph, cluster, "bf16")
+    for knobs in points_:
+        p = model.price(knobs)
+        plan = knobs.plan(graph, "bf16")
+        step, peak = priced(plan, cluster)
+        table.add_row(knobs.label, f"{p.seconds * 1e3:.1f}", f"{step * 1e3:.1f}",
+                      f"{p.seconds / step:.2f}", f"{p.memory / 2**30:.1f} GiB",
+                      f"{peak / 2**30:.1f} GiB")
+    return table
+
+
 def megatron_table() -> Table:
     """Megatron-LM's Table 1 rows against the search, priced by the same model."""
     from chronotope.search.knobs import Model, points
@@ -314,6 +338,7 @@ def main() -> None:
                    help="the mesh family's tables alone: scale and Megatron-LM's plans")
     args = p.parse_args()
     if args.knobs:
+        Console(width=220).print(agreement_table())
         Console(width=220).print(megatron_table())
         Console(width=220).print(knob_scale_table())
         return
