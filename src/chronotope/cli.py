@@ -230,8 +230,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _common_args(p: argparse.ArgumentParser, model: bool) -> None:
     if model:
-        p.add_argument("--batch-size", type=positive_int, default=None,
-                       help="samples in the example batch (default: the model's own)")
+        p.add_argument("--batch-size", "--global-batch", type=positive_int, default=None,
+                       help="samples in the example batch: the global batch one step "
+                            "trains on, over all devices (default: the model's own)")
         p.add_argument("--check-up-to", type=int, default=CHECK_UP_TO, metavar="PARAMS",
                        help="capture runs its graph and the model as written once each on "
                             "the example batch and refuses a difference, for models up to "
