@@ -196,8 +196,9 @@ class Mask:
         """True iff every element and value share of ``other`` is in ``self``."""
         return self._index_contains(other) and self.value.contains(other.value)
 
-    def split(self, dim: int, parts: int) -> list[Mask]:
-        """Even contiguous chunks along ``dim``; sizes that do not divide are refused."""
+    def split(self, dim: int, parts: int, count: int | None = None) -> list[Mask]:
+        """Even contiguous chunks along ``dim``; sizes that do not divide are refused.
+        ``count``: the first ``count`` chunks only."""
         if not -self.ndim <= dim < self.ndim:
             raise ValueError(f"dim {dim} is out of range for a {self.ndim}-dim mask {self}")
         dim %= self.ndim
@@ -207,7 +208,7 @@ class Mask:
             raise ValueError(f"cannot split dim {dim} of size {size} into {parts} equal parts")
         step = size // parts
         out = []
-        for k in range(parts):
+        for k in range(parts if count is None else min(count, parts)):
             index = list(self.index)
             index[dim] = (start + k * step, start + (k + 1) * step)
             out.append(Mask(tuple(index), self.value))

@@ -69,19 +69,22 @@ def _axis_of(sig_tensor: tuple, dim: str) -> int | None:
 
 
 def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
-              additive: tuple[int, ...] = (), linear: tuple[int, ...] = ()) -> list[Piece]:
+              additive: tuple[int, ...] = (), linear: tuple[int, ...] = (),
+              count: int | None = None) -> list[Piece]:
     """The pieces ``algo`` cuts ``piece`` (a whole op or a sub-op named ``name``) into.
 
     ``additive`` lists inputs that enter the output as a sum (a linear's bias):
     under a reduction split each partial takes a value share of them. ``linear``
-    lists the inputs the op is jointly linear in, for ``ValueSplit``.
+    lists the inputs the op is jointly linear in, for ``ValueSplit``. ``count``: make
+    the first ``count`` pieces only (a template keeps one of a thousand micro-batches).
     """
     if isinstance(algo, Replicate):
         if algo.n < 1:
             raise PlanError(f"{name}: Replicate needs n >= 1, got {algo.n}")
-        return [piece] * algo.n
+        return [piece] * (algo.n if count is None else min(count, algo.n))
     if isinstance(algo, ValueSplit):
-        return _whole_integers(name, algo, _value_split(name, piece, algo.parts, linear))
+        return _whole_integers(name, algo,
+                               _value_split(name, piece, algo.parts, linear)[:count])
     if not isinstance(algo, Split):
         raise PlanError(f"{name}: unknown algorithm {algo!r}; use ct.Split, ct.ValueSplit or "
                         "ct.Replicate")
@@ -102,30 +105,31 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
     reduce = sig.dim(algo.dim).reduce
     sizes = {**piece.sizes, algo.dim: size // algo.parts}
     n = algo.parts
-    ins, shares = [], []  # per input: its n pieces' reads and gradient shares (cut once)
+    k = n if count is None else min(count, n)  # the pieces made
+    ins, shares = [], []  # per input: its pieces' reads and gradient shares (cut once)
     for j, (v, s, dims) in enumerate(zip(piece.inputs, piece.grad_shares, sig.inputs)):
         a = _axis_of(dims, algo.dim)
         if a is not None:
-            ins.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n)])
-            shares.append([s] * n)
+            ins.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n, k)])
+            shares.append([s] * k)
         elif reduce and j in additive:  # a value share: its gradient is the whole's
-            ins.append([VTensor(v.ptensor, m) for m in v.mask.split_value(n)])
-            shares.append([s] * n)
+            ins.append([VTensor(v.ptensor, m) for m in v.mask.split_value(n)[:k]])
+            shares.append([s] * k)
         else:
-            ins.append([v] * n)  # read whole by every piece: its gradient becomes partial
-            shares.append(s.split(n))
+            ins.append([v] * k)  # read whole by every piece: its gradient becomes partial
+            shares.append(s.split(n)[:k])
     outs = []
     for v, dims in zip(piece.outputs, sig.outputs):
         a = _axis_of(dims, algo.dim)
         if a is not None:
-            outs.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n)])
+            outs.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n, k)])
         elif reduce:
             outs.append([VTensor(v.ptensor, Mask(v.mask.index, r))
-                         for r in v.mask.value.split(n)])
+                         for r in v.mask.value.split(n)[:k]])
         else:
-            outs.append([v] * n)  # every piece computes this output whole
+            outs.append([v] * k)  # every piece computes this output whole
     pieces = [Piece(tuple(x[i] for x in ins), tuple(x[i] for x in outs),
-                    tuple(x[i] for x in shares), sizes) for i in range(n)]
+                    tuple(x[i] for x in shares), sizes) for i in range(k)]
     return _whole_integers(name, algo, pieces)
 
 

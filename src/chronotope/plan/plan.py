@@ -207,11 +207,12 @@ class Plan:
         then written for it alone, and the compiler runs the others from it (micro-batch 0
         of ``micro``: see ``micro_batches``)."""
         target = self._one(op, "template")
-        first = self._cut(target, algo, self._pieces(target, algo)[:1])[0]
+        first = self._cut(target, algo, self._pieces(target, algo, count=1))[0]
         self.templated.add(target.name)
         return first
 
-    def _pieces(self, target: PlanOp, algo: Algorithm) -> list[Piece]:
+    def _pieces(self, target: PlanOp, algo: Algorithm, count: int | None = None
+                ) -> list[Piece]:
         if target.is_backward:
             raise PlanError(f"{target.name} is a backward op: partition its forward op instead")
         if target.children:
@@ -227,7 +228,8 @@ class Plan:
                                 f"{list(algo.inputs)} together; it may take value shares of "
                                 f"{' or '.join(map(str, map(list, allowed))) or 'none'}")
             linear = tuple(algo.inputs)
-        return partition(target.name, target.op.signature, target.piece, algo, additive, linear)
+        return partition(target.name, target.op.signature, target.piece, algo, additive, linear,
+                         count)
 
     def _cut(self, target: PlanOp, algo: Algorithm, pieces: list[Piece]) -> list[PlanOp]:
         target.children = []
