@@ -15,9 +15,11 @@ priced here without building it:
   and drain, shortened by interleaving), then the gradients' all-reduce over the
   data-parallel replicas and the optimizer's update;
 - a device holds its stages' weights, gradients and optimizer state (fp32, their
-  tensor-parallel slices) and, per micro-batch in flight, what its ops keep for the
-  backward (as autocast makes it: 16 bits after a linear; a recomputed op nothing, but
-  one block's while it is made again; a 16-bit copy of each weight a linear casts).
+  tensor-parallel slices) and, per micro-batch its schedule keeps in flight, what its
+  ops keep for the backward as the plan's estimate counts it: outputs as autocast makes
+  them (16 bits after a linear), a 16-bit copy of each weight a linear casts, one copy
+  of an input read in another layout than made (a gathered sequence slice), a
+  recomputed op none but that copy; and the largest backward's gradients.
 
 The cheapest points that fit are built (data parallel as replicas of one group,
 ``plan.scale``, where the graph of one replica's rows can be had) and checked by the
@@ -119,10 +121,10 @@ class Model:
         self.graph, self.cluster, self.dtype = graph, cluster, dtype
         self.states = 2 + OPTIMIZER_STATES[optimizer]  # the weight, its gradient, its state
         self.ops = graph.ops
-        self.index = {op: i for i, op in enumerate(self.ops)}
         self.whole = Plan(graph, 1)
         self.batch = graph.batch_size or 1
         self.batch_dim = batch_dims(graph)
+        self.params = set(graph.params.values())
         self.needs_grad = differentiable(graph)
         dtypes = autocast_dtypes(graph, dtype)
         self.kept = {t: itemsize(t, dtypes) for t in dtypes}
@@ -190,8 +192,8 @@ class Model:
                            for t, lay in zip(op.outputs, s.outputs))
                 held = kept + sum(self._bytes(t) / sharded(lay, m)
                                   for t, lay in zip(op.inputs, s.inputs)
-                                  if t in self.needs_grad and t not in self.graph_params)
-                params = [(i, t) for i, t in enumerate(op.inputs) if t in self.graph_params]
+                                  if t in self.needs_grad and t not in self.params)
+                params = [(i, t) for i, t in enumerate(op.inputs) if t in self.params]
                 copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
                              for i, t in params) if op in self.casting else 0.0
                 grads = sum(math.prod(op.inputs[i].shape) * 4 / sharded(s.inputs[i], m)
@@ -205,12 +207,6 @@ class Model:
 
     def _bytes(self, t: PTensor) -> float:
         return math.prod(t.shape) * self.kept.get(t, t.dtype.itemsize)
-
-    @property
-    def graph_params(self) -> set[PTensor]:
-        if not hasattr(self, "_params"):
-            self._params = set(self.graph.params.values())
-        return self._params
 
     def times(self, tp: int, sequence: bool, m: int) -> np.ndarray:
         """Each op's seconds on ``1 / m`` of the batch: compute and layout changes."""
@@ -350,11 +346,3 @@ def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:
                             continue
                         for sequence in (False, True) if tp > 1 else (False,):
                             yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence)
-
-
-def priced(graph: Graph, devices: int, cluster: Cluster, dtype: str = "fp32",
-           optimizer: str = "adam") -> list[Priced]:
-    """Every point priced, cheapest first."""
-    model = Model(graph, cluster, dtype, optimizer)
-    out = [model.price(k) for k in points(model, devices, cluster.per_node)]
-    return sorted(out, key=lambda p: p.seconds)
