@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 from chronotope.errors import ChronotopeError
+from chronotope.graph.autocast import DTYPES
 
 KINDS = ("send", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -100,7 +101,7 @@ class Cluster:
     def peak(self, dtype: str = "fp32") -> float:
         """FLOP/s of one device computing in ``dtype`` ("fp32", "bf16", "fp16" or torch's
         names): the tensor cores' rate for 16 bits."""
-        name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        name = str(DTYPES[dtype]).removeprefix("torch.") if dtype in DTYPES else dtype
         return self.flops.get(name, self.flops.get("float32", min(self.flops.values())))
 
     def link(self, a: int, b: int) -> Link:

@@ -9,17 +9,18 @@ tensors (shapes and dtypes only, no compute; about a second for GPT-3 175B's 2,0
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from chronotope.graph.ir import Graph, Op, PTensor
 
-LOW: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# What a step computes in, by the names plans, the command line and the runtime use.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16}
+LOW = {name: d for name, d in DTYPES.items() if d != torch.float32}
 
 _inferred: weakref.WeakKeyDictionary[Graph, dict[str, dict[PTensor, torch.dtype | None]]] = \
     weakref.WeakKeyDictionary()
@@ -45,10 +46,19 @@ def casts(op: Op, dtypes: dict[PTensor, torch.dtype | None]) -> bool:
     return low and any(dtypes.get(t, t.dtype) == torch.float32 for t in op.inputs)
 
 
-def itemsize(t: PTensor, dtypes: dict[PTensor, torch.dtype | None]) -> int:
-    """Bytes per element of ``t`` as the run holds it (its captured dtype where unknown)."""
-    found = dtypes.get(t)
-    return (found or t.dtype).itemsize
+def itemsizes(graph: Graph, dtype: str) -> dict[PTensor, int]:
+    """Bytes per element of each tensor as a run in ``dtype`` holds it (its captured
+    dtype where unknown)."""
+    return {t: (found or t.dtype).itemsize
+            for t, found in autocast_dtypes(graph, dtype).items()}
+
+
+def casting(graph: Graph, dtype: str) -> set[Op]:
+    """The ops that keep a 16-bit copy of the fp32 tensors they read (``casts``)."""
+    if dtype not in LOW:
+        return set()
+    dtypes = autocast_dtypes(graph, dtype)
+    return {op for op in graph.ops if casts(op, dtypes)}
 
 
 def _infer(graph: Graph, dtype: torch.dtype) -> dict[PTensor, torch.dtype | None]:
@@ -60,7 +70,9 @@ def _infer(graph: Graph, dtype: torch.dtype) -> dict[PTensor, torch.dtype | None
     values: dict[PTensor, Any] = {}
     dtypes: dict[PTensor, torch.dtype | None] = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            torch.autocast("cpu", dtype=dtype, cache_enabled=False), _quiet():
+            torch.autocast("cpu", dtype=dtype, cache_enabled=False), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for op in graph.ops:
             for t in op.inputs:
                 dtypes.setdefault(t, t.dtype if _leaf(t, graph) else None)
@@ -86,9 +98,3 @@ def _leaf(t: PTensor, graph: Graph) -> bool:
     return t in graph.inputs or t in graph.params.values() or t in graph.buffers.values() \
         or t.name in graph.constants
 
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield

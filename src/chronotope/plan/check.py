@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
-from chronotope.graph.autocast import autocast_dtypes, casts, itemsize
+from chronotope.graph.autocast import casting, itemsizes
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
@@ -395,13 +395,11 @@ class Held:
 
     def __init__(self, plan: Plan) -> None:
         self.sizes: dict[PTensor, int] = {}
-        self.casting: set = set()
-        if plan.dtype == "fp32":
-            return
-        dtypes = autocast_dtypes(plan.graph, plan.dtype)
-        self.sizes = {t: itemsize(t, dtypes) for t in dtypes}
-        self.sizes.update({g: self.sizes[t] for t, g in plan.grads.items() if t in self.sizes})
-        self.casting = {op for op in plan.graph.ops if casts(op, dtypes)}
+        self.casting = casting(plan.graph, plan.dtype)
+        if plan.dtype != "fp32":
+            self.sizes = itemsizes(plan.graph, plan.dtype)
+            self.sizes.update({g: self.sizes[t] for t, g in plan.grads.items()
+                               if t in self.sizes})
 
     def nbytes(self, v: VTensor) -> int:
         return v.mask.numel * self.sizes.get(v.ptensor, v.ptensor.dtype.itemsize)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Union
 
 from chronotope.errors import PlanError
 from chronotope.graph import rng
+from chronotope.graph.autocast import DTYPES
 from chronotope.graph.ir import NO_GRAD_KINDS, Graph, Op, PTensor, TensorKind, TensorMeta
 from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
@@ -112,7 +113,6 @@ class BackwardOf:
         return f"BackwardOf({self.name})"
 
 
-PLAN_DTYPES = ("fp32", "bf16", "fp16")  # what a step computes in (runtime.precision's names)
 Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
 
 
@@ -393,8 +393,8 @@ class Plan:
 
     @dtype.setter
     def dtype(self, dtype: str) -> None:
-        if dtype not in PLAN_DTYPES:
-            raise PlanError(f"unknown plan dtype {dtype!r}: use {', '.join(PLAN_DTYPES)}")
+        if dtype not in DTYPES:
+            raise PlanError(f"unknown plan dtype {dtype!r}: use {', '.join(DTYPES)}")
         self._dtype = dtype
         self.checked = None
 

@@ -54,14 +54,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from chronotope.errors import ChronotopeError
-from chronotope.graph.autocast import autocast_dtypes
+from chronotope.graph.autocast import DTYPES, autocast_dtypes
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph, Op
     from chronotope.plan.plan import Plan
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                                  "fp16": torch.float16}
 ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
            "half": "fp16"}
 REDUCE_DTYPES = ("fp32", "bf16")

@@ -24,9 +24,10 @@ from typing import Any
 from chronotope.cost.compute import op_flops
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
+from chronotope.graph.autocast import DTYPES
 from chronotope.graph.ir import Graph, Op
 from chronotope.plan.check import format_bytes
-from chronotope.plan.plan import PLAN_DTYPES, Plan
+from chronotope.plan.plan import Plan
 from chronotope.search.build import build, build_pipeline
 from chronotope.search.drec import DRecError, joint
 from chronotope.search.drec import Pipeline as DRecPipeline
@@ -130,8 +131,8 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if constraints and method == "drec":
         raise SearchError("D-Rec searches its own space and takes no constraints: use "
                           "method='ilp'")
-    if dtype not in PLAN_DTYPES:
-        raise SearchError(f"unknown dtype {dtype!r}: use {', '.join(PLAN_DTYPES)}")
+    if dtype not in DTYPES:
+        raise SearchError(f"unknown dtype {dtype!r}: use {', '.join(DTYPES)}")
     if constraints and method == "mesh":
         raise SearchError("the mesh family takes no constraints: use method='ilp'")
     if not isinstance(cluster, Cluster):

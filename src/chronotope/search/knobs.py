@@ -37,7 +37,7 @@ from functools import lru_cache
 import numpy as np
 
 from chronotope.cost.network import Cluster
-from chronotope.graph.autocast import autocast_dtypes, casts, itemsize
+from chronotope.graph.autocast import casting, itemsizes
 from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
@@ -126,9 +126,8 @@ class Model:
         self.batch_dim = batch_dims(graph)
         self.params = set(graph.params.values())
         self.needs_grad = differentiable(graph)
-        dtypes = autocast_dtypes(graph, dtype)
-        self.kept = {t: itemsize(t, dtypes) for t in dtypes}
-        self.casting = {op for op in self.ops if dtype != "fp32" and casts(op, dtypes)}
+        self.kept = itemsizes(graph, dtype)
+        self.casting = casting(graph, dtype)
         self.keep = data_only(graph) | set(loss_tails(graph, self.batch_dim,
                                                       self.whole.registry))
         self.blocks = _blocks(graph)
