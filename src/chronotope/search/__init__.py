@@ -240,14 +240,7 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     if not fitting:
         raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
                           "no plan found could be built: " + "; ".join(why[:2]))
-    if len(fitting) > 1:  # the cost model ranks, the simulator picks among the best few
-        with clock("simulate"):
-            for f in fitting:
-                f.priced = _simulated("searched (ilp)", f.plan, cluster)
-                explored.append({"method": "ilp", "option": f.layout, "model_step_s": f.model_s,
-                                 "simulated_step_s": f.priced["predicted_step_s"]})
-        return min(fitting, key=lambda f: f.priced["predicted_step_s"])
-    return fitting[0]
+    return _fastest(fitting, cluster, explored, clock)
 
 
 def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
@@ -295,14 +288,21 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         raise SearchError(f"the cheapest points that fit {format_bytes(memory or 0)} by the "
                           "search's model could not be built or do not fit by the plan's "
                           f"estimate: {tried[:400]}")
-    if len(found) > 1:
-        with clock("simulate"):
-            for f in found:
-                f.priced = _simulated("searched (mesh)", f.plan, cluster)
-                explored.append({"method": "mesh", "option": f.layout, "model_step_s": f.model_s,
-                                 "simulated_step_s": f.priced["predicted_step_s"]})
-        return min(found, key=lambda f: f.priced["predicted_step_s"])
-    return found[0]
+    return _fastest(found, cluster, explored, clock)
+
+
+def _fastest(found: list[_Found], cluster: Cluster, explored: list[dict[str, Any]],
+             clock: _Clock) -> _Found:
+    """The one plan found, or the fastest in the simulator of several (the cost model
+    ranks, the simulator picks among the best few)."""
+    if len(found) == 1:
+        return found[0]
+    with clock("simulate"):
+        for f in found:
+            f.priced = _simulated(f"searched ({f.method})", f.plan, cluster)
+            explored.append({"method": f.method, "option": f.layout, "model_step_s": f.model_s,
+                             "simulated_step_s": f.priced["predicted_step_s"]})
+    return min(found, key=lambda f: f.priced["predicted_step_s"])
 
 
 def _knobs_plan(graph: Graph, knobs: Knobs, dtype: str,

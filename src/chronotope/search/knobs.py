@@ -55,7 +55,7 @@ from chronotope.policies.mesh import (
 from chronotope.policies.pipeline import SCHEDULES
 from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads
 from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
-from chronotope.search.stages import op_seconds
+from chronotope.search.stages import crossing_bytes, op_seconds
 
 RECOMPUTE = (None, "selective", "full")
 CHUNKS = (1, 2, 4)  # stages per rank tried (interleaved beyond one)
@@ -245,13 +245,9 @@ class Model:
         return self._sends[key]
 
     def _crossing(self, at: int) -> float:
-        """Bytes a cut before op ``at`` sends per whole batch: what ops before it make and
-        ops after it read, and those tensors' gradients back."""
+        """Bytes a stage boundary before op ``at`` sends per whole batch, both ways."""
         if at not in self._crossed:
-            before = {t for op in self.ops[:at] for t in op.outputs}
-            crossing = {t for op in self.ops[at:] for t in op.inputs if t in before}
-            self._crossed[at] = sum(math.prod(t.shape) * t.dtype.itemsize *
-                                    (1 + (t in self.needs_grad)) for t in crossing)
+            self._crossed[at] = sum(crossing_bytes(self.graph, at, self.needs_grad))
         return self._crossed[at]
 
     # ---- a point ---------------------------------------------------------------------

@@ -202,23 +202,23 @@ def _step_seconds(graph: Graph, solutions: list[Solution], bounds: list[int], mi
     ``micro - 1`` times more, and the slowest stage's gradient reductions."""
     times = [sol.seconds - sol.sync for sol in solutions]
     d = solutions[0].mesh.devices
+    needs_grad = differentiable(graph)
     for s in range(len(solutions) - 1):  # what crosses each cut, both ways, per micro-batch
-        seconds = _crossing_seconds(graph, bounds[s + 1], micro, (s * d, (s + 1) * d), cluster)
+        pair = (s * d, (s + 1) * d)
+        seconds = sum(cluster.collective("send", size / micro, [pair])
+                      for size in crossing_bytes(graph, bounds[s + 1], needs_grad) if size)
         times[s] += seconds
         times[s + 1] += seconds
     return sum(times) + (micro - 1) * max(times) + max(sol.sync for sol in solutions)
 
 
-def _crossing_seconds(graph: Graph, cut: int, micro: int, pair: tuple[int, int],
-                      cluster: Cluster) -> float:
-    """Sending a micro-batch's share of what ops before ``cut`` make and ops after it read
-    to the next stage, and its gradient back."""
+def crossing_bytes(graph: Graph, cut: int, needs_grad: set[PTensor]) -> tuple[int, int]:
+    """What a stage boundary before op ``cut`` sends per whole batch: the bytes ops before
+    it make and ops after it read, and those of their gradients sent back."""
     before = {t for op in graph.ops[:cut] for t in op.outputs}
-    needs_grad = differentiable(graph)
     crossing = {t for op in graph.ops[cut:] for t in op.inputs if t in before}
-    forward = sum(nbytes(t) for t in crossing) / micro
-    backward = sum(nbytes(t) for t in crossing if t in needs_grad) / micro
-    return sum(cluster.collective("send", size, [pair]) for size in (forward, backward) if size)
+    return (sum(nbytes(t) for t in crossing),
+            sum(nbytes(t) for t in crossing if t in needs_grad))
 
 
 class _Spaces:
