@@ -5,9 +5,9 @@ import torch
 from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
+from chronotope.graph.memory import PeakMemory
 from chronotope.policies import mesh
 from chronotope.runtime.local import run_in_threads
-from chronotope.runtime.memory import PeakMemory
 
 
 @pytest.mark.parametrize("name,kw", [

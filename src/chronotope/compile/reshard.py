@@ -51,7 +51,7 @@ AGAIN = "again"  # the last part of each key of a gather run again for the backw
 def unit_of(reader: Instruction, at: int) -> object:
     """The unit a gather belongs to, by its first reader (``plan.storage.unit``); a reader
     from no module is a unit of its own."""
-    found = unit(reader.op) if isinstance(reader, Forward) else None
+    found = unit(reader.op.op) if isinstance(reader, Forward) else None
     return at if found is None else found
 
 

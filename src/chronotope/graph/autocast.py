@@ -1,29 +1,66 @@
-"""The dtype every tensor of a step has when it runs in 16 bits under ``torch.autocast``.
+"""How a step holds its tensors: each one's dtype under ``torch.autocast``, and what
+autograd keeps of each op for its backward.
 
 A bf16 or fp16 run keeps fp32 master weights and lets autocast choose each op's dtype
 (``runtime/precision.py``): a linear's output is 16-bit, a layer norm's fp32, an add of
-the two fp32. What a plan holds and sends depends on those choices, so planning in 16
-bits needs them: they are inferred once per graph and dtype by running its ops on fake
-tensors (shapes and dtypes only, no compute; about a second for GPT-3 175B's 2,000 ops).
+the two fp32. Autograd keeps what each op's backward needs and no more: a linear its
+input (the 16-bit copy autocast made of it), a layer norm its input and statistics, an
+add nothing; a view shares its input's storage. What a plan holds and sends depends on
+both, so they are inferred once per graph and dtype by running its ops on fake tensors
+(shapes and dtypes only, no compute; about a second for GPT-3 175B's 2,000 ops), with
+the torch version that runs the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from chronotope.graph.ir import Graph, Op, PTensor
+from chronotope.graph.memory import PeakMemory
 
 # What a step computes in, by the names plans, the command line and the runtime use.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
 LOW = {name: d for name, d in DTYPES.items() if d != torch.float32}
 
-_inferred: weakref.WeakKeyDictionary[Graph, dict[str, dict[PTensor, torch.dtype | None]]] = \
-    weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What autograd keeps of one op from its forward to its backward, by position among
+    the op's tensor inputs and outputs."""
+
+    inputs: frozenset[int]  # inputs kept as they are (or a view of them)
+    outputs: frozenset[int]  # outputs kept
+    cast: frozenset[int]  # inputs kept as the 16-bit copy autocast made of them
+    other: int  # bytes of the other tensors it keeps (statistics, masks), for the whole op
+    views: tuple[tuple[int, int], ...]  # (output, input): outputs sharing an input's storage
+    # Bytes made and freed inside the op's forward and inside its backward, at most at once
+    # beyond what is left at the end (a loss's gradient on the way to its logits' one).
+    forward_temp: int = 0
+    backward_temp: int = 0
+
+
+@dataclass
+class _Followed:
+    dtypes: dict[PTensor, torch.dtype | None]
+    saves: dict[Op, Saves]  # the ops that could be followed
+
+
+_inferred: weakref.WeakKeyDictionary[Graph, dict[str, _Followed]] = weakref.WeakKeyDictionary()
+
+
+def _followed(graph: Graph, dtype: str) -> _Followed:
+    known = _inferred.setdefault(graph, {})
+    if dtype not in known:
+        known[dtype] = _follow(graph, LOW.get(dtype))
+    return known[dtype]
 
 
 def autocast_dtypes(graph: Graph, dtype: str) -> dict[PTensor, torch.dtype | None]:
@@ -33,10 +70,13 @@ def autocast_dtypes(graph: Graph, dtype: str) -> dict[PTensor, torch.dtype | Non
     follow; both lower matmuls, convolutions and attention)."""
     if dtype not in LOW:
         return {t: t.dtype for op in graph.ops for t in (*op.inputs, *op.outputs)}
-    known = _inferred.setdefault(graph, {})
-    if dtype not in known:
-        known[dtype] = _infer(graph, LOW[dtype])
-    return known[dtype]
+    return _followed(graph, dtype).dtypes
+
+
+def saves(graph: Graph, dtype: str) -> dict[Op, Saves]:
+    """What autograd keeps of each op of ``graph`` run in ``dtype``; an op missing could
+    not be followed on fake tensors (keep all its inputs and outputs, to be safe)."""
+    return _followed(graph, dtype).saves
 
 
 def casts(op: Op, dtypes: dict[PTensor, torch.dtype | None]) -> bool:
@@ -61,37 +101,134 @@ def casting(graph: Graph, dtype: str) -> set[Op]:
     return {op for op in graph.ops if casts(op, dtypes)}
 
 
-def _infer(graph: Graph, dtype: torch.dtype) -> dict[PTensor, torch.dtype | None]:
+def storage_of(graph: Graph, dtype: str) -> dict[PTensor, PTensor]:
+    """Each view (an output sharing an input's storage) -> the tensor that owns it."""
+    found = saves(graph, dtype)
+    root: dict[PTensor, PTensor] = {}
+    for op in graph.ops:
+        for out, src in found[op].views if op in found else ():
+            root[op.outputs[out]] = root.get(op.inputs[src], op.inputs[src])
+    return root
+
+
+def saved_tensors(graph: Graph, dtype: str, ops: set[Op]) -> set[PTensor]:
+    """The tensors whose storage autograd keeps for the backward of ``ops`` (those with
+    one): what each saves (all of an op not followed), a view as the tensor it shares."""
+    found, root = saves(graph, dtype), storage_of(graph, dtype)
+    out: set[PTensor] = set()
+    for op in graph.ops:
+        if op not in ops:
+            continue
+        kept = found.get(op)
+        tensors = (*op.inputs, *op.outputs) if kept is None else (
+            *(op.inputs[j] for j in kept.inputs), *(op.outputs[j] for j in kept.outputs))
+        out.update(root.get(t, t) for t in tensors)
+    return out
+
+
+def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
+    """Run ``graph``'s ops on fake tensors (under autocast in ``dtype``, unless None) with
+    autograd on, noting each tensor's dtype and what each op's autograd saves."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from chronotope.graph.execute import run_op
 
     device = torch.device("cpu")
     values: dict[PTensor, Any] = {}
-    dtypes: dict[PTensor, torch.dtype | None] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            torch.autocast("cpu", dtype=dtype, cache_enabled=False), \
-            warnings.catch_warnings():
+    followed = _Followed({}, {})
+    kept: list[torch.Tensor] = []  # what autograd saves of the op being followed
+    wants = set(graph.params.values())  # the tensors a gradient flows to: made from weights
+    cast = torch.autocast("cpu", dtype=dtype, cache_enabled=False) if dtype else \
+        contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, cast, \
+            torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for op in graph.ops:
             for t in op.inputs:
-                dtypes.setdefault(t, t.dtype if _leaf(t, graph) else None)
+                followed.dtypes.setdefault(t, t.dtype if _leaf(t, graph) else None)
             outs: list[Any] = []
+            kept.clear()
             if all(t in values or _leaf(t, graph) for t in op.inputs):
                 try:
                     for t in op.inputs:
                         if t not in values:
-                            values[t] = mode.from_tensor(
-                                torch.empty(t.shape, dtype=t.dtype, device=device))
-                    outs = run_op(op, values, device)
+                            values[t] = _fake(mode, t, device)
+                    # Its own leaves: its backward alone, not its inputs' makers' too.
+                    ins = {t: _alone(values[t], t in wants) for t in op.inputs}
+                    with torch.autograd.graph.saved_tensors_hooks(
+                            lambda x: kept.append(x) or x, lambda x: x), PeakMemory() as ran:
+                        outs = run_op(op, ins, device)
                 except Exception:  # noqa: BLE001  (not followable on fake tensors: unknown)
                     outs = []
             for i, t in enumerate(op.outputs):
                 made = outs[i] if i < len(outs) else None
                 if isinstance(made, torch.Tensor):
                     values[t] = made
-                dtypes[t] = made.dtype if isinstance(made, torch.Tensor) else None
-    return dtypes
+                followed.dtypes[t] = made.dtype if isinstance(made, torch.Tensor) else None
+            if any(t in wants for t in op.inputs):
+                wants.update(op.outputs)
+            if outs and len(outs) == len(op.outputs):
+                given = [ins[t] for t in op.inputs]
+                followed.saves[op] = replace(_saves(given, outs, kept),
+                                             forward_temp=ran.peak - ran.live,
+                                             backward_temp=_backward_temp(given, outs))
+    return followed
+
+
+def _backward_temp(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    """The bytes an op's backward makes beyond the gradients it leaves, at most at once."""
+    wanted = [x for x in ins if isinstance(x, torch.Tensor) and x.requires_grad]
+    given = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not wanted or not given:
+        return 0
+    seeds = [torch.ones_like(o) for o in given]
+    try:
+        with PeakMemory() as ran:
+            made = torch.autograd.grad(given, wanted, seeds, retain_graph=True,
+                                       allow_unused=True)
+    except Exception:  # noqa: BLE001  (a backward fake tensors cannot follow: none known)
+        return 0
+    temp = ran.peak - ran.live  # ``made``, the gradients, still alive: left at the end
+    del made
+    return temp
+
+
+def _fake(mode: Any, t: PTensor, device: torch.device) -> torch.Tensor:
+    return mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+def _alone(x: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """``x`` as a leaf of its own (same storage) that wants a gradient if a gradient flows
+    to it (what an op keeps depends on it: ``x * cos`` keeps ``cos`` alone)."""
+    return x.detach().requires_grad_(wanted and x.dtype.is_floating_point)
+
+
+def _saves(ins: list[torch.Tensor], outs: list[torch.Tensor], kept: list[torch.Tensor]
+           ) -> Saves:
+    """Which of ``ins`` and ``outs`` the tensors autograd ``kept`` are (by storage: each
+    counted once), which are 16-bit copies of an input, and the bytes of the rest."""
+    def where(x: torch.Tensor, among: list[torch.Tensor]) -> int | None:
+        storage = x.untyped_storage()._cdata
+        return next((j for j, y in enumerate(among)
+                     if y.untyped_storage()._cdata == storage), None)
+
+    inputs, outputs, cast, other, seen = set(), set(), set(), 0, set()
+    for x in kept:
+        if x.untyped_storage()._cdata in seen:
+            continue
+        seen.add(x.untyped_storage()._cdata)
+        if (j := where(x, ins)) is not None:
+            inputs.add(j)
+        elif (j := where(x, outs)) is not None:
+            outputs.add(j)
+        elif (j := next((j for j, y in enumerate(ins) if j not in cast and y.numel() == x.numel()
+                         and y.dtype == torch.float32 and x.dtype in LOW.values()), None)
+              ) is not None:
+            cast.add(j)
+        else:
+            other += x.untyped_storage().nbytes()
+    views = tuple((i, j) for i, y in enumerate(outs) if (j := where(y, ins)) is not None)
+    return Saves(frozenset(inputs), frozenset(outputs), frozenset(cast), other, views)
 
 
 def _leaf(t: PTensor, graph: Graph) -> bool:

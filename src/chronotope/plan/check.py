@@ -11,12 +11,13 @@ of the DAG gives each device its complete sequence.
 from __future__ import annotations
 
 import heapq
+import math
 import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
-from chronotope.graph.autocast import casting, itemsizes
+from chronotope.graph.autocast import Saves, casting, itemsizes, saves
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
@@ -388,14 +389,15 @@ def _unassigned_message(ops: list[PlanOp]) -> str:
 
 
 class Held:
-    """Bytes per element of each tensor as the plan's dtype holds it: under bf16 or fp16
-    autocast, as autocast makes it (a linear's output in 16 bits, a norm's in 32) and a
-    gradient as its tensor; and the ops that keep a 16-bit copy of the weights they read
-    for their backward (``graph/autocast.py``)."""
+    """How the plan's dtype holds each tensor (``graph/autocast.py``): its bytes per element
+    as autocast makes it (a linear's output in 16 bits, a norm's in 32) and a gradient as
+    its tensor; the ops that keep a 16-bit copy of the weights they read for their
+    backward; and what autograd keeps of each op (``Saves``)."""
 
     def __init__(self, plan: Plan) -> None:
         self.sizes: dict[PTensor, int] = {}
         self.casting = casting(plan.graph, plan.dtype)
+        self.saves = saves(plan.graph, plan.dtype)
         if plan.dtype != "fp32":
             self.sizes = itemsizes(plan.graph, plan.dtype)
             self.sizes.update({g: self.sizes[t] for t, g in plan.grads.items()
@@ -408,37 +410,154 @@ class Held:
         """The 16-bit copy of weight region ``v`` that ``op`` (or its forward) keeps, if any."""
         return v.mask.numel * 2 if (op.forward or op).op in self.casting else 0
 
+    def of(self, op: PlanOp) -> Saves | None:
+        """What autograd keeps of forward piece ``op``; None where not known."""
+        found = self.saves.get(op.op)
+        if found is None or len(op.inputs) != len(op.op.inputs) \
+                or len(op.outputs) != len(op.op.outputs):
+            return None
+        return found
 
-def _reads(op: PlanOp, remade: set[tuple], swapped: set[PlanOp]) -> tuple[VTensor, ...]:
-    """A backward piece also reads what its forward saved: the forward's inputs and outputs;
-    a recomputed one only the inputs it does not make again (``remade``), a swapped one
-    nothing (its saved tensors wait in CPU memory)."""
-    if op.forward is None or op.forward in swapped:
+    def other(self, op: PlanOp) -> int:
+        """Bytes forward piece ``op`` keeps besides its inputs and outputs: statistics and
+        masks (its share of the whole op's), and 16-bit copies of the activations it read."""
+        found = self.of(op)
+        if found is None:
+            return 0
+        return int(found.other * _share(op)) + sum(
+            2 * op.inputs[j].mask.numel for j in found.cast
+            if op.inputs[j].ptensor.kind is not TensorKind.PARAM)
+
+    def temp(self, op: PlanOp) -> int:
+        """Bytes piece ``op`` (a forward or a backward) makes and frees while it runs."""
+        found = self.of(op.forward or op)
+        if found is None:
+            return 0
+        made = found.backward_temp if op.is_backward else found.forward_temp
+        return int(made * _share(op.forward or op))
+
+
+def _share(op: PlanOp) -> float:
+    """The part of its whole op a forward piece covers: of the op's largest tensor (a
+    loss's logits, not its scalar)."""
+    whole, piece = max(((math.prod(t.shape), v.mask.numel) for t, v in
+                        zip((*op.op.inputs, *op.op.outputs), (*op.inputs, *op.outputs))),
+                       default=(1, 1))
+    return piece / max(whole, 1)
+
+
+class _Remade:
+    """What recompute makes again in the backward: the recomputed pieces, and their outputs
+    (any region of one)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.ops = {(op.device, op) for op in plan.recomputed}
+        self.regions: dict[tuple, list[Mask]] = defaultdict(list)
+        for op in plan.recomputed:
+            for v in op.outputs:
+                self.regions[(op.device, v.ptensor)].append(Mask(v.mask.index))
+
+    def op(self, op: PlanOp) -> bool:
+        return (op.device, op) in self.ops
+
+    def tensor(self, device: int | None, v: VTensor) -> bool:
+        within = Mask(v.mask.index)
+        return any(m.contains(within) for m in self.regions.get((device, v.ptensor), ()))
+
+
+def _saved(forward: PlanOp, kept: Saves) -> tuple[VTensor, ...]:
+    """The inputs and outputs of ``forward`` that autograd keeps for its backward."""
+    return (*(forward.inputs[j] for j in sorted(kept.inputs)),
+            *(forward.outputs[j] for j in sorted(kept.outputs)))
+
+
+def _recomputed_at(seq: list[PlanOp], remade: _Remade) -> dict[int, int]:
+    """For each backward piece of a recomputed forward, where its forward runs again: at
+    the first of the run of such pieces of one unit (a layer) it is in, as one backward
+    call recomputes them all."""
+    out: dict[int, int] = {}
+    start, at = None, None
+    for i, op in enumerate(seq):
+        if op.forward is not None and remade.op(op.forward):
+            if start is None or unit(op.forward.op) != at:
+                start, at = i, unit(op.forward.op)
+            out[i] = start
+        else:
+            start = None
+    return out
+
+
+def _reads(op: PlanOp, remade: _Remade, swapped: set[PlanOp], held_as: Held
+           ) -> tuple[VTensor, ...]:
+    """A backward piece also reads what its forward saved: the forward's inputs and outputs
+    autograd keeps (the weights it keeps a 16-bit copy of among them); a recomputed one
+    only the inputs it does not make again (``remade``), a swapped one nothing (its saved
+    tensors wait in CPU memory)."""
+    forward = op.forward
+    if forward is None or forward in swapped:
         return op.inputs
-    if (op.forward.device, op.forward) in remade:
-        return (*op.inputs, *(v for v in op.forward.inputs
-                              if (op.device, v.ptensor, v.mask) not in remade))
-    return (*op.inputs, *op.forward.inputs, *op.forward.outputs)
+    if remade.op(forward):
+        return (*op.inputs, *(v for v in forward.inputs if not remade.tensor(op.device, v)))
+    kept = held_as.of(forward)
+    if kept is None:
+        return (*op.inputs, *forward.inputs, *forward.outputs)
+    weights = (forward.inputs[j] for j in kept.cast
+               if forward.inputs[j].ptensor.kind is TensorKind.PARAM)
+    return (*op.inputs, *_saved(forward, kept), *weights)
 
 
 def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
                     held_as: Held | None = None) -> Memory:
     held_as = held_as or Held(plan)
-    param_grads = {plan.grads[p] for p in plan.graph.params.values() if p in plan.grads}
+    grad_of = {plan.grads[p]: p.name for p in plan.graph.params.values() if p in plan.grads}
+    owned_grads = {name: [Mask(o.grad.index) for o in os_]
+                   for name, os_ in stored.owned[device].items()}
+    end = len(seq) - 1
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     size: dict[tuple, int] = {}
     gathered: dict[tuple, list[tuple[int, PlanOp]]] = defaultdict(list)  # key -> its readers
-    remade = {(op.device, op) for op in plan.recomputed} | {
-        (op.device, v.ptensor, v.mask) for op in plan.recomputed for v in op.outputs}
+    remade = _Remade(plan)
     held = stored.stored[device]
+    root: dict[tuple, tuple] = {}  # a view's key -> the key of the tensor it shares storage with
+    rerun = _recomputed_at(seq, remade)
     for i, op in enumerate(seq):
-        for v in (*_reads(op, remade, plan.swapped), *op.outputs):
-            if v.ptensor in param_grads:
-                continue  # counted with the parameters
+        forward = op.forward or op
+        kept = held_as.of(forward)
+        if forward not in plan.swapped and (extra := held_as.other(forward)) and (
+                not remade.op(forward) or i in rerun):
+            first.setdefault(("kept", forward), rerun.get(i, i))  # statistics, masks, copies
+            last[("kept", forward)] = i
+            size[("kept", forward)] = extra
+        if i in rerun and kept is not None:  # what its forward run again keeps, until here
+            for v in _saved(forward, kept):
+                if remade.tensor(device, v):
+                    key = ("again", v.ptensor, v.mask)
+                    first.setdefault(key, rerun[i])
+                    last[key] = i
+                    size[key] = held_as.nbytes(v)
+        if temp := held_as.temp(op):
+            first[("temp", op)] = last[("temp", op)] = i
+            size[("temp", op)] = temp
+        if not op.is_backward and kept is not None:
+            for out, src in kept.views:
+                given = (op.inputs[src].ptensor, op.inputs[src].mask)
+                root[(op.outputs[out].ptensor, op.outputs[out].mask)] = root.get(given, given)
+        for v in (*_reads(op, remade, plan.swapped, held_as), *op.outputs):
+            if v.ptensor in grad_of:  # a weight's gradient: alive from when it is made,
+                within = Mask(v.mask.index)  # to the update where this device owns it;
+                key = ("grad", v.ptensor, within)  # a share made again is added in
+                if key in first and v in op.outputs:
+                    first[("part", op, v)] = last[("part", op, v)] = i
+                    size[("part", op, v)] = held_as.nbytes(v)
+                first.setdefault(key, i)
+                last[key] = end if any(m.contains(within) for m in owned_grads.get(
+                    grad_of[v.ptensor], ())) else max(last.get(key, i), i)
+                size[key] = held_as.nbytes(v)
+                continue
             if v.ptensor.kind is TensorKind.PARAM and any(
                     m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ())):
-                again = op.forward is not None and (op.forward.device, op.forward) in remade
+                again = op.forward is not None and remade.op(op.forward)
                 if not again and (copy := held_as.copy(op, v)):  # kept for the backward
                     key = ("copy", v.ptensor, v.mask)
                     first.setdefault(key, i)
@@ -447,17 +566,32 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
                 continue  # the weight itself: counted with the parameters
             # A parameter region the device does not store (ZeRO-3) is gathered for the
             # pieces that read it, and autograd keeps it from the forward to the backward.
-            key = (v.ptensor, v.mask)
+            key = root.get((v.ptensor, v.mask), (v.ptensor, v.mask))
             first.setdefault(key, i)
             last[key] = i
-            size[key] = held_as.nbytes(v)
+            size.setdefault(key, held_as.nbytes(v))
             if v.ptensor.kind is TensorKind.PARAM:
                 gathered[key].append((i, op))
     alive = [(first[key], last[key], size[key]) for key in first]
     if plan.reshard:
         alive = [x for key, x in zip(first, alive) if key not in gathered] + \
             _resharded(gathered, size)
-    delta = [0] * (len(seq) + 1)
+    states = OPTIMIZER_STATES.get(plan.optimizer)
+    if states is None:
+        raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
+    if plan.micro > 1:  # a template's activations, without gradients, times what it keeps
+        peak = _peak(len(seq), [x for key, x in zip(first, alive)
+                                if key[0] not in ("grad", "part")])
+    else:  # the step's peak counts the gradients made by then; those kept are counted apart
+        peak = max(0, _peak(len(seq), alive) - sum(
+            size[k] for k in first if k[0] == "grad" and last[k] == end))
+    return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
+                  states * stored.bytes_owned(plan, device), peak)
+
+
+def _peak(n: int, alive: list[tuple[int, int, int]]) -> int:
+    """The most bytes alive at once of (first, last, bytes) over ``n`` steps."""
+    delta = [0] * (n + 1)
     for start, end, nbytes in alive:
         delta[start] += nbytes
         delta[end + 1] -= nbytes
@@ -465,12 +599,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
     for d in delta:
         live += d
         peak = max(peak, live)
-    states = OPTIMIZER_STATES.get(plan.optimizer)
-    if states is None:
-        raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
-    owned = stored.bytes_owned(plan, device)
-    return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
-                  states * owned, peak)
+    return peak
 
 
 def _resharded(gathered: dict[tuple, list[tuple[int, PlanOp]]], size: dict[tuple, int],
@@ -482,7 +611,7 @@ def _resharded(gathered: dict[tuple, list[tuple[int, PlanOp]]], size: dict[tuple
     def forward(key: tuple) -> list[int]:
         return [i for i, op in gathered[key] if not op.is_backward]
 
-    units = {key: next((unit(op) for _, op in gathered[key] if not op.is_backward), None)
+    units = {key: next((unit(op.op) for _, op in gathered[key] if not op.is_backward), None)
              for key in gathered}
     out = []
     for key, reads in gathered.items():

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from chronotope.errors import PlanError, UnassignedOpError
-from chronotope.graph.ir import TensorKind
+from chronotope.graph.ir import Op, TensorKind
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Plan, PlanOp
 
@@ -29,11 +29,12 @@ ALLOCATING = frozenset({
 })
 
 
-def unit(op: PlanOp) -> str | None:
-    """What FSDP would wrap as one unit around a piece that reads gathered parameters: its
-    module up to the first numbered part of the path (one layer of a stack, ``h.3``),
-    else its top-level module (``wte``); None for a piece of no module."""
-    source = op.op.source
+def unit(op: Op) -> str | None:
+    """What FSDP would wrap as one unit around an op (a piece of it that reads gathered
+    parameters, a layer recomputed at once): its module up to the first numbered part of
+    the path (one layer of a stack, ``h.3``), else its top-level module (``wte``); None
+    for an op of no module."""
+    source = op.source
     if source is None or not source.module:
         return None
     parts = source.module.split(".")

@@ -18,11 +18,11 @@ from chronotope.graph.batch import Batch
 from chronotope.graph.capture import capture
 from chronotope.graph.ir import Graph
 from chronotope.graph.mask import Mask
+from chronotope.graph.memory import PeakMemory
 from chronotope.graph.rng import Stream
 from chronotope.models.workload import Workload
 from chronotope.plan.replicas import same_but_batch
 from chronotope.runtime.context import StepContext
-from chronotope.runtime.memory import PeakMemory
 from chronotope.runtime.optim import Optim
 from chronotope.runtime.precision import (
     Precision,

@@ -37,13 +37,14 @@ from functools import lru_cache
 import numpy as np
 
 from chronotope.cost.network import Cluster
-from chronotope.graph.autocast import casting, itemsizes
+from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, storage_of
 from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import Plan, differentiable
 from chronotope.plan.steps import kept
+from chronotope.plan.storage import unit
 from chronotope.policies.mesh import (
     _crossing,
     checkpointed,
@@ -128,9 +129,15 @@ class Model:
         self.needs_grad = differentiable(graph)
         self.kept = itemsizes(graph, dtype)
         self.casting = casting(graph, dtype)
+        self.saves = saves(graph, dtype)
+        self.views = storage_of(graph, dtype)
+        self.saved = saved_tensors(graph, dtype, {
+            op for op in graph.ops if any(t in self.needs_grad for t in op.inputs)})
         self.keep = data_only(graph) | set(loss_tails(graph, self.batch_dim,
                                                       self.whole.registry))
         self.blocks = _blocks(graph)
+        names = [unit(op) for op in graph.ops]  # what a backward call recomputes at once
+        self.units = np.unique(np.array([str(n) for n in names]), return_inverse=True)[1]
         self.first = first_reads(self.ops)
         self._choices: dict[tuple[int, bool], dict[Op, Strategy]] = {}
         self._terms: dict[tuple, np.ndarray] = {}
@@ -165,10 +172,11 @@ class Model:
 
     def terms(self, tp: int, sequence: bool) -> np.ndarray:
         """Per op: [compute s (forward and backward, whole batch), kept bytes (whole
-        batch), cast weight copies, weight state bytes, once-a-step sync s, weight
-        gradient bytes, the activation gradients its backward holds (whole batch), the
-        copies it keeps of inputs read in another layout than made (whole batch: a
-        column-parallel linear's gathered input under sequence parallelism)]."""
+        batch: its outputs some backward saves, its statistics and 16-bit copies of
+        activations), cast weight copies, weight state bytes, once-a-step sync s, weight
+        gradient bytes, what its backward holds (whole batch), the copies it keeps of
+        inputs read in another layout than made (whole batch: a column-parallel linear's
+        gathered input under sequence parallelism)]."""
         key = (tp, sequence)
         if key not in self._terms:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
@@ -187,11 +195,20 @@ class Model:
                                 t.producer.outputs.index(t)] != lay:
                         changed.add((t, lay))
                         regathered += self._bytes(t) / sharded(lay, m)
+                saves_ = self.saves.get(op)
+                own = [sharded(lay, m) for lay in s.outputs] or [1]
                 kept = sum(self._bytes(t) / sharded(lay, m)
-                           for t, lay in zip(op.outputs, s.outputs))
-                held = kept + sum(self._bytes(t) / sharded(lay, m)
-                                  for t, lay in zip(op.inputs, s.inputs)
-                                  if t in self.needs_grad and t not in self.params)
+                           for t, lay in zip(op.outputs, s.outputs)
+                           if t in self.saved and t not in self.views)
+                if saves_ is not None:
+                    kept += saves_.other / max(own) + sum(
+                        2 * math.prod(op.inputs[j].shape) / sharded(s.inputs[j], m)
+                        for j in saves_.cast if op.inputs[j] not in self.params)
+                held = sum(self._bytes(t) / sharded(lay, m)
+                           for t, lay in zip((*op.inputs, *op.outputs), (*s.inputs, *s.outputs))
+                           if t not in self.params and (t in self.needs_grad or t in op.outputs))
+                if saves_ is not None:
+                    held += saves_.backward_temp / max(own)
                 params = [(i, t) for i, t in enumerate(op.inputs) if t in self.params]
                 copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
                              for i, t in params) if op in self.casting else 0.0
@@ -276,7 +293,11 @@ class Model:
         # again, but not its inputs read in another layout than made (gathered copies)
         kept = np.where(again, 0.0, terms[:, 1] / m + terms[:, 2]) + terms[:, 7] / m
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
-        transient = [terms[rank_of == r, 6].max(initial=0.0) / m for r in range(k.pp)]
+        # the backward's working set, and a recomputed layer's saved tensors made again
+        remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
+        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + np.bincount(
+            self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0)
+            for r in range(k.pp)]
         memory = np.array([states[r] + self._live(k, r) * (
             per_micro[r::k.pp].sum() + transient[r]) for r in range(k.pp)])
         fullest = int(memory.argmax())

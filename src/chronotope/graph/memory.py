@@ -6,7 +6,8 @@ in-place results reuse a storage their inputs have, so they add nothing.
 Parameters and optimizer state made before the step are not counted, which
 leaves activations, what autograd saves, gradients and temporaries: the part
 of memory a plan's schedule, recompute and co-shard change. It works on any
-device (on CUDA, ``torch.cuda.max_memory_allocated`` counts the same and more).
+device (on CUDA, ``torch.cuda.max_memory_allocated`` counts the same and more), and on
+fake tensors, where ``graph/autocast.py`` measures what each op makes in passing.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ class PeakMemory(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._alive: dict[int, weakref.ref] = {}  # storage address -> its storage, weakly
+        self._alive: dict[int, weakref.ref] = {}  # storage (its C address) -> it, weakly
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
                  if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -37,7 +38,7 @@ class PeakMemory(TorchDispatchMode):
         return out
 
     def _count(self, storage: torch.UntypedStorage, given: set[int]) -> None:
-        where, size = storage.data_ptr(), storage.nbytes()
+        where, size = storage._cdata, storage.nbytes()
         if size == 0 or where in given or where in self._alive:
             return
         self.live += size

@@ -1,0 +1,142 @@
+"""Memory you can trust: what autograd keeps of each op is inferred, the plan's estimate
+counts it, and the generated step holds no more than the model run eagerly."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chronotope as ct
+from chronotope.graph.autocast import saves
+from chronotope.graph.capture import model_loss
+from chronotope.graph.memory import PeakMemory
+from chronotope.models import get_workload
+from chronotope.models.workload import Workload
+from chronotope.runtime.local import Optim, run_in_threads
+
+SHAPES = {
+    "gpt": dict(d_model=128, n_head=4, n_layer=2, block_size=128, vocab_size=2048),
+    "llama": dict(d_model=128, n_head=4, n_kv_head=2, d_ffn=320, n_layer=2, seq_len=128,
+                  vocab_size=2048),
+    "bert": dict(d_model=128, n_head=4, d_ffn=512, n_layer=2, seq_len=128, vocab_size=2048),
+}
+P = ct.policies
+PLANS = {
+    "one device": lambda g: P.mesh(g),
+    "recompute full": lambda g: P.mesh(g, recompute="full"),
+    "recompute selective": lambda g: P.mesh(g, recompute="selective"),
+    "4 micro-batches": lambda g: P.mesh(g, micro=4),
+    "dp 2": lambda g: P.mesh(g, dp=2),
+    "tp 2": lambda g: P.mesh(g, tp=2),
+    "tp 2, sequence parallel": lambda g: P.mesh(g, tp=2, sequence=True),
+    "zero-3 x2": lambda g: P.zero(g, 2, 3),
+    "1f1b, 2 stages x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="1f1b"),
+    "coshard 2": lambda g: P.mesh(g, coshard=2),
+}
+
+
+def workload(name):
+    return get_workload(name, batch_size=8, **SHAPES[name])
+
+
+def capture(w):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(w)
+
+
+def measured(plan, w):
+    """Each rank's peak of what one step made (weights and optimizer state apart)."""
+    return run_in_threads(ct.compile(plan), w, 1, Optim("sgd", 0.1),
+                          measure_memory=True).peak_memory
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_the_estimate_is_within_10_percent_of_the_measured_peak_under_every_plan(model, dtype):
+    w = workload(model)
+    graph = capture(w)
+    off = {}
+    for name, make in PLANS.items():
+        plan = make(graph)
+        plan.dtype = dtype
+        memory = plan.check().memory
+        peaks = measured(plan, w)
+        rank = max(range(len(peaks)), key=peaks.__getitem__)
+        ratio = (memory[rank].activations + memory[rank].grads) / peaks[rank]
+        if not 0.9 <= ratio <= 1.1:
+            off[name] = round(ratio, 2)
+    assert not off, f"estimate / measured off by more than 10%: {off}"
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_a_step_on_one_device_holds_what_the_model_run_eagerly_holds(model):
+    w = workload(model)
+    graph = capture(w)
+    with PeakMemory() as eager:
+        model_loss(w.model(*w.inputs)).backward()
+    w.model.zero_grad(set_to_none=True)
+    ours = measured(P.mesh(graph), w)[0]
+    assert ours <= eager.peak * 1.02
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_tensor_parallel_ranks_hold_less_than_one_device(model):
+    w = workload(model)
+    graph = capture(w)
+    one = measured(P.mesh(graph), w)[0]
+    assert max(measured(P.mesh(graph, tp=2), w)) < one
+
+
+def test_the_tied_weights_gradients_of_every_micro_batch_are_summed_as_they_come():
+    w = workload("gpt")
+    graph = capture(w)
+    code = ct.compile(P.mesh(graph, pp=2, micro=4, schedule="1f1b")).code(1)
+    assert "rt.accumulate(grad_wte_weight" in code
+    reductions = [line for line in code.splitlines() if "rt.all_reduce(" in line]
+    assert not any("d_wte_weight_1" in line for line in reductions)
+
+
+def _saves_of(kind, fn, *shapes, dtype="fp32"):
+    """What autograd keeps of the op of ``kind`` in ``fn(*inputs, weight)``, captured (the
+    last shape is the weight's)."""
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(shapes[-1]))
+
+        def forward(self, *xs):
+            return fn(*xs, self.w)
+
+    xs = tuple(torch.randn(s) for s in shapes[:-1])
+    graph = capture(Workload(model=One(), inputs=xs, name="one"))
+    return saves(graph, dtype)[next(op for op in graph.ops if op.kind == kind)]
+
+
+def test_a_linear_keeps_its_input_and_weight_and_an_add_nothing():
+    kept = _saves_of("linear", lambda x, w: F.linear(x, w).sum(), (8, 16), (4, 16))
+    assert kept.inputs == {0, 1} and not kept.outputs
+    kept = _saves_of("add", lambda x, w: (x + w).sum(), (8, 16), (8, 16))
+    assert not kept.inputs and not kept.outputs and kept.other == 0 and not kept.views
+
+
+def test_a_norm_keeps_its_statistics_and_a_view_shares_its_inputs_storage():
+    kept = _saves_of("layer_norm", lambda x, w: F.layer_norm(x, (16,), w).sum(), (8, 16), (16,))
+    assert 0 in kept.inputs and kept.other == 2 * 8 * 4  # mean and 1/std per row, fp32
+    kept = _saves_of("transpose", lambda x, w: (x.transpose(0, 1) * w).sum(), (8, 16), (16, 8))
+    assert kept.views == ((0, 0),)
+
+
+def test_in_16_bits_a_linear_keeps_the_copies_autocast_made():
+    kept = _saves_of("linear", lambda x, w: F.linear(x, w).float().sum(), (8, 16), (4, 16),
+                     dtype="bf16")
+    assert kept.cast == {0, 1} and not kept.inputs
+
+
+def test_a_losss_backward_makes_its_logits_gradient_on_the_way():
+    kept = _saves_of("cross_entropy",
+                     lambda x, w: F.cross_entropy(x * w, torch.zeros(64, dtype=torch.long)),
+                     (64, 1000), (1000,))
+    assert kept.other >= 64 * 1000 * 4  # its log-softmax
+    assert kept.backward_temp >= 64 * 1000 * 4
