@@ -399,8 +399,10 @@ def _backward(ins: Backward) -> list[str]:
     lines = []
     if ins.recompute:
         lines.append(f"# recompute {len(ins.recompute)} forward pieces, with their graph")
-        for f in ins.recompute:
+        for f, freed in zip(ins.recompute, ins.frees or ((),) * len(ins.recompute)):
             lines += _forward(f)[1:] if isinstance(f, Forward) else render_instruction(f)
+            if freed:
+                lines += render_instruction(Free(freed))
     return lines + _backward_call(ins)
 
 

@@ -43,12 +43,14 @@ from chronotope.compile.program import (
     PullParam,
     PushParam,
     Recv,
+    ReduceScatter,
     Send,
     SetBuffer,
     WeightGrad,
     covers,
     groups_of,
     reads,
+    sums_gradients,
     writes,
 )
 from chronotope.compile.reshard import reshard
@@ -288,7 +290,8 @@ class Materializer:
     def running_sums(self, rank: int, code: list[Instruction]) -> list[Instruction]:
         """A sum of three or more pieces this rank computes is added up as they are made, so
         only the running total and the newest part are alive (co-shard's partial sums,
-        forward and backward)."""
+        forward and backward); so are the local pieces of a gradient's reduction made at
+        different times (a tied weight's gradient from each micro-batch)."""
         made_at = {var: i for i, ins in enumerate(code) if isinstance(ins, (Forward, Backward))
                    for var in writes(ins)}
         readers: dict[str, int] = defaultdict(int)
@@ -298,6 +301,25 @@ class Materializer:
         after: dict[int, list[Instruction]] = defaultdict(list)
         out = list(code)
         for i, ins in enumerate(code):
+            if isinstance(ins, (AllReduce, ReduceScatter)) and self._summed_as_made(ins):
+                srcs = list(ins.srcs)
+                for e, local in enumerate(ins.srcs):
+                    shapes = {self.shapes[rank].get(v) for v in local}
+                    if len({made_at.get(v) for v in local}) < 2 or len(shapes) != 1 or any(
+                            v not in made_at or readers[v] != 1 for v in local):
+                        continue
+                    shape = shapes.pop()
+                    whole = tuple(slice(0, n) for n in shape)
+                    parts = sorted(local, key=made_at.__getitem__)
+                    total = Part(parts[0], whole, whole, Fraction(1))
+                    for k, v in enumerate(parts[1:]):
+                        var = self.name(rank, f"{ins.vars[e]}_partial", shape)
+                        after[made_at[v]].append(Assemble(var, shape, ins.dtype, [
+                            total, Part(v, whole, whole, Fraction(1))], accumulate=k > 0))
+                        total = replace(total, src=var)
+                    srcs[e] = (total.src,)
+                out[i] = replace(ins, srcs=tuple(srcs))
+                continue
             if not (isinstance(ins, Assemble) and ins.pattern is None and len(ins.parts) > 2
                     and all(p.scale == 1 and p.src in made_at and readers[p.src] == 1
                             and self.shapes[rank].get(p.src) == ins.shape  # all of it
@@ -315,6 +337,14 @@ class Materializer:
                 total = replace(total, src=var)
             out[i] = replace(ins, parts=[total, parts[-1]], accumulate=len(parts) > 2)
         return [x for i, ins in enumerate(out) for x in (ins, *after.get(i, ()))]
+
+    def _summed_as_made(self, ins: AllReduce | ReduceScatter) -> bool:
+        """Whether a reduction's local pieces may be summed before it, in their own dtype:
+        gradients, in fp32 (a parameter's always is)."""
+        params = {self.plan.grads[t].name for t in self.plan.graph.params.values()
+                  if t in self.plan.grads}
+        return sums_gradients(ins.keys) and (self.plan.dtype == "fp32" or all(
+            str(k[0]) in params for k in ins.keys))
 
     def refresh(self) -> list[list[Instruction]]:
         """After the optimizer step: stored regions that others own, copied from the owners."""
@@ -707,16 +737,29 @@ def with_frees(code: list[Instruction]) -> list[Instruction]:
     frees: dict[int, list[str]] = defaultdict(list)
     for var, i in last.items():
         frees[i].append(var)
-    for i, ins in enumerate(code):  # made again inside a backward: gone after it, if unread
-        if isinstance(ins, Backward):
-            frees[i] += [v for f in ins.recompute for v in writes(f) if last.get(v, -1) <= i
-                         and v not in frees[i]]
     out: list[Instruction] = []
     for i, ins in enumerate(code):
+        if isinstance(ins, Backward) and ins.recompute:
+            ins = _freed_inside(ins, {v for v in _writes_inside(ins) if last.get(v, -1) <= i})
         out.append(ins)
         if frees.get(i):
             out.append(Free(tuple(frees[i])))
     return out
+
+
+def _writes_inside(ins: Backward) -> list[str]:
+    return [v for f in ins.recompute for v in writes(f)]
+
+
+def _freed_inside(ins: Backward, unread: set[str]) -> Backward:
+    """``ins`` freeing what its forwards run again make as soon as they are done with it
+    (nothing after the call reads it): after the last of them that reads it."""
+    last = {v: k for k, f in enumerate(ins.recompute) for v in (*writes(f), *reads(f))}
+    frees: list[list[str]] = [[] for _ in ins.recompute]
+    for v in dict.fromkeys(_writes_inside(ins)):
+        if v in unread:
+            frees[last[v]].append(v)
+    return replace(ins, frees=tuple(tuple(f) for f in frees))
 
 
 def materialize(checked: CheckedPlan, cluster: Cluster | None = None,

@@ -80,6 +80,9 @@ class Backward:
     outs: tuple[tuple[str | None, ...], ...]
     # forward pieces (and the views between them) to run again first, in order
     recompute: tuple[Forward | Assemble, ...] = ()
+    # what each of them made that nothing reads any more, freed after it (``with_frees``):
+    # the graph keeps what the backward needs, nothing else waits for the call
+    frees: tuple[tuple[str, ...], ...] = ()
 
     def remade_inputs(self) -> tuple[str, ...]:
         """What the steps run again read from outside them (kept alive until here)."""

@@ -1,11 +1,12 @@
 """``rt``: what a generated rank program calls.
 
-A forward piece's inputs enter as detached autograd leaves (``enter``) unless
-they stay linked to a local producer in the same backward region (see
-``compile/fuse.py``). A region's backward (``backward``) is one
-``torch.autograd.grad`` call from the gradients arriving at its pieces' outputs
-to its leaves: exactly those pieces' share of their inputs' gradients, wherever
-the gradients are then sent.
+A forward piece's inputs enter a graph of their own (``enter``) unless they stay
+linked to a local producer in the same backward region (see ``compile/fuse.py``). A
+region's backward (``backward``) is one ``torch.autograd.grad`` call from the
+gradients arriving at its pieces' outputs to their entries: exactly those pieces'
+share of their inputs' gradients, wherever the gradients are then sent. An entry
+holds nothing of its inputs, so an input no op saves is freed once read, as when the
+model runs eagerly.
 
 Under a low precision (``runtime/precision.py``) the step runs under autocast, each
 region's backward with autocast off, and communication casts as that module says; with
@@ -22,11 +23,52 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
 from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
 from chronotope.runtime.transport import Started
+
+
+class _Entry(torch.autograd.Function):
+    """Where a piece's graph starts: its inputs pass through (aliases, no copy), and the
+    gradients that reach them wait on the node (``found``) for ``rt.backward``. ``anchor``,
+    an empty leaf, is what the backward asks autograd for."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.found = None
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        ctx.found = grads
+        return (None,) * (1 + len(grads))
+
+
+class _Entered:
+    """One piece's entry: its node, its anchor and what a missing gradient's zeros are
+    shaped like (neither the inputs nor what the piece reads of them are kept)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.anchor = torch.empty(0, requires_grad=True)
+        self.node: Any = None
+        self.like = [(t.shape, t.dtype, t.device) for t in tensors]
+
+    def enter(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What the piece reads: ``tensors`` passed through the entry's node."""
+        if not tensors:
+            return ()
+        outs = _Entry.apply(self.anchor, *tensors)
+        self.node = outs[0].grad_fn
+        return outs
+
+    def grads(self) -> list[torch.Tensor]:
+        found = (self.node.found if self.node is not None else None) or (None,) * len(self.like)
+        return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(found, self.like)]
 
 
 class StepContext:
@@ -53,11 +95,12 @@ class StepContext:
         self.inputs = batch
         self.transport = transport
         self.targets = targets
-        self.leaves: dict[str, tuple[torch.Tensor, ...]] = {}
-        self.outputs: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.entries: dict[str, _Entered] = {}
+        # each piece's outputs as where their gradients enter its graph (None: no gradient)
+        self.outputs: dict[str, tuple[GradientEdge | None, ...]] = {}
         # split backward: leaves whose gradients ``weight`` computes, and what it starts from
         self.later: dict[str, tuple[torch.Tensor, ...]] = {}
-        self.kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        self.kept: dict[str, tuple[list[GradientEdge], list[torch.Tensor | None]]] = {}
         self.micro_index: int | None = None  # the micro-batch a template's block runs
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
@@ -99,19 +142,27 @@ class StepContext:
 
     def enter(self, name: str, tensors: Sequence[torch.Tensor], grad: Sequence[bool],
               later: Sequence[bool] = ()) -> tuple[torch.Tensor, ...]:
-        """Detached leaves for a piece's inputs; those ``later`` (its parameters, when its
-        backward is split) get their gradients from ``weight``, not ``backward``."""
-        leaves = tuple(t.detach().requires_grad_() if g else t.detach()
-                       for t, g in zip(tensors, grad))
-        later = tuple(later) or (False,) * len(leaves)
+        """A piece's inputs as the start of its graph: those that want a gradient through
+        its entry, the rest detached; those ``later`` (its parameters, when its backward is
+        split) as leaves whose gradients ``weight`` computes, not ``backward``."""
+        later = tuple(later) or (False,) * len(tensors)
+        entering = [t for t, g, w in zip(tensors, grad, later) if g and not w]
+        entry = _Entered(entering)
         name = self._key(name)
-        self.leaves[name] = tuple(t for t, g, w in zip(leaves, grad, later) if g and not w)
+        self.entries[name] = entry
+        entered = iter(entry.enter(entering))
+        out = tuple(next(entered) if g and not w else
+                    t.detach().requires_grad_() if g else t.detach()
+                    for t, g, w in zip(tensors, grad, later))
         if any(later):
-            self.later[name] = tuple(t for t, w in zip(leaves, later) if w)
-        return leaves
+            self.later[name] = tuple(t for t, w in zip(out, later) if w)
+        return out
 
     def leave(self, name: str, outputs: Sequence[torch.Tensor]) -> None:
-        self.outputs[self._key(name)] = tuple(outputs)
+        """Where the gradients of a piece's outputs will enter its graph: edges, not the
+        outputs, so that an output nothing saves is freed once read, as in eager."""
+        self.outputs[self._key(name)] = tuple(get_gradient_edge(o) if o.requires_grad else None
+                                              for o in outputs)
 
     def backward(self, arriving: Mapping[str, Sequence[torch.Tensor | None]],
                  pieces: Sequence[str]) -> tuple[torch.Tensor, ...]:
@@ -125,23 +176,23 @@ class StepContext:
             name = self._key(name)
             made = self.outputs.pop(name, ())
             for o, g in zip(made, given):
-                if g is not None and o.requires_grad:
+                if g is not None and o is not None:
                     outputs.append(o)
                     grads.append(g)
             if name in self.later:
-                kept.append((name, [o for o in made if o.requires_grad]))
-        leaves = [t for name in pieces for t in self.leaves.pop(self._key(name), ())]
+                kept.append((name, [o for o in made if o is not None]))
+        entries = [e for name in pieces if (e := self.entries.pop(self._key(name), None))]
+        anchors = [e.anchor for e in entries if e.like]
         at = [o for _, outs in kept for o in outs]  # their total gradient, captured
-        found: Sequence[torch.Tensor | None] = [None] * (len(leaves) + len(at))
-        if outputs and (leaves or at):
+        found: Sequence[torch.Tensor | None] = [None] * (len(anchors) + len(at))
+        if outputs and (anchors or at):
             with self._backward_mode():
-                found = torch.autograd.grad(outputs, leaves + at, grads, allow_unused=True,
+                found = torch.autograd.grad(outputs, anchors + at, grads, allow_unused=True,
                                             retain_graph=bool(at))
-        captured = iter(found[len(leaves):])
+        captured = iter(found[len(anchors):])
         for name, outs in kept:
             self.kept[name] = (outs, [next(captured) for _ in outs])
-        return tuple(torch.zeros_like(x) if g is None else g
-                     for x, g in zip(leaves, found[:len(leaves)]))
+        return tuple(g for e in entries for g in e.grads())
 
     def weight(self, name: str) -> tuple[torch.Tensor, ...]:
         """The gradients of piece ``name``'s parameters, from what its ``backward`` kept:
