@@ -220,6 +220,19 @@ def memory(args: argparse.Namespace) -> list[dict]:
         except Exception as e:  # noqa: BLE001  (one case's failure is a row, not the end)
             rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:400]})
         _free(device)
+    for dtype in ("fp32", "bf16"):  # the baseline: the model run eagerly, the same step
+        step = eager_step(workload(args), device, dtype, compiled=False)
+        step()
+        _free(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        peak = torch.cuda.max_memory_allocated(device)
+        rows.append({"case": f"eager, {dtype}", "measured": peak, "measured_step": peak - before,
+                     "held_before": before})
+        print(json.dumps(rows[-1]), flush=True)
+        del step
+        _free(device)
     return rows
 
 
@@ -262,6 +275,9 @@ def show(results: dict, console: Console) -> None:
         for r in results["memory"]:
             if "error" in r:
                 t.add_row(r["case"], r["error"][:80])
+                continue
+            if "estimate" not in r:
+                t.add_row(r["case"], "-", gib(r["measured"]), "-", "-", gib(r["measured_step"]))
                 continue
             t.add_row(r["case"], gib(r["estimate"]), gib(r["measured"]), f"{r['ratio']:.2f}",
                       gib(r["estimate_step"]), gib(r["measured_step"]), f"{r['step_ratio']:.2f}")
