@@ -555,15 +555,15 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
                     grad_of[v.ptensor], ())) else max(last.get(key, i), i)
                 size[key] = held_as.nbytes(v)
                 continue
-            if v.ptensor.kind is TensorKind.PARAM and any(
-                    m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ())):
+            if v.ptensor.kind is TensorKind.PARAM:
                 again = op.forward is not None and remade.op(op.forward)
                 if not again and (copy := held_as.copy(op, v)):  # kept for the backward
                     key = ("copy", v.ptensor, v.mask)
                     first.setdefault(key, i)
                     last[key] = i
                     size[key] = copy
-                continue  # the weight itself: counted with the parameters
+                if any(m.contains(Mask(v.mask.index)) for m in held.get(v.ptensor.name, ())):
+                    continue  # the weight itself: counted with the parameters
             # A parameter region the device does not store (ZeRO-3) is gathered for the
             # pieces that read it, and autograd keeps it from the forward to the backward.
             key = root.get((v.ptensor, v.mask), (v.ptensor, v.mask))
