@@ -38,8 +38,11 @@ PLANS: dict[str, Callable[[Graph], ct.Plan]] = {
     "tp 2": lambda g: P.mesh(g, tp=2),
     "tp 2 + sp": lambda g: P.mesh(g, tp=2, sequence=True),
     "zero-1 x2": lambda g: P.zero(g, 2, 1),
+    "zero-2 x2": lambda g: P.zero(g, 2, 2),
     "zero-3 x2": lambda g: P.zero(g, 2, 3),
     "1f1b 2 stages x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="1f1b"),
+    "interleaved 2 x 2 chunks x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="interleaved",
+                                                     chunks=2),
     "coshard 2": lambda g: P.mesh(g, coshard=2),
 }
 

@@ -30,8 +30,12 @@ PLANS = {
     "dp 2": lambda g: P.mesh(g, dp=2),
     "tp 2": lambda g: P.mesh(g, tp=2),
     "tp 2, sequence parallel": lambda g: P.mesh(g, tp=2, sequence=True),
+    "zero-1 x2": lambda g: P.zero(g, 2, 1),
+    "zero-2 x2": lambda g: P.zero(g, 2, 2),
     "zero-3 x2": lambda g: P.zero(g, 2, 3),
     "1f1b, 2 stages x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="1f1b"),
+    "interleaved, 2 stages x 2 chunks x 4": lambda g: P.mesh(g, pp=2, micro=4,
+                                                             schedule="interleaved", chunks=2),
     "coshard 2": lambda g: P.mesh(g, coshard=2),
 }
 
@@ -115,8 +119,10 @@ def _saves_of(kind, fn, *shapes, dtype="fp32"):
 
 
 def test_a_linear_keeps_its_input_and_weight_and_an_add_nothing():
-    kept = _saves_of("linear", lambda x, w: F.linear(x, w).sum(), (8, 16), (4, 16))
+    kept = _saves_of("linear", lambda x, w: F.linear(x * w[0], w).sum(), (8, 16), (4, 16))
     assert kept.inputs == {0, 1} and not kept.outputs
+    kept = _saves_of("linear", lambda x, w: F.linear(x, w).sum(), (8, 16), (4, 16))
+    assert kept.inputs == {0}  # on the batch: its input, for the weight's gradient alone
     kept = _saves_of("add", lambda x, w: (x + w).sum(), (8, 16), (8, 16))
     assert not kept.inputs and not kept.outputs and kept.other == 0 and not kept.views
 
@@ -129,8 +135,8 @@ def test_a_norm_keeps_its_statistics_and_a_view_shares_its_inputs_storage():
 
 
 def test_in_16_bits_a_linear_keeps_the_copies_autocast_made():
-    kept = _saves_of("linear", lambda x, w: F.linear(x, w).float().sum(), (8, 16), (4, 16),
-                     dtype="bf16")
+    kept = _saves_of("linear", lambda x, w: F.linear(x * w[0], w).float().sum(), (8, 16),
+                     (4, 16), dtype="bf16")
     assert kept.cast == {0, 1} and not kept.inputs
 
 

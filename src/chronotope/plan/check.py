@@ -14,7 +14,7 @@ import heapq
 import math
 import textwrap
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.autocast import Saves, casting, itemsizes, saves
@@ -131,11 +131,10 @@ def check(plan: Plan) -> CheckedPlan:
             sequences[node.device].append(node)
     stored = storage(plan, sequences)
     held = Held(plan)
-    memory = {d: estimate_memory(plan, seq, stored, d, held) for d, seq in sequences.items()}
-    if plan.micro > 1:  # a template: as many micro-batches' activations as a device keeps
-        kept = check_steps(plan, edges, cells_of(plan))
-        memory = {d: replace(m, activations=m.activations * kept.get(d, 1))
-                  for d, m in memory.items()}
+    # a template: as many micro-batches' activations as a device keeps at once
+    kept = check_steps(plan, edges, cells_of(plan)) if plan.micro > 1 else {}
+    memory = {d: estimate_memory(plan, seq, stored, d, held, kept.get(d, 1))
+              for d, seq in sequences.items()}
     return CheckedPlan(plan, sequences, memory, edges, stored, scaled)
 
 
@@ -507,12 +506,15 @@ def _reads(op: PlanOp, remade: _Remade, swapped: set[PlanOp], held_as: Held
 
 
 def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
-                    held_as: Held | None = None) -> Memory:
+                    held_as: Held | None = None, micro_batches: int = 1) -> Memory:
+    """What ``device`` holds running ``seq``; of a template, ``micro_batches`` of its
+    micro-batches' activations at once."""
     held_as = held_as or Held(plan)
     grad_of = {plan.grads[p]: p.name for p in plan.graph.params.values() if p in plan.grads}
     owned_grads = {name: [Mask(o.grad.index) for o in os_]
                    for name, os_ in stored.owned[device].items()}
     end = len(seq) - 1
+    made: dict[tuple, int] = defaultdict(int)  # gradient shares added to a total so far
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     size: dict[tuple, int] = {}
@@ -547,9 +549,10 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
             if v.ptensor in grad_of:  # a weight's gradient: alive from when it is made,
                 within = Mask(v.mask.index)  # to the update where this device owns it;
                 key = ("grad", v.ptensor, within)  # a share made again is added in
-                if key in first and v in op.outputs:
+                if key in first and v in op.outputs:  # the first sum is a new tensor
+                    made[key] += 1
                     first[("part", op, v)] = last[("part", op, v)] = i
-                    size[("part", op, v)] = held_as.nbytes(v)
+                    size[("part", op, v)] = held_as.nbytes(v) * (2 if made[key] == 1 else 1)
                 first.setdefault(key, i)
                 last[key] = end if any(m.contains(within) for m in owned_grads.get(
                     grad_of[v.ptensor], ())) else max(last.get(key, i), i)
@@ -557,8 +560,8 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
                 continue
             if v.ptensor.kind is TensorKind.PARAM:
                 again = op.forward is not None and remade.op(op.forward)
-                if not again and (copy := held_as.copy(op, v)):  # kept for the backward
-                    key = ("copy", v.ptensor, v.mask)
+                if not again and (copy := held_as.copy(op, v)):  # each piece keeps its own
+                    key = ("copy", op.forward or op, v.ptensor, v.mask)  # for its backward
                     first.setdefault(key, i)
                     last[key] = i
                     size[key] = copy
@@ -579,9 +582,11 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
     states = OPTIMIZER_STATES.get(plan.optimizer)
     if states is None:
         raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
-    if plan.micro > 1:  # a template's activations, without gradients, times what it keeps
-        peak = _peak(len(seq), [x for key, x in zip(first, alive)
-                                if key[0] not in ("grad", "part")])
+    grads = [size[k] for k in first if k[0] in ("grad", "part")]
+    if plan.micro > 1:  # a template's activations, without gradients, times what it keeps,
+        peak = _peak(len(seq), [x for key, x in zip(first, alive)  # and one micro-batch's
+                                if key[0] not in ("grad", "part")]) * micro_batches + max(
+            grads, default=0)  # share of a gradient before it is added to the others
     else:  # the step's peak counts the gradients made by then; those kept are counted apart
         peak = max(0, _peak(len(seq), alive) - sum(
             size[k] for k in first if k[0] == "grad" and last[k] == end))
