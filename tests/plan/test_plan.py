@@ -191,9 +191,10 @@ def test_zero3_counts_the_parameters_it_gathers_for_the_step():
     """ZeRO-3 stores half the weights, but a step gathers each whole. Kept from the forward
     to the backward (``reshard=False``), autograd holds them all by the end of the forward;
     resharded (the default, as FSDP2) a unit is freed after its forward and gathered again
-    for its backward. The estimate counts both, as the measured peaks of the step show."""
-    w = get_workload("gpt")
-    g = graph()
+    for its backward. The estimate counts both, as the measured peaks of the step show (a
+    batch whose activations, not the gradients' reduction at the end, make the peak)."""
+    w = get_workload("gpt", batch_size=16)
+    g = ct.capture(w)
     plans = {"zero-2": ct.policies.zero(g, 2, 2), "kept": ct.policies.zero(g, 2, 3, reshard=False),
              "resharded": ct.policies.zero(g, 2, 3)}
     estimated = {name: p.check().memory[0] for name, p in plans.items()}

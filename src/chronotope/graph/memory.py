@@ -26,9 +26,11 @@ class PeakMemory(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._alive: dict[int, weakref.ref] = {}  # storage (its C address) -> it, weakly
+        self._size: dict[int, int] = {}  # its bytes when last seen
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        self._resized()
         out = func(*args, **(kwargs or {}))
         given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
                  if isinstance(t, torch.Tensor)}
@@ -43,8 +45,19 @@ class PeakMemory(TorchDispatchMode):
             return
         self.live += size
         self.peak = max(self.peak, self.live)
-        self._alive[where] = weakref.ref(storage, lambda _: self._freed(where, size))
+        self._size[where] = size
+        self._alive[where] = weakref.ref(storage, lambda _: self._freed(where))
 
-    def _freed(self, where: int, size: int) -> None:
-        self.live -= size
+    def _resized(self) -> None:
+        """Storage freed or given back in place (ZeRO-3's reshard and refill resize it)
+        between two ops: counted from the next op on."""
+        for where, ref in self._alive.items():
+            storage = ref()
+            if storage is not None and (size := storage.nbytes()) != self._size[where]:
+                self.live += size - self._size[where]
+                self._size[where] = size
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, where: int) -> None:
+        self.live -= self._size.pop(where, 0)
         self._alive.pop(where, None)
