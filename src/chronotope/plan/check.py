@@ -22,7 +22,8 @@ from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
 from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
 from chronotope.plan.replicas import Replicas, replicas
-from chronotope.plan.steps import cells_of, check_steps
+from chronotope.plan.steps import cells_of, check_steps, held_at_most
+from chronotope.plan.steps import kept as micro_batches_kept
 from chronotope.plan.storage import ALLOCATING, Storage, storage, unit
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -132,8 +133,10 @@ def check(plan: Plan) -> CheckedPlan:
     stored = storage(plan, sequences)
     held = Held(plan)
     # a template: as many micro-batches' activations as a device keeps at once
-    kept = check_steps(plan, edges, cells_of(plan)) if plan.micro > 1 else {}
-    memory = {d: estimate_memory(plan, seq, stored, d, held, kept.get(d, 1))
+    cells = cells_of(plan) if plan.micro > 1 else {}
+    if cells:
+        check_steps(plan, edges, cells)
+    memory = {d: estimate_memory(plan, seq, stored, d, held, cells)
               for d, seq in sequences.items()}
     return CheckedPlan(plan, sequences, memory, edges, stored, scaled)
 
@@ -506,9 +509,9 @@ def _reads(op: PlanOp, remade: _Remade, swapped: set[PlanOp], held_as: Held
 
 
 def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
-                    held_as: Held | None = None, micro_batches: int = 1) -> Memory:
-    """What ``device`` holds running ``seq``; of a template, ``micro_batches`` of its
-    micro-batches' activations at once."""
+                    held_as: Held | None = None, cells: dict | None = None) -> Memory:
+    """What ``device`` holds running ``seq``; of a template (its pieces' ``cells``), with
+    the other micro-batches its steps keep at once."""
     held_as = held_as or Held(plan)
     grad_of = {plan.grads[p]: p.name for p in plan.graph.params.values() if p in plan.grads}
     owned_grads = {name: [Mask(o.grad.index) for o in os_]
@@ -541,6 +544,10 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
         if temp := held_as.temp(op):
             first[("temp", op)] = last[("temp", op)] = i
             size[("temp", op)] = temp
+        if op.is_backward and forward in plan.swapped and kept is not None:  # back from the
+            first[("back", op)] = last[("back", op)] = i  # CPU for its backward alone
+            size[("back", op)] = held_as.other(forward) + sum(
+                held_as.nbytes(v) for v in _saved(forward, kept))
         if not op.is_backward and kept is not None:
             for out, src in kept.views:
                 given = (op.inputs[src].ptensor, op.inputs[src].mask)
@@ -582,14 +589,26 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
     states = OPTIMIZER_STATES.get(plan.optimizer)
     if states is None:
         raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
-    grads = [size[k] for k in first if k[0] in ("grad", "part")]
-    if plan.micro > 1:  # a template's activations, without gradients, times what it keeps,
-        peak = _peak(len(seq), [x for key, x in zip(first, alive)  # and one micro-batch's
-                                if key[0] not in ("grad", "part")]) * micro_batches + max(
-            grads, default=0)  # share of a gradient before it is added to the others
-    else:  # the step's peak counts the gradients made by then; those kept are counted apart
-        peak = max(0, _peak(len(seq), alive) - sum(
-            size[k] for k in first if k[0] == "grad" and last[k] == end))
+    # The step's peak counts the gradients made by then; those kept are counted apart.
+    kept_grads = sum(size[k] for k in first if k[0] == "grad" and last[k] == end)
+    peak = _peak(len(seq), alive)
+    if plan.micro > 1:  # a template: what each stage's forward keeps for its backward,
+        held: dict = defaultdict(int)  # held at once as the device's steps run them
+        for key, (start, stop, n) in zip(first, alive):
+            made, read = (cells or {}).get(seq[start]), (cells or {}).get(seq[stop])
+            if key[0] not in ("grad", "part") and made and read and made[0] == "F" != read[0]:
+                held[made[1]] += n
+        steps = plan.steps.get(device, [])
+        others = max(0, held_at_most(steps, held) - sum(held.values()))
+        acts = [x for key, x in zip(first, alive) if key[0] not in ("grad", "part")]
+        later = acts + [(0, end, size[k]) for k in first if k[0] == "grad"] + [
+            (first[k], first[k], 2 * size[k]) for k in first if k[0] == "grad"]
+        # its micro-batch first, while the others hold what they keep, or the next, every
+        # gradient made and each share summed with it into a new total (with others still
+        # held if more micro-batches run than the device keeps at once)
+        peak = max(peak + others, _peak(len(seq), later) + (
+            others if plan.micro > micro_batches_kept(steps) else 0))
+    peak = max(0, peak - kept_grads)
     return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
                   states * stored.bytes_owned(plan, device), peak)
 

@@ -12,6 +12,8 @@ no device waiting for a step that can only come after its own next one.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from chronotope.errors import DeadlockError, PlanError
 from chronotope.graph import rng
@@ -152,6 +154,21 @@ def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:
         lines.append("Order each device's steps so that a micro-batch's forward runs down the "
                      "stages and its backward back up.")
         raise DeadlockError("\n".join(lines))
+
+
+def held_at_most(steps: Sequence[Step], held: Mapping[Any, float]) -> float:
+    """The most bytes the stages' forwards keep at once as ``steps`` run (``held``: what
+    one micro-batch's forward of each stage keeps), from a forward to the stage's last
+    backward step of that micro-batch."""
+    last = {(stage, m): i for i, (kind, stage, m) in enumerate(steps) if kind != "F"}
+    live = most = 0.0
+    for i, (kind, stage, m) in enumerate(steps):
+        if kind == "F":
+            live += held.get(stage, 0)
+        elif last[(stage, m)] == i:
+            live -= held.get(stage, 0)
+        most = max(most, live)
+    return most
 
 
 def kept(steps: list[Step]) -> int:

@@ -43,7 +43,7 @@ from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import Plan, differentiable
-from chronotope.plan.steps import kept
+from chronotope.plan.steps import held_at_most
 from chronotope.plan.storage import unit
 from chronotope.policies.mesh import (
     _crossing,
@@ -189,13 +189,14 @@ class Model:
                     rows.append((0.0,) * 8)
                     continue
                 regathered = 0.0
-                for t, lay in zip(op.inputs, s.inputs):
+                saves_ = self.saves.get(op)
+                for i, (t, lay) in enumerate(zip(op.inputs, s.inputs)):
                     if t.producer in choice and t in self.needs_grad and (t, lay) not in \
                             changed and choice[t.producer].outputs[
-                                t.producer.outputs.index(t)] != lay:
+                                t.producer.outputs.index(t)] != lay and (
+                                saves_ is None or i in saves_.inputs):  # kept: it saves it
                         changed.add((t, lay))
                         regathered += self._bytes(t) / sharded(lay, m)
-                saves_ = self.saves.get(op)
                 own = [sharded(lay, m) for lay in s.outputs] or [1]
                 kept = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip(op.outputs, s.outputs)
@@ -207,8 +208,8 @@ class Model:
                 held = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip((*op.inputs, *op.outputs), (*s.inputs, *s.outputs))
                            if t not in self.params and (t in self.needs_grad or t in op.outputs))
-                if saves_ is not None:
-                    held += saves_.backward_temp / max(own)
+                if saves_ is not None:  # and during it, what it saved
+                    held += (saves_.backward_temp + saves_.other) / max(own)
                 params = [(i, t) for i, t in enumerate(op.inputs) if t in self.params]
                 copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
                              for i, t in params) if op in self.casting else 0.0
@@ -298,21 +299,21 @@ class Model:
         transient = [terms[rank_of == r, 6].max(initial=0.0) / m + np.bincount(
             self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0)
             for r in range(k.pp)]
-        memory = np.array([states[r] + self._live(k, r) * (
-            per_micro[r::k.pp].sum() + transient[r]) for r in range(k.pp)])
+        memory = np.array([states[r] + self._held(k, r, per_micro) + transient[r]
+                           for r in range(k.pp)])
         fullest = int(memory.argmax())
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
 
     @staticmethod
-    def _live(k: Knobs, rank: int) -> int:
-        """Micro-batches rank ``rank`` holds activations of at once in its schedule's
-        order, as the plan's estimate counts them (``plan.steps``)."""
+    def _held(k: Knobs, rank: int, per_micro: np.ndarray) -> float:
+        """Bytes of activations rank ``rank`` keeps at once in its schedule's order: what
+        one micro-batch keeps in each of its stages, from its forward to its backward, as
+        the plan's estimate counts them (``plan.steps``)."""
+        mine = {s: float(per_micro[s]) for s in range(rank, k.pp * k.chunks, k.pp)}
         if k.micro == 1:
-            return 1
-        if k.chunks == 1:  # 1F1B: the forwards of the stages downstream, and one
-            return min(k.pp - rank, k.micro)
-        return _interleaved_live(rank, k.pp, k.micro, k.chunks)
+            return sum(mine.values())
+        return held_at_most(_order(rank, k.pp, k.micro, k.chunks), mine)
 
 
 def _blocks(graph: Graph) -> int:
@@ -326,15 +327,13 @@ def _blocks(graph: Graph) -> int:
     return 1 + sum(c == min(inner) for c in inner) if inner else 1
 
 
-def _interleaved_live(rank: int, pp: int, micro: int, chunks: int) -> int:
-    """Past a few rounds of ``pp`` micro-batches the order repeats: what is alive at once
-    no longer grows (``micro`` a multiple of ``pp``, as the points are)."""
-    return _live_in_order(rank, pp, min(micro, pp * (chunks + 3)), chunks)
-
-
 @lru_cache(maxsize=65536)
-def _live_in_order(rank: int, pp: int, micro: int, chunks: int) -> int:
-    return kept(SCHEDULES["interleaved"](rank, pp, micro, chunks))
+def _order(rank: int, pp: int, micro: int, chunks: int) -> tuple:
+    """Rank ``rank``'s steps. Past a few rounds of ``pp`` micro-batches the order repeats:
+    what is alive at once no longer grows (``micro`` a multiple of ``pp``, as the points
+    are)."""
+    schedule = SCHEDULES["interleaved" if chunks > 1 else "1f1b"]
+    return tuple(schedule(rank, pp, min(micro, pp * (chunks + 3)), chunks))
 
 
 def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:
