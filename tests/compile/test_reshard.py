@@ -36,7 +36,7 @@ def gpt():
 def units_of(code, at):
     """The module units of the pieces that read what the instruction at ``at`` gives."""
     names = set(code[at].vars)
-    return {unit(ins.op) for ins in code if isinstance(ins, Forward) and names & set(ins.ins)}
+    return {unit(ins.op.op) for ins in code if isinstance(ins, Forward) and names & set(ins.ins)}
 
 
 def test_each_unit_is_freed_after_its_forward_and_gathered_again_one_unit_ahead(gpt):
@@ -69,7 +69,7 @@ def test_each_unit_is_freed_after_its_forward_and_gathered_again_one_unit_ahead(
     assert regathers[0] < min(i for i, x in enumerate(code) if isinstance(x, Backward))
     assert all(order[k - 1] < regathers[k] < order[k] for k in range(1, len(order)))
     # one unit's backward at a time: no autograd call uses the weights of two freed units
-    users = {x.op: unit(x.op) for x in code if isinstance(x, Forward)
+    users = {x.op: unit(x.op.op) for x in code if isinstance(x, Forward)
              and any(set(r.vars) & set(x.ins) for r in freed.values())}
     for x in code:
         if isinstance(x, Backward):
