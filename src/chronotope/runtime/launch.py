@@ -56,6 +56,12 @@ def rank_device(backend: str, local_rank: int) -> torch.device:
     return device
 
 
+def group_device(backend: str, local_rank: int) -> torch.device | None:
+    """The GPU a NCCL process group is bound to (its rank's, made current), so that NCCL
+    neither guesses it from the global rank nor warns; None for gloo."""
+    return rank_device(backend, local_rank) if backend == "nccl" else None
+
+
 def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: float,
                precision: Precision | None = None
                ) -> tuple[list[float], dict, list[float], dict]:
@@ -82,7 +88,8 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
         if backend == "gloo":  # workers share this machine's cores: no oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
-                                world_size=world, timeout=timedelta(seconds=timeout))
+                                world_size=world, timeout=timedelta(seconds=timeout),
+                                device_id=group_device(backend, index))
         torch.save(fn(index, *args), os.path.join(out_dir, f"rank{index}.pt"))
         dist.barrier()  # every rank done communicating before any tears its group down
     except BaseException as e:

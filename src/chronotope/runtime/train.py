@@ -36,7 +36,7 @@ from chronotope.runtime.data import (
     example_batches,
     fingerprint,
 )
-from chronotope.runtime.launch import rank_device, spawn
+from chronotope.runtime.launch import group_device, rank_device, spawn
 from chronotope.runtime.local import (
     Rank,
     RankSpec,
@@ -378,7 +378,8 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
     """One rank under torchrun (rank and world size from its environment): the run of
     ``train``, with rank 0 printing each step and writing the metrics file."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+                            device_id=group_device(backend, int(os.environ.get("LOCAL_RANK", 0))))
     rank = dist.get_rank()
     saved = torch.load(os.path.join(directory, "state.pt"), weights_only=False)
     specs: list[RankSpec] = saved["specs"]
