@@ -126,15 +126,17 @@ def test_explain_says_the_layout_its_stages_what_binds_and_the_runners_up(capsys
     assert "plan: dp" in text and "binding: device" in text and "runner-up:" in text
 
 
-def test_interleaved_micro_batches_alive_stop_growing_after_a_few_rounds():
-    from chronotope.plan.steps import kept
+def test_interleaved_activations_alive_stop_growing_after_a_few_rounds():
+    from chronotope.plan.steps import held_at_most
     from chronotope.policies.pipeline import SCHEDULES
-    from chronotope.search.knobs import _interleaved_live
+    from chronotope.search.knobs import _order
 
     for pp, chunks, micro in [(2, 2, 40), (4, 4, 64), (8, 2, 96), (3, 4, 60)]:
         for rank in range(pp):
             order = SCHEDULES["interleaved"](rank, pp, micro, chunks)
-            assert _interleaved_live(rank, pp, micro, chunks) == kept(order)
+            held = {s: 1.0 + s for s in range(rank, pp * chunks, pp)}  # stages unalike
+            assert held_at_most(_order(rank, pp, micro, chunks), held) == \
+                held_at_most(order, held)
 
 
 @pytest.mark.parametrize("knobs", [Knobs(2, 2, 1, 2), Knobs(2, 1, 2, 2, recompute="full")],

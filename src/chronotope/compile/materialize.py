@@ -301,7 +301,8 @@ class Materializer:
         after: dict[int, list[Instruction]] = defaultdict(list)
         out = list(code)
         for i, ins in enumerate(code):
-            if isinstance(ins, (AllReduce, ReduceScatter)) and self._summed_as_made(ins):
+            if isinstance(ins, (AllReduce, ReduceScatter)) and not self.cells and \
+                    self._summed_as_made(ins):  # (a template's are summed by ``fold``)
                 srcs = list(ins.srcs)
                 for e, local in enumerate(ins.srcs):
                     shapes = {self.shapes[rank].get(v) for v in local}
