@@ -6,9 +6,9 @@ A bf16 or fp16 run keeps fp32 master weights and lets autocast choose each op's 
 the two fp32. Autograd keeps what each op's backward needs and no more: a linear its
 input (the 16-bit copy autocast made of it), a layer norm its input and statistics, an
 add nothing; a view shares its input's storage. What a plan holds and sends depends on
-both, so they are inferred once per graph and dtype by running its ops on fake tensors
-(shapes and dtypes only, no compute; about a second for GPT-3 175B's 2,000 ops), with
-the torch version that runs the step.
+both, so they are inferred once per graph and dtype by running each op, forward and
+backward, on fake tensors (shapes and dtypes only, no compute; a few seconds for GPT-3
+175B's 2,100 ops), with the torch version that runs the step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from chronotope.graph.memory import PeakMemory
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
 LOW = {name: d for name, d in DTYPES.items() if d != torch.float32}
-
 
 
 @dataclass(frozen=True)
