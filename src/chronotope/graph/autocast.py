@@ -161,8 +161,8 @@ def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
                     outs = []
             for i, t in enumerate(op.outputs):
                 made = outs[i] if i < len(outs) else None
-                if isinstance(made, torch.Tensor):
-                    values[t] = made
+                if isinstance(made, torch.Tensor):  # (without its graph: no garbage piles up)
+                    values[t] = made.detach()
                 followed.dtypes[t] = made.dtype if isinstance(made, torch.Tensor) else None
             if any(t in wants for t in op.inputs):
                 wants.update(op.outputs)
@@ -183,8 +183,7 @@ def _backward_temp(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     seeds = [torch.ones_like(o) for o in given]
     try:
         with PeakMemory() as ran:
-            made = torch.autograd.grad(given, wanted, seeds, retain_graph=True,
-                                       allow_unused=True)
+            made = torch.autograd.grad(given, wanted, seeds, allow_unused=True)
     except Exception:  # noqa: BLE001  (a backward fake tensors cannot follow: none known)
         return 0
     temp = ran.peak - ran.live  # ``made``, the gradients, still alive: left at the end
