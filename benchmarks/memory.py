@@ -16,35 +16,20 @@ apart by both and not compared. Goal: within 10% for every plan (the search deci
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
-from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package
+
 import chronotope as ct
-from chronotope.graph.ir import Graph
 from chronotope.models import get_workload
 from chronotope.runtime.local import run_in_threads
 from chronotope.runtime.optim import Optim
-
-P = ct.policies
-PLANS: dict[str, Callable[[Graph], ct.Plan]] = {
-    "one device": lambda g: P.mesh(g),
-    "recompute full": lambda g: P.mesh(g, recompute="full"),
-    "recompute selective": lambda g: P.mesh(g, recompute="selective"),
-    "4 micro-batches": lambda g: P.mesh(g, micro=4),
-    "dp 2": lambda g: P.mesh(g, dp=2),
-    "tp 2": lambda g: P.mesh(g, tp=2),
-    "tp 2 + sp": lambda g: P.mesh(g, tp=2, sequence=True),
-    "zero-1 x2": lambda g: P.zero(g, 2, 1),
-    "zero-2 x2": lambda g: P.zero(g, 2, 2),
-    "zero-3 x2": lambda g: P.zero(g, 2, 3),
-    "1f1b 2 stages x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="1f1b"),
-    "interleaved 2 x 2 chunks x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="interleaved",
-                                                     chunks=2),
-    "coshard 2": lambda g: P.mesh(g, coshard=2),
-}
+from tests.plan.test_memory import PLANS  # noqa: E402  (the plans the test holds to 10%)
 
 
 def rows(args: argparse.Namespace, dtype: str) -> list[tuple[str, int, int]]:
