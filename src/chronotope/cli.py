@@ -441,8 +441,11 @@ def _program(workload: Workload, args: argparse.Namespace) -> tuple[Workload, Pr
     plan, ran = _plan(graph, args, captured)
     if ran is not captured:  # a schedule replaced modules: train its copy of the model
         workload = replace(workload, model=ran.model)
-    if replicas > 1:  # else a --plan file's own scale stands
-        plan.scale(replicas)
+    if args.shard_optimizer and replicas == 1:
+        raise PlanError("--shard-optimizer shares the optimizer state out over --replicas: "
+                        "give --replicas R (R > 1), or a plan file made with it")
+    if args.replicas > 1 or args.shard_optimizer:  # else a --plan file's own scale stands
+        plan.scale(replicas, args.shard_optimizer or plan.shard_optimizer)
     return workload, compile_plan(plan, args.comm, args.cluster, args.bucket_mb)
 
 
@@ -998,6 +1001,11 @@ def parser() -> argparse.ArgumentParser:
                              help="run the plan as this many data-parallel replicas of "
                                   "--devices each (plan.scale): made on one replica's rows "
                                   "of the batch, compiled once (default 1)")
+            cmd.add_argument("--shard-optimizer", action="store_true",
+                             help="with --replicas: each replica keeps and updates 1 / R "
+                                  "of every weight's optimizer state (ZeRO-1 over the "
+                                  "replicas, as Megatron's distributed optimizer); gradients "
+                                  "reduce-scattered, weights all-gathered after the step")
             cmd.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                              help="compute in bf16 or fp16 under autocast, with fp32 master "
                                   "weights and optimizer state (fp16 scales the loss); "

@@ -61,6 +61,9 @@ def test_a_scaled_plan_and_zero_storage_are_kept(tmp_path):
     plan.save(tmp_path / "plan.json")
     again = load_plan(capture()[1], tmp_path / "plan.json")
     assert again.replicas == 8 and again.world_size == 16 and again.param_storage == "owned"
+    assert not again.shard_optimizer
+    mesh(graph, tp=2).scale(4, shard_optimizer=True).save(tmp_path / "sharded.json")
+    assert load_plan(capture()[1], tmp_path / "sharded.json").shard_optimizer
     assert set(again.updates) == set(plan.updates)
 
 

@@ -80,6 +80,50 @@ def test_a_penalty_beside_a_mean_loss_counts_once_on_the_whole_batch():
     trains_like_one_device(workload(3 * R), ct.compile(tensor_parallel(graph, 2).scale(R)), 3)
 
 
+@pytest.mark.parametrize("policy", [
+    lambda g: tensor_parallel(g, 2),
+    lambda g: mesh(g, pp=2, micro=2, schedule="1f1b", fold=True),
+    lambda g: data_parallel(g, 1),
+], ids=["tp", "1f1b-folded", "one-device"])
+def test_replicas_sharing_out_the_optimizer_state_train_like_one_device(policy):
+    graph, whole = unit_and_whole("gpt")
+    program = ct.compile(policy(graph).scale(R, shard_optimizer=True))
+    trains_like_one_device(whole, program, steps=3)
+    optim = Optim("sgd", 0.1, clip=0.05)  # the norm of the whole gradient, from the runs
+    diff = compare(run_in_threads(program, whole, 2, optim), train_reference(whole, 2, optim))
+    assert diff.max_loss_rel_diff <= 1e-5 and diff.max_param_rel_diff <= 1e-5, diff
+
+
+def test_each_replica_updates_its_run_of_a_region_and_keeps_that_runs_state_only():
+    graph, _ = unit_and_whole("gpt")
+    plain = ct.compile(tensor_parallel(graph, 2).scale(R))
+    program = ct.compile(tensor_parallel(graph, 2).scale(R, shard_optimizer=True))
+    code = program.code(1)
+    # its gradients reduce-scattered over its replicas, the updated runs gathered after
+    assert "= rt.reduce_scatter(" in code and "ranks=(1, 3), dims=(" in code
+    assert "rt.gather_params(ranks=(1, 3), params=[" in code
+    region = dict(plain.updated(1))["wte.weight"]
+    runs = [dict(program.updated(r))["wte.weight"] for r in (1, 3)]  # device 1, replicas 0, 1
+    assert runs == [((region[0][0], region[0][0] + 256), region[1]),
+                    ((region[0][0] + 256, region[0][1]), region[1])]
+    ours, theirs = program.plan.check().memory[1], plain.plan.check().memory[1]
+    assert ours.optimizer * R == theirs.optimizer and ours.grads == theirs.grads
+
+
+def test_a_region_no_dim_of_divides_by_the_replicas_is_updated_whole_by_each():
+    def workload(rows: int) -> Workload:  # b.bias has 3 elements: 2 replicas cannot split it
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        return Workload(MeanWithPenalty(), (torch.randn(rows, 6, generator=g),
+                                            torch.randn(rows, 3, generator=g)),
+                        name="penalised")
+    plan = data_parallel(capture(workload(3)), 1).scale(R, shard_optimizer=True)
+    program = ct.compile(plan)
+    assert ("b.bias", ((0, 3),)) in program.updated(1) and \
+        ("b.weight", ((0, 3), (4, 8))) in program.updated(1)
+    trains_like_one_device(workload(3 * R), program, 3)
+
+
 class SumOverRows(nn.Module):
     def __init__(self) -> None:
         super().__init__()

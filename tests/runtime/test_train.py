@@ -371,13 +371,15 @@ def test_resuming_with_another_optimizer_starts_it_afresh_and_says_so(tmp_path):
     assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)
 
 
-def test_a_scaled_plan_trains_on_data_like_plain_pytorch_and_resumes_unscaled(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["", "optimizer-sharded"])
+def test_a_scaled_plan_trains_on_data_like_plain_pytorch_and_resumes_unscaled(tmp_path, shard):
     w, graph = gpt(dropout=0.0)  # the data's batch of 4: two replicas of 2 rows
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         unit = ct.capture(get_workload("gpt", dropout=0.0, batch_size=2))
-    scaled = train(ct.compile(mesh(unit, tp=2).scale(2)), w, f"{DATA}:tokens", 4, OPTIM,
-                   save=str(tmp_path / "scaled"), save_every=2)
+    # sharded: each replica keeps the Adam state of its run of every region, and writes it
+    scaled = train(ct.compile(mesh(unit, tp=2).scale(2, shard_optimizer=shard)), w,
+                   f"{DATA}:tokens", 4, OPTIM, save=str(tmp_path / "scaled"), save_every=2)
     losses, params = plain_pytorch(w, "tokens", 4, OPTIM)
     assert scaled.losses == pytest.approx(losses, rel=1e-5)
     assert largest_difference(scaled.params, params) <= 1e-5

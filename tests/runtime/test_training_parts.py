@@ -72,7 +72,7 @@ def test_a_programs_checkpoint_covers_every_parameter_once(policy):
     plan = {"tp": lambda: mesh(graph, tp=2), "zero-3": lambda: zero(graph, 2, 3),
             "1f1b": lambda: pipeline(graph, 2, 2, "1f1b")}[policy]()
     program = ct.compile(plan)
-    writes = checkpoint.plan_writes(program.stored, program.owned)
+    writes = checkpoint.plan_writes(program)
     for name, p in graph.params.items():
         count = torch.zeros(p.shape, dtype=torch.int64)
         for part in ("params", "optim"):

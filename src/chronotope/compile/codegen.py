@@ -268,7 +268,8 @@ def render_instruction(ins: Instruction) -> list[str]:
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
     if isinstance(ins, Grad):
-        return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)})"]
+        run = "" if ins.run is None else f", run={ins.run}"
+        return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)}{run})"]
     if isinstance(ins, GatherParams):
         lines = [f"rt.gather_params(ranks={ins.ranks}, params=["]
         lines += [f"    ({name!r}, {index}, {dim})," for name, index, dim in ins.params]

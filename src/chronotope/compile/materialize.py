@@ -104,6 +104,7 @@ class Materializer:
         self.tag = 0
         self.stored = [checked.storage.stored[d] for d in range(n)]
         self.owned = [checked.storage.owned[d] for d in range(n)]
+        self.runs = [checked.storage.replica_runs(self.plan, d) for d in range(n)]
         self.owners: dict[str, list[tuple[int, Mask]]] = defaultdict(list)
         for rank, owned in enumerate(self.owned):
             for pname, regions in owned.items():
@@ -207,7 +208,7 @@ class Materializer:
         ranks = [with_frees(code) for code in ranks]
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
-                       refresh, self.changes)
+                       refresh, self.changes, self.runs)
 
     def loss_summers(self, whole: VTensor) -> list[int]:
         """The ranks that sum the loss with rank 0 rather than send it their parts: all
@@ -244,20 +245,29 @@ class Materializer:
     def over_replicas(self, rank: int, grads: list[Grad]) -> list[Grad]:
         """The gradients ``rank`` hands to its owned regions, summed over its replicas first
         (one all-reduce per dtype, which ``buckets`` cuts up and moves into the backward)."""
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        runs = self.runs[rank]
+        by_dtype: dict[tuple[torch.dtype, bool], list[int]] = defaultdict(list)
         for i, g in enumerate(grads):
-            by_dtype[self.plan.graph.params[g.param].dtype].append(i)
+            by_dtype[(self.plan.graph.params[g.param].dtype,
+                      (g.param, g.region.index) in runs)].append(i)
         out = list(grads)
-        for dtype, at in by_dtype.items():
-            summed = [self.name(rank, f"{grads[i].var}_total", self.shapes[rank][grads[i].var])
-                      for i in at]
+        group = self.replicas.group(rank)
+        for (dtype, cut), at in by_dtype.items():
+            shapes = [self.shapes[rank][grads[i].var] for i in at]
+            dims = [runs[(grads[i].param, grads[i].region.index)] for i in at] if cut else []
+            if cut:  # this replica's run of each
+                shapes = [(*s[:d], s[d] // len(group), *s[d + 1:]) for s, d in zip(shapes, dims)]
+            summed = [self.name(rank, f"{grads[i].var}_{'run' if cut else 'total'}", shape)
+                      for i, shape in zip(at, shapes)]
             keys = tuple((self.plan.grad(self.plan.graph.params[grads[i].param]).name,
                           grads[i].region.index, "replicas") for i in at)
-            self.tail[rank].append(AllReduce(
-                tuple(summed), tuple((grads[i].var,) for i in at), self.replicas.group(rank),
-                tuple(self.shapes[rank][grads[i].var] for i in at), dtype, keys))
-            for i, var in zip(at, summed):
-                out[i] = replace(grads[i], var=var)
+            srcs = tuple((grads[i].var,) for i in at)
+            self.tail[rank].append(
+                ReduceScatter(tuple(summed), srcs, group, tuple(shapes), dtype, tuple(dims),
+                              keys) if cut else
+                AllReduce(tuple(summed), srcs, group, tuple(shapes), dtype, keys))
+            for k, (i, var) in enumerate(zip(at, summed)):
+                out[i] = replace(grads[i], var=var, run=dims[k] if cut else None)
         return out
 
     def layout_changes(self) -> None:
@@ -358,6 +368,11 @@ class Materializer:
                 members, region, dim = found
                 gathers[members].append((pname, region.index, dim))
                 gathered.add(pname)
+        for rank, runs in enumerate(self.runs):  # first the runs the replicas updated
+            if runs:
+                code[rank].append(GatherParams(
+                    tuple((p, index, dim) for (p, index), dim in runs.items()),
+                    self.replicas.group(rank)))
         for members, params in gathers.items():
             for rank in members:
                 code[rank].append(GatherParams(tuple(params), members))

@@ -21,7 +21,7 @@ import torch
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Fusion, Plan, PlanOp
-from chronotope.plan.storage import Owned
+from chronotope.plan.storage import Owned, replica_run
 
 Slices = tuple[slice, ...]
 
@@ -253,12 +253,15 @@ class Broadcast:
 
 @dataclass
 class Grad:
-    """The summed gradient of one parameter region this rank updates (``var[slices]``)."""
+    """The summed gradient of one parameter region this rank updates (``var[slices]``);
+    with ``run``, of this replica's run of it along that dim (``Plan.scale``'s
+    ``shard_optimizer``)."""
 
     param: str
     region: Mask
     var: str
     slices: Slices = ()
+    run: int | None = None
 
 
 @dataclass
@@ -468,10 +471,22 @@ class Program:
     owned: list[dict[str, list[Owned]]] = field(default_factory=list)  # regions each updates
     refresh: list[list[Instruction]] = field(default_factory=list)  # after the optimizer step
     changes: list = field(default_factory=list)  # layout changes by searched RVD paths
+    # per rank, the owned regions its replicas update a run each of, and the runs' dim
+    runs: list[dict[tuple[str, tuple], int]] = field(default_factory=list)
 
     @property
     def ndevices(self) -> int:
         return len(self.ranks)
+
+    def updated(self, rank: int) -> list[tuple[str, tuple]]:
+        """The regions global rank ``rank`` updates (its optimizer state): its unit
+        device's owned regions, or its replica's run of those sharded over the replicas."""
+        unit = rank % self.ndevices
+        runs = self.runs[unit] if self.runs else {}
+        return [(name, replica_run(o.region.index, runs[(name, o.region.index)],
+                                   rank // self.ndevices, self.plan.replicas)
+                 if (name, o.region.index) in runs else o.region.index)
+                for name, owned in self.owned[unit].items() for o in owned]
 
     def traffic(self, rank: int) -> dict[str, int]:
         """Bytes this rank receives per step, by kind of communication."""
@@ -494,10 +509,10 @@ class Program:
         broadcast = sum(math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, Broadcast) and i.var)
         params = self.plan.graph.params
-        gathered += sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(params[name].shape)
+        gathered += sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(b - a for a, b in region)
                         * params[name].dtype.itemsize
                         for i in self.refresh[rank] if isinstance(i, GatherParams)
-                        for name, _, _ in i.params)
+                        for name, region, _ in i.params)
         return {"p2p": received, "all_reduce": int(reduced), "all_gather": int(gathered),
                 "reduce_scatter": int(scattered), "all_to_all": int(exchanged),
                 "broadcast": broadcast}

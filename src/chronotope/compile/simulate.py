@@ -87,9 +87,9 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
     clock = list(step.clock)
     compute, comm = list(step.compute), list(step.comm)
     per_byte = calibration.optimizer_per_byte or OPTIMIZER_PASSES / cluster.copy_bandwidth
-    for rank, owned in enumerate(program.owned):
-        nbytes = sum(o.region.numel * params[name].dtype.itemsize
-                     for name, regions in owned.items() for o in regions)
+    for rank in range(program.ndevices):
+        nbytes = sum(math.prod(b - a for a, b in index) * params[name].dtype.itemsize
+                     for name, index in program.updated(rank))
         seconds = per_byte * nbytes
         clock[rank] += seconds
         compute[rank] += seconds

@@ -610,7 +610,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
             others if plan.micro > micro_batches_kept(steps) else 0))
     peak = max(0, peak - kept_grads)
     return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
-                  states * stored.bytes_owned(plan, device), peak)
+                  states * stored.bytes_updated(plan, device), peak)
 
 
 def _peak(n: int, alive: list[tuple[int, int, int]]) -> int:

@@ -69,6 +69,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "model": plan.graph.name,
         "devices": plan.ndevices,
         "replicas": plan.replicas,
+        "shard_optimizer": plan.shard_optimizer,
         "optimizer": plan.optimizer,
         "dtype": plan.dtype,
         "param_storage": plan.param_storage,
@@ -266,7 +267,7 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
         plan.micro_batches(int(data["micro"]), {int(d): [(k, int(s), int(m)) for k, s, m in st]
                                                 for d, st in data.get("steps", {}).items()})
     if data.get("replicas", 1) != 1:
-        plan.scale(int(data["replicas"]))
+        plan.scale(int(data["replicas"]), bool(data.get("shard_optimizer", False)))
     plan.checked = None
     return plan
 

@@ -153,6 +153,7 @@ class Plan:
         self.split: set[PlanOp] = set()  # forward pieces whose weight gradients come apart
         self.fused: dict[PlanOp, Fusion] = {}  # forward pieces run as one compiled function
         self.replicas = 1  # data-parallel copies of this whole plan (see ``scale``)
+        self.shard_optimizer = False  # each replica updates 1 / replicas (see ``scale``)
         # A template (see ``template``): the plan is written for the first of ``micro``
         # micro-batches, and ``steps`` say when each device runs each one's (stage, kind).
         self.micro = 1
@@ -372,15 +373,21 @@ class Plan:
         """The weight-gradient ops of a forward op or group (see ``split_backward``)."""
         return BackwardOf(ref, f"weight({_label(ref)})", weight=True)
 
-    def scale(self, replicas: int) -> Plan:
+    def scale(self, replicas: int, shard_optimizer: bool = False) -> Plan:
         """Run this plan on ``replicas`` device groups, data parallel (a scale unit).
 
         The plan stays the size of one group: device ``d`` of replica ``r`` is global
         rank ``r * ndevices + d`` and runs what device ``d`` runs, on its own batch.
+        With ``shard_optimizer`` (ZeRO-1 over the replicas, as Megatron's distributed
+        optimizer), replica ``r`` updates run ``r`` of each region a device updates and
+        keeps only its optimizer state: the gradients are reduce-scattered over the
+        replicas, the updated runs all-gathered after the step (``storage.replica_runs``
+        says which regions; one that no dim of divides by ``replicas`` stays whole).
         """
         if replicas < 1:
             raise PlanError(f"scale needs replicas >= 1, got {replicas}")
         self.replicas = replicas
+        self.shard_optimizer = shard_optimizer and replicas > 1
         self.checked = None
         return self
 

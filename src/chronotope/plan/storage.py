@@ -63,6 +63,38 @@ class Storage:
         return sum((o.grad if grads else o.region).numel * plan.graph.params[p].dtype.itemsize
                    for p, os_ in self.owned[device].items() for o in os_)
 
+    def bytes_updated(self, plan: Plan, device: int) -> int:
+        """Bytes of the regions whose optimizer state one replica of ``device`` keeps:
+        what it owns, a run of each region sharded over the replicas."""
+        runs = self.replica_runs(plan, device)
+        return sum(o.region.numel * plan.graph.params[p].dtype.itemsize
+                   // (plan.replicas if (p, o.region.index) in runs else 1)
+                   for p, os_ in self.owned[device].items() for o in os_)
+
+    def replica_runs(self, plan: Plan, device: int) -> dict[tuple[str, tuple], int]:
+        """With ``plan.shard_optimizer``: the regions ``device`` owns that its replicas
+        update a run each of, and the dim of the runs. A region qualifies when it is one
+        the device stores whole and updates from a gradient of just that region (the
+        refresh then all-gathers it over the replicas), and a dim of it divides evenly."""
+        if not plan.shard_optimizer:
+            return {}
+        out = {}
+        for p, os_ in self.owned[device].items():
+            for o in os_:
+                dim = next((d for d, (a, b) in enumerate(o.region.index)
+                            if (b - a) % plan.replicas == 0), None)
+                if dim is not None and o.grad.index == o.region.index and \
+                        Mask(o.region.index) in self.stored[device].get(p, ()):
+                    out[(p, o.region.index)] = dim
+        return out
+
+
+def replica_run(index: tuple, dim: int, replica: int, replicas: int) -> tuple:
+    """Run ``replica`` of ``replicas`` equal runs of region ``index`` along ``dim``."""
+    a, b = index[dim]
+    size = (b - a) // replicas
+    return (*index[:dim], (a + replica * size, a + (replica + 1) * size), *index[dim + 1:])
+
 
 def largest(masks: list[Mask]) -> list[Mask]:
     """The index regions among ``masks`` that no other one contains, in index order."""

@@ -268,14 +268,19 @@ class Writes:
     lead: bool  # the lowest rank: buffers (every rank holds them whole) and the run's entry
 
 
-def plan_writes(stored: Sequence[Mapping[str, Sequence[Mask]]],
-                owned: Sequence[Mapping[str, Sequence[Any]]], replicas: int = 1) -> list[Writes]:
-    """Each rank's ``Writes`` from a program's stored and owned regions (the first replica
-    of a scaled plan writes; the others hold the same regions)."""
+def plan_writes(program: Any) -> list[Writes]:
+    """Each global rank's ``Writes`` from a program's stored regions (the first replica of
+    a scaled plan writes them; the others hold the same) and the regions each updates
+    (replicas that share the optimizer state out each write theirs)."""
+    stored, world = program.stored, program.ndevices * program.plan.replicas
     params = writers([{n: [m.index for m in ms] for n, ms in s.items()} for s in stored])
-    optim = writers([{n: [o.region.index for o in os_] for n, os_ in o.items()} for o in owned])
-    first = [Writes(p, o, rank == 0) for rank, (p, o) in enumerate(zip(params, optim))]
-    return first + [Writes({}, {}, False) for _ in range(len(first) * (replicas - 1))]
+    updated: list[dict[str, list[Index]]] = [{} for _ in range(world)]
+    for rank in range(world):
+        for name, index in program.updated(rank):
+            updated[rank].setdefault(name, []).append(index)
+    optim = writers(updated)
+    return [Writes(params[rank] if rank < len(params) else {}, optim[rank], rank == 0)
+            for rank in range(world)]
 
 
 def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,

@@ -27,6 +27,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
+from chronotope.plan.storage import replica_run
 from chronotope.runtime.precision import Precision, no_autocast, wire_dtype
 from chronotope.runtime.transport import Started
 
@@ -86,8 +87,10 @@ class StepContext:
         stream: Stream | None = None,
         precision: Precision | None = None,
         loss_scale: float = 1.0,
+        replica: tuple[int, int, int] | None = None,
     ) -> None:
         self.rank = rank
+        self.replica = replica  # a scaled plan's: (this replica, replicas, devices per replica)
         self.device = device
         self.stored = stored
         self.owned_params = owned
@@ -115,9 +118,20 @@ class StepContext:
         """A parameter region this rank stores (what its pieces read)."""
         return self.stored[(name, region)]
 
-    def owned(self, name: str, region: tuple) -> nn.Parameter:
-        """A parameter region this rank updates."""
-        return self.owned_params[(name, region)]
+    def owned(self, name: str, region: tuple) -> torch.Tensor:
+        """A parameter region this rank updates (one whose runs the replicas update: the
+        whole region, refreshed from the runs)."""
+        found = self.owned_params.get((name, region))
+        return self.stored[(name, region)] if found is None else found
+
+    def _members(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """A collective's members in the order of its runs. A scaled plan's replicas run
+        replica 0's code, where this rank's replicas are ``(d, d + unit, ...)``, itself
+        first; the runs follow the replicas' global order, the same on every member."""
+        if self.replica is None or max(ranks) < self.replica[2]:
+            return ranks
+        index, count, unit = self.replica
+        return tuple(self.rank + (g - index) % count * unit for g in range(count))
 
     def input(self, name: str) -> torch.Tensor:
         return self.inputs[name]
@@ -305,6 +319,7 @@ class StepContext:
                    dims: Sequence[int], async_op: bool = False) -> Any:
         """For each tensor, the members' pieces side by side along its dim, in ``ranks``
         order. All travel in one flat buffer: one collective call per instruction."""
+        ranks = self._members(ranks)
         members = tuple(sorted(ranks))
         wired = [self._wire(t.detach()) for t in tensors]
         wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
@@ -330,6 +345,7 @@ class StepContext:
         """For each entry, run ``ranks.index(self.rank)`` along its dim of the sum over the
         members (``grads``: gradients, summed in the precision's reduce dtype). All entries
         travel in one flat buffer: one collective call per instruction."""
+        ranks = self._members(ranks)
         summed = [self._summed(pieces, grads) for pieces in tensors]
         wide = functools.reduce(torch.promote_types, [t.dtype for t, _ in summed])
         members = tuple(sorted(ranks))
@@ -374,6 +390,7 @@ class StepContext:
                       ) -> None:
         """Refresh stored parameters from their owners: member ``ranks[k]`` updated run ``k``
         along ``dim`` of each; all runs travel in one flat all-gather."""
+        ranks = self._members(ranks)
         runs = [(self.stored[(name, index)].chunk(len(ranks), dim)) for name, index, dim in params]
         mine = ranks.index(self.rank)
         local = torch.cat([r[mine].reshape(-1) for r in runs])
@@ -433,7 +450,10 @@ class StepContext:
 
     # ---- results -------------------------------------------------------------------------
 
-    def grad(self, param: str, region: tuple, g: torch.Tensor) -> None:
+    def grad(self, param: str, region: tuple, g: torch.Tensor, run: int | None = None) -> None:
+        if run is not None:  # this replica's run of the region (``Plan.scale``)
+            index, count, _ = self.replica
+            region = replica_run(region, run, index, count)
         p = self.owned_params[(param, region)]
         g = g.detach()
         if g.dtype != p.dtype:  # a gradient that travelled or summed in another dtype

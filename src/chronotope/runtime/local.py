@@ -80,11 +80,11 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
         same_but_batch(graph, capture(workload, registry=graph.registry, check_up_to=0,
                                       frontend=graph.frontend, name=graph.name), replicas)
     targets = portable({op.name: op.target for op in graph.ops if callable(op.target)})
+    updated = [program.updated(rank) for rank in range(unit * replicas)]
     owners: dict[tuple[str, tuple], int] = defaultdict(int)
-    for owned in program.owned:
-        for name, regions in owned.items():
-            for o in regions:
-                owners[(name, o.region.index)] += replicas
+    for regions in updated:
+        for key in regions:
+            owners[key] += 1
     codes = [program.code(rank, regions=compile is not None) for rank in range(unit)]
     groups = world_groups(program.groups, unit, replicas)
     return [
@@ -92,11 +92,8 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
             r * unit + rank, codes[rank],
             {(name, region.index): full[name][region.to_slices()].clone()
              for name, regions in program.stored[rank].items() for region in regions},
-            [(name, o.region.index) for name, owned in program.owned[rank].items()
-             for o in owned],
-            state, batches[r], targets, groups,
-            {(name, o.region.index): 1 / owners[(name, o.region.index)]
-             for name, owned in program.owned[rank].items() for o in owned},
+            updated[r * unit + rank], state, batches[r], targets, groups,
+            {key: 1 / owners[key] for key in updated[r * unit + rank]},
             unit * replicas, compile, unit if replicas > 1 else None,
         )
         for r in range(replicas) for rank in range(unit)
@@ -152,6 +149,8 @@ class Rank:
         self.unit_rank = spec.rank % spec.unit if spec.unit else spec.rank
         self.transport = Replica(transport, spec.rank // spec.unit, spec.unit, spec.world) \
             if spec.unit else transport
+        self.replica = (spec.rank // spec.unit, spec.world // spec.unit, spec.unit) \
+            if spec.unit else None
         self.precision = None if precision is None or precision.plain else precision
         self.scaler = self.precision.scaler() if self.precision else None  # fp16 only
         self.code = spec.code
@@ -204,7 +203,7 @@ class Rank:
         rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
                          self.batch, self.transport, self.targets, self.ticks,
                          Stream(self.seed, self.steps), self.precision,
-                         self.scaler.scale if self.scaler else 1.0)
+                         self.scaler.scale if self.scaler else 1.0, self.replica)
         self.steps += 1
         if self.precision is None:
             self._run(rt, measure)
@@ -247,7 +246,7 @@ class Rank:
             self.optimizer.step()
         if self.refresh_fn:
             rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
-                             self.batch, self.transport, self.targets)
+                             self.batch, self.transport, self.targets, replica=self.replica)
             with torch.no_grad():
                 self.refresh_fn(rt)
             self.transport.flush()

@@ -281,7 +281,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     check_save_folder(config)
     specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
-    writes = checkpoint.plan_writes(program.stored, program.owned, program.plan.replicas)
+    writes = checkpoint.plan_writes(program)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="chronotope-train-") as tmp:
         progress = os.path.join(tmp, "progress.jsonl")
@@ -331,8 +331,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
         spec.code = ""  # the launcher runs the file, so what a reader sees is what runs
     torch.save({"specs": specs, "optim": optim or Optim(), "steps": steps,
                 "job": Job.of(program, workload),
-                "writes": checkpoint.plan_writes(program.stored, program.owned,
-                                                 program.plan.replicas),
+                "writes": checkpoint.plan_writes(program),
                 "example": example_batches(workload)},
                os.path.join(directory, "state.pt"))
     launcher = os.path.join(directory, "launch.py")

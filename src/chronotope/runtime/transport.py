@@ -108,11 +108,13 @@ class ThreadTransport:
 
     def _exchange(self, t, ranks: tuple[int, ...], rank: int, what: str) -> Started:
         """Every member's contribution (a tensor or list of them), in ``ranks`` order,
-        once all of them arrived: this rank's is handed in now, the others' waited for."""
+        once all of them arrived: this rank's is handed in now, the others' waited for.
+        Calls match by their group, as process groups do: its members in any order."""
         with self.cond:
-            seq = self.calls[(ranks, rank)]
-            self.calls[(ranks, rank)] += 1
-            key = (ranks, seq)
+            group = tuple(sorted(ranks))
+            seq = self.calls[(group, rank)]
+            self.calls[(group, rank)] += 1
+            key = (group, seq)
             first, kind = self.kinds.setdefault(key, (rank, what))
             if kind != what:  # a process group would hang, or mix up the two calls
                 self._refuse(rank, OrderError(f"call {seq} over ranks {list(ranks)} is an "
@@ -153,8 +155,12 @@ class ThreadTransport:
 
     def reduce_scatter(self, t: torch.Tensor, ranks: tuple[int, ...], rank: int,
                        dim: int, async_op: bool = False) -> Any:
-        started = self._exchange(t, ranks, rank, "reduce-scatter")
-        return started.then(lambda got: _run_of(sum(got), ranks, rank, dim)).returned(async_op)
+        """Run ``i`` along ``dim`` of the members' sum goes to ``ranks[i]``: each member's
+        runs travel in rank order, as a process group's, and are summed in it."""
+        members = tuple(sorted(ranks))
+        runs = torch.cat(_to_sorted(list(t.chunk(len(ranks), dim)), ranks), dim)
+        started = self._exchange(runs, members, rank, "reduce-scatter")
+        return started.then(lambda got: _run_of(sum(got), members, rank, dim)).returned(async_op)
 
     def all_to_all(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
                    rank: int, async_op: bool = False) -> Any:
