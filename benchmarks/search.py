@@ -301,10 +301,11 @@ def megatron_table() -> Table:
                                             n_head=heads, d_model=hidden), check_up_to=0)
         cluster = cluster_for(gpus, "dgx-a100")
         model = Model(graph, cluster, "bf16")
-        fits = [p for p in (model.price(k) for k in points(model, gpus, cluster.per_node))
+        fits = [p for p in (model.price(k) for k in points(model, gpus, cluster.per_node,
+                                                             replicas=True))
                 if p.memory <= cluster.memory]
         published = [p for p in fits if (p.knobs.tp, p.knobs.pp) == (tp, pp) and
-                     p.knobs.chunks == 1 and not p.knobs.sequence]
+                     p.knobs.chunks == 1 and not p.knobs.sequence and not p.knobs.shard]
         best = min(fits, key=lambda p: p.seconds, default=None)
         theirs = min(published, key=lambda p: p.seconds, default=None)
         # model FLOPs of a step with full recompute (Megatron's formula, SC'21 section 5.1)

@@ -12,6 +12,7 @@ import chronotope as ct
 from chronotope.cli import main
 from chronotope.cost.network import cluster_for
 from chronotope.models import get_workload
+from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.precision import BF16_TOLERANCE, Precision
 from chronotope.runtime.reference import compare, train_reference
@@ -147,3 +148,25 @@ def test_data_parallelism_as_replicas_of_one_group_trains_like_one_device(knobs)
     assert plan.replicas == 2 and plan.ndevices == knobs.tp * knobs.pp
     run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
     assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+@pytest.mark.slow
+def test_when_optimizer_state_binds_the_search_shards_it_over_replicas_and_trains_alike():
+    # one block, a vocabulary that dominates the weights: no pipeline to cut, and tensor
+    # parallelism gathers the logits; what fits is data parallelism sharing Adam out
+    w = get_workload("gpt", batch_size=8, n_layer=1, vocab_size=4096)
+    graph = capture(w)
+    cluster = cluster_for(2, "dgx-a100")
+    model = Model(graph, cluster)
+    priced = [model.price(k) for k in points(model, 2, 8, replicas=True)]
+    sharded = min(p.memory for p in priced if p.knobs.shard)
+    whole = min(p.memory for p in priced if not p.knobs.shard)
+    assert sharded < whole
+    result = search(graph, 2, cluster, method="mesh", memory=0.99 * whole,
+                    replica=lambda r: capture(w.replica(r)))
+    plan = result.plan
+    assert "optimizer state sharded over dp" in result.mesh and plan.shard_optimizer
+    assert plan.replicas == 2
+    optim = Optim("sgd", 0.1)
+    run = run_processes(ct.compile(plan), w, 2, optim)
+    assert compare(run, train_reference(w, 2, optim)).within(1e-5)

@@ -250,8 +250,8 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     fit built and checked by the plan's own memory estimate (a point the estimate finds
     too big gives way to the next), the fastest of them in the simulator."""
     model = Model(graph, cluster, dtype)
-    ranked = sorted((model.price(k) for k in points(model, devices, cluster.per_node)),
-                    key=lambda p: p.seconds)
+    space = points(model, devices, cluster.per_node, replicas=replica is not None)
+    ranked = sorted((model.price(k) for k in space), key=lambda p: p.seconds)
     if not ranked:
         raise SearchError(f"no mesh over {devices} devices divides the batch of "
                           f"{graph.batch_size} and the model's blocks")

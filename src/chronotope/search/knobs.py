@@ -36,7 +36,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
+from chronotope.errors import PlanError
 from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, storage_of
 from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor
@@ -74,6 +76,7 @@ class Knobs:
     chunks: int = 1
     recompute: str | None = None
     sequence: bool = False
+    shard: bool = False  # the optimizer state shared out over the dp replicas (ZeRO-1)
 
     @property
     def devices(self) -> int:
@@ -90,19 +93,24 @@ class Knobs:
             text += f", {self.chunks} stages per rank"
         if self.recompute:
             text += f", recompute {self.recompute}"
-        return text + (", sequence parallel" if self.sequence else "")
+        text += ", sequence parallel" if self.sequence else ""
+        return text + (", optimizer state sharded over dp" if self.shard else "")
 
     def plan(self, graph: Graph, dtype: str = "fp32",
              replica: Callable[[int], Graph] | None = None) -> Plan:
         """The point as a plan: ``policies.mesh`` folded over its micro-batches; with
-        ``replica`` (the graph of ``1 / r`` of the batch), one replica scaled ``dp`` times."""
+        ``replica`` (the graph of ``1 / r`` of the batch), one replica scaled ``dp`` times
+        (which the optimizer state's sharding needs)."""
         unit = replica(self.dp) if replica is not None and self.dp > 1 else graph
         dp = self.dp if unit is graph else 1
+        if self.shard and dp > 1:
+            raise PlanError("the optimizer state is shared out over data-parallel replicas "
+                            "(plan.scale): give the graph of one replica's rows (replica=)")
         plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
                     sequence=self.sequence, fold=self.micro > 1)
         plan.dtype = dtype
-        return plan.scale(self.dp) if dp != self.dp else plan
+        return plan.scale(self.dp, self.shard) if dp != self.dp else plan
 
 
 @dataclass
@@ -282,14 +290,21 @@ class Model:
             per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
         slowest = per_rank.max()
         step = k.micro * slowest + (per_rank.sum() - slowest) / k.chunks
-        sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp).max()
+        sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
+        states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
+        if k.shard:  # each replica updates and keeps the state of 1 / dp of the weights
+            weights = states / self.states
+            states = states - weights * (self.states - 2) * (1 - 1 / k.dp)
+            sync = sync - OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth * (
+                1 - 1 / k.dp)
+        sync = sync.max()
         if k.dp > 1:  # the rank with the most gradients finishes last
             grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
             r, unit = int(grads.argmax()), k.tp * k.pp
-            sync += self.cluster.collective(
-                "all_reduce", grads[r], [tuple(i * unit + r * k.tp + j for i in range(k.dp))
-                                         for j in range(k.tp)])
-        states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
+            groups = [tuple(i * unit + r * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
+            sync += self.cluster.collective("all_reduce", grads[r], groups) if not k.shard \
+                else self.cluster.collective("reduce_scatter", grads[r], groups) + \
+                self.cluster.collective("all_gather", grads[r], groups)
         # what the backward keeps: a recomputed op's outputs and weight copies are made
         # again, but not its inputs read in another layout than made (gathered copies)
         kept = np.where(again, 0.0, terms[:, 1] / m + terms[:, 2]) + terms[:, 7] / m
@@ -336,9 +351,11 @@ def _order(rank: int, pp: int, micro: int, chunks: int) -> tuple:
     return tuple(schedule(rank, pp, min(micro, pp * (chunks + 3)), chunks))
 
 
-def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:
+def points(model: Model, devices: int, per_node: int, replicas: bool = False
+           ) -> Iterator[Knobs]:
     """Every point over ``devices``: tensor parallelism within a node, pipelines up to
-    a stage per block, micro-batches dividing each replica's rows."""
+    a stage per block, micro-batches dividing each replica's rows; with ``replicas`` (data
+    parallelism built as replicas of one group), the optimizer state sharded over them."""
     graph = model.graph
     attention = any(op.kind == "attention" for op in graph.ops)
     for tp in (t for t in (2 ** i for i in range(devices.bit_length()))
@@ -360,4 +377,6 @@ def points(model: Model, devices: int, per_node: int) -> Iterator[Knobs]:
                         if recompute == "selective" and not attention:
                             continue
                         for sequence in (False, True) if tp > 1 else (False,):
-                            yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence)
+                            for shard in (False, True) if dp > 1 and replicas else (False,):
+                                yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
+                                            shard)
