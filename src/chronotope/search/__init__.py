@@ -248,7 +248,8 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
               explored: list[dict[str, Any]], clock: _Clock, simulate: bool) -> _Found:
     """The mesh policy's knobs, each point priced by ``knobs.Model``: the cheapest few that
     fit built and checked by the plan's own memory estimate (a point the estimate finds
-    too big gives way to the next), the fastest of them in the simulator."""
+    too big gives way to the next that would fit were the model as far off for it), the
+    fastest of them in the simulator."""
     model = Model(graph, cluster, dtype)
     space = points(model, devices, cluster.per_node, replicas=replica is not None)
     ranked = sorted((model.price(k) for k in space), key=lambda p: p.seconds)
@@ -265,9 +266,13 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
             f"optimizer state); give more memory or devices, or compute in 16 bits")
     found: list[_Found] = []
     wanted = FINALISTS if simulate else 1
-    for p in fitting[:4 * wanted]:
-        if len(found) == wanted:
+    margin, built = 1.0, 0  # the most the estimate exceeded the model by, on points built
+    for p in fitting:
+        if len(found) == wanted or built == 8 * wanted:
             break
+        if memory is not None and p.memory * margin > memory:
+            continue  # would not fit by the estimate either, as the model misses by so far
+        built += 1
         try:
             plan, peaks = _knobs_plan(graph, p.knobs, dtype, replica, clock)
         except PlanError as e:  # a barrier no micro-batch runs alone, say
@@ -276,6 +281,7 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
             continue
         explored.append({"method": "mesh", "option": p.knobs.label, "model_step_s": p.seconds,
                          "model_memory_bytes": p.memory, "peak_memory_bytes": max(peaks)})
+        margin = max(margin, max(peaks) / p.memory)
         if memory is None or max(peaks) <= memory:
             found.append(_Found("mesh", plan, peaks, p.knobs.label,
                                 {op.name: s.label for op, s in

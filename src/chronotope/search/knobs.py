@@ -184,7 +184,8 @@ class Model:
         activations), cast weight copies, weight state bytes, once-a-step sync s, weight
         gradient bytes, what its backward holds (whole batch), the copies it keeps of
         inputs read in another layout than made (whole batch: a column-parallel linear's
-        gathered input under sequence parallelism)]."""
+        gathered input under sequence parallelism) that it saves, and those it reads at
+        all (what it keeps to be run again)]."""
         key = (tp, sequence)
         if key not in self._terms:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
@@ -194,17 +195,18 @@ class Model:
             for op in self.ops:
                 s = choice.get(op)
                 if s is None:
-                    rows.append((0.0,) * 8)
+                    rows.append((0.0,) * 9)
                     continue
-                regathered = 0.0
+                regathered = rerun = 0.0  # kept: it saves it; run again: it reads it
                 saves_ = self.saves.get(op)
                 for i, (t, lay) in enumerate(zip(op.inputs, s.inputs)):
                     if t.producer in choice and t in self.needs_grad and (t, lay) not in \
                             changed and choice[t.producer].outputs[
-                                t.producer.outputs.index(t)] != lay and (
-                                saves_ is None or i in saves_.inputs):  # kept: it saves it
+                                t.producer.outputs.index(t)] != lay:
                         changed.add((t, lay))
-                        regathered += self._bytes(t) / sharded(lay, m)
+                        rerun += self._bytes(t) / sharded(lay, m)
+                        if saves_ is None or i in saves_.inputs:
+                            regathered += self._bytes(t) / sharded(lay, m)
                 own = [sharded(lay, m) for lay in s.outputs] or [1]
                 kept = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip(op.outputs, s.outputs)
@@ -226,8 +228,8 @@ class Model:
                 rows.append((s.compute, kept, copies,
                              _weight_bytes(op, s, self.first[op], self.states, m),
                              _op_sync(op, s, self.first[op], pricer), grads, held,
-                             regathered))
-            self._terms[key] = np.array(rows).reshape(len(self.ops), 8)
+                             regathered, rerun))
+            self._terms[key] = np.array(rows).reshape(len(self.ops), 9)
         return self._terms[key]
 
     def _bytes(self, t: PTensor) -> float:
@@ -306,8 +308,9 @@ class Model:
                 else self.cluster.collective("reduce_scatter", grads[r], groups) + \
                 self.cluster.collective("all_gather", grads[r], groups)
         # what the backward keeps: a recomputed op's outputs and weight copies are made
-        # again, but not its inputs read in another layout than made (gathered copies)
-        kept = np.where(again, 0.0, terms[:, 1] / m + terms[:, 2]) + terms[:, 7] / m
+        # again, but not its inputs read in another layout than made (gathered copies),
+        # which it keeps to run again whether its backward saves them or not
+        kept = np.where(again, terms[:, 8] / m, terms[:, 1] / m + terms[:, 2] + terms[:, 7] / m)
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
         # the backward's working set, and a recomputed layer's saved tensors made again
         remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
