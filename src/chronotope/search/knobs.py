@@ -56,12 +56,13 @@ from chronotope.policies.mesh import (
     tensor_parallel_dims,
 )
 from chronotope.policies.pipeline import SCHEDULES
-from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads
+from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads, later_reads
 from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
 from chronotope.search.stages import crossing_bytes, op_seconds
 
 RECOMPUTE = (None, "selective", "full")
-CHUNKS = (1, 2, 4)  # stages per rank tried (interleaved beyond one)
+# the pipeline schedules tried: (stages per rank, zero bubble): 1F1B, ZB-H1, interleaved
+SCHEDULE_KNOBS = ((1, False), (1, True), (2, False), (4, False))
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Knobs:
     recompute: str | None = None
     sequence: bool = False
     shard: bool = False  # the optimizer state shared out over the dp replicas (ZeRO-1)
+    zero_bubble: bool = False  # one stage per rank: backwards split, ZB-H1's order
 
     @property
     def devices(self) -> int:
@@ -84,13 +86,17 @@ class Knobs:
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.chunks > 1 else "1f1b"
+        if self.chunks > 1:
+            return "interleaved"
+        return "zb1" if self.zero_bubble else "1f1b"
 
     @property
     def label(self) -> str:
         text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}, {self.micro} micro-batches"
         if self.chunks > 1:
             text += f", {self.chunks} stages per rank"
+        if self.zero_bubble:
+            text += ", zero bubble"
         if self.recompute:
             text += f", recompute {self.recompute}"
         text += ", sequence parallel" if self.sequence else ""
@@ -147,6 +153,17 @@ class Model:
         names = [unit(op) for op in graph.ops]  # what a backward call recomputes at once
         self.units = np.unique(np.array([str(n) for n in names]), return_inverse=True)[1]
         self.first = first_reads(self.ops)
+        index = {op: i for i, op in enumerate(self.ops)}
+        self.later = [(index[op], i, index[first]) for op, i, first, _ in later_reads(self.ops)]
+        self._shared: dict[tuple[int, bool], list[tuple[int, int, float]]] = {}
+        self.readers: dict[PTensor, list[tuple[int, int]]] = {}  # (reader, input)
+        for r, op in enumerate(self.ops):
+            for j, t in enumerate(op.inputs):
+                self.readers.setdefault(t, []).append((r, j))
+        self._kept_across: dict[tuple, np.ndarray] = {}
+        self.storage: dict[PTensor, list[PTensor]] = {}  # a tensor and the views of it
+        for view, root in self.views.items():
+            self.storage.setdefault(root, [root]).append(view)
         self._choices: dict[tuple[int, bool], dict[Op, Strategy]] = {}
         self._terms: dict[tuple, np.ndarray] = {}
         self._times: dict[tuple, np.ndarray] = {}
@@ -232,6 +249,43 @@ class Model:
             self._terms[key] = np.array(rows).reshape(len(self.ops), 9)
         return self._terms[key]
 
+    def kept_across(self, tp: int, sequence: bool, how: str | None) -> np.ndarray:
+        """Per op, the bytes (whole batch) of its outputs kept from the forward to the
+        backward because recomputation crosses them: a recomputed op's that an op not
+        recomputed saves, and (not counted as saved already) an op's that a recomputed
+        one reads, to run again (the logits into a recomputed loss)."""
+        key = (tp, sequence, how)
+        if key not in self._kept_across:
+            again, choice, m = self.recomputed(how), self.choice(tp, sequence), Mesh((tp,))
+            out = np.zeros(len(self.ops))
+            for i, op in enumerate(self.ops):
+                if op not in choice:
+                    continue
+                for t, lay in zip(op.outputs, choice[op].outputs):
+                    if t in self.views or not again[i] and t in self.saved:
+                        continue
+                    readers = [(r, j) for u in self.storage.get(t, [t])
+                               for r, j in self.readers.get(u, ())]
+                    if any(again[r] != again[i] and (again[r] or (
+                            kept := self.saves.get(self.ops[r])) is not None and j in kept.inputs)
+                           for r, j in readers):
+                        out[i] += self._bytes(t) / sharded(lay, m)
+            self._kept_across[key] = out
+        return self._kept_across[key]
+
+    def shared(self, tp: int, sequence: bool) -> list[tuple[int, int, float]]:
+        """(first reader, later reader, bytes) of each weight an op reads after another
+        (a tied embedding): on another stage it holds its own copy, gradient and state."""
+        key = (tp, sequence)
+        if key not in self._shared:
+            choice, m = self.choice(tp, sequence), Mesh((tp,))
+            self._shared[key] = [
+                (first, reader, self.states * math.prod(t.shape) * t.dtype.itemsize /
+                 sharded(choice[op].inputs[i], m))
+                for reader, i, first in self.later
+                if (op := self.ops[reader]) in choice and (t := op.inputs[i])]
+        return self._shared[key]
+
     def _bytes(self, t: PTensor) -> float:
         return math.prod(t.shape) * self.kept.get(t, t.dtype.itemsize)
 
@@ -291,9 +345,19 @@ class Model:
         if k.pp > 1:
             per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
         slowest = per_rank.max()
-        step = k.micro * slowest + (per_rank.sum() - slowest) / k.chunks
+        # the fill and drain: interleaving shortens them by its chunks, zero bubble runs
+        # the weight gradients (a third of a rank's time) in them
+        step = k.micro * slowest + (per_rank.sum() - slowest) / k.chunks / (
+            3 if k.zero_bubble else 1)
         sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
+        copies: dict[tuple[int, int], float] = {}  # (first reader, rank): a tied weight's
+        for first, reader, nbytes in self.shared(k.tp, k.sequence):
+            if rank_of[first] != rank_of[reader]:
+                at = (first, int(rank_of[reader]))
+                copies[at] = max(copies.get(at, 0.0), nbytes)
+        for (_, r), nbytes in copies.items():
+            states[r] += nbytes
         if k.shard:  # each replica updates and keeps the state of 1 / dp of the weights
             weights = states / self.states
             states = states - weights * (self.states - 2) * (1 - 1 / k.dp)
@@ -310,12 +374,15 @@ class Model:
         # what the backward keeps: a recomputed op's outputs and weight copies are made
         # again, but not its inputs read in another layout than made (gathered copies),
         # which it keeps to run again whether its backward saves them or not
-        kept = np.where(again, terms[:, 8] / m, terms[:, 1] / m + terms[:, 2] + terms[:, 7] / m)
+        kept = np.where(again, terms[:, 8] / m, terms[:, 1] / m + terms[:, 2] + terms[:, 7] / m) \
+            + self.kept_across(k.tp, k.sequence, k.recompute) / m
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
         # the backward's working set, and a recomputed layer's saved tensors made again
+        # (a zero-bubble backward keeps every layer's for its later weight gradients)
         remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
-        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + np.bincount(
-            self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0)
+        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + (
+            remade[rank_of == r].sum() if k.zero_bubble else np.bincount(
+                self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0))
             for r in range(k.pp)]
         memory = np.array([states[r] + self._held(k, r, per_micro) + transient[r]
                            for r in range(k.pp)])
@@ -331,7 +398,7 @@ class Model:
         mine = {s: float(per_micro[s]) for s in range(rank, k.pp * k.chunks, k.pp)}
         if k.micro == 1:
             return sum(mine.values())
-        return held_at_most(_order(rank, k.pp, k.micro, k.chunks), mine)
+        return held_at_most(_order(rank, k.pp, k.micro, k.chunks, k.schedule), mine)
 
 
 def _blocks(graph: Graph) -> int:
@@ -346,12 +413,12 @@ def _blocks(graph: Graph) -> int:
 
 
 @lru_cache(maxsize=65536)
-def _order(rank: int, pp: int, micro: int, chunks: int) -> tuple:
+def _order(rank: int, pp: int, micro: int, chunks: int, schedule: str | None = None) -> tuple:
     """Rank ``rank``'s steps. Past a few rounds of ``pp`` micro-batches the order repeats:
     what is alive at once no longer grows (``micro`` a multiple of ``pp``, as the points
     are)."""
-    schedule = SCHEDULES["interleaved" if chunks > 1 else "1f1b"]
-    return tuple(schedule(rank, pp, min(micro, pp * (chunks + 3)), chunks))
+    run = SCHEDULES[schedule or ("interleaved" if chunks > 1 else "1f1b")]
+    return tuple(run(rank, pp, min(micro, pp * (chunks + 3)), chunks))
 
 
 def points(model: Model, devices: int, per_node: int, replicas: bool = False
@@ -373,13 +440,15 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                 continue
             rows = model.batch // dp
             for micro in (m for m in range(1, rows + 1) if rows % m == 0):
-                for chunks in CHUNKS if pp > 1 else (1,):
+                for chunks, zero_bubble in SCHEDULE_KNOBS if pp > 1 else ((1, False),):
                     if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
                         continue
+                    if zero_bubble and micro < pp:
+                        continue  # nothing to fill the bubble with
                     for recompute in RECOMPUTE:
                         if recompute == "selective" and not attention:
                             continue
                         for sequence in (False, True) if tp > 1 else (False,):
                             for shard in (False, True) if dp > 1 and replicas else (False,):
                                 yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
-                                            shard)
+                                            shard, zero_bubble)
