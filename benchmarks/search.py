@@ -305,7 +305,8 @@ def megatron_table() -> Table:
                                                              replicas=True))
                 if p.memory <= cluster.memory]
         published = [p for p in fits if (p.knobs.tp, p.knobs.pp) == (tp, pp) and
-                     p.knobs.chunks == 1 and not p.knobs.sequence and not p.knobs.shard]
+                     p.knobs.chunks == 1 and not p.knobs.sequence and not p.knobs.shard
+                     and not p.knobs.zero_bubble]
         best = min(fits, key=lambda p: p.seconds, default=None)
         theirs = min(published, key=lambda p: p.seconds, default=None)
         # model FLOPs of a step with full recompute (Megatron's formula, SC'21 section 5.1)
