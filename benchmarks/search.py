@@ -21,10 +21,11 @@ One table, everything priced on this machine without a GPU or profiling:
   model as the search's plan (with the micro-batches and recompute that suit them best:
   the table does not list them), and the TFLOP/s per GPU each implies beside the
   measured one. Goal: searched <= 1.00x published.
-* quality rows: for each model and cluster, the ILP's and D-Rec's plans against the
-  best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, tp,
-  tp with sequence parallel, dp x tp, pipelines x schedules x micro-batches) that fits
-  the device's memory, all compiled and priced by the same simulator. Goal: <= 1.00x.
+* quality rows: for each model and cluster, the mesh family's, the ILP's and D-Rec's plans
+  against the best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, dp with
+  accumulation or recompute, tp, tp with sequence parallel and recompute, dp x tp,
+  pipelines x schedules x micro-batches, with recompute) that fits the device's memory,
+  all compiled and priced by the same simulator. Goal: <= 1.00x.
 """
 
 from __future__ import annotations
@@ -73,16 +74,33 @@ def captured(name: str, batch: int, **overrides):
         return ct.capture(get_workload(name, device="meta", batch_size=batch, **overrides))
 
 
+def replicas_of(name: str, batch: int, **overrides):
+    """The graph of ``1 / r`` of the batch, as the CLI gives the search (``replica=``)."""
+    workload = get_workload(name, device="meta", batch_size=batch, **overrides)
+
+    def replica(r: int):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ct.capture(workload.replica(r))
+    return replica
+
+
 def grid(graph, devices: int, per_node: int):
     """Every built-in policy and degree: (label, plan maker)."""
     mesh = ct.policies.mesh
     out = [("dp", lambda: mesh(graph, dp=devices))]
     out += [(f"zero-{s}", lambda s=s: ct.policies.zero(graph, devices, stage=s)) for s in (1, 2, 3)]
+    for micro in (2, 4):  # gradient accumulation: one micro-batch's activations at a time
+        out.append((f"dp, {micro} micro-batches", lambda m=micro: mesh(
+            graph, dp=devices, micro=m, fold=True)))
+    out.append(("dp, recompute full", lambda: mesh(graph, dp=devices, recompute="full")))
     for tp in (t for t in (2, 4, 8) if t <= per_node and devices % t == 0):
         dp = devices // tp
         out.append((f"dp {dp} x tp {tp}", lambda dp=dp, tp=tp: mesh(graph, dp=dp, tp=tp)))
         out.append((f"dp {dp} x tp {tp} + sp",
                     lambda dp=dp, tp=tp: mesh(graph, dp=dp, tp=tp, sequence=True)))
+        out.append((f"dp {dp} x tp {tp} + sp, recompute full", lambda dp=dp, tp=tp: mesh(
+            graph, dp=dp, tp=tp, sequence=True, recompute="full")))
     for pp in (2, 4):
         for schedule in ("gpipe", "1f1b"):
             for micro in (pp, 2 * pp):
@@ -90,6 +108,9 @@ def grid(graph, devices: int, per_node: int):
                 out.append((f"dp {dp} x pp {pp} {schedule} {micro}mb",
                             lambda dp=dp, pp=pp, s=schedule, m=micro:
                             mesh(graph, dp=dp, pp=pp, micro=m, schedule=s)))
+        out.append((f"dp {devices // pp} x pp {pp} 1f1b {2 * pp}mb, recompute full",
+                    lambda pp=pp: mesh(graph, dp=devices // pp, pp=pp, micro=2 * pp,
+                                       schedule="1f1b", recompute="full")))
     return out
 
 
@@ -117,10 +138,11 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
                 if peak <= cluster.memory and (best is None or step < best[1]):
                     best = (label, step)
             found = {}
-            for method in ("ilp", "drec"):
+            for method in ("mesh", "ilp", "drec"):
                 start = time.perf_counter()
                 try:
-                    r = search(graph, devices, cluster, memory=cluster.memory, method=method)
+                    r = search(graph, devices, cluster, memory=cluster.memory, method=method,
+                               replica=replicas_of(name, batch, **overrides))
                 except ChronotopeError as e:
                     found[method] = (str(e)[:40], None, time.perf_counter() - start)
                     continue
@@ -131,11 +153,12 @@ def quality_rows(table: Table, models: list[str], clusters: list[str]) -> None:
                 if finals:  # the cost model against the simulator, in ms
                     print(f"  {method} finalists (option, model ms, simulated ms): {finals}",
                           file=sys.stderr, flush=True)
-            ilp, dr = found["ilp"], found["drec"]
-            print(f"{model} on {spec}: ilp {ilp}, drec {dr}, best {best}", file=sys.stderr,
-                  flush=True)
+            knobs, ilp, dr = found["mesh"], found["ilp"], found["drec"]
+            print(f"{model} on {spec}: mesh {knobs}, ilp {ilp}, drec {dr}, best {best}",
+                  file=sys.stderr, flush=True)
             table.add_row(
                 f"{model} on {spec}", f"{devices}",
+                f"{knobs[0]}: {_ratio(knobs[1], best)} ({knobs[2]:.1f} s)",
                 f"{ilp[0]}: {_ratio(ilp[1], best)} ({ilp[2]:.1f} s)",
                 f"{dr[0]}: {_ratio(dr[1], best)} ({dr[2]:.1f} s)",
                 "nothing fits" if best is None else f"{best[0]}: {best[1] * 1e3:.0f} ms", "")
@@ -168,7 +191,7 @@ def scale_rows(table: Table, cases) -> None:
                        simulate=False)
             note += (f"; build {r.timings.get('build', 0):.1f} s, check "
                      f"{r.timings.get('check', 0):.1f} s")
-        table.add_row(f"{model} on {cluster.name}", f"{devices:,}",
+        table.add_row(f"{model} on {cluster.name}", f"{devices:,}", "",
                       f"decide {decided:.1f} s: {label}", f"D-Rec alone {drec_s:.2f} s",
                       "", note)
 
@@ -346,7 +369,8 @@ def main() -> None:
         return
     table = Table(title="plan search: time to decide, and simulated step vs the best "
                         "built-in policy that fits (ratio < 1 is better)")
-    for col in ("case", "devices", "ILP (stage DP)", "D-Rec", "best built-in", "notes"):
+    for col in ("case", "devices", "mesh (knobs)", "ILP (stage DP)", "D-Rec", "best built-in",
+                "notes"):
         table.add_column(col, justify="right" if col == "devices" else "left")
     if not args.skip_scale:
         scale_rows(table, SCALE[:1] if args.quick else SCALE)
