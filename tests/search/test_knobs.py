@@ -4,12 +4,14 @@ device."""
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 from search_testing import capture
 
 import chronotope as ct
 from chronotope.cli import main
+from chronotope.compile.simulate import simulate
 from chronotope.cost.network import cluster_for
 from chronotope.models import get_workload
 from chronotope.runtime.launch import run_processes
@@ -30,7 +32,8 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
          Knobs(1, 2, 4, 8, recompute="full"), Knobs(1, 2, 4, 8, recompute="selective"),
          Knobs(1, 2, 4, 8, chunks=2), Knobs(1, 4, 2, 4, sequence=True),
          Knobs(2, 2, 2, 4, recompute="full", sequence=True), Knobs(1, 1, 8, 16, zero_bubble=True),
-         Knobs(1, 2, 4, 16, recompute="full", zero_bubble=True)]
+         Knobs(1, 2, 4, 16, recompute="full", zero_bubble=True), Knobs(1, 2, 4, 8, swap=True),
+         Knobs(2, 4, 1, 4, swap=True)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -51,6 +54,7 @@ def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parall
     assert {k.chunks for k in space} == {1, 2, 4} and {k.sequence for k in space} == {False, True}
     assert all(k.devices == 8 and 16 % (k.dp * k.micro) == 0 for k in space)
     assert {k.schedule for k in space} == {"1f1b", "zb1", "interleaved"}
+    assert {k.swap for k in space if k.recompute is None} == {False, True}  # a PCIe link
     assert {k.shard for k in space if k.dp > 1} == {False, True}
     assert not any(k.shard for k in points(model, 8, 8))  # without replicas to shard over
 
@@ -95,7 +99,7 @@ def test_when_memory_binds_the_search_recomputes_and_trains_like_one_device():
     cluster = cluster_for(2, "dgx-a100")
     model = Model(graph, cluster)
     priced = [model.price(k) for k in points(model, 2, 8)]
-    without = min(p.memory for p in priced if p.knobs.recompute is None)
+    without = min(p.memory for p in priced if p.knobs.recompute is None and not p.knobs.swap)
     within = min(p.memory for p in priced if p.knobs.recompute is not None)
     assert within < without
     result = search(graph, 2, cluster, method="mesh", memory=(within + without) / 2)
@@ -172,17 +176,37 @@ def test_when_optimizer_state_binds_the_search_shards_it_over_replicas_and_train
     # parallelism gathers the logits; what fits is data parallelism sharing Adam out
     w = get_workload("gpt", batch_size=8, n_layer=1, vocab_size=4096)
     graph = capture(w)
-    cluster = cluster_for(2, "dgx-a100")
+    cluster = cluster_for(4, "dgx-a100")
     model = Model(graph, cluster)
-    priced = [model.price(k) for k in points(model, 2, 8, replicas=True)]
+    priced = [model.price(k) for k in points(model, 4, 8, replicas=True)]
     sharded = min(p.memory for p in priced if p.knobs.shard)
     whole = min(p.memory for p in priced if not p.knobs.shard)
     assert sharded < whole
-    result = search(graph, 2, cluster, method="mesh", memory=0.99 * whole,
+    result = search(graph, 4, cluster, method="mesh", memory=0.99 * whole,
                     replica=lambda r: capture(w.replica(r)))
     plan = result.plan
     assert "optimizer state sharded over dp" in result.mesh and plan.shard_optimizer
-    assert plan.replicas == 2
+    assert plan.replicas > 1
     optim = Optim("sgd", 0.1)
     run = run_processes(ct.compile(plan), w, 2, optim)
     assert compare(run, train_reference(w, 2, optim)).within(1e-5)
+
+
+def test_with_a_host_link_the_search_swaps_activations_and_trains_like_one_device():
+    w = get_workload("gpt", batch_size=8)
+    graph = capture(w)
+    fast = replace(cluster_for(2, "dgx-a100"), host_bandwidth=1e18)  # swapping costs nothing
+    model = Model(graph, fast)
+    priced = [model.price(k) for k in points(model, 2, 8)]
+    assert any(p.knobs.swap for p in priced)
+    assert not any(k.swap for k in points(Model(graph, replace(fast, host_bandwidth=0.0)), 2, 8))
+    kept = min(p.memory for p in priced if not p.knobs.swap and p.knobs.recompute is None)
+    result = search(graph, 2, fast, method="mesh", memory=0.99 * kept, simulate=False)
+    assert "swap" in result.mesh and result.plan.swapped
+    run = run_in_threads(ct.compile(result.plan), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+    # the simulator prices the copies over the host link
+    plan = result.plan
+    slow = replace(fast, host_bandwidth=1e6)
+    assert simulate(ct.compile(plan, cluster=slow), slow).step_time > \
+        simulate(ct.compile(plan, cluster=fast), fast).step_time

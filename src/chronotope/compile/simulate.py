@@ -41,6 +41,7 @@ from chronotope.cost.compute import piece_flops
 from chronotope.cost.network import Cluster
 from chronotope.cost.times import Calibration, OpTime, piece_seconds
 from chronotope.errors import PlanError
+from chronotope.plan.check import Held
 from chronotope.plan.plan import PlanOp
 
 OPTIMIZER_PASSES = 4  # parameter, gradient and state read, parameter written: bytes moved
@@ -82,7 +83,9 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    prices = _Prices(cluster, measured, cluster.peak(program.plan.dtype), params, calibration)
+    prices = _Prices(cluster, measured, cluster.peak(program.plan.dtype), params, calibration,
+                     Held(program.plan) if program.plan.swapped else None,
+                     program.plan.swapped)
     step = _played(program.ranks, prices, [0.0] * program.ndevices)
     clock = list(step.clock)
     compute, comm = list(step.compute), list(step.comm)
@@ -116,8 +119,10 @@ class _Prices(Costs):
     """A cluster's prices: links and node networks carry one transfer at a time each."""
 
     def __init__(self, cluster: Cluster, measured, peak: float, params: dict,
-                 calibration: Calibration):
-        self.params, self.calibration = params, calibration
+                 calibration: Calibration, held: Held | None = None,
+                 swapped: set[PlanOp] = frozenset()):
+        self.params, self.calibration, self.held = params, calibration, held
+        self.swapped = swapped
         self.cluster, self.measured, self.peak = cluster, measured, peak
         self.free: dict[tuple, float] = {}  # link resources: when each is free again
         self.computed: dict[tuple, float] = {}  # by the pieces an instruction runs
@@ -166,7 +171,20 @@ class _Prices(Costs):
         if key not in self.computed:
             self.computed[key] = instruction_compute(ins, self.measured, self.peak)
         return self.calibration.seconds(*features(ins), self.computed[key],
-                                        self.cluster.copy_bandwidth)
+                                        self.cluster.copy_bandwidth) + self._swapped(ins)
+
+    def _swapped(self, ins) -> float:
+        """Seconds of moving what swapped pieces keep to host memory after their forward
+        and back before their backward (blocking copies over the device's host link)."""
+        if self.held is None or not self.cluster.host_bandwidth:
+            return 0.0
+        if isinstance(ins, Forward) and ins.swap:
+            ops = [ins.op]
+        elif isinstance(ins, Backward):
+            ops = [op.forward for op in ins.ops if op.forward in self.swapped]
+        else:
+            return 0.0
+        return sum(self.held.swapped(op) for op in ops) / self.cluster.host_bandwidth
 
 
 def _priced(ins, params: dict) -> tuple[str, float]:

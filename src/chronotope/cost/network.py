@@ -87,6 +87,9 @@ class Cluster:
     # where links and compute are apart (GPUs' copy engines and NICs), less on CPUs, where
     # a collective takes the cores the compute runs on (``chronotope profile`` measures it).
     overlap: float = 1.0
+    # Bytes/s between one device and host memory, each way (its PCIe link): what swapping
+    # saved activations out and back costs; 0 where not known (nothing is swapped).
+    host_bandwidth: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields aside: a cluster keys search caches
         return hash((self.name, self.nodes, self.per_node, self.intra, self.inter))
@@ -214,7 +217,8 @@ class Cluster:
                 fitted={k: Link(**v) for k, v in data.get("fitted", {}).items()},
                 call=float(data.get("call", 0.0)),
                 fitted_busy={k: Link(**v) for k, v in data.get("fitted_busy", {}).items()},
-                busy=float(data.get("busy", 0.0)), overlap=float(data.get("overlap", 1.0)))
+                busy=float(data.get("busy", 0.0)), overlap=float(data.get("overlap", 1.0)),
+                host_bandwidth=float(data.get("host_bandwidth", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"not a cluster profile: {e!r} (write one with "
                                f"`chronotope profile --out FILE`)") from e
@@ -234,15 +238,15 @@ PRESETS: dict[str, Cluster] = {
     "dgx1-v100": Cluster(
         "dgx1-v100", 1, 8, {"float32": 15.7e12, "float16": 125e12, "bfloat16": 125e12},
         32 * GiB, 900e9, intra=Link(8e-6, 10e9), inter=Link(10e-6, 12.5e9),  # 100 Gb/s IB
-        pairs=_nvlink_cube_mesh(), call=10e-6),
+        pairs=_nvlink_cube_mesh(), call=10e-6, host_bandwidth=12e9),  # PCIe 3.0 x16
     "dgx-a100": Cluster(
         "dgx-a100", 1, 8, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
         80 * GiB, 2.0e12, intra=Link(1.5e-6, 300e9), inter=Link(8e-6, 200e9),
-        call=10e-6),  # 8 x 200 Gb/s
+        call=10e-6, host_bandwidth=25e9),  # 8 x 200 Gb/s; PCIe 4.0 x16
     "h100-sxm": Cluster(
         "h100-sxm", 1, 8, {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
         80 * GiB, 3.35e12, intra=Link(1e-6, 450e9), inter=Link(6e-6, 400e9),
-        call=10e-6),  # 8 x 400 Gb/s
+        call=10e-6, host_bandwidth=50e9),  # 8 x 400 Gb/s; PCIe 5.0 x16
 }
 
 

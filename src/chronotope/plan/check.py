@@ -430,6 +430,13 @@ class Held:
             2 * op.inputs[j].mask.numel for j in found.cast
             if op.inputs[j].ptensor.kind is not TensorKind.PARAM)
 
+    def swapped(self, op: PlanOp) -> int:
+        """Bytes forward piece ``op`` keeps for its backward, which swapping it moves to
+        host memory after it runs and back before its backward."""
+        kept = self.of(op)
+        return 0 if kept is None else self.other(op) + sum(
+            self.nbytes(v) for v in _saved(op, kept))
+
     def temp(self, op: PlanOp) -> int:
         """Bytes piece ``op`` (a forward or a backward) makes and frees while it runs."""
         found = self.of(op.forward or op)
@@ -546,8 +553,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
             size[("temp", op)] = temp
         if op.is_backward and forward in plan.swapped and kept is not None:  # back from the
             first[("back", op)] = last[("back", op)] = i  # CPU for its backward alone
-            size[("back", op)] = held_as.other(forward) + sum(
-                held_as.nbytes(v) for v in _saved(forward, kept))
+            size[("back", op)] = held_as.swapped(forward)
         if not op.is_backward and kept is not None:
             for out, src in kept.views:
                 given = (op.inputs[src].ptensor, op.inputs[src].mask)

@@ -60,7 +60,9 @@ from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads, later_re
 from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
 from chronotope.search.stages import crossing_bytes, op_seconds
 
-RECOMPUTE = (None, "selective", "full")
+# what the backward's saved tensors become: (recompute, swap): kept, made again in part
+# or whole, or swapped to host memory (where the cluster says how fast its link is)
+KEPT = ((None, False), ("selective", False), ("full", False), (None, True))
 # the pipeline schedules tried: (stages per rank, zero bubble): 1F1B, ZB-H1, interleaved
 SCHEDULE_KNOBS = ((1, False), (1, True), (2, False), (4, False))
 
@@ -79,6 +81,7 @@ class Knobs:
     sequence: bool = False
     shard: bool = False  # the optimizer state shared out over the dp replicas (ZeRO-1)
     zero_bubble: bool = False  # one stage per rank: backwards split, ZB-H1's order
+    swap: bool = False  # what recompute full would make again waits in host memory
 
     @property
     def devices(self) -> int:
@@ -99,6 +102,8 @@ class Knobs:
             text += ", zero bubble"
         if self.recompute:
             text += f", recompute {self.recompute}"
+        if self.swap:
+            text += ", swap"
         text += ", sequence parallel" if self.sequence else ""
         return text + (", optimizer state sharded over dp" if self.shard else "")
 
@@ -114,6 +119,7 @@ class Knobs:
                             "(plan.scale): give the graph of one replica's rows (replica=)")
         plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
+                    swap="full" if self.swap else None,
                     sequence=self.sequence, fold=self.micro > 1)
         plan.dtype = dtype
         return plan.scale(self.dp, self.shard) if dp != self.dp else plan
@@ -235,8 +241,8 @@ class Model:
                 held = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip((*op.inputs, *op.outputs), (*s.inputs, *s.outputs))
                            if t not in self.params and (t in self.needs_grad or t in op.outputs))
-                if saves_ is not None:  # and during it, what it saved
-                    held += (saves_.backward_temp + saves_.other) / max(own)
+                if saves_ is not None:  # and what it makes while it runs (what it saved: kept)
+                    held += saves_.backward_temp / max(own)
                 params = [(i, t) for i, t in enumerate(op.inputs) if t in self.params]
                 copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
                              for i, t in params) if op in self.casting else 0.0
@@ -341,6 +347,10 @@ class Model:
         rank_of = stage_of % k.pp
         again = self.recomputed(k.recompute)
         seconds = self.times(k.tp, k.sequence, m) + again * terms[:, 0] / 3 / m
+        swapped = self.recomputed("full") if k.swap else np.zeros(len(self.ops), dtype=bool)
+        out = np.where(swapped, terms[:, 1] / m + terms[:, 2], 0.0)  # to the host and back
+        if k.swap:
+            seconds = seconds + 2 * out / self.cluster.host_bandwidth
         per_rank = np.bincount(rank_of, weights=seconds, minlength=k.pp)
         if k.pp > 1:
             per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
@@ -375,12 +385,14 @@ class Model:
         # again, but not its inputs read in another layout than made (gathered copies),
         # which it keeps to run again whether its backward saves them or not
         kept = np.where(again, terms[:, 8] / m, terms[:, 1] / m + terms[:, 2] + terms[:, 7] / m) \
-            + self.kept_across(k.tp, k.sequence, k.recompute) / m
+            + self.kept_across(k.tp, k.sequence, k.recompute) / m - out
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
-        # the backward's working set, and a recomputed layer's saved tensors made again
-        # (a zero-bubble backward keeps every layer's for its later weight gradients)
+        # the backward's working set, a swapped op's saved tensors brought back for its
+        # backward, and a recomputed layer's made again (a zero-bubble backward keeps every
+        # layer's for its later weight gradients)
         remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
-        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + (
+        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + out[rank_of == r].max(
+            initial=0.0) + (
             remade[rank_of == r].sum() if k.zero_bubble else np.bincount(
                 self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0))
             for r in range(k.pp)]
@@ -445,10 +457,11 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                         continue
                     if zero_bubble and micro < pp:
                         continue  # nothing to fill the bubble with
-                    for recompute in RECOMPUTE:
-                        if recompute == "selective" and not attention:
+                    for recompute, swap in KEPT:
+                        if recompute == "selective" and not attention or \
+                                swap and not model.cluster.host_bandwidth:
                             continue
                         for sequence in (False, True) if tp > 1 else (False,):
                             for shard in (False, True) if dp > 1 and replicas else (False,):
                                 yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
-                                            shard, zero_bubble)
+                                            shard, zero_bubble, swap)
