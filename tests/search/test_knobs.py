@@ -150,7 +150,7 @@ def test_explain_says_the_layout_its_stages_what_binds_and_the_runners_up(capsys
 def test_interleaved_activations_alive_stop_growing_after_a_few_rounds():
     from chronotope.plan.steps import held_at_most
     from chronotope.policies.pipeline import SCHEDULES
-    from chronotope.search.knobs import _order
+    from chronotope.search.knobs import _alive, _order
 
     for pp, chunks, micro in [(2, 2, 40), (4, 4, 64), (8, 2, 96), (3, 4, 60)]:
         for rank in range(pp):
@@ -158,6 +158,8 @@ def test_interleaved_activations_alive_stop_growing_after_a_few_rounds():
             held = {s: 1.0 + s for s in range(rank, pp * chunks, pp)}  # stages unalike
             assert held_at_most(_order(rank, pp, micro, chunks), held) == \
                 held_at_most(order, held)
+            counts = _alive(rank, pp, micro, chunks, "interleaved")  # as one product
+            assert (counts @ list(held.values())).max() == held_at_most(order, held)
 
 
 @pytest.mark.parametrize("knobs", [Knobs(2, 2, 1, 2), Knobs(2, 1, 2, 2, recompute="full")],

@@ -45,7 +45,6 @@ from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import Plan, differentiable
-from chronotope.plan.steps import held_at_most
 from chronotope.plan.storage import unit
 from chronotope.policies.mesh import (
     _crossing,
@@ -407,10 +406,10 @@ class Model:
         """Bytes of activations rank ``rank`` keeps at once in its schedule's order: what
         one micro-batch keeps in each of its stages, from its forward to its backward, as
         the plan's estimate counts them (``plan.steps``)."""
-        mine = {s: float(per_micro[s]) for s in range(rank, k.pp * k.chunks, k.pp)}
+        mine = per_micro[rank::k.pp]  # its stages: one per chunk
         if k.micro == 1:
-            return sum(mine.values())
-        return held_at_most(_order(rank, k.pp, k.micro, k.chunks, k.schedule), mine)
+            return float(mine.sum())
+        return float((_alive(rank, k.pp, k.micro, k.chunks, k.schedule) @ mine).max())
 
 
 def _blocks(graph: Graph) -> int:
@@ -431,6 +430,24 @@ def _order(rank: int, pp: int, micro: int, chunks: int, schedule: str | None = N
     are)."""
     run = SCHEDULES[schedule or ("interleaved" if chunks > 1 else "1f1b")]
     return tuple(run(rank, pp, min(micro, pp * (chunks + 3)), chunks))
+
+
+@lru_cache(maxsize=65536)
+def _alive(rank: int, pp: int, micro: int, chunks: int, schedule: str) -> np.ndarray:
+    """For each step of rank ``rank``'s order, how many micro-batches of each of its
+    stages have run their forward and not their last backward step: the bytes alive are
+    this times what one keeps per stage (``held_at_most`` as one product), the distinct
+    rows only."""
+    order = _order(rank, pp, micro, chunks, schedule)
+    last = {(stage, m): i for i, (kind, stage, m) in enumerate(order) if kind != "F"}
+    live, rows = np.zeros(chunks), []
+    for i, (kind, stage, m) in enumerate(order):
+        if kind == "F":
+            live[stage // pp] += 1
+        elif last[(stage, m)] == i:
+            live[stage // pp] -= 1
+        rows.append(live.copy())
+    return np.unique(np.array(rows), axis=0)
 
 
 def points(model: Model, devices: int, per_node: int, replicas: bool = False
