@@ -33,7 +33,7 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
          Knobs(1, 2, 4, 8, chunks=2), Knobs(1, 4, 2, 4, sequence=True),
          Knobs(2, 2, 2, 4, recompute="full", sequence=True), Knobs(1, 1, 8, 16, zero_bubble=True),
          Knobs(1, 2, 4, 16, recompute="full", zero_bubble=True), Knobs(1, 2, 4, 8, swap=True),
-         Knobs(2, 4, 1, 4, swap=True)]
+         Knobs(2, 4, 1, 4, swap=True), Knobs(8, 1, 1, 1, zero3=True)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -55,6 +55,7 @@ def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parall
     assert all(k.devices == 8 and 16 % (k.dp * k.micro) == 0 for k in space)
     assert {k.schedule for k in space} == {"1f1b", "zb1", "interleaved"}
     assert {k.swap for k in space if k.recompute is None} == {False, True}  # a PCIe link
+    assert [k for k in space if k.zero3] == [Knobs(8, 1, 1, 1, zero3=True)]
     assert {k.shard for k in space if k.dp > 1} == {False, True}
     assert not any(k.shard for k in points(model, 8, 8))  # without replicas to shard over
 
@@ -176,13 +177,15 @@ def test_data_parallelism_as_replicas_of_one_group_trains_like_one_device(knobs)
 def test_when_optimizer_state_binds_the_search_shards_it_over_replicas_and_trains_alike():
     # one block, a vocabulary that dominates the weights: no pipeline to cut, and tensor
     # parallelism gathers the logits; what fits is data parallelism sharing Adam out
-    w = get_workload("gpt", batch_size=8, n_layer=1, vocab_size=4096)
+    # (a batch ZeRO-3's one micro-batch does not fit)
+    w = get_workload("gpt", batch_size=16, n_layer=1, vocab_size=4096)
     graph = capture(w)
     cluster = cluster_for(4, "dgx-a100")
     model = Model(graph, cluster)
     priced = [model.price(k) for k in points(model, 4, 8, replicas=True)]
     sharded = min(p.memory for p in priced if p.knobs.shard)
-    whole = min(p.memory for p in priced if not p.knobs.shard)
+    whole = min(p.memory for p in priced if not p.knobs.shard and not p.knobs.zero3)
+    assert min(p.memory for p in priced if p.knobs.zero3) > whole
     assert sharded < whole
     result = search(graph, 4, cluster, method="mesh", memory=0.99 * whole,
                     replica=lambda r: capture(w.replica(r)))
@@ -212,3 +215,20 @@ def test_with_a_host_link_the_search_swaps_activations_and_trains_like_one_devic
     slow = replace(fast, host_bandwidth=1e6)
     assert simulate(ct.compile(plan, cluster=slow), slow).step_time > \
         simulate(ct.compile(plan, cluster=fast), fast).step_time
+
+
+@pytest.mark.slow
+def test_when_weights_bind_without_replicas_the_search_shards_them_zero_3_and_trains_alike():
+    w = get_workload("gpt", batch_size=8, n_layer=1, vocab_size=4096)
+    graph = capture(w)
+    cluster = cluster_for(4, "dgx-a100")
+    model = Model(graph, cluster)
+    priced = [model.price(k) for k in points(model, 4, 8)]
+    sharded = min(p.memory for p in priced if p.knobs.zero3)
+    whole = min(p.memory for p in priced if not p.knobs.zero3)
+    assert sharded < whole
+    result = search(graph, 4, cluster, method="mesh", memory=0.99 * whole, simulate=False)
+    assert "ZeRO-3" in result.mesh and result.plan.param_storage == "owned"
+    optim = Optim("sgd", 0.1)
+    run = run_processes(ct.compile(result.plan), w, 2, optim)
+    assert compare(run, train_reference(w, 2, optim)).within(1e-5)

@@ -55,6 +55,7 @@ from chronotope.policies.mesh import (
     tensor_parallel_dims,
 )
 from chronotope.policies.pipeline import SCHEDULES
+from chronotope.policies.zero import zero
 from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads, later_reads
 from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
 from chronotope.search.stages import crossing_bytes, op_seconds
@@ -62,6 +63,7 @@ from chronotope.search.stages import crossing_bytes, op_seconds
 # what the backward's saved tensors become: (recompute, swap): kept, made again in part
 # or whole, or swapped to host memory (where the cluster says how fast its link is)
 KEPT = ((None, False), ("selective", False), ("full", False), (None, True))
+ZERO3_UP_TO = 64  # devices ZeRO-3 is tried on: its plan is written for every one of them
 # the pipeline schedules tried: (stages per rank, zero bubble): 1F1B, ZB-H1, interleaved
 SCHEDULE_KNOBS = ((1, False), (1, True), (2, False), (4, False))
 
@@ -81,6 +83,7 @@ class Knobs:
     shard: bool = False  # the optimizer state shared out over the dp replicas (ZeRO-1)
     zero_bubble: bool = False  # one stage per rank: backwards split, ZB-H1's order
     swap: bool = False  # what recompute full would make again waits in host memory
+    zero3: bool = False  # data parallel alone, every weight stored 1 / dp (ZeRO-3, FSDP)
 
     @property
     def devices(self) -> int:
@@ -103,6 +106,8 @@ class Knobs:
             text += f", recompute {self.recompute}"
         if self.swap:
             text += ", swap"
+        if self.zero3:
+            text += ", ZeRO-3 (weights sharded, gathered per layer)"
         text += ", sequence parallel" if self.sequence else ""
         return text + (", optimizer state sharded over dp" if self.shard else "")
 
@@ -111,6 +116,10 @@ class Knobs:
         """The point as a plan: ``policies.mesh`` folded over its micro-batches; with
         ``replica`` (the graph of ``1 / r`` of the batch), one replica scaled ``dp`` times
         (which the optimizer state's sharding needs)."""
+        if self.zero3:  # its weights shared out over every device: one plan of them all
+            plan = zero(graph, self.dp, 3)
+            plan.dtype = dtype
+            return plan
         unit = replica(self.dp) if replica is not None and self.dp > 1 else graph
         dp = self.dp if unit is graph else 1
         if self.shard and dp > 1:
@@ -367,13 +376,27 @@ class Model:
                 copies[at] = max(copies.get(at, 0.0), nbytes)
         for (_, r), nbytes in copies.items():
             states[r] += nbytes
-        if k.shard:  # each replica updates and keeps the state of 1 / dp of the weights
+        if k.zero3:  # weights, gradients and state 1 / dp each; a layer's weights gathered
+            # for its forward and again for its backward, its gradient reduce-scattered,
+            # beside as much compute as the backward's (as the simulator finds it); the
+            # update of 1 / dp
+            weights = float(states[0]) / self.states
+            group = [tuple(range(k.dp))]
+            moved = 2 * self.cluster.collective("all_gather", weights, group) + \
+                self.cluster.collective("reduce_scatter", weights, group)
+            update = OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth
+            step += max(0.0, moved - self.cluster.overlap * 2 / 3 * step)
+            sync = np.array([update / k.dp])
+            states = states / k.dp
+            per_unit = np.bincount(self.units, weights=terms[:, 3] / self.states)
+            states = states + per_unit.max(initial=0.0)  # the largest layer, gathered
+        elif k.shard:  # each replica updates and keeps the state of 1 / dp of the weights
             weights = states / self.states
             states = states - weights * (self.states - 2) * (1 - 1 / k.dp)
             sync = sync - OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth * (
                 1 - 1 / k.dp)
         sync = sync.max()
-        if k.dp > 1:  # the rank with the most gradients finishes last
+        if k.dp > 1 and not k.zero3:  # the rank with the most gradients finishes last
             grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
             r, unit = int(grads.argmax()), k.tp * k.pp
             groups = [tuple(i * unit + r * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
@@ -482,3 +505,5 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                             for shard in (False, True) if dp > 1 and replicas else (False,):
                                 yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
                                             shard, zero_bubble, swap)
+            if tp == pp == 1 and 1 < dp <= ZERO3_UP_TO:  # one plan of every device
+                yield Knobs(dp, 1, 1, 1, zero3=True)
