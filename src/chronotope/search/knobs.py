@@ -1,10 +1,11 @@
 """The mesh policy's knobs searched: what experts choose at scale, priced point by point.
 
 Training GPT-3 175B on 1,024 GPUs, experts choose a handful of numbers: data, tensor and
-pipeline degrees, the micro-batches, interleaved stages, recompute, sequence parallelism,
-the dtype. Each point of that space is ``policies.mesh`` (Megatron's cuts, stages of
-about equal compute, 1F1B or interleaved order, folded: planned for one micro-batch) and
-priced here without building it:
+pipeline degrees, the micro-batches, interleaved stages or zero bubble, recompute or swap,
+sequence parallelism, the optimizer state sharded over the data-parallel replicas, the
+dtype. Each point of that space is ``policies.mesh`` (Megatron's cuts, stages of about
+equal compute, 1F1B, ZB-H1 or interleaved order, folded: planned for one micro-batch), or
+up to 64 devices ZeRO-3 over them all (``policies.zero``), priced here without building it:
 
 - each op's time on one micro-batch: its compute at the dtype's FLOP rate under the cut
   tensor parallelism makes of it, and the layout changes of what it reads
@@ -12,14 +13,18 @@ priced here without building it:
   recomputed op runs its forward once more;
 - a rank's time per micro-batch is its stages' and the messages to the next stage; the
   step is ``micro * T + (sum(T) - T) / chunks`` for the slowest rank's ``T`` (1F1B's fill
-  and drain, shortened by interleaving), then the gradients' all-reduce over the
-  data-parallel replicas and the optimizer's update;
+  and drain, shortened by interleaving, a third of it under zero bubble), then the
+  gradients' all-reduce over the data-parallel replicas (a reduce-scatter and, after the
+  step, an all-gather where they share the optimizer state out) and the optimizer's
+  update; a swapped op's saved tensors cross the host link out and back;
 - a device holds its stages' weights, gradients and optimizer state (fp32, their
   tensor-parallel slices) and, per micro-batch its schedule keeps in flight, what its
   ops keep for the backward as the plan's estimate counts it: outputs as autocast makes
   them (16 bits after a linear), a 16-bit copy of each weight a linear casts, one copy
   of an input read in another layout than made (a gathered sequence slice), a
-  recomputed op none but that copy; and the largest backward's gradients.
+  recomputed or swapped op none but that copy (and what crosses a recompute boundary);
+  and the largest backward's gradients, a recomputed layer's tensors made again or a
+  swapped op's brought back.
 
 The cheapest points that fit are built (data parallel as replicas of one group,
 ``plan.scale``, where the graph of one replica's rows can be had) and checked by the
