@@ -725,8 +725,8 @@ def _print_explained(why: dict[str, Any], out: Console) -> None:
     out.print(line, markup=False, highlight=False)
     for stage, layers in why["stages"].items():
         out.print(f"  stage {stage}: {layers}", markup=False, highlight=False)
-    out.print(f"  recomputed ops: {why['recomputed_ops']}; storage: {why['storage']}",
-              markup=False, highlight=False)
+    out.print(f"  recomputed ops: {why['recomputed_ops']}; swapped ops: {why['swapped_ops']}; "
+              f"storage: {why['storage']}", markup=False, highlight=False)
     b = why["binding"]
     out.print(f"binding: device {b['device']} holds {format_bytes(b['total'])}, most of it "
               f"{b['term']} (" + ", ".join(f"{k} {format_bytes(v)}" for k, v in

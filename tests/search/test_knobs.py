@@ -141,6 +141,8 @@ def test_explain_says_the_layout_its_stages_what_binds_and_the_runners_up(capsys
     why = report["explain"]
     assert report["dtype"] == why["dtype"] == "bf16" and why["layout"] == report["mesh"]
     assert why["binding"]["term"] in why["binding"]["bytes"] and why["binding"]["total"] > 0
+    assert why["swapped_ops"] >= 0 and ("ZeRO-1" in why["storage"]) == (
+        "optimizer state sharded" in why["layout"])
     assert why["runners_up"] and all(r["option"] != why["layout"] for r in why["runners_up"])
     assert main(["search", "gpt", "--devices", "4", "--method", "mesh", "--global-batch", "8",
                  "--explain"]) == 0

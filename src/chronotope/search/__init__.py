@@ -527,7 +527,10 @@ def explain(result: SearchResult) -> dict[str, Any]:
         "recomputed_ops": len({p.op.name for p in plan.recomputed}),
         "storage": kept.get(plan.param_storage, plan.param_storage) or
         (f"updates of {len(plan.updates)} weights cut over their devices (ZeRO)"
-         if plan.updates else "every device updates the weights it holds"),
+         if plan.updates else "every device updates the weights it holds") + (
+            f"; the optimizer state shared out over the {plan.replicas} replicas (ZeRO-1)"
+            if plan.shard_optimizer else ""),
+        "swapped_ops": len({p.op.name for p in plan.swapped}),
         "binding": {"device": device, "term": max(terms, key=terms.__getitem__),
                     "bytes": terms, "total": m.total},
         "runners_up": _runners_up(result),
