@@ -523,7 +523,8 @@ def explain(result: SearchResult) -> dict[str, Any]:
     return {
         "layout": result.mesh, "method": result.method, "dtype": plan.dtype,
         "devices": plan.world_size, "replicas": plan.replicas, "micro_batches": plan.micro,
-        "stages": {str(s): _layers(mods) for s, mods in sorted(stages.items(), key=str)},
+        "stages": {str(s): _layers(mods) for s, mods in sorted(  # by number, then by name
+            stages.items(), key=lambda kv: (not isinstance(kv[0], int), str(kv[0]).zfill(9)))},
         "recomputed_ops": len({p.op.name for p in plan.recomputed}),
         "storage": kept.get(plan.param_storage, plan.param_storage) or
         (f"updates of {len(plan.updates)} weights cut over their devices (ZeRO)"
