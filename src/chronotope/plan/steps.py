@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from chronotope.errors import DeadlockError, PlanError
 from chronotope.graph import rng
 from chronotope.graph.convert import is_random
@@ -160,15 +162,27 @@ def held_at_most(steps: Sequence[Step], held: Mapping[Any, float]) -> float:
     """The most bytes the stages' forwards keep at once as ``steps`` run (``held``: what
     one micro-batch's forward of each stage keeps), from a forward to the stage's last
     backward step of that micro-batch."""
+    stages, counts = live_counts(steps)
+    return max(0.0, float((counts @ np.array([held.get(s, 0) for s in stages],
+                                             dtype=float)).max(initial=0.0)))
+
+
+def live_counts(steps: Sequence[Step]) -> tuple[list[Any], np.ndarray]:
+    """The stages ``steps`` run (sorted), and after each step how many micro-batches of
+    each have run their forward and not their last backward step: a row per step, a
+    column per stage (what ``held_at_most`` weighs by the bytes each keeps)."""
+    stages = sorted({stage for _, stage, _ in steps})
+    column = {stage: c for c, stage in enumerate(stages)}
     last = {(stage, m): i for i, (kind, stage, m) in enumerate(steps) if kind != "F"}
-    live = most = 0.0
+    counts = np.zeros((len(steps), len(stages)))
+    live = np.zeros(len(stages))
     for i, (kind, stage, m) in enumerate(steps):
         if kind == "F":
-            live += held.get(stage, 0)
+            live[column[stage]] += 1
         elif last[(stage, m)] == i:
-            live -= held.get(stage, 0)
-        most = max(most, live)
-    return most
+            live[column[stage]] -= 1
+        counts[i] = live
+    return stages, counts
 
 
 def kept(steps: list[Step]) -> int:

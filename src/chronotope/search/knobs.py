@@ -50,6 +50,7 @@ from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import Plan, differentiable
+from chronotope.plan.steps import live_counts
 from chronotope.plan.storage import unit
 from chronotope.policies.mesh import (
     _crossing,
@@ -227,7 +228,10 @@ class Model:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
             pricer = Pricer(m, self.cluster)
             rows = []
-            changed: set[tuple] = set()  # a tensor in another layout: one copy, all readers'
+            # a tensor in another layout: one copy, all readers' (counted by the first that
+            # reads it, and apart by the first that saves it)
+            read: set[tuple] = set()
+            saved: set[tuple] = set()
             for op in self.ops:
                 s = choice.get(op)
                 if s is None:
@@ -236,13 +240,16 @@ class Model:
                 regathered = rerun = 0.0  # kept: it saves it; run again: it reads it
                 saves_ = self.saves.get(op)
                 for i, (t, lay) in enumerate(zip(op.inputs, s.inputs)):
-                    if t.producer in choice and t in self.needs_grad and (t, lay) not in \
-                            changed and choice[t.producer].outputs[
-                                t.producer.outputs.index(t)] != lay:
-                        changed.add((t, lay))
-                        rerun += self._bytes(t) / sharded(lay, m)
-                        if saves_ is None or i in saves_.inputs:
-                            regathered += self._bytes(t) / sharded(lay, m)
+                    if t.producer not in choice or t not in self.needs_grad or choice[
+                            t.producer].outputs[t.producer.outputs.index(t)] == lay:
+                        continue
+                    nbytes = self._bytes(t) / sharded(lay, m)
+                    if (t, lay) not in read:
+                        read.add((t, lay))
+                        rerun += nbytes
+                    if (t, lay) not in saved and (saves_ is None or i in saves_.inputs):
+                        saved.add((t, lay))
+                        regathered += nbytes
                 own = [sharded(lay, m) for lay in s.outputs] or [1]
                 kept = sum(self._bytes(t) / sharded(lay, m)
                            for t, lay in zip(op.outputs, s.outputs)
@@ -462,20 +469,10 @@ def _order(rank: int, pp: int, micro: int, chunks: int, schedule: str | None = N
 
 @lru_cache(maxsize=65536)
 def _alive(rank: int, pp: int, micro: int, chunks: int, schedule: str) -> np.ndarray:
-    """For each step of rank ``rank``'s order, how many micro-batches of each of its
-    stages have run their forward and not their last backward step: the bytes alive are
-    this times what one keeps per stage (``held_at_most`` as one product), the distinct
-    rows only."""
-    order = _order(rank, pp, micro, chunks, schedule)
-    last = {(stage, m): i for i, (kind, stage, m) in enumerate(order) if kind != "F"}
-    live, rows = np.zeros(chunks), []
-    for i, (kind, stage, m) in enumerate(order):
-        if kind == "F":
-            live[stage // pp] += 1
-        elif last[(stage, m)] == i:
-            live[stage // pp] -= 1
-        rows.append(live.copy())
-    return np.unique(np.array(rows), axis=0)
+    """Rank ``rank``'s order's live micro-batches per stage (``plan.steps.live_counts``:
+    its stages ``rank + c * pp`` in chunk order), the distinct rows only: the bytes alive
+    at once are the most of this times what one keeps per stage."""
+    return np.unique(live_counts(_order(rank, pp, micro, chunks, schedule))[1], axis=0)
 
 
 def points(model: Model, devices: int, per_node: int, replicas: bool = False
