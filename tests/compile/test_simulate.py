@@ -8,7 +8,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.compile.program import AllReduce, Forward, Load, Wait
+from chronotope.compile.program import AllReduce, Forward, Load, Recv, Send, Wait
 from chronotope.compile.replay import replay
 from chronotope.compile.simulate import _priced, _Prices, simulate
 from chronotope.cost.compute import piece_flops
@@ -118,3 +118,28 @@ def test_communication_beside_compute_costs_what_the_cluster_cannot_overlap():
     assert work < comm
     assert times[1.0] == pytest.approx(comm)
     assert times[0.0] == pytest.approx(comm + work)
+
+
+def test_a_message_ready_early_does_not_queue_behind_one_settled_before_it():
+    """Rank 2 posts receives from ranks 0 and 1 and waits first for rank 0's, which
+    computes before it sends; rank 1 sends at once. The replay settles rank 0's message
+    first, yet rank 1's was ready long before: it crosses rank 2's port first, and rank 2
+    is done one transfer after rank 0's send, not two."""
+    linear = captured("gpt")[1].op("linear")
+    piece = ct.Plan(captured("gpt")[1], 1).op(linear.name)
+    x = linear.inputs[0]
+    load = Load("x", x, Mask.full(x.shape), "input")
+    whole = tuple(slice(0, n) for n in x.shape)
+    cluster = replace(A100, name="slow port", per_node=3, intra=Link(0.0, 1e7), fitted={},
+                      call=0.0, flops={"float32": 1e8})
+    code = [[load, Forward(piece, ("x",), ("y",), (False,), (False,)),
+             Send("x", whole, 2, 1)],
+            [load, Send("x", whole, 2, 2)],
+            [Recv("a", tuple(x.shape), torch.float32, 0, 1, handle="a"),
+             Recv("b", tuple(x.shape), torch.float32, 1, 2, handle="b"),
+             Wait("a", ("a",), unpack=False), Wait("b", ("b",), unpack=False)]]
+    played = replay(code, _Prices(cluster, None, cluster.peak(), {}, Calibration()))
+    work = piece_flops(piece) / 1e8
+    transfer = cluster.intra.seconds("send", 2, 4 * x.meta.numel)
+    assert work > transfer > 0
+    assert played.clock[2] == pytest.approx(work + transfer)

@@ -19,6 +19,8 @@ members did since they last communicated.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass
 
 from chronotope.compile.program import (
@@ -124,7 +126,8 @@ class _Prices(Costs):
         self.params, self.calibration, self.held = params, calibration, held
         self.swapped = swapped
         self.cluster, self.measured, self.peak = cluster, measured, peak
-        self.free: dict[tuple, float] = {}  # link resources: when each is free again
+        self.links = _Timetable()  # device ports and node networks: when each is busy
+        self.free: dict[tuple, float] = {}  # a group's stream: when its last call ends
         self.computed: dict[tuple, float] = {}  # by the pieces an instruction runs
 
     def message(self, src: int, dst: int, nbytes: float, ready: float, since: float,
@@ -136,7 +139,7 @@ class _Prices(Costs):
         busy = [("out", src), ("in", dst)]
         if self.cluster.node(src) != self.cluster.node(dst):
             busy += [("net out", self.cluster.node(src)), ("net in", self.cluster.node(dst))]
-        start = self._take(busy, ready, duration)
+        start = self.links.book(busy, ready, duration)
         return start + duration, duration
 
     def collective(self, ins, start: float, busy: float) -> tuple[float, float]:
@@ -148,16 +151,10 @@ class _Prices(Costs):
         nodes = {self.cluster.node(r) for r in ins.ranks}
         links = [(way, n) for n in nodes for way in ("net out", "net in")] \
             if len(nodes) > 1 else []
-        start = self._take([("group", tuple(sorted(ins.ranks))), *links], start, duration)
+        group = tuple(sorted(ins.ranks))
+        start = self.links.book(links, max(start, self.free.get(group, 0.0)), duration)
+        self.free[group] = start + duration
         return start, start + duration
-
-    def _take(self, links: list[tuple], ready: float, duration: float) -> float:
-        """Hold ``links`` for ``duration`` from when they are all free, ``ready`` at the
-        earliest: when the transfer starts."""
-        start = max([ready, *(self.free.get(x, 0.0) for x in links)])
-        for x in links:
-            self.free[x] = start + duration
-        return start
 
     def contended(self, rank: int, seconds: float) -> float:
         return (1.0 - self.cluster.overlap) * seconds
@@ -185,6 +182,46 @@ class _Prices(Costs):
         else:
             return 0.0
         return sum(self.held.swapped(op) for op in ops) / self.cluster.host_bandwidth
+
+
+class _Timetable:
+    """When each resource is busy, as disjoint sorted intervals. The replay settles
+    transfers in the order their receivers reach them, not in time order, so a transfer
+    takes the first gap long enough on all its resources at or after it is ready: one
+    settled later but ready earlier does not queue behind a later one."""
+
+    def __init__(self) -> None:
+        self.starts: dict[tuple, list[float]] = defaultdict(list)
+        self.ends: dict[tuple, list[float]] = defaultdict(list)
+
+    def book(self, resources: list[tuple], ready: float, duration: float) -> float:
+        """Hold ``resources`` for ``duration`` from the earliest time at or after ``ready``
+        when all are free: when the transfer starts."""
+        start, moved = ready, bool(resources) and duration > 0
+        while moved:
+            moved = False
+            for x in resources:
+                starts, ends = self.starts[x], self.ends[x]
+                k = bisect_left(starts, start + duration) - 1  # the last to begin before the end
+                if k >= 0 and ends[k] > start:
+                    start, moved = ends[k], True
+        if duration > 0:
+            for x in resources:
+                self._insert(x, start, start + duration)
+        return start
+
+    def _insert(self, x: tuple, start: float, end: float) -> None:
+        starts, ends = self.starts[x], self.ends[x]
+        k = bisect_left(starts, start)
+        if k > 0 and ends[k - 1] >= start:  # touches the one before: extend it
+            k -= 1
+            ends[k] = end
+        else:
+            starts.insert(k, start)
+            ends.insert(k, end)
+        if k + 1 < len(starts) and starts[k + 1] <= ends[k]:  # touches the one after
+            ends[k] = ends.pop(k + 1)
+            starts.pop(k + 1)
 
 
 def _priced(ins, params: dict) -> tuple[str, float]:
