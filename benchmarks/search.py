@@ -2,6 +2,7 @@
 
     python benchmarks/search.py [--quick] [--skip-scale] [--model M] [--cluster C]
     python benchmarks/search.py --knobs        # the two tables of the mesh family alone
+    python benchmarks/search.py --agreement    # the search's models against the simulator
 
 One table, everything priced on this machine without a GPU or profiling:
 
@@ -21,6 +22,10 @@ One table, everything priced on this machine without a GPU or profiling:
   model as the search's plan (with the micro-batches and recompute that suit them best:
   the table does not list them), and the TFLOP/s per GPU each implies beside the
   measured one. Goal: searched <= 1.00x published.
+* the models against the simulator (``--agreement``): the step each of the search's cost
+  models predicts (the mesh family's points, every option the ILP and the stage DP rank)
+  against the simulated step of the plan it builds, GPT-3 1.3B cut to 8 layers on one
+  DGX A100 and on two DGX-1 V100 nodes. Goal: within 15%.
 * quality rows: for each model and cluster, the mesh family's, the ILP's and D-Rec's plans
   against the best plan of a grid over the built-in policies and degrees (dp, zero-1/2/3, dp with
   accumulation or recompute, tp, tp with sequence parallel and recompute, dp x tp,
@@ -281,26 +286,53 @@ def knob_scale_table() -> Table:
 
 
 def agreement_table() -> Table:
-    """The search's model against the simulator, point by point (the finalists' check)."""
+    """The search's cost models against the simulator, option by option: the mesh
+    family's points and every option the ILP and the stage DP rank (the finalists come
+    from these), on one DGX A100 and on two DGX-1 V100 nodes (goal: within 15%)."""
+    from chronotope.search import _Clock, _pipeline_plan, ilp_options, zero_weights
+    from chronotope.search.build import build
     from chronotope.search.knobs import Knobs, Model
+    from chronotope.search.stages import Pipeline
 
-    points_ = [Knobs(8, 1, 1, 2), Knobs(2, 4, 1, 4), Knobs(1, 8, 1, 1), Knobs(2, 2, 2, 8),
-               Knobs(1, 2, 4, 8), Knobs(1, 2, 4, 8, chunks=2),
-               Knobs(2, 2, 2, 8, recompute="full"), Knobs(1, 4, 2, 8, sequence=True)]
-    table = Table(title="the search's model vs the simulator: GPT-3 1.3B cut to 8 layers, "
-                        "batch 16, bf16, one DGX A100 (ratio: model / simulated)")
-    for col in ("point", "model ms", "simulated ms", "ratio", "model memory", "estimate"):
-        table.add_column(col, justify="left" if col == "point" else "right")
+    table = Table(title="the search's models vs the simulator: GPT-3 1.3B cut to 8 layers, "
+                        "batch 16, fp32 (ratio: model / simulated; goal 0.85-1.15)")
+    for col in ("cluster", "family", "option", "model ms", "simulated ms", "ratio"):
+        table.add_column(col, justify="left" if col in ("cluster", "family", "option")
+                         else "right")
     graph = captured("gpt3-1.3b", 16, n_layer=8)
-    cluster = cluster_for(8, "dgx-a100")
-    model = Model(graph, cluster, "bf16")
-    for knobs in points_:
-        p = model.price(knobs)
-        plan = knobs.plan(graph, "bf16")
-        step, peak = priced(plan, cluster)
-        table.add_row(knobs.label, f"{p.seconds * 1e3:.1f}", f"{step * 1e3:.1f}",
-                      f"{p.seconds / step:.2f}", f"{p.memory / 2**30:.1f} GiB",
-                      f"{peak / 2**30:.1f} GiB")
+    replica = replicas_of("gpt3-1.3b", 16, n_layer=8)
+    for spec in ("dgx-a100x1", "dgx1-v100x2"):
+        cluster = cluster_for(0, spec)
+        devices = cluster.nodes * cluster.per_node
+        model = Model(graph, cluster, "fp32")
+        rows = []
+        for knobs in (Knobs(devices, 1, 1, 1), Knobs(devices // 4, 4, 1, 4),
+                      Knobs(1, 8, devices // 8, 8), Knobs(devices // 4, 1, 4, 4),
+                      Knobs(devices // 4, 1, 4, 4, chunks=2),
+                      Knobs(devices // 4, 2, 2, 4, recompute="full"),
+                      Knobs(devices // 8, 4, 2, 8, sequence=True),
+                      Knobs(devices // 4, 1, 4, 4, shard=True),
+                      Knobs(devices // 4, 1, 4, 8, zero_bubble=True),
+                      Knobs(devices, 1, 1, 1, zero3=True)):
+            rows.append(("mesh family", knobs.label, model.price(knobs).seconds,
+                         knobs.plan(graph, "fp32", replica)))
+        options, _ = ilp_options(graph, devices, cluster, cluster.memory, 30.0)
+        for seconds, option in options:
+            if isinstance(option, Pipeline):
+                _, plan, _ = _pipeline_plan(graph, option, None, _Clock())
+                rows.append(("stage DP", option.label, seconds, plan))
+            else:
+                solution = option[0]
+                rows.append(("ILP", f"mesh {solution.mesh}", seconds, build(
+                    graph, solution.mesh.shape, {op: s.algos for op, s in
+                                                 solution.choice.items()},
+                    zero_weights(graph, solution.choice))))
+        for family, label, seconds, plan in rows:
+            step, _ = priced(plan, cluster)
+            table.add_row(spec, family, label, f"{seconds * 1e3:.0f}", f"{step * 1e3:.0f}",
+                          f"{seconds / step:.2f}")
+            print(f"{spec} {family} {label}: {seconds / step:.2f}", file=sys.stderr,
+                  flush=True)
     return table
 
 
@@ -361,9 +393,13 @@ def main() -> None:
                    help="quality rows on this cluster only (repeatable)")
     p.add_argument("--knobs", action="store_true",
                    help="the mesh family's tables alone: scale and Megatron-LM's plans")
+    p.add_argument("--agreement", action="store_true",
+                   help="the search's models against the simulator alone")
     args = p.parse_args()
-    if args.knobs:
+    if args.agreement:
         Console(width=220).print(agreement_table())
+        return
+    if args.knobs:
         Console(width=220).print(megatron_table())
         Console(width=220).print(knob_scale_table())
         return

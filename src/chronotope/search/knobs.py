@@ -191,6 +191,7 @@ class Model:
         self._recomputed: dict[str | None, np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
         self._crossed: dict[int, float] = {}
+        self._networks_of: dict[tuple[int, int, int], np.ndarray] = {}
 
     # ---- per op ----------------------------------------------------------------------
 
@@ -299,17 +300,19 @@ class Model:
             self._kept_across[key] = out
         return self._kept_across[key]
 
-    def shared(self, tp: int, sequence: bool) -> list[tuple[int, int, float]]:
-        """(first reader, later reader, bytes) of each weight an op reads after another
-        (a tied embedding): on another stage it holds its own copy, gradient and state."""
+    def shared(self, tp: int, sequence: bool) -> list[tuple[int, int, float, bool]]:
+        """(first reader, later reader, bytes, whole) of each weight an op reads after
+        another (a tied embedding): on another stage it holds its own copy, gradient and
+        state; ``whole``: each of the stage's devices reads all of it."""
         key = (tp, sequence)
         if key not in self._shared:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
             self._shared[key] = [
-                (first, reader, self.states * math.prod(t.shape) * t.dtype.itemsize /
-                 sharded(choice[op].inputs[i], m))
+                (first, reader, self.states * math.prod(t.shape) * t.dtype.itemsize / parts,
+                 parts == 1)
                 for reader, i, first in self.later
-                if (op := self.ops[reader]) in choice and (t := op.inputs[i])]
+                if (op := self.ops[reader]) in choice and (t := op.inputs[i])
+                and (parts := sharded(choice[op].inputs[i], m))]
         return self._shared[key]
 
     def _bytes(self, t: PTensor) -> float:
@@ -372,8 +375,10 @@ class Model:
         if k.swap:
             seconds = seconds + 2 * out / self.cluster.host_bandwidth
         per_rank = np.bincount(rank_of, weights=seconds, minlength=k.pp)
-        if k.pp > 1:
-            per_rank = per_rank + k.chunks * self.sends(k, m, stage_of)
+        if k.pp > 1:  # a micro-batch's round trip to the last stage and back waits on
+            # (pp - 1) / pp of its sends per micro-batch on stage rank 0, which the others
+            # wait for in turn (1F1B runs only pp - r micro-batches ahead on rank r)
+            per_rank = per_rank + k.chunks * self.sends(k, m, stage_of) * (k.pp - 1) / k.pp
         slowest = per_rank.max()
         # the fill and drain: interleaving shortens them by its chunks, zero bubble runs
         # the weight gradients (a third of a rank's time) in them
@@ -381,13 +386,25 @@ class Model:
             3 if k.zero_bubble else 1)
         sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
-        copies: dict[tuple[int, int], float] = {}  # (first reader, rank): a tied weight's
-        for first, reader, nbytes in self.shared(k.tp, k.sequence):
+        grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
+        copies: dict[tuple[int, int], tuple[float, bool]] = {}  # (first reader, rank): a
+        # tied weight's
+        for first, reader, nbytes, whole in self.shared(k.tp, k.sequence):
             if rank_of[first] != rank_of[reader]:
                 at = (first, int(rank_of[reader]))
-                copies[at] = max(copies.get(at, 0.0), nbytes)
-        for (_, r), nbytes in copies.items():
+                copies[at] = max(copies.get(at, (0.0, whole)), (nbytes, whole))
+        for (first, r), (nbytes, whole) in copies.items():  # the copy and its state kept;
+            # its gradient summed with the first reader's stage (all their devices at once
+            # where each reads all of it), reduced over the replicas and updated there too
+            grad = nbytes / self.states
+            f = int(rank_of[first])
+            pairs = [(f * k.tp + j, r * k.tp + j) for j in range(k.tp)]
+            tie = self.cluster.collective("all_reduce", grad, [
+                tuple(d for pair in pairs for d in pair)] if whole else pairs)
             states[r] += nbytes
+            grads[r] += grad
+            sync[r] += tie + OPTIMIZER_PASSES * grad / self.cluster.copy_bandwidth
+            sync[f] += tie
         if k.zero3:  # weights, gradients and state 1 / dp each; a layer's weights gathered
             # for its forward and again for its backward, its gradient reduce-scattered,
             # beside as much compute as the backward's (as the simulator finds it); the
@@ -408,13 +425,11 @@ class Model:
             sync = sync - OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth * (
                 1 - 1 / k.dp)
         sync = sync.max()
-        if k.dp > 1 and not k.zero3:  # the rank with the most gradients finishes last
-            grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
-            r, unit = int(grads.argmax()), k.tp * k.pp
-            groups = [tuple(i * unit + r * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
-            sync += self.cluster.collective("all_reduce", grads[r], groups) if not k.shard \
-                else self.cluster.collective("reduce_scatter", grads[r], groups) + \
-                self.cluster.collective("all_gather", grads[r], groups)
+        if k.dp > 1 and not k.zero3:  # stage rank r's last backward ends r chunk backwards
+            # before stage rank 0's (none for zero bubble, whose weight gradients fill the
+            # drain)
+            ahead = np.arange(k.pp) * (0.0 if k.zero_bubble else 2 / 3 * slowest / k.chunks)
+            sync += self.reduced(k, grads, ahead)
         # what the backward keeps: a recomputed op's outputs and weight copies are made
         # again, but not its inputs read in another layout than made (gathered copies),
         # which it keeps to run again whether its backward saves them or not
@@ -435,6 +450,43 @@ class Model:
         fullest = int(memory.argmax())
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
+
+    def reduced(self, k: Knobs, grads: np.ndarray, ahead: np.ndarray) -> float:
+        """Seconds after the backward until each stage rank's gradients (``grads`` bytes)
+        are reduced over the replicas, stage rank r starting ``ahead[r]`` seconds early:
+        every stage's groups at once, but where they cross nodes, the groups of all stages
+        on a node take turns on its network as they come (as the simulator runs them)."""
+        r, unit = int(grads.argmax()), k.tp * k.pp
+        groups = [tuple(i * unit + r * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
+        alone = self.cluster.collective("all_reduce", grads[r], groups) if not k.shard \
+            else self.cluster.collective("reduce_scatter", grads[r], groups) + \
+            self.cluster.collective("all_gather", grads[r], groups)
+        touched = self._networks(k)
+        if not touched.any():
+            return alone
+        seconds = alone * grads / grads[r]
+        end = alone
+        for node in touched.T:
+            t = -math.inf
+            for s in sorted(np.flatnonzero(node), key=lambda s: -ahead[s]):
+                t = max(t, -ahead[s]) + seconds[s]
+            end = max(end, t)
+        return float(end)
+
+    def _networks(self, k: Knobs) -> np.ndarray:
+        """(stage rank, node): whether a replica group of that stage rank crosses nodes
+        and has a member on that node; one column per kind of node."""
+        key = (k.dp, k.tp, k.pp)
+        if key not in self._networks_of:
+            devices = np.arange(k.devices).reshape(k.dp, k.pp, k.tp)
+            nodes = devices // self.cluster.per_node
+            touched = np.zeros((k.pp, int(nodes.max()) + 1), dtype=bool)
+            crossing = (nodes != nodes[:1]).any(axis=0)  # (stage rank, tp index)
+            for r in range(k.pp):
+                if crossing[r].any():
+                    touched[r, nodes[:, r, :].ravel()] = True
+            self._networks_of[key] = np.unique(touched, axis=1)  # nodes alike priced once
+        return self._networks_of[key]
 
     @staticmethod
     def _held(k: Knobs, rank: int, per_micro: np.ndarray) -> float:

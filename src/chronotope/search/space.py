@@ -297,14 +297,36 @@ class Pricer:
 
     mesh: Mesh
     cluster: Cluster
-    _calls: dict = field(default_factory=dict)  # (kind, bytes, axis) -> seconds
+    _calls: dict = field(default_factory=dict)  # (kind, bytes, axis, levels) -> seconds
     _changes: dict = field(default_factory=dict)  # (src, dst, bytes) -> seconds
 
-    def collective(self, kind: str, size: float, axis: int) -> float:
-        key = (kind, size, axis)
+    def collective(self, kind: str, size: float, axis: int, levels: bool = False) -> float:
+        """One call over each group of ``axis`` at once; ``levels``: an all-reduce as the
+        compiler's layout search emits it, in two levels where that is cheaper (the
+        step's gradient reductions are single calls)."""
+        key = (kind, size, axis, levels)
         if key not in self._calls:
-            self._calls[key] = self.cluster.collective(kind, size, self.mesh.groups(axis))
+            groups = self.mesh.groups(axis)
+            seconds = self.cluster.collective(kind, size, groups)
+            if levels and kind == "all_reduce":
+                seconds = min(seconds, self._in_two_levels(size, groups))
+            self._calls[key] = seconds
         return self._calls[key]
+
+    def _in_two_levels(self, size: float, groups: list[tuple[int, ...]]) -> float:
+        """An all-reduce over groups that span nodes with several members on each, as the
+        compiler's layout search emits it where that is cheaper: reduce-scatter within
+        each node, all-reduce of the slices across nodes, all-gather within each node."""
+        node = self.cluster.node
+        inner = [tuple(d for d in g if node(d) == n) for g in groups
+                 for n in sorted({node(d) for d in g})]
+        k = len(inner[0]) if inner else 0
+        if not 1 < k < len(groups[0]) or any(len(g) != k for g in inner):
+            return math.inf
+        across = [g[i::k] for g in groups for i in range(k)]
+        return (self.cluster.collective("reduce_scatter", size, inner)
+                + self.cluster.collective("all_reduce", size / k, across)
+                + self.cluster.collective("all_gather", size, inner))
 
     def change(self, src: Layout, dst: Layout, size: int) -> float:
         """Turn a tensor of ``size`` bytes held as ``src`` into ``dst``, one axis at a time
@@ -330,7 +352,7 @@ class Pricer:
             return 0.0  # a value share or a slice of a whole tensor: local
         if src == PARTIAL:
             kind = "reduce_scatter" if dst.startswith("S") else "all_reduce"
-            return self.collective(kind, size, axis)
+            return self.collective(kind, size, axis, levels=True)
         if src.startswith("S") and dst.startswith("S"):
             return self.collective("all_to_all", size / n, axis)  # each holds its slice
         return self.collective("all_gather", size, axis)  # sliced -> whole or partial

@@ -32,6 +32,7 @@ from chronotope.plan.plan import Plan, differentiable
 from chronotope.policies.mesh import _crossing
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
+    PARTIAL,
     ConstraintError,
     Mesh,
     Pricer,
@@ -101,6 +102,7 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         shared = shared_weights(graph, stage_of)
         for micro in micros:
             restricted = _whole_where_shared(*spaces.on(whole.mesh, micro), shared, whole.mesh)
+            restricted = restricted and _summed_where_crossing(*restricted, stage_of)
             if restricted is None:
                 break
             space, groups = restricted
@@ -160,6 +162,30 @@ def _whole_where_shared(space: dict[Op, list[Strategy]], groups: dict[Op, Hashab
     return space, groups
 
 
+def _summed_where_crossing(space: dict[Op, list[Strategy]], groups: dict[Op, Hashable],
+                           stage_of: dict[Op, int]
+                           ) -> tuple[dict[Op, list[Strategy]], dict[Op, Hashable]] | None:
+    """Ops whose outputs a later stage reads keep only the strategies that make those
+    outputs whole or sliced, not partial sums: a stage's ILP does not see the boundary,
+    and partial sums would cross it one per device to every reader (each decided on its
+    own, out of its group). None where such an op has no other strategy."""
+    crossing: dict[Op, set[int]] = {}
+    for op in stage_of:
+        for t in op.inputs:
+            if t.producer in stage_of and stage_of[t.producer] != stage_of[op]:
+                crossing.setdefault(t.producer, set()).add(t.producer.outputs.index(t))
+    if not crossing:
+        return space, groups
+    space, groups = dict(space), dict(groups)
+    for op, outs in crossing.items():
+        space[op] = [st for st in space[op]
+                     if not any(PARTIAL in st.outputs[i] for i in outs)]
+        if not space[op]:
+            return None
+        groups.pop(op, None)
+    return space, groups
+
+
 def _shared_seconds(shared: dict[PTensor, list[Op]], stage_of: dict[Op, int], mesh: Mesh,
                     cluster: Cluster) -> float:
     """What a shared weight's all-reduce over its stages' devices adds to the one over a
@@ -198,18 +224,20 @@ def _stage(graph: Graph, ops: list[Op], space, groups, mesh: Mesh, cluster: Clus
 
 def _step_seconds(graph: Graph, solutions: list[Solution], bounds: list[int], micro: int,
                   cluster: Cluster) -> float:
-    """1F1B: every stage's micro-batch time once (fill and drain), the slowest stage's
-    ``micro - 1`` times more, and the slowest stage's gradient reductions."""
+    """1F1B: every stage's micro-batch time and every cut's messages once (fill and
+    drain), the slowest stage's ``micro - 1`` times more, each with the messages a round
+    trip from stage ``i`` to the last waits on shared out over the ``stages - i``
+    micro-batches 1F1B runs ahead on stage ``i`` (the most of any stage), and the slowest
+    stage's gradient reductions."""
     times = [sol.seconds - sol.sync for sol in solutions]
-    d = solutions[0].mesh.devices
+    stages, d = len(solutions), solutions[0].mesh.devices
     needs_grad = differentiable(graph)
-    for s in range(len(solutions) - 1):  # what crosses each cut, both ways, per micro-batch
-        pair = (s * d, (s + 1) * d)
-        seconds = sum(cluster.collective("send", size / micro, [pair])
-                      for size in crossing_bytes(graph, bounds[s + 1], needs_grad) if size)
-        times[s] += seconds
-        times[s + 1] += seconds
-    return sum(times) + (micro - 1) * max(times) + max(sol.sync for sol in solutions)
+    sends = [sum(cluster.collective("send", size / micro, [(s * d, (s + 1) * d)])
+                 for size in crossing_bytes(graph, bounds[s + 1], needs_grad) if size)
+             for s in range(stages - 1)]  # what crosses each cut, both ways, per micro-batch
+    steady = max(times) + max((sum(sends[i:]) / (stages - i) for i in range(stages - 1)),
+                              default=0.0)
+    return sum(times) + sum(sends) + (micro - 1) * steady + max(sol.sync for sol in solutions)
 
 
 def crossing_bytes(graph: Graph, cut: int, needs_grad: set[PTensor]) -> tuple[int, int]:
