@@ -312,7 +312,7 @@ def agreement_table() -> Table:
                       Knobs(devices // 4, 2, 2, 4, recompute="full"),
                       Knobs(devices // 8, 4, 2, 8, sequence=True),
                       Knobs(devices // 4, 1, 4, 4, shard=True),
-                      Knobs(devices // 4, 1, 4, 8, zero_bubble=True),
+                      Knobs(devices // 4, 1, 4, 4, zero_bubble=True),
                       Knobs(devices, 1, 1, 1, zero3=True)):
             rows.append(("mesh family", knobs.label, model.price(knobs).seconds,
                          knobs.plan(graph, "fp32", replica)))

@@ -290,11 +290,12 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
 def _mesh(sequence: bool = False, coshard: bool = False
           ) -> Callable[[Graph, argparse.Namespace], Plan]:
     def policy(graph: Graph, args: argparse.Namespace) -> Plan:
-        group = args.tp * args.pp
-        if args.tp < 1 or args.pp < 1 or args.devices % group:
-            raise PlanError(f"--tp {args.tp} x --pp {args.pp} does not divide --devices "
+        tp = args.tp or 2
+        group = tp * args.pp
+        if args.pp < 1 or args.devices % group:
+            raise PlanError(f"--tp {tp} x --pp {args.pp} does not divide --devices "
                             f"{args.devices}: a mesh needs devices = dp * pp * tp")
-        return mesh(graph, args.devices // group, args.tp, pp=args.pp, micro=args.micro or 1,
+        return mesh(graph, args.devices // group, tp, pp=args.pp, micro=args.micro or 1,
                     sequence=sequence, coshard=args.coshard if coshard else 1,
                     fold=args.fold, **_activations(args))
     return policy
@@ -340,7 +341,7 @@ def _zero(stage: int) -> Callable[[Graph, argparse.Namespace], Plan]:
         if args.recompute or args.swap:
             raise PlanError(f"--recompute and --swap are not available with zero-{stage} yet; "
                             "use them with dp, tp, sp, the meshes or the pipelines")
-        return zero(graph, args.devices, stage)
+        return zero(graph, args.devices, stage, tp=args.tp or 1)
     return policy
 
 
@@ -953,8 +954,9 @@ def parser() -> argparse.ArgumentParser:
                               "run one at a time; interlaced: 1F1B with the shared embedding "
                               "(lookups and output head) on every device")
         cmd.add_argument("--devices", type=positive_int, default=4)
-        cmd.add_argument("--tp", type=positive_int, default=2,
-                         help="tensor-parallel group size of the dp-tp and dp-sp meshes")
+        cmd.add_argument("--tp", type=positive_int, default=None,
+                         help="tensor-parallel group size of the dp-tp and dp-sp meshes "
+                              "(default 2) and inside each zero-* replica (default 1)")
         cmd.add_argument("--pp", type=positive_int, default=1,
                          help="pipeline stages (dp-tp, dp-sp: GPipe order; gpipe, 1f1b: "
                               "default --devices, the rest data parallel)")

@@ -93,6 +93,23 @@ def test_zero_shards_what_each_stage_promises():
     assert "def refresh(rt):\n" in two and two.count("rt.gather_params(") == 1
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_zero_over_the_replicas_of_tensor_parallel_shards(name, stage):
+    workload, graph = captured(name)
+    assert_trains_like_one_device(zero(graph, 4, stage, tp=2), workload)
+
+
+def test_zero_3_with_tensor_parallelism_gathers_each_shard_from_its_replicas():
+    _, graph = captured("gpt")
+    tp, z3 = (p.check().memory_of(0) for p in (mesh(graph, 2, 2), zero(graph, 4, 3, tp=2)))
+    assert z3.params < 0.6 * tp.params and z3.optimizer < 0.6 * tp.optimizer
+    code = compile(zero(graph, 4, 3, tp=2)).code(0)
+    gathers = re.findall(r"rt\.all_gather\(\[[^\]]*\],\s*ranks=\(([0-9, ]+)\)", code)
+    assert "0, 2" in gathers  # a tensor-parallel shard's runs, from its replicas alone
+    assert "def refresh" not in code
+
+
 @pytest.mark.parametrize("policy", ["dp", "tp", "zero-2", "zero-3"])
 def test_gradients_clipped_by_the_global_norm(policy):
     workload, graph = captured("gpt")

@@ -39,7 +39,8 @@ def simulated(plan: ct.Plan, cluster) -> float:
 POINTS = [Knobs(8, 1, 1, 1), Knobs(2, 4, 1, 2), Knobs(1, 8, 1, 1), Knobs(2, 1, 4, 4),
           Knobs(2, 1, 4, 4, chunks=2), Knobs(4, 1, 2, 4, shard=True),
           Knobs(2, 2, 2, 4, recompute="full"), Knobs(1, 4, 2, 4, sequence=True),
-          Knobs(8, 1, 1, 1, zero3=True), Knobs(2, 1, 4, 4, zero_bubble=True)]
+          Knobs(8, 1, 1, 1, zero3=True), Knobs(4, 2, 1, 1, zero3=True),
+          Knobs(2, 4, 1, 1, zero3=True), Knobs(2, 1, 4, 4, zero_bubble=True)]
 
 
 @pytest.mark.parametrize("cluster", [ONE_NODE, TWO_NODES], ids=["one node", "two nodes"])

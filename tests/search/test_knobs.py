@@ -33,7 +33,8 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
          Knobs(1, 2, 4, 8, chunks=2), Knobs(1, 4, 2, 4, sequence=True),
          Knobs(2, 2, 2, 4, recompute="full", sequence=True), Knobs(1, 1, 8, 16, zero_bubble=True),
          Knobs(1, 2, 4, 16, recompute="full", zero_bubble=True), Knobs(1, 2, 4, 8, swap=True),
-         Knobs(2, 4, 1, 4, swap=True), Knobs(8, 1, 1, 1, zero3=True)]
+         Knobs(2, 4, 1, 4, swap=True), Knobs(8, 1, 1, 1, zero3=True),
+         Knobs(4, 2, 1, 1, zero3=True)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -55,7 +56,9 @@ def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parall
     assert all(k.devices == 8 and 16 % (k.dp * k.micro) == 0 for k in space)
     assert {k.schedule for k in space} == {"1f1b", "zb1", "interleaved"}
     assert {k.swap for k in space if k.recompute is None} == {False, True}  # a PCIe link
-    assert [k for k in space if k.zero3] == [Knobs(8, 1, 1, 1, zero3=True)]
+    assert [k for k in space if k.zero3] == [Knobs(8, 1, 1, 1, zero3=True),
+                                             Knobs(4, 2, 1, 1, zero3=True),
+                                             Knobs(2, 4, 1, 1, zero3=True)]
     assert {k.shard for k in space if k.dp > 1} == {False, True}
     assert not any(k.shard for k in points(model, 8, 8))  # without replicas to shard over
 
@@ -233,4 +236,14 @@ def test_when_weights_bind_without_replicas_the_search_shards_them_zero_3_and_tr
     assert "ZeRO-3" in result.mesh and result.plan.param_storage == "owned"
     optim = Optim("sgd", 0.1)
     run = run_processes(ct.compile(result.plan), w, 2, optim)
+    assert compare(run, train_reference(w, 2, optim)).within(1e-5)
+
+
+@pytest.mark.slow
+def test_a_zero_3_point_with_tensor_parallel_replicas_trains_like_one_device_on_gloo():
+    w = get_workload("gpt", batch_size=8, n_layer=1, vocab_size=4096)
+    plan = Knobs(2, 2, 1, 1, zero3=True).plan(capture(w))
+    assert plan.param_storage == "owned"
+    optim = Optim("adamw", 1e-3)
+    run = run_processes(ct.compile(plan), w, 2, optim)
     assert compare(run, train_reference(w, 2, optim)).within(1e-5)

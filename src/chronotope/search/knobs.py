@@ -5,7 +5,8 @@ pipeline degrees, the micro-batches, interleaved stages or zero bubble, recomput
 sequence parallelism, the optimizer state sharded over the data-parallel replicas, the
 dtype. Each point of that space is ``policies.mesh`` (Megatron's cuts, stages of about
 equal compute, 1F1B, ZB-H1 or interleaved order, folded: planned for one micro-batch), or
-up to 64 devices ZeRO-3 over them all (``policies.zero``), priced here without building it:
+up to 64 devices ZeRO-3 over them all, tensor parallel inside each replica or not
+(``policies.zero``), priced here without building it:
 
 - each op's time on one micro-batch: its compute at the dtype's FLOP rate under the cut
   tensor parallelism makes of it, and the layout changes of what it reads
@@ -89,7 +90,7 @@ class Knobs:
     shard: bool = False  # the optimizer state shared out over the dp replicas (ZeRO-1)
     zero_bubble: bool = False  # one stage per rank: backwards split, ZB-H1's order
     swap: bool = False  # what recompute full would make again waits in host memory
-    zero3: bool = False  # data parallel alone, every weight stored 1 / dp (ZeRO-3, FSDP)
+    zero3: bool = False  # one stage, every weight (tp shard) stored 1 / dp (ZeRO-3, FSDP)
 
     @property
     def devices(self) -> int:
@@ -123,7 +124,7 @@ class Knobs:
         ``replica`` (the graph of ``1 / r`` of the batch), one replica scaled ``dp`` times
         (which the optimizer state's sharding needs)."""
         if self.zero3:  # its weights shared out over every device: one plan of them all
-            plan = zero(graph, self.dp, 3)
+            plan = zero(graph, self.devices, 3, tp=self.tp)
             plan.dtype = dtype
             return plan
         unit = replica(self.dp) if replica is not None and self.dp > 1 else graph
@@ -222,8 +223,9 @@ class Model:
         activations), cast weight copies, weight state bytes, once-a-step sync s, weight
         gradient bytes, what its backward holds (whole batch), the copies it keeps of
         inputs read in another layout than made (whole batch: a column-parallel linear's
-        gathered input under sequence parallelism) that it saves, and those it reads at
-        all (what it keeps to be run again)]."""
+        gathered input under sequence parallelism) that it saves, those it reads at all
+        (what it keeps to be run again), and of its weight gradient bytes those of weights
+        every tensor-parallel rank reads whole]."""
         key = (tp, sequence)
         if key not in self._terms:
             choice, m = self.choice(tp, sequence), Mesh((tp,))
@@ -236,7 +238,7 @@ class Model:
             for op in self.ops:
                 s = choice.get(op)
                 if s is None:
-                    rows.append((0.0,) * 9)
+                    rows.append((0.0,) * 10)
                     continue
                 regathered = rerun = 0.0  # kept: it saves it; run again: it reads it
                 saves_ = self.saves.get(op)
@@ -267,13 +269,16 @@ class Model:
                 params = [(i, t) for i, t in enumerate(op.inputs) if t in self.params]
                 copies = sum(2 * math.prod(t.shape) / sharded(s.inputs[i], m)
                              for i, t in params) if op in self.casting else 0.0
+                trained = [i for i in self.first[op] if op.inputs[i] in self.needs_grad]
                 grads = sum(math.prod(op.inputs[i].shape) * 4 / sharded(s.inputs[i], m)
-                            for i in self.first[op] if op.inputs[i] in self.needs_grad)
+                            for i in trained)
+                whole = sum(math.prod(op.inputs[i].shape) * 4 for i in trained
+                            if sharded(s.inputs[i], m) == 1)
                 rows.append((s.compute, kept, copies,
                              _weight_bytes(op, s, self.first[op], self.states, m),
                              _op_sync(op, s, self.first[op], pricer), grads, held,
-                             regathered, rerun))
-            self._terms[key] = np.array(rows).reshape(len(self.ops), 9)
+                             regathered, rerun, whole))
+            self._terms[key] = np.array(rows).reshape(len(self.ops), 10)
         return self._terms[key]
 
     def kept_across(self, tp: int, sequence: bool, how: str | None) -> np.ndarray:
@@ -406,13 +411,19 @@ class Model:
             sync[r] += tie + OPTIMIZER_PASSES * grad / self.cluster.copy_bandwidth
             sync[f] += tie
         if k.zero3:  # weights, gradients and state 1 / dp each; a layer's weights gathered
-            # for its forward and again for its backward, its gradient reduce-scattered,
-            # beside as much compute as the backward's (as the simulator finds it); the
-            # update of 1 / dp
+            # for its forward and again for its backward, its gradient reduce-scattered
+            # (over the replicas of each tensor-parallel shard at once), beside as much
+            # compute as the backward's (as the simulator finds it); the update of 1 / dp
+            # (over the devices of every replica where each tensor-parallel rank reads a
+            # weight whole)
             weights = float(states[0]) / self.states
-            group = [tuple(range(k.dp))]
-            moved = 2 * self.cluster.collective("all_gather", weights, group) + \
-                self.cluster.collective("reduce_scatter", weights, group)
+            whole = float(terms[:, 9].sum())
+            cut = float(terms[:, 5].sum()) - whole
+            groups = [tuple(i * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
+            every = [tuple(range(k.devices))]
+            moved = sum(n * self.cluster.collective(kind, size, over)
+                        for size, over in ((cut, groups), (whole, every)) if size
+                        for n, kind in ((2, "all_gather"), (1, "reduce_scatter")))
             update = OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth
             step += max(0.0, moved - self.cluster.overlap * 2 / 3 * step)
             sync = np.array([update / k.dp])
@@ -559,5 +570,5 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                             for shard in (False, True) if dp > 1 and replicas else (False,):
                                 yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
                                             shard, zero_bubble, swap)
-            if tp == pp == 1 and 1 < dp <= ZERO3_UP_TO:  # one plan of every device
-                yield Knobs(dp, 1, 1, 1, zero3=True)
+            if pp == 1 and dp > 1 and devices <= ZERO3_UP_TO:  # one plan of every device
+                yield Knobs(dp, tp, 1, 1, zero3=True)
