@@ -392,8 +392,8 @@ class Model:
         sync = np.bincount(rank_of, weights=terms[:, 4], minlength=k.pp)
         states = np.bincount(rank_of, weights=terms[:, 3], minlength=k.pp)
         grads = np.bincount(rank_of, weights=terms[:, 5], minlength=k.pp)
-        copies: dict[tuple[int, int], tuple[float, bool]] = {}  # (first reader, rank): a
-        # tied weight's
+        # a tied weight's copy on another stage: (first reader, rank) -> (bytes, whole)
+        copies: dict[tuple[int, int], tuple[float, bool]] = {}
         for first, reader, nbytes, whole in self.shared(k.tp, k.sequence):
             if rank_of[first] != rank_of[reader]:
                 at = (first, int(rank_of[reader]))
