@@ -21,7 +21,7 @@ stages are one device wide.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from chronotope.cost.network import Cluster
@@ -96,7 +96,11 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
                 whole = solution
         if whole is None:
             continue
-        bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s)
+        needs_grad = differentiable(graph)
+        pair = [(0, d)]  # what crossing a cut costs per micro-batch, both ways
+        sends = {c: sum(cluster.collective("send", size / s, pair)
+                        for size in crossing_bytes(graph, c, needs_grad) if size) for c in cuts}
+        bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s, sends)
         stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
         stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
         shared = shared_weights(graph, stage_of)
@@ -128,7 +132,12 @@ def cut_positions(graph: Graph) -> list[int]:
         return []
     inner = range(batched[0] + 1, batched[-1] + 1)  # batched ops on both sides
     fewest = min(crossing[i] for i in inner)
-    return [i for i in inner if crossing[i] == fewest]
+    at = set(batched)
+    cuts: list[int] = []
+    for i in inner:  # not two with no batched op between: a stage of none has no micro-batch
+        if crossing[i] == fewest and (not cuts or any(j in at for j in range(cuts[-1], i))):
+            cuts.append(i)
+    return cuts
 
 
 def shared_weights(graph: Graph, stage_of: dict[Op, int]) -> dict[PTensor, list[Op]]:
@@ -327,9 +336,12 @@ def op_seconds(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh, cluster: Cl
     return out
 
 
-def split(seconds: Sequence[float], cuts: Sequence[int], stages: int) -> list[int]:
+def split(seconds: Sequence[float], cuts: Sequence[int], stages: int,
+          sends: Mapping[int, float] | None = None) -> list[int]:
     """Stage bounds ``[0, c1, ..., len(seconds)]`` at ``cuts`` that minimise the slowest
-    stage's total (then the sum of squares, for balance)."""
+    stage's total, with what it sends and receives at its cuts (``sends``: seconds per
+    cut; a cut before a loss sends the logits), then the sum of squares, for balance."""
+    sends = sends or {}
     before = [0.0]
     for x in seconds:
         before.append(before[-1] + x)
@@ -345,7 +357,8 @@ def split(seconds: Sequence[float], cuts: Sequence[int], stages: int) -> list[in
             for i in range(j):
                 if best[k - 1][i] == inf:
                     continue
-                t = before[points[j]] - before[points[i]]
+                t = before[points[j]] - before[points[i]] + sends.get(points[i], 0.0) + \
+                    sends.get(points[j], 0.0)
                 cand = (max(best[k - 1][i][0], t), best[k - 1][i][1] + t * t)
                 if cand < best[k][j]:
                     best[k][j], back[k][j] = cand, i
