@@ -289,8 +289,7 @@ def agreement_table() -> Table:
     """The search's cost models against the simulator, option by option: the mesh
     family's points and every option the ILP and the stage DP rank (the finalists come
     from these), on one DGX A100 and on two DGX-1 V100 nodes (goal: within 15%)."""
-    from chronotope.search import _Clock, _pipeline_plan, ilp_options, zero_weights
-    from chronotope.search.build import build
+    from chronotope.search import _Clock, _pipeline_plan, ilp_options, solution_plan
     from chronotope.search.knobs import Knobs, Model
     from chronotope.search.stages import Pipeline
 
@@ -328,11 +327,8 @@ def agreement_table() -> Table:
                 _, plan, _ = _pipeline_plan(graph, option, None, _Clock())
                 rows.append(("stage DP", option.label, seconds, plan))
             else:
-                solution = option[0]
-                rows.append(("ILP", f"mesh {solution.mesh}", seconds, build(
-                    graph, solution.mesh.shape, {op: s.algos for op, s in
-                                                 solution.choice.items()},
-                    zero_weights(graph, solution.choice))))
+                rows.append(("ILP", f"mesh {option[0].mesh}", seconds,
+                             solution_plan(graph, option[0])))
         for family, label, seconds, plan in rows:
             step, _ = priced(plan, cluster)
             table.add_row(spec, family, label, f"{seconds * 1e3:.0f}", f"{step * 1e3:.0f}",

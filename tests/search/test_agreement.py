@@ -12,8 +12,7 @@ import chronotope as ct
 from chronotope.compile.simulate import simulate
 from chronotope.cost.network import Link, cluster_for
 from chronotope.models import get_workload
-from chronotope.search import _Clock, _pipeline_plan, ilp_options, zero_weights
-from chronotope.search.build import build
+from chronotope.search import _Clock, _pipeline_plan, ilp_options, solution_plan
 from chronotope.search.knobs import Knobs, Model
 from chronotope.search.stages import Pipeline
 
@@ -65,10 +64,7 @@ def test_the_ilp_and_the_stage_dp_price_their_options_within_15_percent_of_the_s
             _, plan, _ = _pipeline_plan(graph, option, None, _Clock())
             label = option.label
         else:
-            solution = option[0]
-            plan = build(graph, solution.mesh.shape,
-                         {op: s.algos for op, s in solution.choice.items()},
-                         zero_weights(graph, solution.choice))
-            label = f"mesh {solution.mesh}"
+            plan = solution_plan(graph, option[0])
+            label = f"mesh {option[0].mesh}"
         ratio = seconds / simulated(plan, cluster)
         assert 1 - TOLERANCE < ratio < 1 + TOLERANCE, (label, ratio)

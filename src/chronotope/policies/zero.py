@@ -68,13 +68,13 @@ def cut_updates(plan: Plan, *, whole_grad: bool = False) -> None:
         if t not in plan.requires_grad:
             continue
         regions = read.get(name, {})
-        runs = _runs(sorted(regions), t.shape)
-        if runs is None:  # read whole, overlapping or by no piece: over every reader
+        dim = _runs(sorted(regions), t.shape)
+        if dim is None:  # read whole, overlapping or by no piece: over every reader
             cut_update(plan, name, whole_grad=whole_grad, devices=sorted(
                 {d for devices in regions.values() for d in devices}) or None)
             continue
-        dim, pieces = runs, plan.trans(plan.update(name, whole_grad=whole_grad),
-                                       Split(f"d{runs}", len(regions)))
+        pieces = plan.trans(plan.update(name, whole_grad=whole_grad),
+                            Split(f"d{dim}", len(regions)))
         for piece, index in zip(pieces, sorted(regions)):
             shape = tuple(b - a for a, b in index)
             _cut(plan, piece, shape, sorted(regions[index]), first=dim)

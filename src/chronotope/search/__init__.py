@@ -440,10 +440,7 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
     budget = memory
     for _ in range(ROUNDS):
         with clock("build"):
-            plan = build(graph, solution.mesh.shape,
-                         {op: s.algos for op, s in solution.choice.items()},
-                         zero_weights(graph, solution.choice))
-            plan.dtype = dtype
+            plan = solution_plan(graph, solution, dtype)
         peaks = _peaks(plan, clock)
         if memory is None or max(peaks) <= memory:
             return solution, plan, peaks
@@ -455,6 +452,14 @@ def _fitted(graph: Graph, solution: Solution, space, groups, cluster: Cluster,
         except NoFit:
             raise _TooBig(max(peaks)) from None
     raise _TooBig(max(peaks))
+
+
+def solution_plan(graph: Graph, solution: Solution, dtype: str = "fp32") -> Plan:
+    """The plan of an ILP solution over its mesh, updates cut where it chose ZeRO."""
+    plan = build(graph, solution.mesh.shape, {op: s.algos for op, s in solution.choice.items()},
+                 zero_weights(graph, solution.choice))
+    plan.dtype = dtype
+    return plan
 
 
 def _pipeline_plan(graph: Graph, found: Pipeline, memory: float | None, clock: _Clock,

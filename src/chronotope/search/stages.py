@@ -76,6 +76,8 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     (``constraints``: as ``space.constrain`` takes them)."""
     batch = graph.batch_size or 1
     cuts = cut_positions(graph)
+    needs_grad = differentiable(graph)
+    crossed = {c: crossing_bytes(graph, c, needs_grad) for c in cuts}
     found = []
     spaces = _Spaces(graph, cluster, constraints, dtype)
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
@@ -96,10 +98,8 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
                 whole = solution
         if whole is None:
             continue
-        needs_grad = differentiable(graph)
-        pair = [(0, d)]  # what crossing a cut costs per micro-batch, both ways
-        sends = {c: sum(cluster.collective("send", size / s, pair)
-                        for size in crossing_bytes(graph, c, needs_grad) if size) for c in cuts}
+        sends = {c: _sent(crossed[c], s, (0, d), cluster) for c in cuts}  # before the
+        # split, no cut knows its devices: priced between the first two stages'
         bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s, sends)
         stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
         stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
@@ -116,7 +116,8 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
             if any(sol is None for sol in solutions):
                 continue
             found.append(Pipeline(stage_of, micro, solutions,
-                                  _step_seconds(graph, solutions, bounds, micro, cluster) +
+                                  _step_seconds(solutions, [crossed[c] for c in bounds[1:-1]],
+                                                micro, cluster) +
                                   _shared_seconds(shared, stage_of, whole.mesh, cluster)))
     return sorted(found, key=lambda p: p.seconds)
 
@@ -231,22 +232,25 @@ def _stage(graph: Graph, ops: list[Op], space, groups, mesh: Mesh, cluster: Clus
         return None
 
 
-def _step_seconds(graph: Graph, solutions: list[Solution], bounds: list[int], micro: int,
+def _step_seconds(solutions: list[Solution], crossed: list[tuple[int, int]], micro: int,
                   cluster: Cluster) -> float:
     """1F1B: every stage's micro-batch time and every cut's messages once (fill and
     drain), the slowest stage's ``micro - 1`` times more, each with the messages a round
     trip from stage ``i`` to the last waits on shared out over the ``stages - i``
     micro-batches 1F1B runs ahead on stage ``i`` (the most of any stage), and the slowest
-    stage's gradient reductions."""
+    stage's gradient reductions (``crossed``: each cut's bytes, as ``crossing_bytes``)."""
     times = [sol.seconds - sol.sync for sol in solutions]
     stages, d = len(solutions), solutions[0].mesh.devices
-    needs_grad = differentiable(graph)
-    sends = [sum(cluster.collective("send", size / micro, [(s * d, (s + 1) * d)])
-                 for size in crossing_bytes(graph, bounds[s + 1], needs_grad) if size)
-             for s in range(stages - 1)]  # what crosses each cut, both ways, per micro-batch
+    sends = [_sent(crossed[s], micro, (s * d, (s + 1) * d), cluster) for s in range(stages - 1)]
     steady = max(times) + max((sum(sends[i:]) / (stages - i) for i in range(stages - 1)),
                               default=0.0)
     return sum(times) + sum(sends) + (micro - 1) * steady + max(sol.sync for sol in solutions)
+
+
+def _sent(crossed: tuple[int, int], micro: int, pair: tuple[int, int], cluster: Cluster
+          ) -> float:
+    """Seconds of what crosses a cut (``crossing_bytes``), both ways, per micro-batch."""
+    return sum(cluster.collective("send", size / micro, [pair]) for size in crossed if size)
 
 
 def crossing_bytes(graph: Graph, cut: int, needs_grad: set[PTensor]) -> tuple[int, int]:
