@@ -891,7 +891,8 @@ def cmd_simulate(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         return 0
     dtype = program.plan.dtype
     how = "measured op times" if measured else \
-        f"FLOPs at {cluster.peak(dtype) / 1e12:g} TFLOP/s ({dtype})"
+        f"FLOPs at {cluster.peak(dtype) * cluster.efficiency / 1e12:g} TFLOP/s ({dtype}), " \
+        f"bytes at {cluster.copy_bandwidth / 1e12:g} TB/s"
     table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices of "
                         f"{cluster.name} ({how}), one step")
     for col in ("rank", "compute ms", "comm ms", "bubble ms", "peak memory"):

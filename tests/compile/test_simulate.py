@@ -106,12 +106,12 @@ def test_communication_beside_compute_costs_what_the_cluster_cannot_overlap():
             AllReduce(("s",), (("x",),), (0, 1), (linear.inputs[0].shape,), torch.float32,
                       (("x", (), "sum"),), handle="h"),
             compute, Wait("h", ("s",), unpack=True)]
-    prices = dict(flops={"float32": 1e9}, intra=Link(0.0, 1e6), fitted={}, call=0.0)
+    prices = dict(intra=Link(0.0, 1e6), fitted={}, call=0.0)
     times = {}
     for share in (1.0, 0.0):
         cluster = replace(A100, name=f"overlap {share}", per_node=2, overlap=share, **prices)
         played = replay([code, [code[0], code[1], code[3]]], _Prices(
-            cluster, None, cluster.peak(), {}, Calibration()))
+            cluster, lambda op: piece_flops(op) / 1e9, {}, Calibration()))
         times[share] = played.clock[0]
     work = piece_flops(piece) / 1e9
     comm = cluster.collective("all_reduce", 4 * linear.inputs[0].meta.numel, [(0, 1)])
@@ -131,14 +131,14 @@ def test_a_message_ready_early_does_not_queue_behind_one_settled_before_it():
     load = Load("x", x, Mask.full(x.shape), "input")
     whole = tuple(slice(0, n) for n in x.shape)
     cluster = replace(A100, name="slow port", per_node=3, intra=Link(0.0, 1e7), fitted={},
-                      call=0.0, flops={"float32": 1e8})
+                      call=0.0)
     code = [[load, Forward(piece, ("x",), ("y",), (False,), (False,)),
              Send("x", whole, 2, 1)],
             [load, Send("x", whole, 2, 2)],
             [Recv("a", tuple(x.shape), torch.float32, 0, 1, handle="a"),
              Recv("b", tuple(x.shape), torch.float32, 1, 2, handle="b"),
              Wait("a", ("a",), unpack=False), Wait("b", ("b",), unpack=False)]]
-    played = replay(code, _Prices(cluster, None, cluster.peak(), {}, Calibration()))
+    played = replay(code, _Prices(cluster, lambda op: piece_flops(op) / 1e8, {}, Calibration()))
     work = piece_flops(piece) / 1e8
     transfer = cluster.intra.seconds("send", 2, 4 * x.meta.numel)
     assert work > transfer > 0

@@ -46,3 +46,35 @@ def test_dims_of_one_tensor_alone_do_not_multiply_with_another_tensors():
         graph = ct.capture(ct.Workload(Join(), (torch.randn(2, 3, 512),)))
     cat = next(op for op in graph if op.name == "cat")
     assert op_flops(cat) == 2 * 3 * 4 * 512
+
+
+def test_a_piece_is_bound_by_its_flops_or_its_bytes_whichever_take_longer():
+    """On a GPU preset a matmul is priced by its FLOPs at the reachable share of the
+    peak, an activation by the bytes it reads and writes (half of them under bf16); a
+    view moves nothing and a lookup reads its rows, not its table."""
+    from chronotope.cost import Traffic
+    from chronotope.cost.network import cluster_for
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", block_size=256, d_model=256, batch_size=8))
+    a100 = cluster_for(8, "dgx-a100")
+    linear = max((op for op in graph if op.kind == "linear"), key=op_flops)
+    gelu = next(op for op in graph if op.kind == "gelu")
+    fp32, bf16 = Traffic(graph), Traffic(graph, "bf16")
+
+    def moved(traffic, op):
+        return traffic.forward(op, [t.meta.numel for t in op.inputs],
+                               [t.meta.numel for t in op.outputs])
+    elements = gelu.inputs[0].meta.numel + gelu.outputs[0].meta.numel
+    assert moved(fp32, gelu) == 4 * elements and moved(bf16, gelu) == 2 * elements
+    assert a100.compute(op_flops(gelu), moved(bf16, gelu), "bf16") == \
+        moved(bf16, gelu) / a100.copy_bandwidth
+    assert a100.compute(op_flops(linear), moved(bf16, linear), "bf16") == \
+        op_flops(linear) / (a100.peak("bf16") * a100.efficiency)
+    views = [op for op in graph if op.kind in ("view", "reshape", "transpose", "split")]
+    assert views and all(moved(fp32, op) == 0 for op in views)
+    lookup = next(op for op in graph if op.kind == "embedding")
+    index = next(t for t in lookup.inputs if not t.dtype.is_floating_point)
+    assert moved(fp32, lookup) == 2 * 4 * lookup.outputs[0].meta.numel + \
+        index.meta.numel * index.dtype.itemsize

@@ -236,3 +236,24 @@ def test_model_loss_forms_are_consistent():
     assert out.shape == (5, 1)
     assert torch.equal(loss_of(w), w.loss_fn(out))
     assert F.mse_loss(out, out).item() == 0.0
+
+
+def test_gpt_attention_written_out_equals_the_fused_kernel_and_splits_by_heads():
+    """``flash=False`` writes the scores out (as attention ran before fused kernels): the
+    same loss as the fused call, and a tensor-parallel plan of it trains like one device."""
+    import warnings
+
+    import chronotope as ct
+    from chronotope.runtime.local import Optim
+    from chronotope.runtime.reference import train_reference
+    from tests.policies.plan_testing import trains_like_one_device
+
+    fused, written = (get_workload("gpt", flash=f) for f in (True, False))
+    written.model.load_state_dict(fused.model.state_dict())
+    losses = [train_reference(w, 2, Optim("sgd", 0.1)).losses for w in (fused, written)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(written)
+    assert any(op.kind == "softmax" for op in graph)
+    trains_like_one_device(written, ct.compile(ct.policies.mesh(graph, dp=2, tp=2)))

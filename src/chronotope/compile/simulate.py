@@ -2,8 +2,9 @@
 bubble per device, without running it.
 
 Each rank's instructions run in order on its own clock (``compile/replay.py``). A
-piece costs its FLOPs at the device's peak (or its share of its op's measured time,
-plus what the runtime adds per instruction as ``measure.calibrate`` fitted it); a
+piece costs its FLOPs or the bytes it moves, whichever take longer (or its share of
+its op's measured time, plus what the runtime adds per instruction as
+``measure.calibrate`` fitted it); a
 message leaves once its sender reaches the ``Send`` and its receive is posted, and
 takes the link's alpha-beta time, one at a time per sending and receiving device
 and per node network; a collective starts when its last member calls it (after the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chronotope.compile.program import (
@@ -39,7 +41,7 @@ from chronotope.compile.program import (
     WeightGrad,
 )
 from chronotope.compile.replay import Costs, Replayed, replay
-from chronotope.cost.compute import piece_flops
+from chronotope.cost.compute import Traffic, piece_flops
 from chronotope.cost.network import Cluster
 from chronotope.cost.times import Calibration, OpTime, piece_seconds
 from chronotope.errors import PlanError
@@ -78,14 +80,21 @@ def simulate(program: Program, cluster: Cluster, measured: dict[str, OpTime] | N
              calibration: Calibration | None = None) -> Simulation:
     """Predicted times of one training step of ``program`` on ``cluster``, pieces from
     ``measured`` op times (with what the runtime adds, as ``measure.calibrate`` fits it)
-    or FLOPs at the cluster's peak for the plan's dtype (its 16-bit tensor-core rate
-    for a bf16 or fp16 plan)."""
+    or by ``Cluster.compute`` from their FLOPs and the bytes they move in the plan's dtype
+    (the 16-bit tensor-core rate and 16-bit activations for a bf16 or fp16 plan)."""
     calibration = calibration or Calibration()
     if cluster.ndevices < program.ndevices:
         raise PlanError(f"cluster {cluster.name} has {cluster.ndevices} devices and the "
                         f"program {program.ndevices}")
     params = program.plan.graph.params
-    prices = _Prices(cluster, measured, cluster.peak(program.plan.dtype), params, calibration,
+    traffic, dtype = Traffic(program.plan.graph, program.plan.dtype), program.plan.dtype
+
+    def piece(op: PlanOp) -> float:
+        if measured is not None and (op.forward or op).op.name in measured:
+            return piece_seconds(op, measured)
+        return cluster.compute(piece_flops(op), traffic.piece(op), dtype)
+
+    prices = _Prices(cluster, piece, params, calibration,
                      Held(program.plan) if program.plan.swapped else None,
                      program.plan.swapped)
     step = _played(program.ranks, prices, [0.0] * program.ndevices)
@@ -120,12 +129,12 @@ def _played(ranks: list[list], prices: _Prices, start: list[float]) -> Replayed:
 class _Prices(Costs):
     """A cluster's prices: links and node networks carry one transfer at a time each."""
 
-    def __init__(self, cluster: Cluster, measured, peak: float, params: dict,
+    def __init__(self, cluster: Cluster, piece: Callable[[PlanOp], float], params: dict,
                  calibration: Calibration, held: Held | None = None,
                  swapped: set[PlanOp] = frozenset()):
         self.params, self.calibration, self.held = params, calibration, held
         self.swapped = swapped
-        self.cluster, self.measured, self.peak = cluster, measured, peak
+        self.cluster, self.piece = cluster, piece
         self.links = _Timetable()  # device ports and node networks: when each is busy
         self.free: dict[tuple, float] = {}  # a group's stream: when its last call ends
         self.computed: dict[tuple, float] = {}  # by the pieces an instruction runs
@@ -166,7 +175,7 @@ class _Prices(Costs):
             return 0.0
         key = _pieces(ins)
         if key not in self.computed:
-            self.computed[key] = instruction_compute(ins, self.measured, self.peak)
+            self.computed[key] = instruction_compute(ins, self.piece)
         return self.calibration.seconds(*features(ins), self.computed[key],
                                         self.cluster.copy_bandwidth) + self._swapped(ins)
 
@@ -268,15 +277,9 @@ def _pieces(ins: object) -> tuple:
     return (type(ins),)
 
 
-def instruction_compute(ins: object, times: dict[str, OpTime] | None,
-                        flops_per_s: float) -> float:
-    """Seconds of the pieces an instruction runs: their share of ``times``, or their FLOPs
-    at ``flops_per_s`` (a recomputing backward runs its forwards again first)."""
-    def piece(op: PlanOp) -> float:
-        if times is not None and (op.forward or op).op.name in times:
-            return piece_seconds(op, times)
-        return piece_flops(op) / flops_per_s
-
+def instruction_compute(ins: object, piece: Callable[[PlanOp], float]) -> float:
+    """Seconds of the pieces an instruction runs, each priced by ``piece`` (a recomputing
+    backward runs its forwards again first)."""
     if isinstance(ins, (Forward, WeightGrad)):
         return piece(ins.op)
     if isinstance(ins, Backward):

@@ -2,7 +2,7 @@
 network model. Pure: measuring lives in ``chronotope.measure``, replaying programs on
 these prices in ``chronotope.compile.simulate``."""
 
-from chronotope.cost.compute import op_flops, piece_flops
+from chronotope.cost.compute import Traffic, op_flops, piece_flops
 from chronotope.cost.times import Calibration, OpTime, piece_seconds
 
-__all__ = ["Calibration", "OpTime", "op_flops", "piece_flops", "piece_seconds"]
+__all__ = ["Calibration", "OpTime", "Traffic", "op_flops", "piece_flops", "piece_seconds"]

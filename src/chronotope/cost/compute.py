@@ -1,19 +1,23 @@
-"""Compute cost of a plan piece, from its signature alone.
+"""Compute cost of a plan piece, from its signature alone: its FLOPs and the bytes it
+moves to and from the device's memory (``Cluster.compute`` takes the slower).
 
 A piece touches every combination of its dims once: an op with a reduced dim
 (a matmul's ``k``) does a multiply and an add per combination, others one
-operation. A backward costs twice its forward (gradients of the inputs and of
-the weights); split in two (zero bubble), each part costs one forward. Coarse,
-but it ranks stages and micro-batches the way a profile does, without running
-anything.
+operation. It reads its inputs and writes its outputs once (a view moves nothing,
+a lookup reads the rows it copies). A backward costs twice its forward (gradients
+of the inputs and of the weights); split in two (zero bubble), each part costs one
+forward. Coarse, but it ranks stages and micro-batches the way a profile does,
+without running anything.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from chronotope.errors import SignatureError
-from chronotope.graph.ir import Op
+from chronotope.graph.autocast import itemsizes, saves
+from chronotope.graph.ir import Graph, Op, TensorKind
 from chronotope.graph.signature import Signature
 from chronotope.plan.plan import PlanOp
 
@@ -25,6 +29,33 @@ def piece_flops(op: PlanOp) -> float:
     flops = _flops(sig, fwd.piece.sizes, fwd.op.kind) if sig is not None else \
         float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
     return 2 * flops if op.is_backward and not op.split else flops
+
+
+class Traffic:
+    """Bytes each op's pieces move when ``graph`` runs in ``dtype`` (16-bit activations
+    under bf16 or fp16)."""
+
+    def __init__(self, graph: Graph, dtype: str = "fp32") -> None:
+        self.size = itemsizes(graph, dtype)
+        self.views = {op for op, kept in saves(graph, dtype).items()
+                      if len(kept.views) == len(op.outputs)}
+
+    def forward(self, op: Op, inputs: Sequence[float], outputs: Sequence[float]) -> float:
+        """Bytes a forward piece of ``op`` moves that holds ``inputs`` and ``outputs``
+        elements of each of its tensors."""
+        if op in self.views:
+            return 0.0
+        written = sum(n * self.size.get(t, t.dtype.itemsize) for n, t in zip(outputs, op.outputs))
+        read = sum(written if op.kind == "embedding" and t.kind is TensorKind.PARAM
+                   else n * self.size.get(t, t.dtype.itemsize) for n, t in zip(inputs, op.inputs))
+        return float(read + written)
+
+    def piece(self, piece: PlanOp) -> float:
+        """Bytes one forward or backward piece moves."""
+        fwd = piece.forward or piece
+        moved = self.forward(fwd.op, [v.mask.numel for v in fwd.inputs],
+                             [v.mask.numel for v in fwd.outputs])
+        return 2 * moved if piece.is_backward and not piece.split else moved
 
 
 def op_flops(op: Op) -> float:

@@ -73,7 +73,7 @@ class Cluster:
     per_node: int
     flops: dict[str, float]  # peak FLOP/s of one device per dtype name
     memory: float  # bytes of one device
-    copy_bandwidth: float  # bytes/s of a copy within one device's memory
+    copy_bandwidth: float  # bytes/s read from and written to one device's memory
     intra: Link  # two devices of a node, unless ``pairs`` says otherwise
     inter: Link  # one node's network to the others (all its NICs together)
     pairs: dict[tuple[int, int], Link] = field(default_factory=dict)  # local indices a < b
@@ -90,6 +90,9 @@ class Cluster:
     # Bytes/s between one device and host memory, each way (its PCIe link): what swapping
     # saved activations out and back costs; 0 where not known (nothing is swapped).
     host_bandwidth: float = 0.0
+    # The share of ``flops`` that the dense matmuls of a training step reach: a datasheet's
+    # peak is never reached (1 for a profile, whose rate is a measured matmul's).
+    efficiency: float = 1.0
 
     def __hash__(self) -> int:  # the dict fields aside: a cluster keys search caches
         return hash((self.name, self.nodes, self.per_node, self.intra, self.inter))
@@ -106,6 +109,12 @@ class Cluster:
         names): the tensor cores' rate for 16 bits."""
         name = str(DTYPES[dtype]).removeprefix("torch.") if dtype in DTYPES else dtype
         return self.flops.get(name, self.flops.get("float32", min(self.flops.values())))
+
+    def compute(self, flops: float, nbytes: float, dtype: str = "fp32") -> float:
+        """Seconds of a kernel doing ``flops`` and moving ``nbytes`` to and from the device's
+        memory: the slower of the two (a roofline). A matmul is bound by its FLOPs, a norm,
+        an activation or a softmax by its bytes."""
+        return max(flops / (self.peak(dtype) * self.efficiency), nbytes / self.copy_bandwidth)
 
     def link(self, a: int, b: int) -> Link:
         if self.node(a) != self.node(b):
@@ -218,7 +227,8 @@ class Cluster:
                 call=float(data.get("call", 0.0)),
                 fitted_busy={k: Link(**v) for k, v in data.get("fitted_busy", {}).items()},
                 busy=float(data.get("busy", 0.0)), overlap=float(data.get("overlap", 1.0)),
-                host_bandwidth=float(data.get("host_bandwidth", 0.0)))
+                host_bandwidth=float(data.get("host_bandwidth", 0.0)),
+                efficiency=float(data.get("efficiency", 1.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"not a cluster profile: {e!r} (write one with "
                                f"`chronotope profile --out FILE`)") from e
@@ -242,11 +252,11 @@ PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
         "dgx-a100", 1, 8, {"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
         80 * GiB, 2.0e12, intra=Link(1.5e-6, 300e9), inter=Link(8e-6, 200e9),
-        call=10e-6, host_bandwidth=25e9),  # 8 x 200 Gb/s; PCIe 4.0 x16
+        call=10e-6, host_bandwidth=25e9, efficiency=0.8),  # 8 x 200 Gb/s; PCIe 4.0 x16
     "h100-sxm": Cluster(
         "h100-sxm", 1, 8, {"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
         80 * GiB, 3.35e12, intra=Link(1e-6, 450e9), inter=Link(6e-6, 400e9),
-        call=10e-6, host_bandwidth=50e9),  # 8 x 400 Gb/s; PCIe 5.0 x16
+        call=10e-6, host_bandwidth=50e9, efficiency=0.7),  # 8 x 400 Gb/s; PCIe 5.0 x16
 }
 
 

@@ -19,7 +19,7 @@ from chronotope.compile import compile
 from chronotope.compile.codegen import render
 from chronotope.compile.program import Free
 from chronotope.compile.simulate import features, instruction_compute
-from chronotope.cost.times import Calibration, OpTime
+from chronotope.cost.times import Calibration, OpTime, piece_seconds
 from chronotope.graph.ir import Graph
 from chronotope.models.workload import Workload
 from chronotope.policies import mesh
@@ -46,7 +46,7 @@ def calibrate(graph: Graph, workload: Workload, times: dict[str, OpTime], steps:
     rows, seconds = [], []
     for k, code in enumerate(codes):
         for i, ins in enumerate(code):
-            rows.append((*features(ins), instruction_compute(ins, times, 1.0)))
+            rows.append((*features(ins), instruction_compute(ins, lambda op: piece_seconds(op, times))))
             seconds.append(statistics.mean(run[k][0][i] for run in runs))
     kinds = sorted({kind for kind, *_ in rows})
     columns = [*kinds, "pieces", "bytes", "compute"]

@@ -24,6 +24,9 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     batch_size: int = 4
+    # False: attention written out (scores, causal mask, softmax, values), as it ran before
+    # fused kernels; its scores are a tensor of sequence x sequence per head
+    flash: bool = True
 
 
 # Sizes from the GPT-3 paper (Brown et al. 2020, table 2.1); 13B uses d=5120 so heads divide it.
@@ -44,6 +47,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.flash = cfg.flash
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -58,7 +62,13 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, hd).transpose(1, 2)
         v = v.view(B, T, -1, hd).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+            y = F.dropout(scores.softmax(dim=-1), p, self.training) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.c_proj(y))
 

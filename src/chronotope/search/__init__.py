@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from chronotope.cost.compute import op_flops
+from chronotope.cost.compute import Traffic, op_flops
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
 from chronotope.graph.autocast import DTYPES
@@ -383,8 +383,11 @@ def _by_drec(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     batch = graph.batch_size or 1
     micro = max(m for m in (1, 2, 4, 8, 16) if batch % m == 0)
     # compute in the unit of the symbolic cost (an element sent within a node)
-    per_element = cluster.intra.bandwidth / 4 / cluster.peak(dtype)
-    compute = {op: TRAINING_FLOPS * op_flops(op) * per_element for op in graph.ops}
+    traffic, per_second = Traffic(graph, dtype), cluster.intra.bandwidth / 4
+    compute = {op: TRAINING_FLOPS * per_second * cluster.compute(
+        op_flops(op), traffic.forward(op, [t.meta.numel for t in op.inputs],
+                                      [t.meta.numel for t in op.outputs]), dtype)
+        for op in graph.ops}
     built: dict[int, tuple[Plan, list[int]]] = {}
 
     def fits(stages: DRecPipeline) -> bool:

@@ -412,20 +412,25 @@ class Model:
             sync[f] += tie
         if k.zero3:  # weights, gradients and state 1 / dp each; a layer's weights gathered
             # for its forward and again for its backward, its gradient reduce-scattered
-            # (over the replicas of each tensor-parallel shard at once), beside as much
-            # compute as the backward's (as the simulator finds it); the update of 1 / dp
-            # (over the devices of every replica where each tensor-parallel rank reads a
-            # weight whole)
+            # (over the replicas of each tensor-parallel shard at once; over the devices
+            # of every replica where each tensor-parallel rank reads a weight whole),
+            # beside two thirds of the compute (as the simulator finds it where they are
+            # the longer), but for the largest layer's, which has none before it to hide in
             weights = float(states[0]) / self.states
-            whole = float(terms[:, 9].sum())
-            cut = float(terms[:, 5].sum()) - whole
+            whole = np.bincount(self.units, weights=terms[:, 9])
+            cut = np.bincount(self.units, weights=terms[:, 5]) - whole
             groups = [tuple(i * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
             every = [tuple(range(k.devices))]
-            moved = sum(n * self.cluster.collective(kind, size, over)
-                        for size, over in ((cut, groups), (whole, every)) if size
-                        for n, kind in ((2, "all_gather"), (1, "reduce_scatter")))
+            gather, scatter = (np.array([
+                sum(self.cluster.collective(kind, size, over)
+                    for size, over in ((c, groups), (w, every)) if size)
+                for c, w in zip(cut, whole)]) for kind in ("all_gather", "reduce_scatter"))
             update = OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth
-            step += max(0.0, moved - self.cluster.overlap * 2 / 3 * step)
+            hidden, lump = self.cluster.overlap * step, int(gather.argmax())
+            step += max(2 * gather.sum() + scatter.sum() - hidden * 2 / 3,
+                        max(gather[lump], gather.sum() - hidden / 3) + max(
+                            gather[lump] + scatter[lump],
+                            gather.sum() + scatter.sum() - hidden * 2 / 3))
             sync = np.array([update / k.dp])
             states = states / k.dp
             per_unit = np.bincount(self.units, weights=terms[:, 3] / self.states)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
-from chronotope.cost.compute import op_flops
+from chronotope.cost.compute import Traffic, op_flops
 from chronotope.cost.network import Cluster
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
@@ -109,7 +110,10 @@ def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
     mesh = Mesh((mesh,)) if isinstance(mesh, int) else mesh
     registry = registry or graph.registry or DEFAULT_REGISTRY
     scratch = whole if whole is not None else Plan(graph, 1, registry=registry)
-    peak = cluster.peak(dtype)
+    traffic = Traffic(graph, dtype)
+
+    def seconds(op: Op, inputs: list[float], outputs: list[float], flops: float) -> float:
+        return cluster.compute(flops, traffic.forward(op, inputs, outputs), dtype)
     out: dict[Op, list[Strategy]] = {}
     seen: dict[tuple, list[Strategy]] = {}  # ops alike (repeated layers') are cut alike
     for op in graph.ops:
@@ -118,7 +122,8 @@ def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
                  None if op.region is None else tuple(b - a for a, b in op.region),
                  tuple(t.kind for t in op.inputs), tuple(t.frozen for t in op.inputs))
         if alike not in seen:
-            seen[alike] = _op_strategies(op, scratch.roots[op.name].piece, mesh, peak, registry)
+            seen[alike] = _op_strategies(op, scratch.roots[op.name].piece, mesh, registry,
+                                         seconds)
         out[op] = seen[alike]
     return out
 
@@ -162,8 +167,8 @@ def _allows(allowed: str, s: Strategy) -> bool:
     return all(fnmatch(label, allowed) for label in labels)
 
 
-def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,
-                   registry: OpRegistry) -> list[Strategy]:
+def _op_strategies(op: Op, whole: Piece, mesh: Mesh, registry: OpRegistry,
+                   seconds: Callable) -> list[Strategy]:
     opdef = registry.of(op.target)
     additive = opdef.additive_inputs if opdef is not None else ()
     linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
@@ -181,7 +186,7 @@ def _op_strategies(op: Op, whole: Piece, mesh: Mesh, peak: float,
                 piece = pieces[0]
         except ChronotopeError:
             continue  # a dim that does not divide, or one this op cannot cut
-        made = _strategy(op, algos, levels, peak)
+        made = _strategy(op, algos, levels, seconds)
         if made is not None:
             found.append(made)
             if _zero_applies(op, made):
@@ -218,8 +223,10 @@ def _algos(n: int, splits: list[str], linear: bool) -> list[Algorithm]:
 
 
 def _strategy(op: Op, algos: tuple[Algorithm, ...], levels: list[tuple[Piece, list[Piece]]],
-              peak: float) -> Strategy | None:
-    """The layouts, axis by axis: each level's pieces against the piece they were cut from."""
+              seconds: Callable) -> Strategy | None:
+    """The layouts, axis by axis: each level's pieces against the piece they were cut from;
+    the compute of a device's piece, forward and backward, by ``seconds(op, elements of
+    each input, of each output, FLOPs)`` of its forward."""
     inputs: list[list[str]] = [[] for _ in op.inputs]
     outputs: list[list[str]] = [[] for _ in op.outputs]
     grads: list[list[str]] = [[] for _ in op.inputs]
@@ -236,8 +243,17 @@ def _strategy(op: Op, algos: tuple[Algorithm, ...], levels: list[tuple[Piece, li
     if any(IRREGULAR in lay for lay in outputs):
         return None
     parts = math.prod(a.parts for a in algos if not isinstance(a, Replicate))
+
+    def held(k: int, side: str) -> float:  # elements of a tensor one device's piece holds
+        n = float(math.prod((op.inputs if side == "inputs" else op.outputs)[k].shape))
+        for (parent, pieces), algo in zip(levels, algos):
+            if getattr(pieces[0], side)[k].mask.numel < getattr(parent, side)[k].mask.numel:
+                n /= algo.parts  # cut on this axis (read off a few of its parts)
+        return n
+    compute = seconds(op, [held(k, "inputs") for k in range(len(op.inputs))],
+                      [held(k, "outputs") for k in range(len(op.outputs))], op_flops(op) / parts)
     return Strategy(tuple(algos), tuple(map(tuple, inputs)), tuple(map(tuple, outputs)),
-                    tuple(map(tuple, grads)), TRAINING_FLOPS * op_flops(op) / parts / peak)
+                    tuple(map(tuple, grads)), TRAINING_FLOPS * compute)
 
 
 def _zero_applies(op: Op, s: Strategy) -> bool:
