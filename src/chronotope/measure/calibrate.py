@@ -46,7 +46,8 @@ def calibrate(graph: Graph, workload: Workload, times: dict[str, OpTime], steps:
     rows, seconds = [], []
     for k, code in enumerate(codes):
         for i, ins in enumerate(code):
-            rows.append((*features(ins), instruction_compute(ins, lambda op: piece_seconds(op, times))))
+            measured = instruction_compute(ins, lambda op: piece_seconds(op, times))
+            rows.append((*features(ins), measured))
             seconds.append(statistics.mean(run[k][0][i] for run in runs))
     kinds = sorted({kind for kind, *_ in rows})
     columns = [*kinds, "pieces", "bytes", "compute"]
