@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -61,7 +62,7 @@ from chronotope.policies import (
 from chronotope.runtime import checkpoint
 from chronotope.runtime.checkpoint import export, load_weights
 from chronotope.runtime.data import example_batches
-from chronotope.runtime.launch import run_processes
+from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
 from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
@@ -1241,6 +1242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _stdout_to_stderr() if args.json else contextlib.nullcontext(sys.stdout) as real:
             return COMMANDS[args.command](args, out, _printer(real))
+    except Interrupted as e:  # Ctrl-C or a scheduler's SIGTERM: said in one line
+        Console(stderr=True, soft_wrap=True).print(Text(str(e)))
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        Console(stderr=True, soft_wrap=True).print("interrupted")
+        return 128 + signal.SIGINT
     except ChronotopeError as e:
         if args.debug:
             traceback.print_exc()

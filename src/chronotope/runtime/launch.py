@@ -3,17 +3,25 @@
 ``run_processes`` spawns one worker per rank on this machine (``spawn``, which
 ``runtime.train`` uses too). A worker that dies or stops answering makes the
 others fail within the timeout with an error naming it, and every worker exits.
+A worker whose launcher is gone (killed, its terminal closed) exits within a
+second. Ctrl-C or SIGTERM to the launcher (a scheduler preempting the job) is
+passed on to the workers, which a training run lets end their step together and
+save (``Stop``); others are stopped; either way ``Interrupted`` says so.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +46,51 @@ from chronotope.runtime.transport import DistTransport
 
 class WorkerError(ChronotopeError):
     """A worker process failed; the message names its rank and what it raised."""
+
+
+class Interrupted(ChronotopeError):
+    """A signal (``signum``: SIGINT from Ctrl-C, SIGTERM from a scheduler) stopped the run,
+    and its workers with it."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE = 60.0  # seconds workers get, once told to stop, to end their step and save
+ORPHAN_POLL = 0.5  # seconds between a worker's looks at whether its launcher is alive
+
+
+class Stop:
+    """Whether to stop a training run after this step: a stop signal to any rank stops
+    every rank after the same step (the ranks agree on it with one all-reduce per step),
+    so a checkpoint saved then is whole. Inside, SIGINT and SIGTERM only set the flag."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.signum = device, 0
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Stop:
+        if threading.current_thread() is threading.main_thread():
+            for s in STOPS:
+                self.previous[s] = signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal any rank got (0: none), the same on every rank."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signum
+        flag = torch.tensor([self.signum], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 def free_port() -> int:
@@ -81,7 +134,8 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: 
 
 
 def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
-            out_dir: str) -> None:
+            out_dir: str, launcher: int) -> None:
+    threading.Thread(target=_die_with, args=(launcher,), daemon=True).start()
     try:
         # Loaded here, not by multiprocessing: what fails to load is reported like any error.
         fn, args = torch.load(payload, weights_only=False)
@@ -101,6 +155,13 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
             dist.destroy_process_group()
 
 
+def _die_with(launcher: int) -> None:
+    """Exit once the launcher is gone: no worker trains on, orphaned, after it."""
+    while os.getppid() == launcher:
+        time.sleep(ORPHAN_POLL)
+    os._exit(1)
+
+
 def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
           timeout: float = 60.0, watch: Callable[[], None] | None = None) -> list:
     """``fn(rank, *args)`` in ``world`` processes of one process group on this machine;
@@ -114,12 +175,16 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
             raise WorkerError(f"cannot send {getattr(fn, '__qualname__', fn)} and its arguments "
                               f"to worker processes: {type(e).__name__}: {e}") from e
         ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(), timeout,
-                                                out_dir),
+                                                out_dir, os.getpid()),
                                  nprocs=world, join=False, start_method="spawn")
+        stopped: list[int] = []
         try:
-            codes = _wait(ctx.processes, watch)
+            with _passed_on(ctx.processes, stopped):
+                codes = _wait(ctx.processes, watch, stopped)
         finally:  # on a failure, or an interrupt here: no worker outlives the run
             _stop(ctx.processes)
+        if stopped:
+            raise Interrupted(f"interrupted by {signal.Signals(stopped[0]).name}", stopped[0])
         if codes is not None:
             raise _blame(codes, out_dir)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
@@ -129,11 +194,41 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
 GRACE = 3.0  # seconds the other workers get, after a first failure, to report their own
 
 
-def _wait(processes: list, watch: Callable[[], None] | None) -> list[int | None] | None:
+@contextmanager
+def _passed_on(processes: list, stopped: list[int]) -> Iterator[None]:
+    """While the workers run, a first SIGINT or SIGTERM is passed on to them (as SIGTERM)
+    and noted in ``stopped``; a second one stops waiting for them."""
+    def stop(signum: int, frame: object) -> None:
+        if stopped:
+            raise KeyboardInterrupt
+        stopped.append(signum)
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, stop) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _wait(processes: list, watch: Callable[[], None] | None, stopped: list[int]
+          ) -> list[int | None] | None:
     """None once every worker has ended well; else every worker's exit code (None: still
     running) a moment after the first failure, so the workers that failed in turn (their
-    peer gone) have written down why, and a root cause is told from its consequences."""
+    peer gone) have written down why, and a root cause is told from its consequences.
+    Once ``stopped``, the workers get ``STOP_GRACE`` seconds to end."""
+    deadline = None
     while True:
+        if stopped and deadline is None:
+            deadline = time.monotonic() + STOP_GRACE
+        if deadline is not None and time.monotonic() > deadline:
+            return [p.exitcode for p in processes]
         codes = [p.exitcode for p in processes]
         if all(c == 0 for c in codes):
             if watch:

@@ -36,7 +36,7 @@ from chronotope.runtime.data import (
     example_batches,
     fingerprint,
 )
-from chronotope.runtime.launch import group_device, rank_device, spawn
+from chronotope.runtime.launch import Interrupted, Stop, group_device, rank_device, spawn
 from chronotope.runtime.local import (
     Rank,
     RankSpec,
@@ -154,43 +154,48 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
     world = tuple(range(spec.world))
     losses: list[float] = []
     times: list[float] = []
-    for step in range(start, config.steps):
-        begin = time.perf_counter()
-        lr = config.optim.lr_at(step, config.steps)
-        if rank.optimizer:
-            config.optim.set_lr(rank.optimizer, step, config.steps)
-        rank.zero_grad()
-        step_losses, tokens, samples = [], 0, 0
-        for _ in range(config.accumulate):
-            index = batches.read
-            batch = next(batches)
-            _same_everywhere(batch, rank, world, index)
-            rows = replica_rows(batch, spec.world // spec.unit, spec.rank // spec.unit) \
-                if spec.unit else batch  # a scaled plan's replica trains on its rows
-            rank.batch = {n: t.to(device) for n, t in rows.items()}
-            step_losses += rank.forward_backward()
-            tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
-        taken = rank.update(1 / config.accumulate)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - begin
-        times.append(seconds)
-        if spec.rank == 0:
-            loss = sum(step_losses) / len(step_losses)
-            losses.append(loss)
-            if report:
-                record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
-                          "samples_per_s": samples / seconds,
-                          "tokens_per_s": tokens / seconds if tokens else None}
-                if rank.scaler is not None:  # fp16: the scale, and whether the step was taken
-                    record.update(loss_scale=rank.scaler.scale, skipped=not taken)
-                report(record)
-        if config.saves_after(step + 1):
-            assert config.save is not None
-            info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name}
-            if rank.scaler is not None:
-                info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
-            checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
+    # a signal to any rank stops every rank after the same step, with a checkpoint
+    with Stop(device) as stop:
+        for step in range(start, config.steps):
+            begin = time.perf_counter()
+            lr = config.optim.lr_at(step, config.steps)
+            if rank.optimizer:
+                config.optim.set_lr(rank.optimizer, step, config.steps)
+            rank.zero_grad()
+            step_losses, tokens, samples = [], 0, 0
+            for _ in range(config.accumulate):
+                index = batches.read
+                batch = next(batches)
+                _same_everywhere(batch, rank, world, index)
+                rows = replica_rows(batch, spec.world // spec.unit, spec.rank // spec.unit) \
+                    if spec.unit else batch  # a scaled plan's replica trains on its rows
+                rank.batch = {n: t.to(device) for n, t in rows.items()}
+                step_losses += rank.forward_backward()
+                tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
+            taken = rank.update(1 / config.accumulate)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - begin
+            times.append(seconds)
+            if spec.rank == 0:
+                loss = sum(step_losses) / len(step_losses)
+                losses.append(loss)
+                if report:
+                    record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
+                              "samples_per_s": samples / seconds,
+                              "tokens_per_s": tokens / seconds if tokens else None}
+                    if rank.scaler is not None:  # fp16: the scale; whether the step was taken
+                        record.update(loss_scale=rank.scaler.scale, skipped=not taken)
+                    report(record)
+            stopped = stop.agreed()
+            if config.saves_after(step + 1) or (stopped and config.save):
+                assert config.save is not None
+                info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name}
+                if rank.scaler is not None:
+                    info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
+                checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
+            if stopped:
+                break
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
 
 
@@ -293,13 +298,29 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
                 if on_step:
                     on_step(records[-1])
 
-        results = spawn(_spawned, len(specs), (specs, job, writes, data,
-                                               config, resume_path, backend,
-                                               progress),
-                        backend, timeout, watch)
+        try:
+            results = spawn(_spawned, len(specs), (specs, job, writes, data,
+                                                   config, resume_path, backend,
+                                                   progress),
+                            backend, timeout, watch)
+        except Interrupted as e:
+            raise Interrupted(_interrupted(records, save), e.signum) from None
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
                      results[0][2], buffers=model_buffers(results[0][3], workload),
                      records=records)
+
+
+def _interrupted(records: list[dict[str, Any]], save: str | None) -> str:
+    """Where a stopped run got to, and what it left to continue from."""
+    done = f"interrupted at step {records[-1]['step'] if records else 0}"
+    if save is None:
+        return f"{done}; nothing saved (no --save)"
+    try:
+        path = checkpoint.latest(save)
+    except checkpoint.CheckpointError:
+        return f"{done}; no complete checkpoint in {save!r}"
+    return (f"{done}; last complete checkpoint step {checkpoint.run_info(path)['step']} "
+            f"({path}): continue with --resume {save}")
 
 
 def mean_step_time(result: RunResult) -> float:
