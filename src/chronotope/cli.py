@@ -613,6 +613,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             result = train(program, workload, args.data or example_batches(workload),
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
+                           keep=args.keep or 0,
                            on_step=on_step, backend=args.backend, timeout=args.timeout,
                            precision=Precision(args.dtype, args.reduce_dtype),
                            compile=args.compile)
@@ -620,7 +621,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         for sink in sinks:
             sink.close()
     step_time = mean_step_time(result)
-    saved = str(checkpoint.latest(args.save)) if args.save else None
+    saved = str(checkpoint.latest(args.save, verify=False)) if args.save else None
     if args.json:
         emit({"final_loss": result.losses[-1] if result.losses else None,
               "steps": len(result.losses), "step_time_s": step_time, "checkpoint": saved})
@@ -640,7 +641,7 @@ def cmd_export(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     os.replace(partial, target)
     numel = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     if args.json:
-        emit({"checkpoint": str(checkpoint.latest(args.checkpoint)), "out": args.out,
+        emit({"checkpoint": str(checkpoint.latest(args.checkpoint, verify=False)), "out": args.out,
               "tensors": len(state), "numel": numel})
         return 0
     out.print(f"wrote {len(state)} tensors ({numel:,} numbers) to {args.out}; load them with "
@@ -1190,6 +1191,9 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
                      help="write checkpoints (torch.distributed.checkpoint) into DIR")
     cmd.add_argument("--save-every", type=positive_int, default=None, metavar="K",
                      help="a checkpoint every K steps (default: after the last step only)")
+    cmd.add_argument("--keep", type=positive_int, default=None, metavar="N",
+                     help="keep the newest N checkpoints, removing older ones as new ones "
+                          "are complete (default: all)")
     cmd.add_argument("--resume", metavar="DIR",
                      help="continue from the newest complete checkpoint in DIR (written "
                           "under any plan and device count)")

@@ -24,7 +24,9 @@ import math
 import os
 import re
 import shutil
+import socket
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,8 @@ STATE = "chronotope"  # the run's position and what the checkpoint is of
 FORMAT = 1
 INCOMPLETE = ".incomplete"
 LATEST = "latest"
+LEASE = ".lease"  # the run saving into a folder: {"host", "pid"}
+CHECKSUMS = "checksums"  # of one rank's files: {name: [bytes, crc32]}
 
 
 class CheckpointError(ChronotopeError):
@@ -186,22 +190,31 @@ def step_dir(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}"
 
 
-def latest(directory: str | os.PathLike) -> Path:
-    """The complete checkpoint ``directory`` is, or the newest one in it."""
+def latest(directory: str | os.PathLike, verify: bool = True) -> Path:
+    """The complete checkpoint ``directory`` is, or the newest one in it; ``verify``: whose
+    files are all there as they were written (a damaged one is named by its file, and the
+    newest sound one before it used, said so)."""
     root = Path(directory)
     if (root / ".metadata").is_file():
+        if verify and (damage := damaged(root)):
+            raise CheckpointError(damage)
         return root
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint at {str(root)!r}: no such folder")
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / ".metadata").is_file():
-            return named
     complete = sorted(p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
                       and (p / ".metadata").is_file())
-    if complete:
-        return complete[-1]
+    pointer = root / LATEST  # the one saved last (a run resumed from an earlier step)
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    first = None
+    for path in sorted(complete, key=lambda p: (p == named, p.name), reverse=True):
+        damage = damaged(path) if verify else None
+        if damage is None:
+            if first is not None:
+                warnings.warn(f"{first}: continuing from {str(path)!r} instead", stacklevel=2)
+            return path
+        first = first or damage
+    if first is not None:
+        raise CheckpointError(first)
     partial = sorted(p.name for p in root.glob(f"step-*{INCOMPLETE}"))
     raise CheckpointError(
         f"no complete checkpoint in {str(root)!r}" +
@@ -209,9 +222,39 @@ def latest(directory: str | os.PathLike) -> Path:
          else ""))
 
 
+def damaged(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path``'s files (None: nothing): one missing, or
+    not the size or checksum it had when it was written."""
+    try:
+        read_metadata(path)
+    except CheckpointError as e:
+        return str(e)
+    for sums in sorted(path.glob(f"{CHECKSUMS}*")):
+        for name, (size, crc) in json.loads(sums.read_text()).items():
+            f = path / name
+            if not f.is_file():
+                return f"checkpoint {str(path)!r} is missing {name}: it cannot be read"
+            if f.stat().st_size != size or _crc(f) != crc:
+                return (f"checkpoint {str(path)!r} is damaged: {name} is not as it was "
+                        f"written ({f.stat().st_size} bytes, {size} when saved)")
+    return None
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint's metadata, once every file it names is there."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or overwritten file: unpickling fails any way
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: its .metadata cannot be "
+                              f"read ({type(e).__name__}: {e})") from e
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [f for f in files if not (path / f).is_file()]
     if missing:
@@ -316,6 +359,12 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         objects[STATE] = dict(info)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)),
              planner=_SavePieces(pieces, objects), no_dist=not dist.is_initialized())
+    # each rank's checksums of the files it wrote (the lead's with the metadata), so that a
+    # damaged file is found before a resume reads it
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = [*partial.glob(f"__{me}_*"), *([partial / ".metadata"] if writes.lead else [])]
+    (partial / f"{CHECKSUMS}-{me}").write_text(json.dumps(
+        {f.name: [f.stat().st_size, _crc(f)] for f in mine if f.is_file()}))
     _barrier()
     if writes.lead:
         if final.exists():
@@ -326,6 +375,73 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         os.replace(pointer, Path(directory) / LATEST)
     _barrier()
     return final
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints of ``directory``; the ones
+    removed."""
+    complete = sorted(p for p in Path(directory).glob("step-*")
+                      if re.fullmatch(r"step-\d+", p.name) and (p / ".metadata").is_file())
+    old = complete[:-keep] if keep > 0 else []
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
+@contextlib.contextmanager
+def lease(directory: str | os.PathLike) -> Iterator[None]:
+    """One run at a time saves into ``directory`` (made if missing, and so found writable
+    before any work): a run that finds another's lease is refused, naming its host and
+    pid, unless that run is gone (same host, no such process): then it takes it over and
+    says so."""
+    root = Path(directory)
+    path = root / LEASE
+    mine = {"host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                break
+            except FileExistsError:
+                holder = _holder(path)
+                if holder is None or holder["host"] != mine["host"] or _alive(holder["pid"]):
+                    who = "another run" if holder is None else \
+                        f"a run on {holder['host']} (pid {holder['pid']})"
+                    raise CheckpointError(
+                        f"{str(root)!r} is in use by {who}: wait for it, save into another "
+                        f"folder, or delete {str(path)!r} if that run is gone") from None
+                warnings.warn(f"{str(root)!r} was held by a run that is gone (pid "
+                              f"{holder['pid']}): taken over", stacklevel=3)
+                path.unlink(missing_ok=True)
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+    except OSError as e:
+        raise CheckpointError(f"cannot save checkpoints into {str(root)!r}: "
+                              f"{e.strerror or e} ({e.filename or root})") from e
+    try:
+        yield
+    finally:
+        if _holder(path) == mine:
+            path.unlink(missing_ok=True)
+
+
+def _holder(path: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(path.read_text())
+        return {"host": str(holder["host"]), "pid": int(holder["pid"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
 
 
 def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],

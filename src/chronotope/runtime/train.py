@@ -9,6 +9,7 @@ run saves DCP checkpoints every so many steps and resumes from one under any pla
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -66,10 +67,12 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint (or a folder of them) to continue from
     timeout: float = 60.0
     precision: Precision | None = None  # mixed precision; None: fp32
+    keep: int = 0  # the newest checkpoints kept; 0: all
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.accumulate < 1 or self.save_every < 0:
-            raise ValueError("steps and accumulate must be at least 1, save_every at least 0")
+        if self.steps < 1 or self.accumulate < 1 or self.save_every < 0 or self.keep < 0:
+            raise ValueError("steps and accumulate must be at least 1, save_every and keep "
+                             "at least 0")
 
     def saves_after(self, step: int) -> bool:
         """Whether a checkpoint is written once ``step`` steps are done."""
@@ -194,6 +197,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 if rank.scaler is not None:
                     info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
                 checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
+                if writes.lead:
+                    checkpoint.prune(config.save, config.keep)
             if stopped:
                 break
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
@@ -266,7 +271,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
           timeout: float = 60.0, precision: Precision | None = None,
-          compile: str | None = None) -> RunResult:
+          compile: str | None = None, keep: int = 0) -> RunResult:
     """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
 
     ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
@@ -275,11 +280,13 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s; under fp16
     also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
     ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
-    Returns the losses of the steps run, the final weights and buffers.
+    ``save``: a folder this run alone saves into (``checkpoint.lease``), keeping the newest
+    ``keep`` checkpoints (0: all). Returns the losses of the steps run, the final weights
+    and buffers.
     """
     precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
-                         timeout, precision)
+                         timeout, precision, keep)
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
@@ -288,7 +295,8 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     check_sendable(specs[0].targets if specs else {})
     writes = checkpoint.plan_writes(program)
     records: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="chronotope-train-") as tmp:
+    with checkpoint.lease(save) if save else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory(prefix="chronotope-train-") as tmp:
         progress = os.path.join(tmp, "progress.jsonl")
         tail = _Tail(progress)
 
@@ -316,7 +324,7 @@ def _interrupted(records: list[dict[str, Any]], save: str | None) -> str:
     if save is None:
         return f"{done}; nothing saved (no --save)"
     try:
-        path = checkpoint.latest(save)
+        path = checkpoint.latest(save, verify=False)
     except checkpoint.CheckpointError:
         return f"{done}; no complete checkpoint in {save!r}"
     return (f"{done}; last complete checkpoint step {checkpoint.run_info(path)['step']} "
@@ -425,7 +433,7 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
         train_loop(spec, saved["job"], saved["writes"][rank], data or saved["example"], config,
                    path, device, report)
         if rank == 0 and save:
-            print(f"checkpoint {checkpoint.latest(save)}", flush=True)
+            print(f"checkpoint {checkpoint.latest(save, verify=False)}", flush=True)
         dist.barrier()  # every rank done communicating before any tears its group down
     finally:
         if log:
