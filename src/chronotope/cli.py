@@ -613,7 +613,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             result = train(program, workload, args.data or example_batches(workload),
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
-                           keep=args.keep or 0,
+                           keep=args.keep or 0, skip_nonfinite=args.skip_nonfinite,
                            on_step=on_step, backend=args.backend, timeout=args.timeout,
                            precision=Precision(args.dtype, args.reduce_dtype),
                            compile=args.compile)
@@ -1191,6 +1191,9 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
                      help="write checkpoints (torch.distributed.checkpoint) into DIR")
     cmd.add_argument("--save-every", type=positive_int, default=None, metavar="K",
                      help="a checkpoint every K steps (default: after the last step only)")
+    cmd.add_argument("--skip-nonfinite", action="store_true",
+                     help="skip, on every rank, a step whose loss is not finite (default: "
+                          "stop the run there, naming the step and its batches)")
     cmd.add_argument("--keep", type=positive_int, default=None, metavar="N",
                      help="keep the newest N checkpoints, removing older ones as new ones "
                           "are complete (default: all)")

@@ -68,6 +68,7 @@ class TrainConfig:
     timeout: float = 60.0
     precision: Precision | None = None  # mixed precision; None: fp32
     keep: int = 0  # the newest checkpoints kept; 0: all
+    skip_nonfinite: bool = False  # a step whose loss is not finite: skipped, not fatal
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.accumulate < 1 or self.save_every < 0 or self.keep < 0:
@@ -165,17 +166,26 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if rank.optimizer:
                 config.optim.set_lr(rank.optimizer, step, config.steps)
             rank.zero_grad()
-            step_losses, tokens, samples = [], 0, 0
+            step_losses, tokens, samples, read = [], 0, 0, batches.read
             for _ in range(config.accumulate):
                 index = batches.read
                 batch = next(batches)
+                _no_nan(batch, index)
                 _same_everywhere(batch, rank, world, index)
                 rows = replica_rows(batch, spec.world // spec.unit, spec.rank // spec.unit) \
                     if spec.unit else batch  # a scaled plan's replica trains on its rows
                 rank.batch = {n: t.to(device) for n, t in rows.items()}
                 step_losses += rank.forward_backward()
                 tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
-            taken = rank.update(1 / config.accumulate)
+            stopped, bad = stop.agreed(not all(map(math.isfinite, step_losses)))
+            if bad and not config.skip_nonfinite:
+                raise ChronotopeError(
+                    f"the loss is not finite at step {step + 1} (batches {read} to "
+                    f"{batches.read - 1}): the run stops here; lower --lr, check those "
+                    "batches, or skip such steps with --skip-nonfinite")
+            if bad:
+                rank.zero_grad()
+            taken = not bad and rank.update(1 / config.accumulate)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - begin
@@ -187,10 +197,11 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                     record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
                               "samples_per_s": samples / seconds,
                               "tokens_per_s": tokens / seconds if tokens else None}
-                    if rank.scaler is not None:  # fp16: the scale; whether the step was taken
-                        record.update(loss_scale=rank.scaler.scale, skipped=not taken)
+                    if rank.scaler is not None:  # fp16: the scale
+                        record.update(loss_scale=rank.scaler.scale)
+                    if rank.scaler is not None or bad:  # whether the step was taken
+                        record.update(skipped=not taken)
                     report(record)
-            stopped = stop.agreed()
             if config.saves_after(step + 1) or (stopped and config.save):
                 assert config.save is not None
                 info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name}
@@ -202,6 +213,15 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if stopped:
                 break
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
+
+
+def _no_nan(batch: Mapping[str, torch.Tensor], index: int) -> None:
+    """A NaN in the data is named as one, before it reaches the loss."""
+    for name, t in batch.items():
+        if t.is_floating_point() and bool(torch.isnan(t).any()):
+            at = tuple(torch.nonzero(torch.isnan(t))[0].tolist())
+            raise DataError(f"batch {index} has NaN in {name!r} (at {at}): the data set "
+                            "holds a value that is not a number")
 
 
 def _same_everywhere(batch: Mapping[str, torch.Tensor], rank: Rank, world: tuple[int, ...],
@@ -271,7 +291,8 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
           timeout: float = 60.0, precision: Precision | None = None,
-          compile: str | None = None, keep: int = 0) -> RunResult:
+          compile: str | None = None, keep: int = 0, skip_nonfinite: bool = False
+          ) -> RunResult:
     """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
 
     ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
@@ -281,12 +302,13 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
     ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
     ``save``: a folder this run alone saves into (``checkpoint.lease``), keeping the newest
-    ``keep`` checkpoints (0: all). Returns the losses of the steps run, the final weights
-    and buffers.
+    ``keep`` checkpoints (0: all). A step whose loss is not finite stops the run, naming
+    it and its batches, or with ``skip_nonfinite`` is skipped on every rank (``skipped``
+    in its record). Returns the losses of the steps run, the final weights and buffers.
     """
     precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
-                         timeout, precision, keep)
+                         timeout, precision, keep, skip_nonfinite)
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
