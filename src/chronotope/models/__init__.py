@@ -118,6 +118,10 @@ def load_workload(
     label = f"{path_text}:{func}"
     factory = _load_factory(path, func, label)
     kwargs = _accepted(factory, {"device": device, "batch_size": batch_size, "seed": seed})
+    if batch_size is not None and "batch_size" not in kwargs:
+        raise ModelLoadError(f"{label} takes no batch_size, so a batch size of {batch_size} "
+                             "cannot change its example batch: give the factory a batch_size "
+                             "parameter, or leave the batch size out")
     torch.manual_seed(seed)  # factories that take no seed still build the same model
     try:
         with _user_dir(path):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
+from chronotope.graph.ir import Graph
 from chronotope.models.workload import Workload
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import (
@@ -36,6 +37,7 @@ from chronotope.runtime.data import (
     DataSource,
     example_batches,
     fingerprint,
+    resolve,
 )
 from chronotope.runtime.launch import Interrupted, Stop, group_device, rank_device, spawn
 from chronotope.runtime.local import (
@@ -122,6 +124,13 @@ def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
         raise ChronotopeError(f"checkpoint {str(path)!r} is at step {step}: a run of "
                               f"{config.steps} steps has nothing left to do (raise --steps)")
     return path, step
+
+
+def check_trainable(graph: Graph) -> None:
+    """A model with every parameter frozen has nothing to train: said before any work."""
+    if graph.params and all(t.frozen for t in graph.params.values()):
+        raise ChronotopeError(f"{graph.name} has nothing to train: each of its "
+                              f"{len(graph.params)} parameters is frozen (requires_grad=False)")
 
 
 def check_save_folder(config: TrainConfig) -> None:
@@ -309,6 +318,8 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
                          timeout, precision, keep, skip_nonfinite)
+    check_trainable(program.plan.graph)
+    resolve(data)  # a data file that does not load is named before any worker starts
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)

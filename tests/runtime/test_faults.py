@@ -1,5 +1,6 @@
-"""Numbers going bad stop the run where they do: NaN in the data is named as NaN, and a
-loss that is not finite stops every rank at its step (or skips it, when asked)."""
+"""Faults found where they start: what can be checked before the work is, NaN in the data
+is named as NaN, and a loss that is not finite stops every rank at its step (or skips it,
+when asked)."""
 
 import math
 import warnings
@@ -51,3 +52,25 @@ def test_a_loss_that_is_not_finite_stops_every_rank_at_its_step_or_is_skipped():
     result = train(program, w, batches, 4, blowing_up, skip_nonfinite=True)
     assert [r.get("skipped", False) for r in result.records] == [False, True, True, True]
     assert all(torch.isfinite(p).all() for p in result.params.values())
+
+
+def test_what_can_be_checked_before_the_work_is(tmp_path):
+    """A data file that does not load, a model with nothing to train and a batch size
+    the factory cannot take are refused before any worker starts."""
+    from chronotope.errors import ChronotopeError, ModelLoadError
+    from chronotope.models import load_workload
+    from tests.models.test_models import USER_FILE
+
+    w, program, batches = setup()
+    with pytest.raises(ModelLoadError, match="nosuch.py"):
+        train(program, w, f"{tmp_path}/nosuch.py:batches", 2)
+    for p in w.model.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frozen = ct.compile(mesh(ct.capture(w), dp=2))
+    with pytest.raises(ChronotopeError, match="nothing to train: each of its 2 parameters is "
+                                              "frozen"):
+        train(frozen, w, batches, 2)
+    with pytest.raises(ModelLoadError, match="takes no batch_size, so a batch size of 7"):
+        load_workload(f"{USER_FILE}:make", batch_size=7)
