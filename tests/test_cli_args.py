@@ -1,6 +1,7 @@
 """Every command's arguments, bad value by bad value: each is refused with exit code 2
 and a one-line reason on stderr that names the option, never a traceback."""
 
+import json
 import shlex
 
 import pytest
@@ -91,11 +92,16 @@ def test_bad_input_exits_2_with_a_one_line_reason(capsys, tmp, command, why):
         assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("command", ["run gpt --steps -1 --json", "plan gpt --devices 3 --json"])
-def test_bad_input_with_json_writes_nothing_to_stdout(capsys, command):
-    assert main(shlex.split(command)) == 2
+def test_bad_input_with_json_is_one_json_object_on_stdout_once_parsed(capsys):
+    """Usage errors come from argparse, on stderr; what fails after parsing is one JSON
+    object on stdout, which a script reads as it reads the results."""
+    assert main(shlex.split("run gpt --steps -1 --json")) == 2
     out, err = capsys.readouterr()
     assert out == "" and "error:" in err
+    assert main(shlex.split("plan gpt --policy tp --devices 3 --json")) == 2
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["exit_code"] == 2 and "splits nothing in gpt" in report["error"]
 
 
 def test_help_exits_0(capsys):

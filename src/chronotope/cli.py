@@ -1250,16 +1250,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _stdout_to_stderr() if args.json else contextlib.nullcontext(sys.stdout) as real:
             return COMMANDS[args.command](args, out, _printer(real))
     except Interrupted as e:  # Ctrl-C or a scheduler's SIGTERM: said in one line
-        Console(stderr=True, soft_wrap=True).print(Text(str(e)))
-        return 128 + e.signum
+        return _failed(args, str(e), "interrupted", 128 + e.signum)
     except KeyboardInterrupt:
-        Console(stderr=True, soft_wrap=True).print("interrupted")
-        return 128 + signal.SIGINT
+        return _failed(args, "interrupted", "interrupted", 128 + signal.SIGINT)
     except ChronotopeError as e:
         if args.debug:
             traceback.print_exc()
-        Console(stderr=True, soft_wrap=True).print("[bold red]error:[/]", Text(str(e)))
-        return EXIT_USAGE
+        return _failed(args, str(e), "error", EXIT_USAGE)
+
+
+def _failed(args: argparse.Namespace, message: str, kind: str, code: int) -> int:
+    """Say why the command stopped: one line on stderr, or under --json one JSON object on
+    stdout (``{"error" | "interrupted": message}``)."""
+    if args.json:
+        _printer(sys.stdout)({kind: message, "exit_code": code})
+    elif kind == "error":
+        Console(stderr=True, soft_wrap=True).print("[bold red]error:[/]", Text(message))
+    else:
+        Console(stderr=True, soft_wrap=True).print(Text(message))
+    return code
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ each runs on the whole batch on every rank."""
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +42,7 @@ def test_ops_that_lose_the_batch_are_listed_with_why():
 
 def test_plans_that_split_no_batch_list_nothing():
     graph = captured(Mixed(), torch.randn(4, 6))
-    assert mesh(graph, tp=2).unsplit == {} and ct.Plan(graph, 2).unsplit == {}
+    assert mesh(graph, pp=2).unsplit == {} and ct.Plan(graph, 2).unsplit == {}
 
 
 def test_a_cnn_with_batch_norm_and_pooling_splits_every_op_along_the_batch():
@@ -60,3 +61,20 @@ def test_a_shape_taken_from_the_batch_is_no_use_of_it():
             return F.mse_loss(self.a(x), x.new_zeros(x.shape))
 
     assert mesh(captured(Zeros(), torch.randn(4, 6)), dp=2).unsplit == {}
+
+
+def test_tensor_parallelism_that_would_split_nothing_is_refused_naming_the_widths(capsys):
+    """tp 3 of a model whose projections are 64, 256 and 512 wide (q, k and v each 64)
+    would replicate everything: refused, from the Python API and the command line."""
+    from chronotope.cli import main
+    from chronotope.errors import PlanError
+    from tests.policies.plan_testing import captured
+
+    _, graph = captured("gpt")
+    with pytest.raises(PlanError, match=r"over 3 devices splits nothing in gpt: its "
+                                        r"projections' output features do not divide by 3: "
+                                        r"64 \(linear\), 256 \(linear_2\), 512"):
+        mesh(graph, tp=3)
+    assert main(["plan", "gpt", "--policy", "tp", "--devices", "3"]) == 2
+    assert "splits nothing" in capsys.readouterr().err
+    mesh(graph, tp=2)  # one that divides them

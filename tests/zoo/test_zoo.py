@@ -18,6 +18,7 @@ from tests.zoo.models import FAMILIES
 
 SPLIT = ("dp", "tp", "zero-3")
 ALL = (*SPLIT, "1f1b", "1f1b-fold")
+NO_TP = tuple(p for p in ALL if p != "tp")
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "opt": ALL,
@@ -43,7 +44,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "whisper": ALL,
     "wav2vec2": ALL,
     "clip": SPLIT,
-    "cnn-bn": SPLIT,
+    "cnn-bn": ("dp", "zero-3"),
     "two-tower": SPLIT,
     "t5-v1.1": ALL,
     "albert": ALL,
@@ -57,9 +58,9 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "convnext": ALL,
     "swin": ALL,
     "siglip": ALL,
-    "unet": ALL,
+    "unet": NO_TP,
     "lstm-lm": ALL,
-    "gru-lm": ALL,
+    "gru-lm": NO_TP,
     "embedding-bag": SPLIT,
     "drop-path": ALL,
     "checkpointed": ALL,
@@ -109,10 +110,22 @@ def test_cases_name_known_families_and_policies():
     assert {p for _, p in CASES + GLOO} <= set(POLICIES)
 
 
+# Nothing tensor parallelism cuts (convolutions, a recurrent cell, projections too narrow
+# for 2): tp would only replicate, and is refused, naming why.
+NOTHING_TO_CUT = ("cnn-bn", "unet", "gru-lm")
+
+
 @pytest.mark.parametrize("family,policy", CASES)
 def test_trains_like_one_device(family: str, policy: str):
     outcome = check(family, policy, graph_of(family))
     assert outcome.status == "ok", outcome
+
+
+@pytest.mark.parametrize("family", NOTHING_TO_CUT)
+def test_tensor_parallelism_that_cuts_nothing_is_refused(family: str):
+    outcome = check(family, "tp", graph_of(family))
+    assert outcome.status == "error" and outcome.stage == "plan", outcome
+    assert "splits nothing" in outcome.error, outcome
 
 
 @pytest.mark.slow

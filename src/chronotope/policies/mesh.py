@@ -81,10 +81,7 @@ class Layout:
 
 def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
     """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it."""
-    readers: dict[PTensor, list[Op]] = defaultdict(list)
-    for op in graph.ops:
-        for t in op.inputs:
-            readers[t].append(op)
+    readers = _readers(graph)
     axis: dict[PTensor, int] = {}
     fused: dict[PTensor, int] = {}
     out: dict[Op, Shard | None] = {}
@@ -105,6 +102,29 @@ def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
             fused.update({t: shard.chunks for t in op.outputs if shard.chunks > 1})
         out[op] = shard
     return out
+
+
+def _readers(graph: Graph) -> dict[PTensor, list[Op]]:
+    readers: dict[PTensor, list[Op]] = defaultdict(list)
+    for op in graph.ops:
+        for t in op.inputs:
+            readers[t].append(op)
+    return readers
+
+
+def _splits_nothing(graph: Graph, tp: int) -> str:
+    """Why tensor parallelism over ``tp`` devices would only replicate ``graph``."""
+    readers = _readers(graph)
+    widths: dict[int, str] = {}  # a projection's output features (of each fused part) -> op
+    for op in graph.ops:
+        if column_dim(op) is not None:
+            widths.setdefault(op.outputs[0].shape[-1] // fused_parts(op.outputs[0], readers),
+                              op.name)
+    found = f"its projections' output features do not divide by {tp}: " + ", ".join(
+        f"{n} ({op})" for n, op in sorted(widths.items())) if widths else \
+        "it has no projection by a weight matrix to split"
+    return (f"tensor parallelism over {tp} devices splits nothing in {graph.name}: {found}; "
+            f"pick a tp that divides them, or another policy")
 
 
 def column_dim(op: Op) -> str | None:
@@ -286,6 +306,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if layout is None:
         layout = Layout(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
                         sequence_dims(graph) if sequence and tp > 1 else {})
+        if tp > 1 and coshard == 1 and not any(layout.shards.values()) \
+                and not any(layout.seq.values()):
+            raise PlanError(_splits_nothing(graph, tp))
     if layout.devices and pp > 1:
         raise PlanError(f"ops placed on chosen devices need one pipeline stage, not pp={pp}")
     batch_dim, unsplit = trail(graph, batch_start(graph))
