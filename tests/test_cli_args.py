@@ -104,6 +104,11 @@ def test_bad_input_with_json_is_one_json_object_on_stdout_once_parsed(capsys):
     assert report["exit_code"] == 2 and "splits nothing in gpt" in report["error"]
 
 
-def test_help_exits_0(capsys):
+def test_help_exits_0_and_shows_every_default(capsys):
     assert main(["run", "--help"]) == 0
     assert "--steps" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--devices DEVICES", "4"), ("--optimizer {sgd,adamw}", "sgd"),
+                            ("--lr LR", "0.1"), ("--steps STEPS", "3")):
+        assert f"{option} (default: {default})" in shown, option

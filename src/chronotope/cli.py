@@ -577,13 +577,26 @@ def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return code
 
 
+@contextlib.contextmanager
+def _phase(out: Console, quiet: bool, what: str) -> Iterator[None]:
+    """A phase before the first step, said as it starts and timed as it ends."""
+    start = time.perf_counter()
+    if not quiet:
+        out.print(f"{what} ...")
+    yield
+    if not quiet:
+        out.print(f"  done in {time.perf_counter() - start:.1f} s")
+
+
 def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     _check_backend(args)
-    workload = load_workload(args.model, device="cpu", batch_size=args.batch_size,
-                             seed=args.seed)
-    if args.init:
-        load_weights(workload.model, args.init)
-    workload, program = _program(workload, args)
+    with _phase(out, args.json, f"loading {args.model}"):
+        workload = load_workload(args.model, device="cpu", batch_size=args.batch_size,
+                                 seed=args.seed)
+        if args.init:
+            load_weights(workload.model, args.init)
+    with _phase(out, args.json, f"capturing, planning ({args.policy}) and compiling"):
+        workload, program = _program(workload, args)
     _warn_unsplit(program.plan, out)
     optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
                   args.warmup, args.min_lr)
@@ -593,7 +606,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                         TimeRemainingColumn(), console=out, transient=False,
-                        disable=args.json)
+                        disable=args.json or not out.is_terminal)
     task = progress.add_task(f"{program.plan.graph.name}: {args.policy} "
                              f"x{program.plan.world_size}", total=args.steps,
                              status="starting workers")
@@ -607,7 +620,12 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                         status=f"loss {record['loss']:.4f}  {speed}")
         if args.json:
             emit(record)
+        elif not out.is_terminal and (record["step"] % args.log_every == 0
+                                      or record["step"] in (1, args.steps)):
+            out.print(f"step {record['step']}/{args.steps}: loss {record['loss']:.4f}, {speed}")
 
+    if not args.json and not out.is_terminal:
+        out.print(f"starting {program.plan.world_size} workers ...")
     try:
         with progress:
             result = train(program, workload, args.data or example_batches(workload),
@@ -922,6 +940,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
 }
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chronotope",
@@ -1164,6 +1193,12 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics", type=existing_file, metavar="METRICS.jsonl")
     plot.add_argument("--out", type=png_file, default="loss.png", metavar="FILE.png")
     _common_args(plot, model=False)
+    for command in sub.choices.values():  # --help shows what each option defaults to
+        command.formatter_class = _DefaultsShown
+        for action in command._actions:
+            if action.help is None and action.option_strings and \
+                    action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "(default: %(default)s)"
     return p
 
 
@@ -1191,6 +1226,9 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
                      help="write checkpoints (torch.distributed.checkpoint) into DIR")
     cmd.add_argument("--save-every", type=positive_int, default=None, metavar="K",
                      help="a checkpoint every K steps (default: after the last step only)")
+    cmd.add_argument("--log-every", type=positive_int, default=10, metavar="K",
+                     help="when stdout is not a terminal (a log file), a line every K steps "
+                          "and for the first and the last")
     cmd.add_argument("--skip-nonfinite", action="store_true",
                      help="skip, on every rank, a step whose loss is not finite (default: "
                           "stop the run there, naming the step and its batches)")

@@ -233,6 +233,18 @@ def test_the_command_line_trains_streams_records_saves_exports_and_plots(tmp_pat
     assert code == 0 and [json.loads(x).get("step") for x in out.splitlines()][:2] == [4, 5]
 
 
+def test_a_log_file_gets_each_phase_as_it_starts_and_a_line_every_k_steps(capsys):
+    """Under nohup or a batch scheduler stdout is a file: no progress bar, but lines."""
+    code, out, _ = cli("train", "gpt", "--devices", "2", "--steps", "5", "--log-every", "2",
+                       capsys=capsys)
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == "loading gpt ...", out
+    assert "capturing, planning (dp) and compiling ..." in lines
+    assert "starting 2 workers ..." in lines
+    assert [x.split(":")[0] for x in lines if x.startswith("step ")] == \
+        ["step 1/5", "step 2/5", "step 4/5", "step 5/5"]
+
+
 def test_training_starts_from_given_weights(tmp_path, capsys):
     other, batch = get_workload("gpt", seed=1), get_workload("gpt").inputs
     torch.save(other.model.state_dict(), tmp_path / "init.pt")
