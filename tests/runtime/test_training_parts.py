@@ -1,6 +1,7 @@
 """The parts of a training run, in one process: who writes which chunk of a checkpoint,
 optimizer groups and schedules, batches and their shapes, weights to start from."""
 
+import json
 import math
 import warnings
 
@@ -17,7 +18,7 @@ from chronotope.policies import mesh, pipeline, zero
 from chronotope.runtime import checkpoint
 from chronotope.runtime.checkpoint import CheckpointError, load_weights, writers
 from chronotope.runtime.data import Batches, BatchLayout, DataError, DataRandom
-from chronotope.runtime.metrics import read_jsonl
+from chronotope.runtime.metrics import JsonlLog, read_jsonl
 from chronotope.runtime.optim import Optim
 from chronotope.viz import plot_losses
 
@@ -199,3 +200,20 @@ def test_a_metrics_file_plots_and_a_bad_line_is_named(tmp_path):
     bad.write_text('{"step": 1, "loss": 2.0}\nnot json\n')
     with pytest.raises(ct.ChronotopeError, match="bad.jsonl:2 is not a JSON line"):
         read_jsonl(bad)
+
+
+def test_a_resumed_runs_metrics_continue_without_repeating_steps(tmp_path):
+    """A run stopped at step 5 with its last checkpoint at step 3 trains steps 4 and 5
+    again: their old lines go, so the file has each step once, in order."""
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlLog(path)
+    for step in range(1, 6):
+        first({"step": step, "loss": 1.0})
+    first.close()
+    again = JsonlLog(path)
+    for step in (4, 5, 6):
+        again({"step": step, "loss": 0.5})
+    again.close()
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in read_jsonl(path)][3:] == [0.5, 0.5, 0.5]

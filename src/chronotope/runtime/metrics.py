@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +12,42 @@ from chronotope.errors import ChronotopeError
 
 
 class JsonlLog:
-    """One JSON object per line and step, flushed as it comes (``chronotope plot`` reads it)."""
+    """One JSON object per line and step, flushed as it comes (``chronotope plot`` reads it).
+    A run resumed from an earlier step than the file reaches continues it from there: the
+    lines of the steps it trains again are dropped, not repeated."""
 
     def __init__(self, path: str | Path) -> None:
-        self.file = open(path, "a")  # noqa: SIM115  (closed by close())
+        self.path = Path(path)
+        self.file: Any = None
 
     def __call__(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            self._continue_before(int(record["step"]))
+            self.file = open(self.path, "a")  # noqa: SIM115  (closed by close())
         self.file.write(json.dumps(_finite(record)) + "\n")
         self.file.flush()
 
+    def _continue_before(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step(line) < step]
+        if len(kept) < len(lines):
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text("".join(kept))
+            os.replace(partial, self.path)
+
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _step(line: str) -> float:
+    """A metrics line's step (a line that is no record is kept: before every step)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -math.inf
 
 
 class TensorBoardLog:
