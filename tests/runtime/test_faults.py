@@ -52,6 +52,11 @@ def test_a_loss_that_is_not_finite_stops_every_rank_at_its_step_or_is_skipped():
     result = train(program, w, batches, 4, blowing_up, skip_nonfinite=True)
     assert [r.get("skipped", False) for r in result.records] == [False, True, True, True]
     assert all(torch.isfinite(p).all() for p in result.params.values())
+    # the first step's gradient norm, as plain PyTorch finds it on one device
+    w.model.zero_grad()
+    w.model(*batches[0]).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in w.model.parameters()])
+    assert result.records[0]["grad_norm"] == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_what_can_be_checked_before_the_work_is(tmp_path):

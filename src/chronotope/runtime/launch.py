@@ -84,14 +84,14 @@ class Stop:
     def _note(self, signum: int, frame: object) -> None:
         self.signum = signum
 
-    def agreed(self, bad: bool = False) -> tuple[int, bool]:
-        """The signal any rank got (0: none), and whether any rank found its step ``bad``
-        (a loss that is not finite): the same on every rank."""
+    def agreed(self, *bad: bool) -> tuple[int, ...]:
+        """The signal any rank got (0: none), then for each of ``bad`` (a loss that is not
+        finite, say) whether any rank found it: the same on every rank."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.signum, bad
-        flags = torch.tensor([self.signum, int(bad)], device=self.device)
+            return (self.signum, *map(int, bad))
+        flags = torch.tensor([self.signum, *map(int, bad)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0]), bool(flags[1])
+        return tuple(int(f) for f in flags)
 
 
 def free_port() -> int:

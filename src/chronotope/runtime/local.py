@@ -229,9 +229,10 @@ class Rank:
             with torch.enable_grad():
                 self.step_fn(rt)
 
-    def update(self, grad_scale: float = 1.0) -> bool:
+    def update(self, grad_scale: float = 1.0, norm: float | None = None) -> bool:
         """The optimizer step on the gradients gathered so far, times ``grad_scale`` (the
         mean over accumulated batches); then every stored copy of a region is refreshed.
+        ``norm``: their global norm (times ``grad_scale``) if known, for clipping.
         False when fp16's loss scaling skipped the step (an inf or NaN on some rank)."""
         if self.scaler is not None:
             if not self._unscale(grad_scale):
@@ -241,7 +242,7 @@ class Rank:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         if self.clip is not None:
-            self.clip_gradients(self.clip)
+            self.clip_gradients(self.clip, norm)
         if self.optimizer:
             self.optimizer.step()
         if self.refresh_fn:
@@ -262,19 +263,21 @@ class Rank:
             found = self.transport.all_reduce(found, self.world, self.unit_rank)
         return self.scaler.update(bool(found.item() > 0))
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """Scale every rank's gradients so their global norm is at most ``max_norm``.
-
-        Each rank sums the squares of the regions it owns (a region owned by k ranks
-        counts 1/k on each); one all-reduce gives the norm of the whole model.
-        """
+    def grad_norm(self) -> float:
+        """The global norm of the gradients: each rank sums the squares of the regions it
+        owns (a region owned by k ranks counts 1/k on each); one all-reduce sums those."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for key, p in self.params.items():
             if p.grad is not None:
                 local += self.norm_weights[key] * p.grad.double().pow(2).sum()
         total = self.transport.all_reduce(local, self.world, self.unit_rank) \
             if len(self.world) > 1 else local
-        norm = float(total.sqrt())
+        return float(total.sqrt())
+
+    def clip_gradients(self, max_norm: float, norm: float | None = None) -> float:
+        """Scale every rank's gradients so their global norm (``norm``, measured if not
+        given) is at most ``max_norm``."""
+        norm = self.grad_norm() if norm is None else norm
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for p in self.params.values():

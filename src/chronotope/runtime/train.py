@@ -186,15 +186,21 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 rank.batch = {n: t.to(device) for n, t in rows.items()}
                 step_losses += rank.forward_backward()
                 tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
-            stopped, bad = stop.agreed(not all(map(math.isfinite, step_losses)))
+            # the gradients' global norm (fp16's are scaled: its loss scaling skips those)
+            norm = None if rank.scaler else rank.grad_norm() / config.accumulate
+            stopped, bad_loss, bad_norm = stop.agreed(
+                not all(map(math.isfinite, step_losses)),
+                norm is not None and not math.isfinite(norm))
+            bad = bad_loss or bad_norm
             if bad and not config.skip_nonfinite:
                 raise ChronotopeError(
-                    f"the loss is not finite at step {step + 1} (batches {read} to "
-                    f"{batches.read - 1}): the run stops here; lower --lr, check those "
-                    "batches, or skip such steps with --skip-nonfinite")
+                    f"the {'loss' if bad_loss else 'gradient norm'} is not finite at step "
+                    f"{step + 1} (batches {read} to {batches.read - 1}): the run stops here; "
+                    "lower --lr, check those batches, or skip such steps with "
+                    "--skip-nonfinite")
             if bad:
                 rank.zero_grad()
-            taken = not bad and rank.update(1 / config.accumulate)
+            taken = not bad and rank.update(1 / config.accumulate, norm)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - begin
@@ -203,7 +209,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 loss = sum(step_losses) / len(step_losses)
                 losses.append(loss)
                 if report:
-                    record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": seconds,
+                    record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                              "step_s": seconds,
                               "samples_per_s": samples / seconds,
                               "tokens_per_s": tokens / seconds if tokens else None}
                     if rank.scaler is not None:  # fp16: the scale
@@ -307,13 +314,14 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     ``data`` is ``path/to/file.py:fn``, a function returning an iterable of batches, or
     the iterable; a batch is shaped like the example batch (the model's inputs, then
     its targets; or a dict of keyword arguments). ``on_step`` gets rank 0's record of
-    each step as it ends (step, loss, lr, step_s, samples_per_s, tokens_per_s; under fp16
-    also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
+    each step as it ends (step, loss, lr, grad_norm, step_s, samples_per_s, tokens_per_s;
+    under fp16 also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
     ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
     ``save``: a folder this run alone saves into (``checkpoint.lease``), keeping the newest
-    ``keep`` checkpoints (0: all). A step whose loss is not finite stops the run, naming
-    it and its batches, or with ``skip_nonfinite`` is skipped on every rank (``skipped``
-    in its record). Returns the losses of the steps run, the final weights and buffers.
+    ``keep`` checkpoints (0: all). A step whose loss or gradient norm is not finite stops
+    the run, naming it and its batches, or with ``skip_nonfinite`` is skipped on every
+    rank (``skipped`` in its record). Returns the losses of the steps run, the final
+    weights and buffers.
     """
     precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
