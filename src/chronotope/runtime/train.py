@@ -315,8 +315,9 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     the iterable; a batch is shaped like the example batch (the model's inputs, then
     its targets; or a dict of keyword arguments). ``on_step`` gets rank 0's record of
     each step as it ends (step, loss, lr, grad_norm, step_s, samples_per_s, tokens_per_s;
-    under fp16 also loss_scale and skipped). ``precision`` is mixed precision (``Precision("bf16")``);
-    ``compile`` a ``torch.compile`` backend for the forward regions (``rank_specs``).
+    under fp16 also loss_scale and skipped). ``precision`` is mixed precision
+    (``Precision("bf16")``); ``compile`` a ``torch.compile`` backend for the forward
+    regions (``rank_specs``).
     ``save``: a folder this run alone saves into (``checkpoint.lease``), keeping the newest
     ``keep`` checkpoints (0: all). A step whose loss or gradient norm is not finite stops
     the run, naming it and its batches, or with ``skip_nonfinite`` is skipped on every
