@@ -15,7 +15,7 @@ MODEL = textwrap.dedent("""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 1)
+            self.a, self.b = nn.Linear(6, 4), nn.Linear(4, 1)
 
         def forward(self, x):
             h = torch.tanh(self.a(x))

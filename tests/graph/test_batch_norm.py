@@ -103,11 +103,11 @@ def test_data_parallel_normalizes_with_the_whole_batch(name, frontend):
     assert_trains_like_one_device(mesh(graph, dp=2), w)
 
 
-@pytest.mark.parametrize("plan", ["dp4", "dp2-micro2", "zero3", "tp2", "dp2-pp2"])
+@pytest.mark.parametrize("plan", ["dp4", "dp2-micro2", "zero3", "pp2", "dp2-pp2"])
 def test_other_plans_keep_single_device_statistics(plan):
     w, graph = captured("bn2d", "fx")
     plans = {"dp4": lambda: mesh(graph, dp=4), "dp2-micro2": lambda: mesh(graph, dp=2, micro=2),
-             "zero3": lambda: zero(graph, 2, 3), "tp2": lambda: mesh(graph, tp=2),
+             "zero3": lambda: zero(graph, 2, 3), "pp2": lambda: mesh(graph, pp=2),
              "dp2-pp2": lambda: mesh(graph, dp=2, pp=2)}
     assert_trains_like_one_device(plans[plan](), w)
 
