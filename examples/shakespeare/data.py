@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 CORPUS = Path(__file__).with_name("input.txt")  # the first ~250 KB of Tiny Shakespeare
 BLOCK = 64  # characters a sample sees
 BATCH = 16  # samples a step reads (dp splits them among the ranks)
+HELD_OUT = 0.1  # the corpus's last tenth: validation text, never trained on
 
 
 @cache
@@ -52,12 +53,20 @@ class Windows(Dataset):
 
 
 @cache
-def windows() -> Windows:
-    return Windows(encode(text()))
+def windows(split: str = "train") -> Windows:
+    """The training text's windows, or (``"validation"``) the held-out tenth's."""
+    ids = encode(text())
+    cut = int(len(ids) * (1 - HELD_OUT))
+    return Windows(ids[:cut] if split == "train" else ids[cut:])
 
 
 def batches() -> DataLoader:
-    """One pass over the corpus in random order. Every rank calls this itself: the
-    shuffle draws from torch's generator, which chronotope seeds alike on every rank,
+    """One pass over the training text in random order. Every rank calls this itself:
+    the shuffle draws from torch's generator, which chronotope seeds alike on every rank,
     and ``drop_last`` keeps every batch the example batch's shape."""
     return DataLoader(windows(), batch_size=BATCH, shuffle=True, drop_last=True)
+
+
+def validation() -> DataLoader:
+    """The held-out text in order (``--eval-data``): its loss is the validation loss."""
+    return DataLoader(windows("validation"), batch_size=BATCH, drop_last=True)

@@ -22,6 +22,7 @@ from data import decode, encode  # data.py and model.py sit next to this script
 from model import char_gpt
 
 DATA = f"{Path(__file__).resolve().with_name('data.py')}:batches"  # workers import it by path
+VALIDATION = f"{Path(__file__).resolve().with_name('data.py')}:validation"  # held-out text
 
 
 @torch.no_grad()
@@ -58,6 +59,9 @@ def plot(records: list[dict], path: str) -> None:
     ax.set_ylabel("cross-entropy (nats per character)")
     ax.set_title("char-level GPT on Tiny Shakespeare, dp on 2 gloo processes")
     ax.grid(alpha=0.3)
+    evaluated = [r for r in records if "eval_loss" in r]
+    ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], color="tab:red",
+            marker="o", label="validation loss (held-out tenth)")
     lr = ax.twinx()
     lr.plot(steps, [r["lr"] for r in records], color="tab:orange", linewidth=1, label="lr")
     lr.set_ylabel("learning rate", color="tab:orange")
@@ -75,6 +79,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=30, help="steps of linear warmup")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="steps between validation losses")
     parser.add_argument("--metrics", default="metrics.jsonl", help="one JSON record a step")
     parser.add_argument("--plot", metavar="PNG", help="draw the loss curve here")
     args = parser.parse_args()
@@ -92,14 +98,17 @@ def main() -> None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if record["step"] % 50 == 0 or record["step"] in (1, args.steps):
-                print(f"step {record['step']:4d}  loss {record['loss']:.4f}  "
+                evaluated = f"  validation {record['eval_loss']:.4f}" \
+                    if "eval_loss" in record else ""
+                print(f"step {record['step']:4d}  loss {record['loss']:.4f}{evaluated}  "
                       f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:.0f} ms")
 
         result = train(program, workload, DATA, args.steps, optim, seed=args.seed,
-                       on_step=on_step)
+                       on_step=on_step, eval_data=VALIDATION, eval_every=args.eval_every)
 
-    print(f"final loss {result.losses[-1]:.4f}; {mean_step_time(result) * 1e3:.1f} ms a step "
-          f"(mean after the first) on {args.devices} processes")
+    print(f"final loss {result.losses[-1]:.4f}, validation loss "
+          f"{result.records[-1]['eval_loss']:.4f}; {mean_step_time(result) * 1e3:.1f} ms a "
+          f"step (mean after the first) on {args.devices} processes")
     if args.plot:
         plot(result.records, args.plot)
         print(f"loss curve: {args.plot}")

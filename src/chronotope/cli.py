@@ -590,6 +590,9 @@ def _phase(out: Console, quiet: bool, what: str) -> Iterator[None]:
 
 def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     _check_backend(args)
+    if (args.eval_every or args.eval_batches) and not args.eval_data:
+        raise ChronotopeError("--eval-every and --eval-batches say how to evaluate on "
+                              "--eval-data FILE.py:fn: give it too")
     with _phase(out, args.json, f"loading {args.model}"):
         workload = load_workload(args.model, device="cpu", batch_size=args.batch_size,
                                  seed=args.seed)
@@ -618,11 +621,16 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         speed = f"{rate:,.0f} tok/s" if rate else f"{record['samples_per_s']:,.1f} samples/s"
         progress.update(task, completed=record["step"],
                         status=f"loss {record['loss']:.4f}  {speed}")
+        evaluated = f", eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
         if args.json:
             emit(record)
-        elif not out.is_terminal and (record["step"] % args.log_every == 0
+        elif evaluated and out.is_terminal:
+            progress.console.print(f"step {record['step']}: eval loss "
+                                   f"{record['eval_loss']:.4f}")
+        elif not out.is_terminal and (record["step"] % args.log_every == 0 or evaluated
                                       or record["step"] in (1, args.steps)):
-            out.print(f"step {record['step']}/{args.steps}: loss {record['loss']:.4f}, {speed}")
+            out.print(f"step {record['step']}/{args.steps}: loss {record['loss']:.4f}"
+                      f"{evaluated}, {speed}")
 
     if not args.json and not out.is_terminal:
         out.print(f"starting {program.plan.world_size} workers ...")
@@ -632,6 +640,8 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                            args.steps, optim, accumulate=args.accumulate, seed=args.seed,
                            save=args.save, save_every=args.save_every or 0, resume=args.resume,
                            keep=args.keep or 0, skip_nonfinite=args.skip_nonfinite,
+                           eval_data=args.eval_data, eval_every=args.eval_every or 0,
+                           eval_batches=args.eval_batches or 0,
                            on_step=on_step, backend=args.backend, timeout=args.timeout,
                            precision=Precision(args.dtype, args.reduce_dtype),
                            compile=args.compile)
@@ -640,11 +650,14 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             sink.close()
     step_time = mean_step_time(result)
     saved = str(checkpoint.latest(args.save, verify=False)) if args.save else None
+    eval_loss = result.records[-1].get("eval_loss") if result.records else None
     if args.json:
         emit({"final_loss": result.losses[-1] if result.losses else None,
-              "steps": len(result.losses), "step_time_s": step_time, "checkpoint": saved})
+              "eval_loss": eval_loss, "steps": len(result.losses), "step_time_s": step_time,
+              "checkpoint": saved})
         return 0
-    out.print(f"{len(result.losses)} steps: final loss {result.losses[-1]:.4f}, "
+    evaluated = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
+    out.print(f"{len(result.losses)} steps: final loss {result.losses[-1]:.4f}{evaluated}, "
               f"{step_time * 1e3:.1f} ms per step (rank 0, after the first)")
     if saved:
         out.print(f"checkpoint {saved}: continue with --resume {args.save}, or write the "
@@ -1207,6 +1220,15 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
                      help="a function returning an iterable of batches shaped like the "
                           "example batch (a DataLoader works); every rank reads it "
                           "(default: the example batch, again every step)")
+    cmd.add_argument("--eval-data", metavar="FILE.py:fn",
+                     help="validation batches, shaped like --data's: their mean loss with "
+                          "no gradients and dropout off (eval_loss in the metrics), after "
+                          "the last step and every --eval-every steps")
+    cmd.add_argument("--eval-every", type=positive_int, default=None, metavar="K",
+                     help="evaluate every K steps too (default: after the last step only)")
+    cmd.add_argument("--eval-batches", type=positive_int, default=None, metavar="N",
+                     help="evaluate on the first N batches of --eval-data (default: one "
+                          "whole pass; give N for data that never ends)")
     cmd.add_argument("--accumulate", type=positive_int, default=1, metavar="K",
                      help="batches whose gradients make one optimizer step")
     cmd.add_argument("--weight-decay", type=non_negative_float, default=0.0,

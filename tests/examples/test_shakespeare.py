@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "shakespeare"
 MODEL = f"{EXAMPLE / 'model.py'}:char_gpt"
 DATA = f"{EXAMPLE / 'data.py'}:batches"
+VALIDATION = f"{EXAMPLE / 'data.py'}:validation"
 STEPS = 8
 SEED = 3
 OPTIM = Optim(name="adamw", lr=1e-3, weight_decay=0.1, clip=1.0, schedule="cosine", warmup=3,
@@ -64,11 +65,26 @@ def plain_pytorch(steps: int, optim: Optim, seed: int) -> RunResult:
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
+def validation_loss(params: dict[str, torch.Tensor], batches: int) -> float:
+    """The mean loss of the held-out text's first batches under ``params``, in eval mode."""
+    model = load_workload(MODEL, seed=SEED).model
+    model.load_state_dict(params, strict=False)  # lm_head shares wte's weight
+    model.eval()
+    with torch.no_grad():
+        losses = [float(model(idx, targets)) for (idx, targets), _ in
+                  zip(load_function(VALIDATION)(), range(batches))]
+    return sum(losses) / len(losses)
+
+
 def test_dp_on_two_processes_matches_plain_pytorch():
+    """The validation loss too: the held-out batches in eval mode under the final weights."""
     workload = load_workload(MODEL, seed=SEED)
     program = ct.compile(ct.policies.mesh(ct.capture(workload.model, workload.inputs), dp=2))
-    run = train(program, workload, DATA, STEPS, OPTIM, seed=SEED, timeout=30.0)
+    run = train(program, workload, DATA, STEPS, OPTIM, seed=SEED, timeout=30.0,
+                eval_data=VALIDATION, eval_batches=3)
     reference = plain_pytorch(STEPS, OPTIM, SEED)
+    assert run.records[-1]["eval_loss"] == pytest.approx(
+        validation_loss(reference.params, 3), rel=TOLERANCE)
 
     difference = compare(run, reference)
     print(f"\nshakespeare dp=2 vs plain PyTorch after {STEPS} steps: {difference}")

@@ -162,6 +162,8 @@ class Materializer:
             grads = []  # gathered first, handed over after: the sums can then be fused
             for pname in self.plan.graph.params:  # one order on every rank
                 param = self.plan.graph.params[pname]
+                if param not in self.plan.requires_grad:  # frozen, or a plan's evaluation
+                    continue
                 for owned in self.owned[rank].get(pname, ()):
                     var = self.read(rank, VTensor(self.plan.grad(param), owned.grad),
                                     self.tail[rank])

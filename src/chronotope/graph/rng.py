@@ -29,10 +29,12 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class Stream:
-    """Which numbers a training step draws: one stream per (seed, step)."""
+    """Which numbers a training step draws: one stream per (seed, step). Out of
+    ``training`` (an evaluation) dropout keeps everything, as under ``model.eval()``."""
 
     seed: int = 0
     step: int = 0
+    training: bool = True
 
 
 def _mul32(x: Any, c: int) -> Any:
@@ -85,7 +87,7 @@ def normal(stream: Stream, key: int, shape: Sequence[int], region: Region = None
 def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
             *, key: int, stream: Stream = Stream(), region: Region = None) -> torch.Tensor:
     """``F.dropout``: zero each element with probability ``p``, scale the rest by 1/(1-p)."""
-    if not training or p == 0:
+    if not (training and stream.training) or p == 0:
         return input
     keep = uniform(stream, key, input.shape, region, device=input.device) >= p
     scale = keep.to(input.dtype) / (1 - p) if p < 1 else keep.to(input.dtype)
@@ -96,7 +98,7 @@ def native_dropout(input: torch.Tensor, p: float, train: bool | None, *, key: in
                    stream: Stream = Stream(), region: Region = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``aten.native_dropout`` (the exported form): the output and the kept mask."""
-    if not train or p == 0:
+    if not (train and stream.training) or p == 0:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
     keep = uniform(stream, key, input.shape, region, device=input.device) >= p
     return input * keep.to(input.dtype) / (1 - p), keep
@@ -172,7 +174,7 @@ def attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
     """``F.scaled_dot_product_attention`` with dropout on the attention weights, written
     out so that a piece (some batch rows, heads or queries) drops exactly its slice of
     the weights. ``region`` is the piece's box of the output; keys are always whole."""
-    if dropout_p == 0:
+    if dropout_p == 0 or not stream.training:
         return F.scaled_dot_product_attention(query, key_, value, attn_mask, 0.0, is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
     L, S = query.shape[-2], key_.shape[-2]

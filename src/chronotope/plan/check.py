@@ -20,7 +20,7 @@ from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.autocast import Saves, casting, itemsizes, saves
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
-from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp
+from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp, differentiable
 from chronotope.plan.replicas import Replicas, replicas
 from chronotope.plan.steps import cells_of, check_steps, held_at_most
 from chronotope.plan.steps import kept as micro_batches_kept
@@ -114,7 +114,8 @@ def check(plan: Plan) -> CheckedPlan:
     unassigned = [op for op in forward if op.device is None]
     if unassigned:
         raise UnassignedOpError(_unassigned_message(unassigned))
-    scaled = replicas(plan.graph, plan.registry, plan.requires_grad, plan.replicas,
+    # the training step's gradients say what stays partial over replicas, in its evaluation too
+    scaled = replicas(plan.graph, plan.registry, differentiable(plan.graph), plan.replicas,
                       plan.ndevices) if plan.replicas > 1 else None
     backward = [b for f in forward if (b := plan.backward_op(f)) is not None]
     weight = [w for f in forward if (w := plan.weight_op(f)) is not None]

@@ -11,6 +11,7 @@ may wait to fill a pipeline's idle time.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -581,6 +582,32 @@ class Plan:
                 self._set_device(m, device)
 
     # ---- check and report -----------------------------------------------------------------
+
+    def evaluation(self) -> Plan:
+        """This plan's forward alone, for a validation loss: the same pieces on the same
+        devices storing the same parameter regions, with no backward, no gradient sums and
+        no optimizer step; a pipeline runs its forwards in its order. Run it with the
+        stream out of training (``rng.Stream``) and dropout keeps everything, as under
+        ``model.eval()``. A forward that updates buffers (batch norm's running statistics)
+        normalizes with the batch's statistics in this graph, unlike ``model.eval()``: it
+        is refused."""
+        if self.graph.buffer_updates:
+            raise PlanError(
+                f"{self.graph.name} updates buffers in its forward "
+                f"({', '.join(sorted(self.graph.buffer_updates))}): its training graph "
+                "normalizes with each batch's statistics, so evaluating it would not give "
+                "model.eval()'s loss; evaluate the exported weights on one device instead")
+        plan = copy.copy(self)
+        plan.requires_grad, plan.grads = set(), {}
+        plan._backward, plan._weight = {}, {}
+        plan._by_name = {n: op for n, op in self._by_name.items() if not op.is_backward}
+        plan.recomputed, plan.swapped, plan.split = set(), set(), set()
+        plan.orders = [o for o in self.orders if not any(
+            isinstance(ref, BackwardOf) or getattr(ref, "is_backward", False)
+            for ref in (o.before, o.after))]
+        plan.steps = {d: [s for s in steps if s[0] == "F"] for d, steps in self.steps.items()}
+        plan.checked = None
+        return plan
 
     def check(self) -> CheckedPlan:
         """Dependencies, deadlocks, placement and memory; see ``chronotope.plan.check``."""

@@ -172,11 +172,12 @@ def _numpy_set(state: Any) -> None:
 
 
 class Batches:
-    """Batch after batch from a data source, passes over it repeated as needed; ``start``
-    batches are read and skipped first (a resumed run)."""
+    """Batch after batch from a data source, passes over it repeated as needed (``once``:
+    one pass, as an evaluation reads); ``start`` batches are read and skipped first (a
+    resumed run)."""
 
     def __init__(self, source: DataSource, layout: BatchLayout, seed: int = 0,
-                 start: int = 0) -> None:
+                 start: int = 0, once: bool = False) -> None:
         self.label = source if isinstance(source, str) else getattr(
             source, "__qualname__", type(source).__name__)
         self.source = resolve(source)
@@ -185,6 +186,7 @@ class Batches:
         self.read = 0  # batches taken so far
         self.passes = 0  # passes over the data begun
         self.in_pass = 0  # batches taken in this pass
+        self.once = once
         self._it: Iterator[Any] | None = None
         for _ in range(start):
             self._next_raw()
@@ -199,6 +201,8 @@ class Batches:
                 except StopIteration:
                     if not self.in_pass:
                         raise DataError(f"the data {self.label} gives no batches") from None
+                    if self.once:
+                        raise
                     self._it = None
                     continue
                 self.in_pass += 1

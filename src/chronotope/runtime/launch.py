@@ -62,6 +62,21 @@ STOP_GRACE = 60.0  # seconds workers get, once told to stop, to end their step a
 ORPHAN_POLL = 0.5  # seconds between a worker's looks at whether its launcher is alive
 
 
+@contextmanager
+def _on_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` takes SIGINT and SIGTERM while inside, the previous handlers after; in the
+    main thread only, the one Python delivers signals to."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
 class Stop:
     """Whether to stop a training run after this step: a stop signal to any rank stops
     every rank after the same step (the ranks agree on it with one all-reduce per step),
@@ -69,17 +84,14 @@ class Stop:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.signum = device, 0
-        self.previous: dict[int, Any] = {}
+        self.handling = _on_stop_signals(self._note)
 
     def __enter__(self) -> Stop:
-        if threading.current_thread() is threading.main_thread():
-            for s in STOPS:
-                self.previous[s] = signal.signal(s, self._note)
+        self.handling.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+    def __exit__(self, *exc: Any) -> None:
+        self.handling.__exit__(*exc)
 
     def _note(self, signum: int, frame: object) -> None:
         self.signum = signum
@@ -207,15 +219,8 @@ def _passed_on(processes: list, stopped: list[int]) -> Iterator[None]:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
 
-    if threading.current_thread() is not threading.main_thread():
+    with _on_stop_signals(stop):
         yield
-        return
-    previous = {s: signal.signal(s, stop) for s in STOPS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _wait(processes: list, watch: Callable[[], None] | None, stopped: list[int]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ class RankSpec:
     # A torch.compile backend: the code's forward regions (``forward_<k>``) run through it.
     compile: str | None = None
     unit: int | None = None  # a scaled plan's devices per replica (``code`` is replica 0's)
+    eval_code: str | None = None  # the plan's evaluation (``Plan.evaluation``), if asked for
 
 
 def check_compile(backend: str | None) -> None:
@@ -63,12 +65,17 @@ def check_compile(backend: str | None) -> None:
                               "eager to check what the graphs capture)")
 
 
-def rank_specs(program: Program, workload: Workload, compile: str | None = None
-               ) -> list[RankSpec]:
+def rank_specs(program: Program, workload: Workload, compile: str | None = None,
+               evaluation: Program | None = None) -> list[RankSpec]:
     """What each rank runs; with ``compile`` (a ``torch.compile`` backend), each run of
     forward pieces between communications is a function the rank compiles with it. A
-    scaled plan's replicas each run the unit's code on their rows of ``workload``'s batch."""
+    scaled plan's replicas each run the unit's code on their rows of ``workload``'s batch.
+    ``evaluation``: the compiled ``program.plan.evaluation()``, which each rank runs on
+    the parameter regions it trains."""
     check_compile(compile)
+    if evaluation is not None and evaluation.stored != program.stored:
+        raise ChronotopeError("the evaluation program stores other parameter regions than "
+                              "the training program: compile it from program.plan.evaluation()")
     graph = program.plan.graph
     unit, replicas = program.ndevices, program.plan.replicas
     full = {n: p.detach() for n, p in workload.model.named_parameters()}
@@ -86,6 +93,8 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
         for key in regions:
             owners[key] += 1
     codes = [program.code(rank, regions=compile is not None) for rank in range(unit)]
+    evals = [evaluation.code(rank, regions=compile is not None) if evaluation else None
+             for rank in range(unit)]
     groups = world_groups(program.groups, unit, replicas)
     return [
         RankSpec(
@@ -94,7 +103,7 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None
              for name, regions in program.stored[rank].items() for region in regions},
             updated[r * unit + rank], state, batches[r], targets, groups,
             {key: 1 / owners[key] for key in updated[r * unit + rank]},
-            unit * replicas, compile, unit if replicas > 1 else None,
+            unit * replicas, compile, unit if replicas > 1 else None, evals[rank],
         )
         for r in range(replicas) for rank in range(unit)
     ]
@@ -155,13 +164,11 @@ class Rank:
         self.scaler = self.precision.scaler() if self.precision else None  # fp16 only
         self.code = spec.code
         self.filename = f"<chronotope rank {spec.rank}>"
-        scope: dict[str, Any] = {}
-        exec(compile(spec.code, self.filename, "exec"), scope)
-        if spec.compile is not None:
-            for name in [n for n in scope if n.startswith(FUNCTION)]:
-                scope[name] = torch.compile(scope[name], backend=spec.compile)
+        scope = _module(spec.code, self.filename, spec.compile)
         self.step_fn = scope["step"]
         self.refresh_fn = scope.get("refresh")
+        self.eval_fn = _module(spec.eval_code, f"<chronotope rank {spec.rank} evaluation>",
+                               spec.compile)["step"] if spec.eval_code else None
         self.stored = {k: v.to(self.device) for k, v in spec.params.items()}
         # What the optimizer updates is a view of what the pieces read: no second copy.
         self.params = {k: nn.Parameter(self._view(*k)) for k in spec.owned}
@@ -220,6 +227,23 @@ class Rank:
         self.transport.flush()
         return rt.losses
 
+    def evaluate(self) -> list[float]:
+        """The plan's evaluation on ``self.batch``: its losses (where the loss is), with
+        no gradient, dropout off, and the buffers and random stream left as they were."""
+        if self.eval_fn is None:
+            raise ChronotopeError(f"rank {self.rank} has no evaluation program: make its "
+                                  "specs with rank_specs(..., evaluation=...)")
+        rt = StepContext(self.unit_rank, self.device, self.stored, self.params,
+                         dict(self.state), self.batch, self.transport, self.targets,
+                         stream=Stream(self.seed, self.steps, training=False),
+                         precision=self.precision, replica=self.replica)
+        cast = self.precision.autocast(self.device.type) if self.precision else \
+            contextlib.nullcontext()
+        with torch.no_grad(), cast:
+            self.eval_fn(rt)
+        self.transport.flush()
+        return rt.losses
+
     def _run(self, rt: StepContext, measure: bool) -> None:
         if measure:
             with torch.enable_grad(), PeakMemory() as watch:
@@ -265,11 +289,12 @@ class Rank:
 
     def grad_norm(self) -> float:
         """The global norm of the gradients: each rank sums the squares of the regions it
-        owns (a region owned by k ranks counts 1/k on each); one all-reduce sums those."""
+        owns (a region owned by k ranks counts 1/k on each); one all-reduce sums those.
+        Each region's norm is taken in its own dtype, as ``clip_grad_norm_`` does: no copy."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for key, p in self.params.items():
             if p.grad is not None:
-                local += self.norm_weights[key] * p.grad.double().pow(2).sum()
+                local += self.norm_weights[key] * torch.linalg.vector_norm(p.grad).double() ** 2
         total = self.transport.all_reduce(local, self.world, self.unit_rank) \
             if len(self.world) > 1 else local
         return float(total.sqrt())
@@ -288,6 +313,17 @@ class Rank:
     def regions(self) -> dict[tuple[str, tuple], torch.Tensor]:
         """The regions this rank stores (the ones it updates are views into them)."""
         return {k: t.detach().cpu() for k, t in self.stored.items()}
+
+
+def _module(code: str, filename: str, backend: str | None) -> dict[str, Any]:
+    """Generated code's names; with a ``torch.compile`` backend, its forward regions
+    compiled with it."""
+    scope: dict[str, Any] = {}
+    exec(compile(code, filename, "exec"), scope)
+    if backend is not None:
+        for name in [n for n in scope if n.startswith(FUNCTION)]:
+            scope[name] = torch.compile(scope[name], backend=backend)
+    return scope
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chronotope.compile import compile as compile_plan
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph
@@ -71,16 +72,24 @@ class TrainConfig:
     precision: Precision | None = None  # mixed precision; None: fp32
     keep: int = 0  # the newest checkpoints kept; 0: all
     skip_nonfinite: bool = False  # a step whose loss is not finite: skipped, not fatal
+    eval_every: int = 0  # steps between evaluations (with eval data); 0: after the last
+    eval_batches: int = 0  # the evaluation data's first batches read; 0: one whole pass
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.accumulate < 1 or self.save_every < 0 or self.keep < 0:
-            raise ValueError("steps and accumulate must be at least 1, save_every and keep "
-                             "at least 0")
+        if self.steps < 1 or self.accumulate < 1 or min(self.save_every, self.keep,
+                                                        self.eval_every,
+                                                        self.eval_batches) < 0:
+            raise ValueError("steps and accumulate must be at least 1, save_every, keep, "
+                             "eval_every and eval_batches at least 0")
 
     def saves_after(self, step: int) -> bool:
         """Whether a checkpoint is written once ``step`` steps are done."""
         return self.save is not None and (
             step == self.steps or (self.save_every > 0 and step % self.save_every == 0))
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the evaluation data's loss is measured once ``step`` steps are done."""
+        return step == self.steps or (self.eval_every > 0 and step % self.eval_every == 0)
 
 
 @dataclass(frozen=True)
@@ -151,10 +160,12 @@ def check_save_folder(config: TrainConfig) -> None:
 
 def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSource,
                config: TrainConfig, resume: Path | None, device: torch.device,
-               report: Callable[[dict[str, Any]], None] | None = None
+               report: Callable[[dict[str, Any]], None] | None = None,
+               eval_data: DataSource | None = None
                ) -> tuple[list[float], dict, list[float], dict]:
     """One rank's run inside an initialized process group: its losses (rank 0), parameter
-    regions, step times and buffers; ``report`` gets rank 0's record of each step."""
+    regions, step times and buffers; ``report`` gets rank 0's record of each step, with
+    the loss on ``eval_data`` (``eval_loss``) after the steps ``config`` evaluates after."""
     rank = Rank(spec, DistTransport(config.timeout, spec.groups), config.optim, device,
                 seed=config.seed, precision=config.precision)
     start = 0
@@ -181,9 +192,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 batch = next(batches)
                 _no_nan(batch, index)
                 _same_everywhere(batch, rank, world, index)
-                rows = replica_rows(batch, spec.world // spec.unit, spec.rank // spec.unit) \
-                    if spec.unit else batch  # a scaled plan's replica trains on its rows
-                rank.batch = {n: t.to(device) for n, t in rows.items()}
+                rank.batch = {n: t.to(device) for n, t in _rows(batch, rank.replica).items()}
                 step_losses += rank.forward_backward()
                 tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
             # the gradients' global norm (fp16's are scaled: its loss scaling skips those)
@@ -205,6 +214,9 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - begin
             times.append(seconds)
+            measured = eval_data is not None and not stopped and config.evaluates_after(
+                step + 1)
+            eval_loss = evaluate(rank, eval_data, job.layout, config) if measured else None
             if spec.rank == 0:
                 loss = sum(step_losses) / len(step_losses)
                 losses.append(loss)
@@ -217,6 +229,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                         record.update(loss_scale=rank.scaler.scale)
                     if rank.scaler is not None or bad:  # whether the step was taken
                         record.update(skipped=not taken)
+                    if measured:
+                        record.update(eval_loss=eval_loss)
                     report(record)
             if config.saves_after(step + 1) or (stopped and config.save):
                 assert config.save is not None
@@ -229,6 +243,35 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if stopped:
                 break
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
+
+
+def evaluate(rank: Rank, data: DataSource, layout: BatchLayout, config: TrainConfig) -> float:
+    """The mean loss of the plan's evaluation over one pass of ``data`` (its first
+    ``config.eval_batches``), the same on every rank: each rank adds up the losses it
+    holds, and one all-reduce adds up the ranks'."""
+    world = rank.world
+    total = torch.zeros(2, dtype=torch.float64, device=rank.device)  # sum, count
+    for index, batch in enumerate(Batches(data, layout, config.seed, once=True)):
+        _no_nan(batch, index)
+        _same_everywhere(batch, rank, world, index)
+        rank.batch = {n: t.to(rank.device) for n, t in
+                      _rows(batch, rank.replica).items()}
+        losses = rank.evaluate()
+        total += torch.tensor([sum(losses), len(losses)], dtype=torch.float64,
+                              device=rank.device)
+        if index + 1 == config.eval_batches:
+            break
+    if len(world) > 1:
+        total = rank.transport.all_reduce(total, world, rank.unit_rank)
+    if not total[1]:
+        raise DataError("the evaluation data gives no batches")
+    return float(total[0] / total[1])
+
+
+def _rows(batch: dict[str, torch.Tensor], replica: tuple[int, int, int] | None
+          ) -> dict[str, torch.Tensor]:
+    """The rows of a batch a rank reads: a scaled plan's replica, its own."""
+    return replica_rows(batch, replica[1], replica[0]) if replica else batch
 
 
 def _no_nan(batch: Mapping[str, torch.Tensor], index: int) -> None:
@@ -274,14 +317,16 @@ def _samples(batch: Mapping[str, torch.Tensor]) -> int:
 
 def _spawned(index: int, specs: list[RankSpec], job: Job, writes: list[checkpoint.Writes],
              data: DataSource, config: TrainConfig, resume: Path | None, backend: str,
-             progress: str) -> tuple[list[float], dict, list[float], dict]:
+             progress: str, eval_data: DataSource | None
+             ) -> tuple[list[float], dict, list[float], dict]:
     device = rank_device(backend, index)
 
     def report(record: dict[str, Any]) -> None:
         with open(progress, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    return train_loop(specs[index], job, writes[index], data, config, resume, device, report)
+    return train_loop(specs[index], job, writes[index], data, config, resume, device, report,
+                      eval_data)
 
 
 class _Tail:
@@ -307,7 +352,8 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, backend: str = "gloo",
           timeout: float = 60.0, precision: Precision | None = None,
-          compile: str | None = None, keep: int = 0, skip_nonfinite: bool = False
+          compile: str | None = None, keep: int = 0, skip_nonfinite: bool = False,
+          eval_data: DataSource | None = None, eval_every: int = 0, eval_batches: int = 0
           ) -> RunResult:
     """Train ``program`` on ``data`` for ``steps`` optimizer steps, one process per rank.
 
@@ -321,19 +367,25 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     ``save``: a folder this run alone saves into (``checkpoint.lease``), keeping the newest
     ``keep`` checkpoints (0: all). A step whose loss or gradient norm is not finite stops
     the run, naming it and its batches, or with ``skip_nonfinite`` is skipped on every
-    rank (``skipped`` in its record). Returns the losses of the steps run, the final
-    weights and buffers.
+    rank (``skipped`` in its record). ``eval_data`` (a data source like ``data``): the
+    plan's evaluation (``Plan.evaluation``: no gradients, dropout off) over one pass of
+    it, or its first ``eval_batches``, every ``eval_every`` steps and after the last;
+    its mean loss is ``eval_loss`` in that step's record. Returns the losses of the
+    steps run, the final weights and buffers.
     """
     precision = precision or plan_precision(program.plan)
     config = TrainConfig(steps, optim or Optim(), accumulate, seed, save, save_every, resume,
-                         timeout, precision, keep, skip_nonfinite)
+                         timeout, precision, keep, skip_nonfinite, eval_every, eval_batches)
     check_trainable(program.plan.graph)
     resolve(data)  # a data file that does not load is named before any worker starts
+    if eval_data is not None:
+        resolve(eval_data)
+    evaluation = compile_plan(program.plan.evaluation()) if eval_data is not None else None
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
     check_save_folder(config)
-    specs = rank_specs(program, workload, compile)
+    specs = rank_specs(program, workload, compile, evaluation)
     check_sendable(specs[0].targets if specs else {})
     writes = checkpoint.plan_writes(program)
     records: list[dict[str, Any]] = []
@@ -351,7 +403,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
         try:
             results = spawn(_spawned, len(specs), (specs, job, writes, data,
                                                    config, resume_path, backend,
-                                                   progress),
+                                                   progress, eval_data),
                             backend, timeout, watch)
         except Interrupted as e:
             raise Interrupted(_interrupted(records, save), e.signum) from None
@@ -391,7 +443,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
     trains from those files and writes its checkpoints into ``DIR/checkpoints``.
     """
     os.makedirs(directory, exist_ok=True)
-    specs = rank_specs(program, workload, compile)
+    specs = rank_specs(program, workload, compile, evaluation)
     check_sendable(specs[0].targets if specs else {})
     paths = []
     for spec in specs:

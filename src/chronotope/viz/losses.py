@@ -8,7 +8,8 @@ from typing import Any
 
 
 def plot_losses(records: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> None:
-    """Loss per step as a PNG; the learning rate on a second axis when the records have it."""
+    """Loss per step as a PNG, with the evaluation loss where the records have it, and the
+    learning rate on a second axis when they have it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,6 +18,11 @@ def plot_losses(records: Sequence[dict[str, Any]], path: str | Path, title: str 
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, [r["loss"] for r in records], color="tab:blue", label="loss")
+    evaluated = [r for r in records if r.get("eval_loss") is not None]
+    if evaluated:
+        ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated],
+                color="tab:red", marker="o", label="eval loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
