@@ -1,8 +1,14 @@
-"""The README's Python examples run as written."""
+"""The README's and docs/' examples run as written: Python snippets and shell commands."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -20,27 +26,6 @@ def test_python_examples_run():
     assert scope["plan"].world_size == 1024
 
 
-def test_the_command_lines_name_files_that_exist_and_the_constraint_example_runs():
-    """Every file a ``chronotope`` line of the README names (path/to/... and FILE
-    placeholders aside) is in the repository, and the search constraint example runs."""
-    import shlex
-
-    from chronotope.cli import main
-
-    root = README.parent
-    lines = [line.split("  #")[0].strip() for block in
-             re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-             for line in block.replace("\\\n", " ").splitlines()]
-    named = {word.split(":")[0] for line in lines if line.startswith("chronotope ")
-             for word in shlex.split(line) if re.fullmatch(r"[\w./-]+\.py(:\w+)?", word)}
-    named = {n for n in named if not n.startswith(("path/to", "FILE"))}
-    assert named and all((root / n).is_file() for n in named), named
-    constrained = next(x for x in lines if "--constrain" in x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert main(shlex.split(constrained)[1:] + ["--no-simulate"]) == 0
-
-
 def test_the_docs_python_examples_run(tmp_path, monkeypatch):
     """Each page of docs/ as one script, in a scratch folder (they write their pictures)."""
     pages = sorted((README.parent / "docs").rglob("*.md"))
@@ -55,3 +40,55 @@ def test_the_docs_python_examples_run(tmp_path, monkeypatch):
                 exec(compile(block, str(page), "exec"), scope)
                 ran += 1
     assert ran
+
+
+ROOT = README.parent
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def shell_blocks() -> list[tuple[str, str]]:
+    """Each ``bash`` block of the README and docs/, named by its page and line."""
+    blocks = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
+            line = text[:match.start()].count("\n") + 1
+            blocks.append((f"{page.relative_to(ROOT)}:{line}", match.group(1)))
+    return blocks
+
+
+def runnable(block: str) -> str:
+    """The block as bash runs it here, inside this test run: ``python -m pytest`` is this
+    run, and of the install line the command after its ``pip install`` steps (CI's
+    ``.ci/run`` installs exactly so)."""
+    lines = []
+    for line in block.splitlines():
+        if line.strip().startswith("python -m pytest"):
+            continue
+        if line.startswith("pip install"):
+            line = line.split("&&")[-1].strip()
+        lines.append(line)
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,block", shell_blocks(), ids=[w for w, _ in shell_blocks()])
+def test_every_shell_command_runs_as_written(where, block, tmp_path):
+    """In a scratch copy of examples/ and docs/ (with tests/ for the zoo's models), so a
+    command's files land there, with this environment's ``chronotope`` and ``python``."""
+    for folder in ("examples", "docs"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                 f"{os.environ.get('PATH', '')}",
+           "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", runnable(block)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{where} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_shell_examples_are_found():
+    """Every ``chronotope`` line of the README is in a block the test above runs."""
+    commands = [line for _, block in shell_blocks() for line in block.splitlines()
+                if line.lstrip().startswith("chronotope ")]
+    assert len(commands) >= 30 and any("--constrain" in c for c in commands)

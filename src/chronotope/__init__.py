@@ -27,14 +27,26 @@ from chronotope.graph import (
 from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.files import load_plan
-from chronotope.runtime.checkpoint import consolidate, load_weights
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
-from chronotope.runtime.train import save, train
 from chronotope.schedule import Schedule, schedule, schedule_primitive, tune
 from chronotope.search import SearchResult, search
 
 __version__ = "0.1.0"
+
+# Loaded when first used: torch.distributed.checkpoint (and the DTensor package it brings)
+# takes about a second to import, which planning and ``--help`` need not pay.
+_ON_DEMAND = {"consolidate": "chronotope.runtime.checkpoint",
+              "load_weights": "chronotope.runtime.checkpoint",
+              "save": "chronotope.runtime.train", "train": "chronotope.runtime.train"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _ON_DEMAND:
+        import importlib
+
+        return getattr(importlib.import_module(_ON_DEMAND[name]), name)
+    raise AttributeError(f"module 'chronotope' has no attribute {name!r}")
 
 __all__ = [
     "CaptureError", "ChronotopeError", "DeadlockError", "Graph", "Mask", "ModelLoadError", "Op",

@@ -59,15 +59,12 @@ from chronotope.policies import (
     timeline,
     zero,
 )
-from chronotope.runtime import checkpoint
-from chronotope.runtime.checkpoint import export, load_weights
 from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
 from chronotope.runtime.optim import LR_SCHEDULES, Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
-from chronotope.runtime.train import mean_step_time, save, train
 from chronotope.schedule import apply, schedule, tune
 from chronotope.search import METHODS, explain
 from chronotope.search import search as find_plan
@@ -458,6 +455,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                               "program can be planned but not written with --out")
     workload, program = _compiled(args, device)
     _warn_unsplit(program.plan, out)
+    from chronotope.runtime.train import save  # torch.distributed.checkpoint: on demand
+
     files = save(program, workload, args.out, compile=args.compile) if args.out else []
     if args.save_plan:
         program.plan.save(args.save_plan)
@@ -589,6 +588,10 @@ def _phase(out: Console, quiet: bool, what: str) -> Iterator[None]:
 
 
 def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    from chronotope.runtime import checkpoint  # torch.distributed.checkpoint: on demand
+    from chronotope.runtime.checkpoint import load_weights
+    from chronotope.runtime.train import mean_step_time, train
+
     _check_backend(args)
     if (args.eval_every or args.eval_batches) and not args.eval_data:
         raise ChronotopeError("--eval-every and --eval-batches say how to evaluate on "
@@ -666,6 +669,9 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
 
 
 def cmd_export(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    from chronotope.runtime import checkpoint  # torch.distributed.checkpoint: on demand
+    from chronotope.runtime.checkpoint import export
+
     target = Path(args.out)
     partial = target.with_name(target.name + ".partial" + target.suffix)
     state = export(args.checkpoint, partial)  # the old file stays until the new one is whole

@@ -16,8 +16,8 @@ from chronotope.models import get_workload, load_function
 from chronotope.policies import mesh, pipeline, zero
 from chronotope.runtime.data import DataRandom
 from chronotope.runtime.local import Rank, rank_specs
-from chronotope.runtime.transport import OrderedTransport
 from chronotope.runtime.train import train
+from chronotope.runtime.transport import OrderedTransport
 
 DATA = f"{Path(__file__).parent / 'train_data.py'}"
 PLANS = {

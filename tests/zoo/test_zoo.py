@@ -124,7 +124,7 @@ def test_trains_like_one_device(family: str, policy: str):
 @pytest.mark.parametrize("family", NOTHING_TO_CUT)
 def test_tensor_parallelism_that_cuts_nothing_is_refused(family: str):
     outcome = check(family, "tp", graph_of(family))
-    assert outcome.status == "error" and outcome.stage == "plan", outcome
+    assert outcome.status == "refused" and outcome.stage == "plan", outcome
     assert "splits nothing" in outcome.error, outcome
 
 

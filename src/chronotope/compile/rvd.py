@@ -16,11 +16,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from typing import TYPE_CHECKING
 
 from chronotope.errors import PlanError
 from chronotope.graph.mask import Mask, ValueRange
+
+if TYPE_CHECKING:  # torch.distributed.tensor takes half a second to import: on demand
+    from torch.distributed.tensor import Placement
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class Layout:
         """A device mesh (its shape, its devices in row-major order) and the placement of
         each of its axes that make this layout: Replicate for R, Partial for V, Shard(i)
         for the splits of dim i. Axes of size 1 are left out."""
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
         axes = [(self.rvd.r, Replicate()), (self.rvd.v, Partial()),
                 *((k, Shard(i)) for i, k in enumerate(self.rvd.d))]
         kept = [(n, p) for n, p in axes if n > 1] or [(1, Replicate())]

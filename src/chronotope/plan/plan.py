@@ -234,6 +234,9 @@ class Plan:
                          count)
 
     def _cut(self, target: PlanOp, algo: Algorithm, pieces: list[Piece]) -> list[PlanOp]:
+        """The pieces of ``target``: what was said of it (its device, recompute, swap,
+        split backward, fusion) holds for each, whichever primitive came first; a
+        backward already made of it gives way to its pieces' own."""
         target.children = []
         target.algo = algo
         for i, p in enumerate(pieces):
@@ -241,6 +244,16 @@ class Plan:
             target.children.append(PlanOp(f"{target.name}.{i}", target.op, p, target.order,
                                           target.device, copies=copies,
                                           grad_copies=grad_copies))
+        for marks in (self.recomputed, self.swapped, self.split):
+            if target in marks:
+                marks.discard(target)
+                marks.update(target.children)
+        if target in self.fused:
+            fusion = self.fused.pop(target)
+            self.fused.update(dict.fromkeys(target.children, fusion))
+        for made in (self._backward.pop(target, None), self._weight.pop(target, None)):
+            if made is not None:
+                del self._by_name[made.name]
         for child in target.children:
             self._add(child)
         self.checked = None
@@ -267,6 +280,9 @@ class Plan:
             if leaf.is_backward:
                 raise PlanError(f"{leaf.name} is a backward op: it runs where its forward runs")
             leaf.device = device
+            for made in (self._backward.get(leaf), self._weight.get(leaf)):
+                if made is not None:  # made before this call: it follows its forward
+                    made.device = device
         self._set_device(op, device)
         self.checked = None
 

@@ -443,7 +443,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
     trains from those files and writes its checkpoints into ``DIR/checkpoints``.
     """
     os.makedirs(directory, exist_ok=True)
-    specs = rank_specs(program, workload, compile, evaluation)
+    specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
     paths = []
     for spec in specs:

@@ -17,8 +17,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
@@ -175,6 +173,9 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
                 vals.append(float(held.flat[j]) / memory)
             col += held.size
         lo.append(0.0), hi.append(1.0)
+    from scipy.optimize import Bounds, LinearConstraint, milp  # slow to import: on demand
+    from scipy.sparse import coo_matrix
+
     A = coo_matrix((vals, (rows, cols)), shape=(len(lo), total)).tocsr()
     integrality = np.zeros(total)
     integrality[:count] = 1
