@@ -168,12 +168,24 @@ def test_a_csv_schedule_trains_like_one_device_on_gloo(capsys, tmp_path):
 def test_recompute_with_zero_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "zero-2", "--devices", "2", "--recompute",
                  "full"]) == 2
-    assert "--recompute and --swap are not available with zero-2" in capsys.readouterr().err
+    assert "policy zero-2 does not read --recompute full (it reads --tp)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy,options,unread", [
+    ("tp", ["--tp", "4", "--coshard", "7", "--chunks", "5"], "--tp 4, --chunks 5, --coshard 7"),
+    ("dp", ["--micro", "4", "--fold"], "--micro 4, --fold"),
+    ("1f1b", ["--chunks", "2"], "--chunks 2"),
+    ("interlaced", ["--swap", "full"], "--swap full"),
+])
+def test_options_a_policy_does_not_read_exit_2_naming_them(capsys, policy, options, unread):
+    assert main(["plan", "gpt", "--policy", policy, "--devices", "2", *options]) == 2
+    assert f"policy {policy} does not read {unread} (it reads" in capsys.readouterr().err
 
 
 def test_csv_policy_without_a_file_exits_2(capsys):
     assert main(["plan", "gpt", "--policy", "csv", "--devices", "2"]) == 2
-    assert "--policy csv needs --schedule FILE.csv" in capsys.readouterr().err
+    assert "csv needs --schedule FILE.csv" in capsys.readouterr().err
 
 
 def test_a_pipeline_that_does_not_divide_the_devices_exits_2(capsys):

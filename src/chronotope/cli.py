@@ -49,16 +49,8 @@ from chronotope.models import Workload, default_device, load_function, load_work
 from chronotope.plan import Plan
 from chronotope.plan.check import format_bytes
 from chronotope.plan.files import load_plan, replicas_of
-from chronotope.policies import (
-    MULTI_STAGE,
-    SCHEDULES,
-    interlaced,
-    mesh,
-    pipeline,
-    read_schedule,
-    timeline,
-    zero,
-)
+from chronotope.policies import POLICIES, ParallelConfig, make, timeline
+from chronotope.policies.config import FLAGS
 from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
@@ -285,94 +277,10 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
     out.print("Give them one with @chronotope.register_op('<signature>').")
 
 
-def _mesh(sequence: bool = False, coshard: bool = False
-          ) -> Callable[[Graph, argparse.Namespace], Plan]:
-    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
-        tp = args.tp or 2
-        group = tp * args.pp
-        if args.pp < 1 or args.devices % group:
-            raise PlanError(f"--tp {tp} x --pp {args.pp} does not divide --devices "
-                            f"{args.devices}: a mesh needs devices = dp * pp * tp")
-        return mesh(graph, args.devices // group, tp, pp=args.pp, micro=args.micro or 1,
-                    sequence=sequence, coshard=args.coshard if coshard else 1,
-                    fold=args.fold, **_activations(args))
-    return policy
-
-
-def _pipeline(schedule: str) -> Callable[[Graph, argparse.Namespace], Plan]:
-    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
-        stages = args.pp if args.pp > 1 else args.devices
-        if args.devices % stages:
-            raise PlanError(f"--pp {stages} stages do not divide --devices {args.devices}: "
-                            "a pipeline needs devices = dp * stages")
-        dp = args.devices // stages
-        micro = _micro(graph, args, stages, dp)
-        chunks = args.chunks if schedule in MULTI_STAGE else 1
-        return pipeline(graph, stages, micro, schedule, dp=dp, chunks=chunks, fold=args.fold,
-                        **_activations(args))
-    return policy
-
-
-def _interlaced(graph: Graph, args: argparse.Namespace) -> Plan:
-    """The shared embedding on every rank, the rest in 1F1B stages over all devices."""
-    if args.recompute or args.swap:
-        raise PlanError("--recompute and --swap are not available with interlaced yet")
-    return interlaced(graph, args.devices, _micro(graph, args, args.devices, 1))
-
-
-def _micro(graph: Graph, args: argparse.Namespace, stages: int, dp: int) -> int:
-    """--micro when given (1 included), else up to two per stage, as many as each group's
-    batch allows."""
-    if args.micro is not None:
-        return args.micro
-    batch = graph.batch_size // dp if graph.batch_size else 1
-    return max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
-
-
-def _activations(args: argparse.Namespace) -> dict[str, str | None]:
-    """What the policy does with activations: keep, recompute or swap (--recompute, --swap)."""
-    return {"recompute": args.recompute, "swap": args.swap}
-
-
-def _zero(stage: int) -> Callable[[Graph, argparse.Namespace], Plan]:
-    def policy(graph: Graph, args: argparse.Namespace) -> Plan:
-        if args.recompute or args.swap:
-            raise PlanError(f"--recompute and --swap are not available with zero-{stage} yet; "
-                            "use them with dp, tp, sp, the meshes or the pipelines")
-        return zero(graph, args.devices, stage, tp=args.tp or 1)
-    return policy
-
-
-def _csv_pipeline(graph: Graph, args: argparse.Namespace) -> Plan:
-    """A pipeline in the order of a torch pipelining CSV: its rows are the stage ranks,
-    its stages and micro-batches size the plan."""
-    if not args.schedule:
-        raise PlanError("--policy csv needs --schedule FILE.csv (one row of actions such as "
-                        "0F1, 0B0 per pipeline rank)")
-    schedule, rows = read_schedule(args.schedule)
-    ranks = len(rows)
-    steps = [step for row in rows.values() for step in row]
-    if not steps or args.devices % ranks:
-        raise PlanError(f"{args.schedule}: {ranks} pipeline ranks do not divide --devices "
-                        f"{args.devices}" if steps else f"{args.schedule} has no F or B steps")
-    stages = max(s for _, s, _ in steps) + 1
-    micro = max(m for _, _, m in steps) + 1
-    return pipeline(graph, ranks, micro, schedule, dp=args.devices // ranks,
-                    chunks=max(1, stages // ranks), **_activations(args))
-
-
-POLICIES: dict[str, Callable[[Graph, argparse.Namespace], Plan]] = {
-    "dp": lambda graph, args: mesh(graph, dp=args.devices, **_activations(args)),
-    "tp": lambda graph, args: mesh(graph, tp=args.devices, **_activations(args)),
-    "sp": lambda graph, args: mesh(graph, tp=args.devices, sequence=True, **_activations(args)),
-    "dp-tp": _mesh(),
-    "dp-sp": _mesh(sequence=True),
-    "coshard": _mesh(coshard=True),
-    "interlaced": _interlaced,
-    **{f"zero-{stage}": _zero(stage) for stage in (1, 2, 3)},
-    **{name: _pipeline(name) for name in SCHEDULES},
-    "csv": _csv_pipeline,
-}
+def _config(args: argparse.Namespace) -> ParallelConfig:
+    """--policy and the options that shape it (``policies.make`` checks them)."""
+    return ParallelConfig(args.policy, args.devices, args.tp, args.pp, args.micro, args.chunks,
+                          args.coshard, args.recompute, args.swap, args.fold, args.schedule)
 
 
 def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
@@ -397,11 +305,8 @@ def _planned(graph: Graph, args: argparse.Namespace, workload: Workload
         return _scheduled(graph, args, workload)
     if args.knob:
         raise PlanError("--knob sets a knob of a module schedule: give --schedule FILE.py:fn")
-    if args.schedule and args.policy != "csv":
-        raise PlanError(f"--schedule {args.schedule} is read by --policy csv only, "
-                        f"not by --policy {args.policy}")
     try:
-        return POLICIES[args.policy](graph, args), workload
+        return make(graph, _config(args), FLAGS), workload
     except PlanError as e:
         raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
 
@@ -1008,9 +913,9 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--tp", type=positive_int, default=None,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes "
                               "(default 2) and inside each zero-* replica (default 1)")
-        cmd.add_argument("--pp", type=positive_int, default=1,
-                         help="pipeline stages (dp-tp, dp-sp: GPipe order; gpipe, 1f1b: "
-                              "default --devices, the rest data parallel)")
+        cmd.add_argument("--pp", type=positive_int, default=None,
+                         help="pipeline stages (dp-tp, dp-sp: GPipe order, default 1; the "
+                              "pipelines: default --devices, the rest data parallel)")
         cmd.add_argument("--micro", type=positive_int, default=None,
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "default 1, and for the pipelines up to 2 x stages, as the "
@@ -1018,10 +923,11 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--fold", action="store_true",
                          help="plan, check and compile one micro-batch and run every "
                               "micro-batch from it (compile time independent of --micro)")
-        cmd.add_argument("--chunks", type=positive_int, default=2,
-                         help="stages each pipeline rank holds (interleaved; zbv: 2)")
-        cmd.add_argument("--coshard", type=positive_int, default=2,
-                         help="pieces per device of each attention and MLP (coshard)")
+        cmd.add_argument("--chunks", type=positive_int, default=None,
+                         help="stages each pipeline rank holds (interleaved, zbv; default 2)")
+        cmd.add_argument("--coshard", type=positive_int, default=None,
+                         help="pieces per device of each attention and MLP (coshard; "
+                              "default 2)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "

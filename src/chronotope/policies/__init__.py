@@ -1,6 +1,7 @@
 """Ready-made plans, each written only with the plan primitives."""
 
 from chronotope.graph.axes import batch_dims, sequence_dims
+from chronotope.policies.config import POLICIES, ParallelConfig, make
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import data_parallel, mesh, sequence_parallel, tensor_parallel
 from chronotope.policies.pipeline import (
@@ -13,6 +14,7 @@ from chronotope.policies.pipeline import (
 from chronotope.policies.timeline import Timeline, timeline
 from chronotope.policies.zero import zero
 
-__all__ = ["MULTI_STAGE", "SCHEDULES", "Timeline", "actions", "batch_dims", "data_parallel",
-           "interlaced", "mesh", "pipeline", "read_schedule", "sequence_parallel",
-           "sequence_dims", "tensor_parallel", "timeline", "zero"]
+__all__ = ["MULTI_STAGE", "POLICIES", "ParallelConfig", "SCHEDULES", "Timeline", "actions",
+           "batch_dims", "data_parallel", "interlaced", "make", "mesh", "pipeline",
+           "read_schedule", "sequence_parallel", "sequence_dims", "tensor_parallel", "timeline",
+           "zero"]

@@ -1,0 +1,204 @@
+"""Ready-made plans by name: one typed configuration, checked in one place.
+
+``ParallelConfig`` says which policy and with what (devices, tp, pp, micro-batches,
+chunks, activations ...); ``make(graph, config)`` builds the plan. The CLI's
+``--policy`` and its options, and anything else that picks a policy by name, go
+through here, so an option is read the same way everywhere, and an option the
+chosen policy does not read is an error naming it rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from chronotope.errors import PlanError
+from chronotope.graph.ir import Graph
+from chronotope.plan.plan import Plan
+from chronotope.policies.interlaced import interlaced
+from chronotope.policies.mesh import mesh
+from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, pipeline, read_schedule
+from chronotope.policies.zero import zero
+
+ACTIVATIONS = ("full", "selective")  # what recompute and swap take
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A policy by name and the options it reads; None (or False): the policy's default.
+
+    ``tp``: the tensor-parallel group of the dp-tp, dp-sp and coshard meshes (default 2)
+    and inside each zero-* replica (default 1); ``pp``: pipeline stages (default 1 for
+    the meshes, all devices for the pipelines, the rest data parallel); ``micro``:
+    micro-batches (default 1 for the meshes; up to 2 per stage for the pipelines, as the
+    batch allows); ``chunks``: stages per rank (interleaved, zbv; default 2);
+    ``coshard``: pieces per device of each attention and MLP (default 2); ``recompute``
+    and ``swap``: "full" or "selective"; ``fold``: plan one micro-batch and run every
+    one from it; ``schedule``: csv's pipeline order, a torch pipelining CSV file."""
+
+    policy: str = "dp"
+    devices: int = 1
+    tp: int | None = None
+    pp: int | None = None
+    micro: int | None = None
+    chunks: int | None = None
+    coshard: int | None = None
+    recompute: str | None = None
+    swap: str | None = None
+    fold: bool = False
+    schedule: str | None = None
+
+    def given(self) -> dict[str, object]:
+        """The options set away from their default (policy and devices aside)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("policy", "devices")
+                and getattr(self, f.name) not in (None, False)}
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How the caller names an option in messages: Python keywords (``tp=4``, the
+    default) or command-line flags (``--tp 4``, the CLI's)."""
+
+    flags: bool = False
+
+    def name(self, option: str) -> str:
+        return "--" + option.replace("_", "-") if self.flags else option
+
+    def said(self, option: str, value: object) -> str:
+        if not self.flags:
+            return f"{option}={value!r}"
+        return self.name(option) if value is True else f"{self.name(option)} {value}"
+
+
+KEYWORDS, FLAGS = Spelling(), Spelling(flags=True)
+Builder = Callable[[Graph, ParallelConfig, Spelling], Plan]
+_ACTIVATION_OPTIONS = frozenset({"recompute", "swap"})
+
+
+def _mesh(sequence: bool = False, coshard: bool = False) -> Builder:
+    def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+        tp, pp = c.tp or 2, c.pp or 1
+        if c.devices % (tp * pp):
+            raise PlanError(f"{say.said('tp', tp)} x {say.said('pp', pp)} does not divide "
+                            f"{say.said('devices', c.devices)}: a mesh needs devices = "
+                            "dp * pp * tp")
+        return mesh(graph, c.devices // (tp * pp), tp, pp=pp, micro=c.micro or 1,
+                    sequence=sequence, coshard=(c.coshard or 2) if coshard else 1,
+                    fold=c.fold, recompute=c.recompute, swap=c.swap)
+    return build
+
+
+def _flat(**kinds: bool) -> Builder:
+    """dp, tp or sp over all devices."""
+    def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+        if kinds.get("dp"):
+            return mesh(graph, dp=c.devices, recompute=c.recompute, swap=c.swap)
+        return mesh(graph, tp=c.devices, sequence=kinds.get("sequence", False),
+                    recompute=c.recompute, swap=c.swap)
+    return build
+
+
+def _pipeline(schedule: str) -> Builder:
+    def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+        stages = c.pp if c.pp and c.pp > 1 else c.devices
+        if c.devices % stages:
+            raise PlanError(f"{say.said('pp', stages)} stages do not divide "
+                            f"{say.said('devices', c.devices)}: a pipeline needs devices = "
+                            "dp * stages")
+        dp = c.devices // stages
+        chunks = (c.chunks or 2) if schedule in MULTI_STAGE else 1
+        return pipeline(graph, stages, _micro(graph, c, stages, dp), schedule, dp=dp,
+                        chunks=chunks, fold=c.fold, recompute=c.recompute, swap=c.swap)
+    return build
+
+
+def _interlaced(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+    """The shared embedding on every rank, the rest in 1F1B stages over all devices."""
+    return interlaced(graph, c.devices, _micro(graph, c, c.devices, 1))
+
+
+def _micro(graph: Graph, c: ParallelConfig, stages: int, dp: int) -> int:
+    """``micro`` when given, else up to two per stage, as many as each group's batch
+    allows."""
+    if c.micro is not None:
+        return c.micro
+    batch = graph.batch_size // dp if graph.batch_size else 1
+    return max(m for m in range(1, 2 * stages + 1) if batch % m == 0)
+
+
+def _zero(stage: int) -> Builder:
+    def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+        return zero(graph, c.devices, stage, tp=c.tp or 1)
+    return build
+
+
+def _csv(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
+    """A pipeline in the order of a torch pipelining CSV: its rows are the stage ranks,
+    its stages and micro-batches size the plan."""
+    if not c.schedule:
+        raise PlanError(f"csv needs {say.said('schedule', 'FILE.csv')}: a torch "
+                        "pipelining CSV file, one row of actions such as 0F1, 0B0 per "
+                        "pipeline rank")
+    schedule, rows = read_schedule(c.schedule)
+    ranks = len(rows)
+    steps = [step for row in rows.values() for step in row]
+    if not steps or c.devices % ranks:
+        raise PlanError(f"{c.schedule}: {ranks} pipeline ranks do not divide "
+                        f"{say.said('devices', c.devices)}" if steps else
+                        f"{c.schedule} has no F or B steps")
+    stages = max(s for _, s, _ in steps) + 1
+    micro = max(m for _, _, m in steps) + 1
+    return pipeline(graph, ranks, micro, schedule, dp=c.devices // ranks,
+                    chunks=max(1, stages // ranks), recompute=c.recompute, swap=c.swap)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A ready-made plan: how it is built and which options it reads."""
+
+    build: Builder
+    reads: frozenset[str]
+    about: str
+
+
+_MESH = frozenset({"tp", "pp", "micro", "fold"}) | _ACTIVATION_OPTIONS
+_PIPELINE = frozenset({"pp", "micro", "fold"}) | _ACTIVATION_OPTIONS
+
+POLICIES: dict[str, Policy] = {
+    "dp": Policy(_flat(dp=True), _ACTIVATION_OPTIONS, "data parallel"),
+    "tp": Policy(_flat(), _ACTIVATION_OPTIONS, "Megatron tensor parallel"),
+    "sp": Policy(_flat(sequence=True), _ACTIVATION_OPTIONS, "tensor + sequence parallel"),
+    "dp-tp": Policy(_mesh(), _MESH, "a dp x pp x tp mesh"),
+    "dp-sp": Policy(_mesh(sequence=True), _MESH, "a dp x pp x tp mesh, sequence parallel"),
+    "coshard": Policy(_mesh(coshard=True), _MESH | {"coshard"},
+                      "dp-tp with several pieces of each attention and MLP per device"),
+    "interlaced": Policy(_interlaced, frozenset({"micro"}),
+                         "1F1B with the shared embedding on every device"),
+    **{f"zero-{s}": Policy(_zero(s), frozenset({"tp"}), f"ZeRO stage {s}") for s in (1, 2, 3)},
+    **{name: Policy(_pipeline(name), _PIPELINE | ({"chunks"} if name in MULTI_STAGE else set()),
+                    f"the {name} pipeline schedule") for name in SCHEDULES},
+    "csv": Policy(_csv, frozenset({"schedule"}) | _ACTIVATION_OPTIONS,
+                  "a pipeline in the order of a torch pipelining CSV file"),
+}
+
+
+def make(graph: Graph, config: ParallelConfig, say: Spelling = KEYWORDS) -> Plan:
+    """The plan ``config`` names, on ``graph``; a PlanError for an unknown policy, for
+    options the policy does not read (naming them), and for values that do not fit.
+    ``say``: how messages name an option (``KEYWORDS``: ``tp=4``; the CLI's ``FLAGS``:
+    ``--tp 4``)."""
+    policy = POLICIES.get(config.policy)
+    if policy is None:
+        raise PlanError(f"unknown policy {config.policy!r}: choose from "
+                        f"{', '.join(POLICIES)}")
+    unread = [say.said(k, v) for k, v in config.given().items() if k not in policy.reads]
+    if unread:
+        reads = ", ".join(map(say.name, sorted(policy.reads))) or "no options"
+        raise PlanError(f"policy {config.policy} does not read {', '.join(unread)} (it "
+                        f"reads {reads}): leave them out, or choose a policy that uses them")
+    for name in ("recompute", "swap"):
+        value = getattr(config, name)
+        if value is not None and value not in ACTIVATIONS:
+            raise PlanError(f"{say.said(name, value)}: use one of {', '.join(ACTIVATIONS)}")
+    return policy.build(graph, config, say)
