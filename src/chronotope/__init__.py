@@ -24,13 +24,13 @@ from chronotope.graph import (
     execute,
     register_op,
 )
-from chronotope.models.workload import Workload
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.files import load_plan
 from chronotope.runtime.launch import run_processes as run
 from chronotope.runtime.optim import Optim
 from chronotope.schedule import Schedule, schedule, schedule_primitive, tune
 from chronotope.search import SearchResult, search
+from chronotope.workload import Workload
 
 __version__ = "0.1.0"
 

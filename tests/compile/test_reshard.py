@@ -19,12 +19,12 @@ from chronotope.compile.program import (
 from chronotope.compile.reshard import is_regather
 from chronotope.compile.simulate import simulate
 from chronotope.cost.network import cluster_for
-from chronotope.models.workload import Workload
 from chronotope.plan.storage import unit
 from chronotope.policies import zero
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.workload import Workload
 from tests.policies.plan_testing import captured, trains_like_one_device
 
 

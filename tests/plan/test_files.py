@@ -7,11 +7,11 @@ import warnings
 import pytest
 
 import chronotope as ct
-from chronotope.cli import POLICIES, main, parser
+from chronotope.cli import main
 from chronotope.errors import PlanError
 from chronotope.models import get_workload
 from chronotope.plan.files import load_plan
-from chronotope.policies import mesh
+from chronotope.policies import POLICIES, ParallelConfig, make, mesh
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
 
@@ -26,12 +26,9 @@ def capture(name="gpt", **overrides):
 
 
 def policy_plan(graph, name: str, devices: int = 4):
-    argv = ["plan", "gpt", "--policy", name, "--devices", str(devices)]
-    if name in PIPELINES:
-        argv += ["--micro", "4"]
-    if name in ("dp", "tp", "1f1b"):
-        argv += ["--recompute", "selective"]
-    return POLICIES[name](graph, parser().parse_args(argv))
+    return make(graph, ParallelConfig(
+        name, devices, micro=4 if name in PIPELINES else None,
+        recompute="selective" if name in ("dp", "tp", "1f1b") else None))
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"csv", "3f1b"}))

@@ -12,8 +12,8 @@ from chronotope.graph.autocast import saves
 from chronotope.graph.capture import model_loss
 from chronotope.graph.memory import PeakMemory
 from chronotope.models import get_workload
-from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.workload import Workload
 
 SHAPES = {
     "gpt": dict(d_model=128, n_head=4, n_layer=2, block_size=128, vocab_size=2048),

@@ -10,11 +10,11 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.models import get_workload
-from chronotope.models.workload import Workload
 from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, rank_specs, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.workload import Workload
 from tests.policies.plan_testing import trains_like_one_device
 
 R = 2  # replicas

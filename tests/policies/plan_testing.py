@@ -5,9 +5,9 @@ import warnings
 import chronotope as ct
 from chronotope.compile.program import Program
 from chronotope.models import get_workload
-from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.workload import Workload
 
 
 def captured(name: str, **kw) -> tuple[Workload, ct.Graph]:

@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -309,6 +310,16 @@ def test_the_torchrun_launcher_trains_on_the_data_and_keeps_the_weights(tmp_path
     assert logged == pytest.approx(here.losses, rel=1e-6)
     weights = checkpoint.consolidate(tmp_path / "checkpoints")
     assert largest_difference({n: weights[n] for n in here.params}, here.params) <= 1e-6
+    # a folder another live run holds is refused on every rank, naming that run
+    lease = {"host": socket.gethostname(), "pid": os.getpid()}
+    (tmp_path / "checkpoints" / checkpoint.LEASE).write_text(json.dumps(lease))
+    held = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(tmp_path / "launch.py"), "--data", f"{DATA}:tokens", "--steps", "4"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert held.returncode != 0
+    assert f"is in use by a run on {lease['host']} (pid {os.getpid()})" in \
+        held.stdout + held.stderr
 
 
 def test_tensorboard_logs_the_steps_or_says_how_to_get_it(tmp_path, capsys):

@@ -25,11 +25,11 @@ from rich.table import Table
 import chronotope as ct
 from chronotope.graph.axes import carried_dim, carry
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
-from chronotope.models.workload import Workload
 from chronotope.plan import Plan
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, RunResult, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
+from chronotope.workload import Workload
 from tests.zoo.models import FAMILIES
 
 STEPS = 2

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers as tf
 from torch import nn
 
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 BATCH = 4
 SEQ = 12

@@ -35,7 +35,7 @@ from chronotope.graph.trace import (
     user_frame,
 )
 from chronotope.graph.verify import CHECK_UP_TO, CaptureMismatch, skipped, verify
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 Frontend = Literal["auto", "fx", "export"]
 

@@ -17,7 +17,7 @@ from chronotope.errors import CaptureError
 from chronotope.graph.batch import Batch
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor
 from chronotope.graph.registry import iter_tensors, map_leaves
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 
 def run_op(op: Op, values: Mapping[PTensor, torch.Tensor], device: torch.device) -> list[Any]:

@@ -21,11 +21,11 @@ from chronotope.compile.program import Free
 from chronotope.compile.simulate import features, instruction_compute
 from chronotope.cost.times import Calibration, OpTime, piece_seconds
 from chronotope.graph.ir import Graph
-from chronotope.models.workload import Workload
 from chronotope.policies import mesh
 from chronotope.runtime.launch import spawn
 from chronotope.runtime.local import Optim, Rank, rank_specs
 from chronotope.runtime.transport import ThreadTransport
+from chronotope.workload import Workload
 
 
 def calibrate(graph: Graph, workload: Workload, times: dict[str, OpTime], steps: int = 5,

@@ -22,8 +22,8 @@ import torch
 from chronotope.cost.times import OpTime
 from chronotope.graph.execute import bind, last_uses, leaves_of, run_op
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind, TensorMeta
-from chronotope.models.workload import Workload
 from chronotope.plan.plan import differentiable
+from chronotope.workload import Workload
 
 
 def measure_ops(graph: Graph, workload: Workload, repeats: int = 3,

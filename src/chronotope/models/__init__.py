@@ -28,7 +28,7 @@ from chronotope.models.hf import hf_bert, hf_gpt2, hf_llama, hf_t5
 from chronotope.models.llama import llama
 from chronotope.models.swin import swin
 from chronotope.models.t5 import t5
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 __all__ = ["BUILTINS", "LARGE", "Workload", "default_device", "get_workload", "import_file",
            "load_function", "load_workload"]

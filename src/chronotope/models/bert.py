@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 MASK_ID = 1  # the [MASK] token of the example batch; any id below vocab_size would do
 

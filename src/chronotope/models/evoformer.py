@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 N_AA = 22  # residue classes of the target features (20 amino acids, unknown, gap)
 N_MSA = 23  # residue classes of an MSA column (adds the mask token)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chronotope.errors import UnknownModelError
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 ATTN = "sdpa"  # torch's fused attention: one op per attention in a captured graph
 

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from chronotope.errors import ChronotopeError
 from chronotope.graph.batch import Batch
 from chronotope.graph.ir import Graph
-from chronotope.models.workload import Workload
+from chronotope.workload import Workload
 
 DataSource = str | Callable[[], Iterable[Any]] | Iterable[Any]
 """``path/to/file.py:fn``, a function returning an iterable of batches, or the iterable."""

@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
-from chronotope.models.workload import Workload
 from chronotope.runtime.local import (
     Optim,
     Rank,
@@ -42,6 +41,7 @@ from chronotope.runtime.local import (
 from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
+from chronotope.workload import Workload
 
 
 class WorkerError(ChronotopeError):
@@ -148,7 +148,7 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: 
 
 def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
             out_dir: str, launcher: int) -> None:
-    threading.Thread(target=_die_with, args=(launcher,), daemon=True).start()
+    threading.Thread(target=die_with, args=(launcher,), daemon=True).start()
     try:
         # Loaded here, not by multiprocessing: what fails to load is reported like any error.
         fn, args = torch.load(payload, weights_only=False)
@@ -168,7 +168,7 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
             dist.destroy_process_group()
 
 
-def _die_with(launcher: int) -> None:
+def die_with(launcher: int) -> None:
     """Exit once the launcher is gone: no worker trains on, orphaned, after it."""
     while os.getppid() == launcher:
         time.sleep(ORPHAN_POLL)

@@ -21,7 +21,6 @@ from chronotope.graph.ir import Graph
 from chronotope.graph.mask import Mask
 from chronotope.graph.memory import PeakMemory
 from chronotope.graph.rng import Stream
-from chronotope.models.workload import Workload
 from chronotope.plan.replicas import same_but_batch
 from chronotope.runtime.context import StepContext
 from chronotope.runtime.optim import Optim
@@ -33,6 +32,7 @@ from chronotope.runtime.precision import (
 )
 from chronotope.runtime.targets import Target, portable, resolve
 from chronotope.runtime.transport import OrderedTransport, RankFailed, Replica
+from chronotope.workload import Workload
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 
 from chronotope.graph.batch import model_loss
 from chronotope.graph.rng import CounterRandom, Stream
-from chronotope.models.workload import Workload
 from chronotope.runtime.local import Optim, RunResult
 from chronotope.runtime.precision import Precision
+from chronotope.workload import Workload
 
 
 def train_reference(workload: Workload, steps: int, optim: Optim,

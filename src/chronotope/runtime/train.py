@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,7 +30,6 @@ from chronotope.compile import compile as compile_plan
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph
-from chronotope.models.workload import Workload
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import (
     Batches,
@@ -40,7 +40,14 @@ from chronotope.runtime.data import (
     fingerprint,
     resolve,
 )
-from chronotope.runtime.launch import Interrupted, Stop, group_device, rank_device, spawn
+from chronotope.runtime.launch import (
+    Interrupted,
+    Stop,
+    die_with,
+    group_device,
+    rank_device,
+    spawn,
+)
 from chronotope.runtime.local import (
     Rank,
     RankSpec,
@@ -55,6 +62,7 @@ from chronotope.runtime.optim import Optim
 from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
+from chronotope.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -498,7 +506,9 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
                 metrics: str | None = None, accumulate: int = 1, seed: int = 0,
                 dtype: str = "fp32", timeout: float = 60.0) -> None:
     """One rank under torchrun (rank and world size from its environment): the run of
-    ``train``, with rank 0 printing each step and writing the metrics file."""
+    ``train``, with rank 0 printing each step and writing the metrics file and holding
+    the ``save`` folder's lease. It exits when its torchrun agent is gone."""
+    threading.Thread(target=die_with, args=(os.getppid(),), daemon=True).start()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
                             device_id=group_device(backend, int(os.environ.get("LOCAL_RANK", 0))))
@@ -506,7 +516,22 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
     saved = torch.load(os.path.join(directory, "state.pt"), weights_only=False)
     specs: list[RankSpec] = saved["specs"]
     log = JsonlLog(metrics) if metrics and rank == 0 else None
+    held = contextlib.ExitStack()
     try:
+        if save:  # rank 0 takes the lease; every rank stops if it could not
+            refused = None
+            if rank == 0:
+                try:
+                    held.enter_context(checkpoint.lease(save))
+                except checkpoint.CheckpointError as e:
+                    refused = e
+            flag = torch.tensor([int(refused is not None)],
+                                device=rank_device(backend, int(os.environ.get("LOCAL_RANK", 0))))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if refused is not None:
+                raise refused
+            if flag.item():
+                raise ChronotopeError(f"rank 0 could not take the lease of {save!r}")
         if len(specs) != dist.get_world_size():
             raise ChronotopeError(f"the program has {len(specs)} ranks but torchrun started "
                                   f"{dist.get_world_size()}; use --nproc-per-node {len(specs)}")
@@ -530,6 +555,7 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
             print(f"checkpoint {checkpoint.latest(save, verify=False)}", flush=True)
         dist.barrier()  # every rank done communicating before any tears its group down
     finally:
+        held.close()
         if log:
             log.close()
         dist.destroy_process_group()

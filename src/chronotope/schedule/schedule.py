@@ -39,7 +39,6 @@ from chronotope.graph.capture import capture
 from chronotope.graph.convert import is_random
 from chronotope.graph.ir import Graph, Op, PTensor, Source
 from chronotope.graph.rewrite import reads, splice
-from chronotope.models.workload import Workload
 from chronotope.plan import Plan
 from chronotope.plan.plan import Fusion
 from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES
@@ -55,6 +54,7 @@ from chronotope.schedule.lower import (
     ref,
     stages,
 )
+from chronotope.workload import Workload
 
 # ``@schedule_primitive`` functions, by name: ``sch[...].name(...)`` calls them
 PRIMITIVES: dict[str, Callable[..., Any]] = {}

@@ -23,8 +23,8 @@ from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, ScheduleError
 from chronotope.graph.capture import capture
 from chronotope.graph.ir import Graph
-from chronotope.models.workload import Workload
 from chronotope.schedule.schedule import Schedule, apply, schedule
+from chronotope.workload import Workload
 
 EXHAUSTIVE_UP_TO = 32  # points; larger spaces are searched by coordinate descent
 
