@@ -112,3 +112,20 @@ def test_help_exits_0_and_shows_every_default(capsys):
     for option, default in (("--devices DEVICES", "4"), ("--optimizer {sgd,adamw}", "sgd"),
                             ("--lr LR", "0.1"), ("--steps STEPS", "3")):
         assert f"{option} (default: {default})" in shown, option
+
+
+def test_a_warning_is_one_line_naming_no_source(monkeypatch, capsys):
+    """As the errors are: what it says, not the Python file and line that said it."""
+    import warnings
+
+    from chronotope import cli
+
+    def warns(args, out, emit):
+        warnings.warn("checkpoint 'x' is damaged: continuing from 'y' instead", stacklevel=1)
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "capture", warns)
+    assert cli.main(["capture", "gpt"]) == 0
+    err = capsys.readouterr().err
+    assert err.strip() == "warning: checkpoint 'x' is damaged: continuing from 'y' instead"
+    assert warnings.showwarning is not cli._warning_line  # given back

@@ -1218,6 +1218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed the usage and the reason, or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     out = Console(stderr=args.json)
+    shown = warnings.showwarning
+    warnings.showwarning = _warning_line
     try:
         with _stdout_to_stderr() if args.json else contextlib.nullcontext(sys.stdout) as real:
             return COMMANDS[args.command](args, out, _printer(real))
@@ -1229,6 +1231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         return _failed(args, str(e), "error", EXIT_USAGE)
+    finally:
+        warnings.showwarning = shown
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    """A warning as one line on stderr, as the errors are: what it says, not where."""
+    Console(stderr=True, soft_wrap=True).print("[yellow]warning:[/]", Text(str(message)))
 
 
 def _failed(args: argparse.Namespace, message: str, kind: str, code: int) -> int:
