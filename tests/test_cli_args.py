@@ -129,3 +129,15 @@ def test_a_warning_is_one_line_naming_no_source(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip() == "warning: checkpoint 'x' is damaged: continuing from 'y' instead"
     assert warnings.showwarning is not cli._warning_line  # given back
+
+
+@pytest.mark.parametrize("optimizer,states", [("sgd", 0), ("adamw", 2)])
+def test_run_and_train_plan_the_memory_of_the_optimizer_they_run(optimizer, states):
+    """The plan's estimate holds the state of the optimizer the run keeps (SGD: none)."""
+    from chronotope.cli import _compiled, parser
+
+    args = parser().parse_args(["train", "gpt", "--devices", "2", "--optimizer", optimizer])
+    _, program = _compiled(args)
+    assert program.plan.optimizer == optimizer
+    memory = program.plan.check().memory[0]
+    assert memory.optimizer == states * memory.params

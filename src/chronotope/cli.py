@@ -292,6 +292,8 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
     if getattr(args, "dtype", None):
         plan.dtype = args.dtype
     args.dtype = plan.dtype  # what run and train compute in
+    if getattr(args, "optimizer", None):  # run and train: the memory of the state they keep
+        plan.optimizer = args.optimizer
     return plan, workload
 
 
