@@ -504,10 +504,10 @@ def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:
 
 def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster, dtype: str
                 ) -> dict[str, Any] | None:
-    from chronotope.policies import mesh
+    from chronotope.policies import ParallelConfig, make
 
     try:
-        plan = mesh(graph, dp=devices) if name == "dp" else mesh(graph, tp=devices)
+        plan = make(graph, ParallelConfig(name, devices))
         plan.dtype = dtype
         return _simulated(name, plan, cluster)
     except PlanError:
