@@ -50,9 +50,9 @@ class ParallelConfig:
 
     def given(self) -> dict[str, object]:
         """The options set away from their default (policy and devices aside)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("policy", "devices")
-                and getattr(self, f.name) not in (None, False)}
+        values = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("policy", "devices")}
+        return {k: v for k, v in values.items() if v is not None and v is not False}
 
 
 @dataclass(frozen=True)
