@@ -49,6 +49,18 @@ def test_a_killed_worker_is_named_and_the_others_stop():
         launch(specs, 1, timeout=30)
 
 
+def test_a_worker_that_aborts_after_its_work_is_done_loses_nothing():
+    """gloo (or NCCL) aborting in a worker's teardown, after every rank wrote its result:
+    the run's results stand, as a crash at exit ("terminate called ...") loses nothing."""
+    w, program = gpt_program(2)
+    specs = rank_specs(program, w)
+    expected = launch(specs, 1, timeout=30)
+    abort = "def step(rt):\n    import atexit, os\n    atexit.register(os.abort)\n"
+    specs[1].code = specs[1].code.replace("def step(rt):\n", abort)
+    got = launch(specs, 1, timeout=30)
+    assert [r[0] for r in got] == [r[0] for r in expected]
+
+
 def test_a_raising_worker_is_named():
     w, program = gpt_program(2)
     specs = rank_specs(program, w)

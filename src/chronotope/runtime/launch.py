@@ -157,7 +157,9 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
                                 world_size=world, timeout=timedelta(seconds=timeout),
                                 device_id=group_device(backend, index))
-        torch.save(fn(index, *args), os.path.join(out_dir, f"rank{index}.pt"))
+        result = os.path.join(out_dir, f"rank{index}.pt")
+        torch.save(fn(index, *args), result + ".partial")
+        os.replace(result + ".partial", result)  # whole, or not there
         dist.barrier()  # every rank done communicating before any tears its group down
     except BaseException as e:
         with open(os.path.join(out_dir, f"rank{index}.error"), "w") as f:
@@ -198,13 +200,21 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
             _stop(ctx.processes)
         if stopped:
             raise Interrupted(f"interrupted by {signal.Signals(stopped[0]).name}", stopped[0])
-        if codes is not None:
+        if codes is not None and not _finished(world, out_dir):
             raise _blame(codes, out_dir)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
 
 
 GRACE = 3.0  # seconds the other workers get, after a first failure, to report their own
+
+
+def _finished(world: int, out_dir: str) -> bool:
+    """Whether every rank wrote its whole result and none an error: then a worker that
+    died after it (gloo or NCCL aborting while the group is torn down) lost nothing."""
+    return all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) and
+               not os.path.exists(os.path.join(out_dir, f"rank{r}.error"))
+               for r in range(world))
 
 
 @contextmanager
