@@ -207,10 +207,8 @@ class Rank:
 
     def forward_backward(self, measure: bool = False) -> list[float]:
         """The generated step on ``self.batch``: its gradients add to the owned regions'."""
-        rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
-                         self.batch, self.transport, self.targets, self.ticks,
-                         Stream(self.seed, self.steps), self.precision,
-                         self.scaler.scale if self.scaler else 1.0, self.replica)
+        rt = self._context(self.state, self.ticks, Stream(self.seed, self.steps),
+                           self.scaler.scale if self.scaler else 1.0)
         self.steps += 1
         if self.precision is None:
             self._run(rt, measure)
@@ -233,16 +231,22 @@ class Rank:
         if self.eval_fn is None:
             raise ChronotopeError(f"rank {self.rank} has no evaluation program: make its "
                                   "specs with rank_specs(..., evaluation=...)")
-        rt = StepContext(self.unit_rank, self.device, self.stored, self.params,
-                         dict(self.state), self.batch, self.transport, self.targets,
-                         stream=Stream(self.seed, self.steps, training=False),
-                         precision=self.precision, replica=self.replica)
+        rt = self._context(dict(self.state), stream=Stream(self.seed, self.steps,
+                                                           training=False))
         cast = self.precision.autocast(self.device.type) if self.precision else \
             contextlib.nullcontext()
         with torch.no_grad(), cast:
             self.eval_fn(rt)
         self.transport.flush()
         return rt.losses
+
+    def _context(self, state: dict, ticks: list[float] | None = None,
+                 stream: Stream | None = None, loss_scale: float = 1.0,
+                 precision: bool = True) -> StepContext:
+        """What one run of a generated program reads and writes on this rank."""
+        return StepContext(self.unit_rank, self.device, self.stored, self.params, state,
+                           self.batch, self.transport, self.targets, ticks, stream,
+                           self.precision if precision else None, loss_scale, self.replica)
 
     def _run(self, rt: StepContext, measure: bool) -> None:
         if measure:
@@ -270,8 +274,7 @@ class Rank:
         if self.optimizer:
             self.optimizer.step()
         if self.refresh_fn:
-            rt = StepContext(self.unit_rank, self.device, self.stored, self.params, self.state,
-                             self.batch, self.transport, self.targets, replica=self.replica)
+            rt = self._context(self.state, precision=False)
             with torch.no_grad():
                 self.refresh_fn(rt)
             self.transport.flush()

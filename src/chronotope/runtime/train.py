@@ -183,7 +183,6 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
         if rank.scaler is not None and "loss_scale" in info:
             rank.scaler.scale, rank.scaler.good = info["loss_scale"], info["good_steps"]
     batches = Batches(data, job.layout, config.seed, start=rank.steps)
-    world = tuple(range(spec.world))
     losses: list[float] = []
     times: list[float] = []
     # a signal to any rank stops every rank after the same step, with a checkpoint
@@ -198,9 +197,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             for _ in range(config.accumulate):
                 index = batches.read
                 batch = next(batches)
-                _no_nan(batch, index)
-                _same_everywhere(batch, rank, world, index)
-                rank.batch = {n: t.to(device) for n, t in _rows(batch, rank.replica).items()}
+                _hand(batch, rank, index)
                 step_losses += rank.forward_backward()
                 tokens, samples = tokens + _tokens(batch), samples + _samples(batch)
             # the gradients' global norm (fp16's are scaled: its loss scaling skips those)
@@ -257,20 +254,24 @@ def evaluate(rank: Rank, data: DataSource, layout: BatchLayout, config: TrainCon
     """The mean loss of the plan's evaluation over one pass of ``data`` (its first
     ``config.eval_batches``), the same on every rank: each rank adds up the losses it
     holds, and one all-reduce adds up the ranks'."""
-    world = rank.world
     total = torch.zeros(2, dtype=torch.float64, device=rank.device)  # sum, count
     for index, batch in enumerate(Batches(data, layout, config.seed, once=True)):
-        _no_nan(batch, index)
-        _same_everywhere(batch, rank, world, index)
-        rank.batch = {n: t.to(rank.device) for n, t in _rows(batch, rank.replica).items()}
+        _hand(batch, rank, index)
         losses = rank.evaluate()
         total += torch.tensor([sum(losses), len(losses)], dtype=torch.float64,
                               device=rank.device)
         if index + 1 == config.eval_batches:
             break
-    if len(world) > 1:
-        total = rank.transport.all_reduce(total, world, rank.unit_rank)
+    if len(rank.world) > 1:
+        total = rank.transport.all_reduce(total, rank.world, rank.unit_rank)
     return float(total[0] / total[1])  # an empty pass is a DataError in Batches
+
+
+def _hand(batch: dict[str, torch.Tensor], rank: Rank, index: int) -> None:
+    """Check batch ``index`` (no NaN, the same on every rank) and give ``rank`` its rows."""
+    _no_nan(batch, index)
+    _same_everywhere(batch, rank, index)
+    rank.batch = {n: t.to(rank.device) for n, t in _rows(batch, rank.replica).items()}
 
 
 def _rows(batch: dict[str, torch.Tensor], replica: tuple[int, int, int] | None
@@ -288,9 +289,9 @@ def _no_nan(batch: Mapping[str, torch.Tensor], index: int) -> None:
                             "holds a value that is not a number")
 
 
-def _same_everywhere(batch: Mapping[str, torch.Tensor], rank: Rank, world: tuple[int, ...],
-                     index: int) -> None:
+def _same_everywhere(batch: Mapping[str, torch.Tensor], rank: Rank, index: int) -> None:
     """Every rank read the same batch: its fingerprint is compared across ranks."""
+    world = rank.world
     if len(world) < 2:
         return
     mine = fingerprint(batch).to(rank.device)
