@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from chronotope.graph.ir import PTensor
 
 __all__ = ["BoxIndex", "Index", "Mask", "VTensor", "ValueRange", "covers_exactly_once"]
 
@@ -346,9 +349,9 @@ def covers_exactly_once(pieces: Iterable[Mask], shape: Sequence[int]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class VTensor:
-    """A piece of the whole tensor ``ptensor`` (any hashable identity) given by ``mask``."""
+    """A piece of the whole tensor ``ptensor`` given by ``mask``."""
 
-    ptensor: Hashable
+    ptensor: PTensor
     mask: Mask
 
     @property

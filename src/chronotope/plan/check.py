@@ -20,7 +20,7 @@ from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
 from chronotope.graph.autocast import Saves, casting, itemsizes, saves
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import BoxIndex, Mask, VTensor
-from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp, differentiable
+from chronotope.plan.plan import Copies, OrderCall, Plan, PlanOp, differentiable, placed
 from chronotope.plan.replicas import Replicas, replicas
 from chronotope.plan.steps import cells_of, check_steps, held_at_most
 from chronotope.plan.steps import kept as micro_batches_kept
@@ -117,20 +117,20 @@ def check(plan: Plan) -> CheckedPlan:
     # the training step's gradients say what stays partial over replicas, in its evaluation too
     scaled = replicas(plan.graph, plan.registry, differentiable(plan.graph), plan.replicas,
                       plan.ndevices) if plan.replicas > 1 else None
-    backward = [b for f in forward if (b := plan.backward_op(f)) is not None]
-    weight = [w for f in forward if (w := plan.weight_op(f)) is not None]
-    ops: list[PlanOp] = forward + backward + weight
+    backward = {f: b for f in forward if (b := plan.backward_op(f)) is not None}
+    weight = {f: w for f in forward if (w := plan.weight_op(f)) is not None}
+    ops: list[PlanOp] = forward + list(backward.values()) + list(weight.values())
     edges = data_edges(ops)
-    edges += [Edge(b.forward, b, "its backward") for b in backward]
+    edges += [Edge(f, b, "its backward") for f, b in backward.items()]
     # a weight part uses what its input part's autograd call kept
-    edges += [Edge(plan.backward_op(w.forward), w, "its input gradients") for w in weight]
+    edges += [Edge(backward[f], w, "its input gradients") for f, w in weight.items()]
     barriers, order_edges = _order_edges(plan)
     edges += order_edges
     order = _topological(ops + barriers, edges)
     sequences: dict[int, list[PlanOp]] = {d: [] for d in range(plan.ndevices)}
     for node in order:
         if isinstance(node, PlanOp):
-            sequences[node.device].append(node)
+            sequences[placed(node)].append(node)
     stored = storage(plan, sequences)
     held = Held(plan)
     # a template: as many micro-batches' activations as a device keeps at once
@@ -205,7 +205,7 @@ class Sources:
         def copies(p: PlanOp, m: Mask) -> Copies:
             return self.copies.get((p, m, t), ())
 
-        kept, chosen = list(found), {}
+        kept, chosen = list(found), dict[str, int]()
         aligned: dict[int, int] = {}  # copies of a node -> the position device's own holds
         own_first = sorted(found, key=lambda pm: pm[0].device != device)
         while True:
@@ -241,7 +241,7 @@ def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
         regions.setdefault(m, []).append(p)
     rank: dict[int, int] = {}  # replicas per region -> the position of device's own
     for ps in regions.values():
-        devices = sorted(p.device for p in ps)
+        devices = sorted(map(placed, ps))
         if device in devices and len(set(devices)) == len(devices):
             rank.setdefault(len(devices), devices.index(device))
     out = []
@@ -250,7 +250,7 @@ def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
         if local:
             out.append((min(local, key=lambda p: p.name), m))
         elif len(ps) in rank and len({p.device for p in ps}) == len(ps):
-            out.append((sorted(ps, key=lambda p: p.device)[rank[len(ps)]], m))
+            out.append((sorted(ps, key=placed)[rank[len(ps)]], m))
         else:
             out.append((min(ps, key=lambda p: p.name), m))
     return out
@@ -286,7 +286,7 @@ def _order_edges(plan: Plan) -> tuple[list[Barrier], list[Edge]]:
     barriers, edges = [], []
     for call in plan.orders:
         before, after = plan.leaves(call.before), plan.leaves(call.after)
-        devices = sorted({op.device for op in before} & {op.device for op in after})
+        devices = sorted({placed(op) for op in before} & {placed(op) for op in after})
         if not devices:
             raise PlanError(
                 f"{call}: the two sides share no device ({_devices(before)} vs "
@@ -363,8 +363,8 @@ def _cycle_message(cycle: list[Edge]) -> str:
         dst, why = e.dst, e.why
         if isinstance(dst, Barrier):
             calls.append(dst.call)
-            nxt = next(x for x in cycle if x.src is dst)
-            dst, why = nxt.dst, f"ordered by plan.order at {dst.call.where}"
+            why = f"ordered by plan.order at {dst.call.where}"
+            dst = next(x for x in cycle if x.src is dst).dst
         lines.append(f"  {_node(e.src)}  -> must run before ({why}) ->  {_node(dst)}")
     if calls:
         lines.append("order() calls that close the cycle:")
@@ -545,7 +545,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
         if i in rerun and kept is not None:  # what its forward run again keeps, until here
             for v in _saved(forward, kept):
                 if remade.tensor(device, v):
-                    key = ("again", v.ptensor, v.mask)
+                    key: tuple = ("again", v.ptensor, v.mask)
                     first.setdefault(key, rerun[i])
                     last[key] = i
                     size[key] = held_as.nbytes(v)
@@ -600,13 +600,14 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
     kept_grads = sum(size[k] for k in first if k[0] == "grad" and last[k] == end)
     peak = _peak(len(seq), alive)
     if plan.micro > 1:  # a template: what each stage's forward keeps for its backward,
-        held: dict = defaultdict(int)  # held at once as the device's steps run them
+        kept_at: dict = defaultdict(int)  # held at once as the device's steps run them
         for key, (start, stop, n) in zip(first, alive):
-            made, read = (cells or {}).get(seq[start]), (cells or {}).get(seq[stop])
-            if key[0] not in ("grad", "part") and made and read and made[0] == "F" != read[0]:
-                held[made[1]] += n
+            made_in, read_in = (cells or {}).get(seq[start]), (cells or {}).get(seq[stop])
+            if key[0] not in ("grad", "part") and made_in and read_in and \
+                    made_in[0] == "F" != read_in[0]:
+                kept_at[made_in[1]] += n
         steps = plan.steps.get(device, [])
-        others = max(0, held_at_most(steps, held) - sum(held.values()))
+        others = max(0, held_at_most(steps, kept_at) - sum(kept_at.values()))
         acts = [x for key, x in zip(first, alive) if key[0] not in ("grad", "part")]
         later = acts + [(0, end, size[k]) for k in first if k[0] == "grad"] + [
             (first[k], first[k], 2 * size[k]) for k in first if k[0] == "grad"]

@@ -114,7 +114,8 @@ class BackwardOf:
         return f"BackwardOf({self.name})"
 
 
-Ref = Union[PlanOp, Group, BackwardOf, Op, str]  # noqa: UP007  (a forward reference)
+# an op, piece, group, backward, op name, or a list of them  (Union: forward references)
+Ref = Union[PlanOp, "Group", "BackwardOf", Op, str, Sequence["Ref"]]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -314,10 +315,10 @@ class Plan:
         reads = [f"g{i}^" for i in range(len(t.shape))] if whole_grad else dims
         text = f"{' '.join(reads) or '()'} -> {' '.join(dims) or '()'}"
         grad = self.grad(t)
-        op = Op(f"update({param})", "update", "update", (grad,), {}, (grad,), (t,),
-                Signature.parse(text))
+        signature = Signature.parse(text)
+        op = Op(f"update({param})", "update", "update", (grad,), {}, (grad,), (t,), signature)
         piece = Piece((VTensor(grad, Mask.full(t.shape)),), (VTensor(t, Mask.full(t.shape)),),
-                      (ValueRange.FULL,), op.signature.bind([t.shape], [t.shape]))
+                      (ValueRange.FULL,), signature.bind([t.shape], [t.shape]))
         root = PlanOp(op.name, op, piece, order=0)
         self._add(root)
         self.updates[param] = root
@@ -656,6 +657,12 @@ def _copies(parent: PlanOp, piece: Piece, i: int) -> tuple[tuple[Copies, ...],
                   zip(parent.input_grad_copies(), piece.inputs, parent.inputs,
                       piece.grad_shares, parent.piece.grad_shares))
     return outs, grads
+
+
+def placed(op: PlanOp) -> int:
+    """The device of a piece known to be placed (every piece of a checked plan is)."""
+    assert op.device is not None, f"{op} is not placed"
+    return op.device
 
 
 def differentiable(graph: Graph) -> set[PTensor]:

@@ -76,7 +76,7 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
         if op in tails:
             shares[op] = frozenset(j for j in tails[op] if op.inputs[j] not in partial)
             partial.update(op.outputs)
-        elif dim is not None:
+        elif dim is not None and op.signature is not None:  # (a carried dim has a signature)
             if is_random(op):
                 _refuse(op, "it draws random numbers per sample, and a replica cannot tell "
                         "which rows of the global batch it holds")

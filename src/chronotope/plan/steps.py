@@ -21,10 +21,10 @@ from chronotope.errors import DeadlockError, PlanError
 from chronotope.graph import rng
 from chronotope.graph.convert import is_random
 from chronotope.graph.ir import Op, PTensor
-from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.plan import Plan, PlanOp, placed
 
 Step = tuple[str, int, int]  # (kind, stage, micro-batch)
-Cell = tuple[str, int]  # (kind, stage): a template step
+Cell = tuple[str, int | str]  # (kind, stage): a template step (plan.cells's stages)
 
 
 def cells_of(plan: Plan) -> dict[PlanOp, Cell]:
@@ -49,7 +49,7 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
     _refuse_what_differs(plan, cells)
     held: dict[int, set[Cell]] = defaultdict(set)
     for op, cell in cells.items():
-        held[op.device].add(cell)
+        held[placed(op)].add(cell)
     for device, mine in held.items():
         want = {(k, s, m) for k, s in mine for m in range(plan.micro)}
         steps = plan.steps.get(device, [])
@@ -83,11 +83,11 @@ def _refuse_peers_apart(plan: Plan, held: dict[int, set[Cell]]) -> None:
         shared = held[a] & held[b]
         if not shared:
             continue
-        mine, theirs = ([s for s in plan.steps.get(d, []) if s[:2] in shared] for d in (a, b))
-        if mine != theirs:
-            at = next(i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y)
+        ours, theirs = ([s for s in plan.steps.get(d, []) if s[:2] in shared] for d in (a, b))
+        if ours != theirs:
+            at = next(i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y)
             raise PlanError(f"devices {a} and {b} share steps {_shown(sorted(shared))} but "
-                            f"run them in other orders: {_shown([mine[at]])} against "
+                            f"run them in other orders: {_shown([ours[at]])} against "
                             f"{_shown([theirs[at]])}; run them in one order")
 
 

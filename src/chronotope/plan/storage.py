@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from chronotope.errors import PlanError, UnassignedOpError
 from chronotope.graph.ir import Op, TensorKind
 from chronotope.graph.mask import Mask
-from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.plan import Plan, PlanOp, placed
 
 # Kinds of op whose outputs are always new tensors, never an input or a view of one: a
 # gathered parameter that only such ops read may be freed once they ran, and autograd's
@@ -113,10 +113,10 @@ def storage(plan: Plan, sequences: dict[int, list[PlanOp]]) -> Storage:
     owned: dict[int, dict[str, list[Owned]]] = {d: defaultdict(list) for d in sequences}
     for name, root in plan.updates.items():
         for leaf in _update_leaves(plan, name, root):
-            owned[leaf.device][name].append(Owned(leaf.outputs[0].mask, leaf.inputs[0].mask))
-        for mine in owned.values():
-            if name in mine:
-                mine[name] = _outermost(mine[name])
+            owned[placed(leaf)][name].append(Owned(leaf.outputs[0].mask, leaf.inputs[0].mask))
+        for held in owned.values():
+            if name in held:
+                held[name] = _outermost(held[name])
     stored: dict[int, dict[str, list[Mask]]] = {d: {} for d in sequences}
     for d in sequences:
         for name in plan.graph.params:
