@@ -57,7 +57,7 @@ def test_a_model_smaller_than_a_bucket_reduces_in_one_call_after_the_backward(gp
     found = gradient_reductions(code)
     last_backward = max(i for i, ins in enumerate(code) if isinstance(ins, Backward))
     assert len(found) == 1 and last_backward < found[0][0]
-    assert {k[0] for k in found[0][1].keys if sums_gradients((k,))} == {
+    assert {k.tensor for k in found[0][1].keys if sums_gradients((k,))} == {
         f"grad({p})" for p in graph.params}
 
 

@@ -89,7 +89,7 @@ def test_every_started_call_is_waited_on_just_before_its_result_is_read(gpt, pla
             assert wait > i + 1  # something runs while it is under way
             # a broadcast's root is waited on at the end; so is the loss a rank sums for
             # rank 0 to report (where it rides in no bucket: ZeRO's are reduce-scatters)
-            reported = isinstance(ins, AllReduce) and ins.keys[0][0] == gpt.loss.name
+            reported = isinstance(ins, AllReduce) and ins.keys[0].tensor == gpt.loss.name
             if results(ins) and not reported:
                 assert any(set(reads(c)) & set(results(ins)) for c in code[wait + 1:])
 
@@ -124,7 +124,7 @@ def test_a_loss_count_all_reduce_starts_with_the_step_and_is_waited_on_at_the_lo
     the middle of it (where every replica would wait for the slowest)."""
     code = ct.compile(data_parallel(gpt, 2)).ranks[0]
     start = next(i for i, ins in enumerate(code) if isinstance(ins, STARTED))
-    assert "count" in code[start].keys[0][0] and code[start].handle is not None
+    assert "count" in code[start].keys[0].tensor and code[start].handle is not None
     first_forward = next(i for i, ins in enumerate(code)
                          if isinstance(ins, Forward) and any(ins.grad))
     wait = next(i for i, ins in enumerate(code)
@@ -140,10 +140,10 @@ def test_zero3_gathers_each_pieces_parameters_while_the_piece_before_it_computes
     gathers = [i for i, ins in enumerate(code) if isinstance(ins, AllGather)
                and not is_regather(ins)]  # the forward's (test_reshard: the backward's)
     waits = {ins.handle: i for i, ins in enumerate(code) if isinstance(ins, Wait)}
-    units = [{".".join(k[0].split(".")[:2 if k[0].startswith("h.") else 1])
+    units = [{".".join(k.tensor.split(".")[:2 if k.tensor.startswith("h.") else 1])
               for k in code[i].keys} for i in gathers]
     assert units == [{"wte"}, {"wpe"}, {"h.0"}, {"h.1"}, {"ln_f"}]
-    gathered = sorted(k[0] for i in gathers for k in code[i].keys)
+    gathered = sorted(k.tensor for i in gathers for k in code[i].keys)
     assert gathered == sorted(gpt.params) and all(code[i].handle for i in gathers)
     hidden = [i for i in gathers if any(isinstance(ins, Forward) and any(ins.grad)
                                         for ins in code[i:waits[code[i].handle]])]

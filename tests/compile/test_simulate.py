@@ -8,7 +8,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.compile import compile
-from chronotope.compile.program import AllReduce, Forward, Load, Recv, Send, Wait
+from chronotope.compile.program import AllReduce, Forward, Key, Load, Recv, Role, Send, Wait
 from chronotope.compile.replay import replay
 from chronotope.compile.simulate import _priced, _Prices, simulate
 from chronotope.cost.compute import piece_flops
@@ -104,7 +104,7 @@ def test_communication_beside_compute_costs_what_the_cluster_cannot_overlap():
     compute = Forward(piece, ("x",), ("y",), (False,), (False,))
     code = [Load("x", linear.inputs[0], Mask.full(linear.inputs[0].shape), "input"),
             AllReduce(("s",), (("x",),), (0, 1), (linear.inputs[0].shape,), torch.float32,
-                      (("x", (), "sum"),), handle="h"),
+                      (Key("x", (), Role.VALUE),), handle="h"),
             compute, Wait("h", ("s",), unpack=True)]
     prices = dict(intra=Link(0.0, 1e6), fitted={}, call=0.0)
     times = {}

@@ -143,7 +143,7 @@ def test_tensor_parallel_communicates_like_megatron():
     reduces = [i for i in code if isinstance(i, AllReduce)]
     forward = [i for i in reduces if not i.vars[0].startswith("grad_")]
     assert len(forward) == 2 * layers
-    assert all(i.keys[0][0].startswith("linear") for i in forward)  # row-parallel outputs
+    assert all(i.keys[0].tensor.startswith("linear") for i in forward)  # row-parallel outputs
     # backward: where the column linears' input gradients meet (the lm_head's too); the
     # row linears' bias gradients are whole on every rank (each adds its share of the bias
     # to a partial sum, and an addend's gradient is the sum's), as in Megatron

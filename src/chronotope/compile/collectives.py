@@ -26,9 +26,11 @@ from chronotope.compile.program import (
     Block,
     Broadcast,
     Instruction,
+    Key,
     Load,
     Recv,
     ReduceScatter,
+    Role,
     Send,
     flat,
     reads,
@@ -112,10 +114,10 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
             elif isinstance(ins, Recv):
                 recvs[(ins.src, ins.tag)] = ins
     swap: list[dict[tuple, Broadcast | None]] = [{} for _ in ranks]  # per rank: what replaces
-    for key, group in sends.items():
-        root = key[0]
+    for (root, var, box), group in sends.items():
+        key = Key(var, box, Role.VALUE, ("broadcast", root))
         dsts = [s.dst for s in group]
-        if len(dsts) < 2 or len(set(dsts)) != len(dsts) or ("broadcast", key) in refused or \
+        if len(dsts) < 2 or len(set(dsts)) != len(dsts) or key in refused or \
                 len({step.get(id(x)) for x in (*group, *(recvs[(root, s.tag)]
                                                         for s in group))}) > 1:
             continue
@@ -141,10 +143,10 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
                 if role == "root":
                     recv = recvs[(rank, first.tag)]
                     new.append(Broadcast(None, first.var, first.slices, rank, members,
-                                         recv.shape, recv.dtype, ("broadcast", key)))
+                                         recv.shape, recv.dtype, key))
                 else:
-                    new.append(Broadcast(ins.var, None, (), key[0], members, ins.shape,
-                                         ins.dtype, ("broadcast", key)))
+                    new.append(Broadcast(ins.var, None, (), key.via[1], members, ins.shape,
+                                         ins.dtype, key))
         out.append(new)
     return out
 
@@ -155,9 +157,9 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
     return set(replay(ranks).stuck.values())
 
 
-def _members(kind: str, key: tuple, members: list[tuple[int, Assemble]]) -> tuple | None:
+def _members(kind: str, key: Key, members: list[tuple[int, Assemble]]) -> tuple | None:
     """The members in collective order, when exactly the ranks holding the pieces take part."""
-    sources = sorted({r for _, r in key[2]})
+    sources = sorted({r for _, r in key.via})
     if len(members) < 2 or sorted(r for r, _ in members) != sources:
         return None
     if kind == "all_reduce":

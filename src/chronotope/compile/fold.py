@@ -190,8 +190,8 @@ class _Folder:
             return replace(ins, tag=ins.tag + m * self.stride)
         if isinstance(ins, COLLECTIVES):
             if isinstance(ins, (AllToAll, Broadcast)):
-                return replace(ins, key=(*ins.key, ("micro", m)))
-            return replace(ins, keys=tuple((*k, ("micro", m)) for k in ins.keys))
+                return replace(ins, key=ins.key.marked(("micro", m)))
+            return replace(ins, keys=tuple(k.marked(("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":
             return replace(ins, mask=self.rows(ins.tensor, ins.mask, m))
         return ins

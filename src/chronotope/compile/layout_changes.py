@@ -16,7 +16,7 @@ differentiate.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 
@@ -28,6 +28,7 @@ from chronotope.compile.program import (
     AllToAll,
     Assemble,
     Instruction,
+    Key,
     Part,
     Recv,
     ReduceScatter,
@@ -159,7 +160,7 @@ class Emitter:
         self.next_tag = next_tag  # () -> a fresh message tag
 
     def emit(self, path: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...],
-             key: tuple, inputs: dict[int, str],
+             key: Key, inputs: dict[int, str],
              ) -> tuple[dict[int, list[Instruction]], dict[int, str]]:
         """Per rank, its instructions taking tensor ``name``'s pieces (``inputs``: their names)
         of a box of ``shape`` along ``path``, and the name of each reader's piece at the end;
@@ -181,7 +182,8 @@ class Emitter:
                         continue
                     out = self.name(rank, f"{name}_{step.kind}", out_shape)
                     before = dict(step.before.pieces(shape))[rank].shape
-                    code[rank].append(_collective(step, (*key, i, group), group, g, x, out,
+                    code[rank].append(_collective(step, replace(key, via=(*key.via, i, group)),
+                                                  group, g, x, out,
                                                   out_shape, dtype, before))
                     new[rank] = out
             held = new
@@ -213,7 +215,7 @@ class Emitter:
         return new
 
 
-def _collective(step: Step, key: tuple, group: tuple[int, ...], g: int, x: str, out: str,
+def _collective(step: Step, key: Key, group: tuple[int, ...], g: int, x: str, out: str,
                 out_shape: tuple[int, ...], dtype: torch.dtype, in_shape: tuple[int, ...],
                 ) -> Instruction:
     if step.kind == "all_reduce":

@@ -35,6 +35,7 @@ from chronotope.compile.program import (
     GatherParams,
     Grad,
     Instruction,
+    Key,
     Load,
     Loss,
     Part,
@@ -44,6 +45,7 @@ from chronotope.compile.program import (
     PushParam,
     Recv,
     ReduceScatter,
+    Role,
     Send,
     SetBuffer,
     WeightGrad,
@@ -182,7 +184,7 @@ class Materializer:
             whole = self.name(0, f"{var}_total", loss.shape)
             self.tail[0].append(AllReduce((whole,), ((var,),), self.replicas.group(0),
                                           (loss.shape,), loss.dtype,
-                                          ((loss.name, (), "replicas"),)))
+                                          (Key(loss.name, (), Role.LOSS, ("replicas",)),)))
             var = whole
         self.tail[0].append(Loss(var))
         for bname, t in self.plan.graph.buffer_updates.items():  # every rank keeps whole buffers
@@ -211,6 +213,12 @@ class Materializer:
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes, self.runs)
+
+    def role(self, t: PTensor) -> Role:
+        """What a collective of ``t`` sums or moves: a gradient, the loss, or a value."""
+        if t in self.forward_of:
+            return Role.GRADIENT
+        return Role.LOSS if t is self.plan.graph.loss else Role.VALUE
 
     def loss_summers(self, whole: VTensor) -> list[int]:
         """The ranks that sum the loss with rank 0 rather than send it their parts: all
@@ -261,8 +269,8 @@ class Materializer:
                 shapes = [(*s[:d], s[d] // len(group), *s[d + 1:]) for s, d in zip(shapes, dims)]
             summed = [self.name(rank, f"{grads[i].var}_{'run' if cut else 'total'}", shape)
                       for i, shape in zip(at, shapes)]
-            keys = tuple((self.plan.grad(self.plan.graph.params[grads[i].param]).name,
-                          grads[i].region.index, "replicas") for i in at)
+            keys = tuple(Key(self.plan.grad(self.plan.graph.params[grads[i].param]).name,
+                             grads[i].region.index, Role.GRADIENT, ("replicas",)) for i in at)
             srcs = tuple((grads[i].var,) for i in at)
             self.tail[rank].append(
                 ReduceScatter(tuple(summed), srcs, group, tuple(shapes), dtype, tuple(dims),
@@ -284,7 +292,8 @@ class Materializer:
                       for op, m in change.producers}
             t = change.tensor
             code, held = emitter.emit(change.path, t.name, t.dtype, change.box.shape,
-                                      change.key, inputs)
+                                      Key(t.name, change.box.index, self.role(t), ("rvd",)),
+                                      inputs)
             for rank, (when, op) in where.items():
                 (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
             for rank, mask in change.readers:
@@ -357,7 +366,7 @@ class Materializer:
         params = {self.plan.grads[t].name for t in self.plan.graph.params.values()
                   if t in self.plan.grads}
         return sums_gradients(ins.keys) and (self.plan.dtype == "fp32" or all(
-            str(k[0]) in params for k in ins.keys))
+            k.tensor in params for k in ins.keys))
 
     def refresh(self) -> list[list[Instruction]]:
         """After the optimizer step: stored regions that others own, copied from the owners."""
@@ -474,7 +483,8 @@ class Materializer:
                 mine = self.name(rank, f"{outs[k]}_mine", v.mask.shape)
                 self.post[op].append(AllReduce((outs[k],), ((mine,),), rep.group(rank),
                                                (v.mask.shape,), v.ptensor.dtype,
-                                               ((v.ptensor.name, v.mask.index, "replicas"),)))
+                                               (Key(v.ptensor.name, v.mask.index,
+                                                    self.role(v.ptensor), ("replicas",)),)))
                 outs[k] = mine
         return scale, scales, outs
 
@@ -619,8 +629,8 @@ class Materializer:
         sources = tuple(sorted((p.name, p.device) for p, _ in found))
         local = tuple(self.piece_var[(p, m, t)] for p, m in found if p.device == rank)
         if all(m.index == v.mask.index for _, m in found):
-            return Pattern("all_reduce", (t.name, v.mask.index, sources), sorted(set(devices)),
-                           local)
+            return Pattern("all_reduce", Key(t.name, v.mask.index, self.role(t), sources),
+                           sorted(set(devices)), local)
         masks = [m for _, m in found]
         if all(m.value.is_full for m in masks):
             if len(devices) != len(set(devices)):
@@ -628,9 +638,10 @@ class Materializer:
             chunks = equal_runs(v.mask, masks)
             if chunks is not None:
                 dim, order = chunks
-                return Pattern("all_gather", (t.name, v.mask.index, sources),
+                return Pattern("all_gather", Key(t.name, v.mask.index, self.role(t), sources),
                                [devices[i] for i in order], local, dim)
-            return _all_to_all(t.name, v.mask, masks, devices, sources, local)
+            return _all_to_all(Key(t.name, v.mask.index, self.role(t), sources), v.mask, masks,
+                               devices, local)
         whole = _partial_sums(masks)
         if whole is None:
             return None
@@ -649,7 +660,7 @@ class Materializer:
         if any(m.index != whole.index for p, m in found if p.device == rank):
             local = (self.padded(rank, t, whole, [(p, m) for p, m in found if p.device == rank],
                                  pre),)
-        return Pattern(kind, (t.name, whole.index, sources),
+        return Pattern(kind, Key(t.name, whole.index, self.role(t), sources),
                        sorted(set(devices)) if kind == "all_reduce" else [], local, dim, chunk)
 
     def padded(self, rank: int, t: PTensor, whole: Mask, pieces: list[tuple[PlanOp, Mask]],
@@ -710,8 +721,8 @@ def _partial_sums(masks: list[Mask]) -> Mask | None:
     return whole if covers_exactly_once(shifted, whole.shape) else None
 
 
-def _all_to_all(name: str, want: Mask, masks: list[Mask], devices: list[int],
-                sources: tuple, local: tuple[str, ...]) -> Pattern | None:
+def _all_to_all(key: Key, want: Mask, masks: list[Mask], devices: list[int],
+                local: tuple[str, ...]) -> Pattern | None:
     """Pieces that are equal runs of a region along one dim, read as equal runs of it
     along another (this reader's among them): an all-to-all."""
     whole = Mask(tuple((min(m.index[d][0] for m in masks), max(m.index[d][1] for m in masks))
@@ -729,8 +740,9 @@ def _all_to_all(name: str, want: Mask, masks: list[Mask], devices: list[int],
     lo, hi = whole.index[split]
     if hi - lo != size * n or (want.index[split][0] - lo) % size:
         return None
-    return Pattern("all_to_all", (name, whole.index, sources, split), [devices[i] for i in order],
-                   local, dim, (want.index[split][0] - lo) // size, split)
+    return Pattern("all_to_all", replace(key, region=whole.index, marks=(("split", split),)),
+                   [devices[i] for i in order], local, dim, (want.index[split][0] - lo) // size,
+                   split)
 
 
 def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: int,
@@ -742,7 +754,8 @@ def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: i
         return None
     dim, order = found
     sources = tuple(sorted((f"update({name})", r) for r in ranks))
-    return Pattern("all_gather", (name, want.index, sources), [ranks[i] for i in order],
+    return Pattern("all_gather", Key(name, want.index, Role.VALUE, sources),
+                   [ranks[i] for i in order],
                    (parts[ranks.index(rank)].src,), dim)
 
 
@@ -791,7 +804,8 @@ def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
         try:
             return m.run()
         except Stuck as e:
-            undo = {k[:3] if k[0] == "rvd" else m.change_tags.get(k) for k in e.keys} - {None}
+            undo = {("rvd", k.tensor, k.region) if isinstance(k, Key) and k.via[:1] == ("rvd",)
+                    else m.change_tags.get(k) for k in e.keys} - {None}
             if not undo:
                 raise PlanError(f"the compiled program would wait forever in {e}; this is a "
                                 f"bug in chronotope, please report it with the plan") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from fractions import Fraction
 
 import torch
@@ -24,6 +25,34 @@ from chronotope.plan.plan import Fusion, Plan, PlanOp
 from chronotope.plan.storage import Owned, replica_run
 
 Slices = tuple[slice, ...]
+
+
+class Role(StrEnum):
+    """What a collective's output is, which decides how it is summed and when it starts."""
+
+    GRADIENT = "gradient"  # a sum of gradients: in a mixed precision's reduce dtype, bucketed
+    LOSS = "loss"  # the loss, summed over a scaled plan's replicas
+    VALUE = "value"  # anything else: a forward partial sum, a gather, an exchange, a copy
+
+
+@dataclass(frozen=True)
+class Key:
+    """What one output of a collective is, the same on every member rank: the members'
+    calls are matched by it.
+
+    ``via`` says where the values come from (the producing pieces, as (name, device)
+    pairs; a layout change's step; a broadcast's root; a sum over replicas); ``marks``
+    tell apart calls over the same pieces (an exchange's split dim, a template's
+    micro-batch, a gather run again for the backward)."""
+
+    tensor: str  # the whole tensor's name (a broadcast's: the local name the root sends)
+    region: tuple  # its index box
+    role: Role
+    via: tuple = ()
+    marks: tuple = ()
+
+    def marked(self, mark: object) -> Key:
+        return replace(self, marks=(*self.marks, mark))
 
 
 @dataclass
@@ -144,7 +173,7 @@ class Pattern:
     """
 
     kind: str
-    key: tuple
+    key: Key
     ranks: list[int]
     local: tuple[str, ...]
     dim: int = 0
@@ -182,7 +211,7 @@ class AllReduce:
     ranks: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
-    keys: tuple[tuple, ...] = ()  # what each output is, the same on every member rank
+    keys: tuple[Key, ...] = ()  # what each output is, the same on every member rank
     handle: str | None = None
 
 
@@ -197,7 +226,7 @@ class AllGather:
     shapes: tuple[tuple[int, ...], ...]  # of the whole outputs
     dtype: torch.dtype
     dims: tuple[int, ...]
-    keys: tuple[tuple, ...] = ()
+    keys: tuple[Key, ...] = ()
     handle: str | None = None
 
 
@@ -213,7 +242,7 @@ class ReduceScatter:
     shapes: tuple[tuple[int, ...], ...]  # of the runs this rank gets
     dtype: torch.dtype
     dims: tuple[int, ...]
-    keys: tuple[tuple, ...] = ()
+    keys: tuple[Key, ...] = ()
     handle: str | None = None
 
 
@@ -231,7 +260,7 @@ class AllToAll:
     dtype: torch.dtype
     dim: int
     split: int
-    key: tuple = ()
+    key: Key
     handle: str | None = None
 
 
@@ -247,7 +276,7 @@ class Broadcast:
     ranks: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    key: tuple = ()
+    key: Key
     handle: str | None = None
 
 
@@ -386,10 +415,10 @@ def results(ins: Instruction) -> tuple[str, ...]:
     return (ins.var,)
 
 
-def sums_gradients(keys: tuple[tuple, ...]) -> bool:
+def sums_gradients(keys: tuple[Key, ...]) -> bool:
     """Whether a reduction with these keys sums gradients only (not a forward partial sum
     or a loss's count): they sum in a mixed precision's reduce dtype, and in buckets."""
-    return bool(keys) and all(k and str(k[0]).startswith("grad(") for k in keys)
+    return bool(keys) and all(k.role is Role.GRADIENT for k in keys)
 
 
 def groups_of(*programs: list[list[Instruction]]) -> list[tuple[int, ...]]:

@@ -56,7 +56,7 @@ def unit_of(reader: Instruction, at: int) -> object:
 
 
 def is_regather(ins: Instruction) -> bool:
-    return isinstance(ins, AllGather) and bool(ins.keys) and ins.keys[0][-1] == AGAIN
+    return isinstance(ins, AllGather) and bool(ins.keys) and ins.keys[0].marks[-1:] == (AGAIN,)
 
 
 @dataclass
@@ -182,12 +182,12 @@ def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: se
         loads = [replace(code[made[v]], var=again(v)) for v in call.srcs]
         out.append([*loads, replace(call, vars=tuple(map(again, call.vars)),
                                     srcs=tuple(x.var for x in loads),
-                                    keys=tuple((*key, AGAIN) for key in call.keys))])
+                                    keys=tuple(key.marked(AGAIN) for key in call.keys))])
     return out
 
 
 def _outputs_of(unit: _Unit, again: AllGather) -> tuple[str, ...]:
     """The unit's gathered tensors that ``again`` gives anew, in its order."""
     by_key = {key: var for g in unit.gathers for key, var in zip(g.keys, g.vars)}
-    return tuple(by_key[key[:-1]] for key in again.keys)
+    return tuple(by_key[replace(key, marks=key.marks[:-1])] for key in again.keys)
 

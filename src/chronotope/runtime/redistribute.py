@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from chronotope.compile.codegen import render_instruction
 from chronotope.compile.layout_changes import Emitter
+from chronotope.compile.program import Key, Role
 from chronotope.compile.rvd import Layout
 from chronotope.compile.rvd_search import Path
 from chronotope.runtime.context import StepContext
@@ -54,7 +55,8 @@ def path_code(path: Path, shape: tuple[int, ...], dtype: torch.dtype = torch.flo
 
     tags = itertools.count(1)
     code, held = Emitter(name, lambda: next(tags)).emit(
-        path, "x", dtype, shape, ("path",), dict.fromkeys(path.src.devices, "x"))
+        path, "x", dtype, shape, Key("x", (), Role.VALUE, ("path",)),
+        dict.fromkeys(path.src.devices, "x"))
     out = {}
     for rank in sorted(set(path.src.devices) | set(path.dst.devices)):
         body = [line for ins in code.get(rank, []) for line in render_instruction(ins)]
