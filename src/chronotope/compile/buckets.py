@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from chronotope.compile.program import (
     AllReduce,
     Instruction,
+    Key,
     Loss,
     ReduceScatter,
     first_reads,
@@ -52,7 +53,8 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
         if len(per_rank) != len(members) or len(orders) != 1:
             continue  # the members would not make the same buckets
         for rank, found in per_rank.items():
-            summed, riders = [], []
+            summed: list[_Sum] = []
+            riders: list[_Sum] = []
             for e in found:
                 (summed if sums_gradients((e.key,)) else riders).append(e)
             placed = _bucketed(summed, group, bucket_bytes)
@@ -84,7 +86,7 @@ class _Sum:
     needed: int
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> Key:
         return self.instruction.keys[self.index]
 
 
@@ -119,8 +121,9 @@ def _ride(placed: list[tuple[int, Instruction]], riders: list[_Sum]
         return placed, []
     last = max(range(len(placed)), key=lambda k: placed[k][0])
     at, bucket = placed[last]
-    riders = [e for e in riders if isinstance(bucket, AllReduce)
-              and e.instruction.dtype == bucket.dtype]
+    if not isinstance(bucket, AllReduce):
+        return placed, []
+    riders = [e for e in riders if e.instruction.dtype == bucket.dtype]
     if riders:
         placed = list(placed)
         placed[last] = (at, flat([*((bucket, k) for k in range(len(bucket.vars))),

@@ -26,11 +26,13 @@ from chronotope.compile.program import (
     AllToAll,
     Assemble,
     Backward,
+    Broadcast,
     Forward,
     Free,
     GatherParams,
     Grad,
     Instruction,
+    Key,
     Load,
     Loss,
     Micro,
@@ -84,14 +86,15 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     functions: list[list[str]] = []
     code = program.ranks[rank]
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
-    items = find_regions(code, rest=regions) if regions or fused else code
+    items: list[Instruction | Region] = \
+        find_regions(code, rest=regions) if regions or fused else list(code)
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)
-        arriving = {op.forward.name: tuple(g is not None for g in grads)
+        arriving = {op.forward_op.name: tuple(g is not None for g in grads)
                     for ins in code if isinstance(ins, Backward)
                     for op, grads in zip(ins.ops, ins.grad_outputs)}
     # ticks time each instruction: views stay one line each there
-    splits = _splits(code) if items is code and not ticks else {}
+    splits = _splits(code) if not regions and not fused and not ticks else {}
     for k, ins in enumerate(items):
         if isinstance(ins, Region):
             call, function = _region(ins, len(functions), later[k], arriving)
@@ -122,7 +125,8 @@ def _read_after(items: list[Instruction | Region]) -> list[set[str]]:
     seen: set[str] = set()
     for k in range(len(items) - 1, -1, -1):
         after[k] = set(seen)
-        taken = items[k].taken if isinstance(items[k], Region) else [items[k]]
+        item = items[k]
+        taken = item.taken if isinstance(item, Region) else [item]
         seen.update(v for ins in taken for v in reads(ins))
     return after
 
@@ -253,8 +257,8 @@ def render_instruction(ins: Instruction) -> list[str]:
     if isinstance(ins, Backward):
         return _backward(ins)
     if isinstance(ins, WeightGrad):
-        return [f"# {ins.op.name}: weight gradients of {ins.op.forward.name}",
-                f"{_targets(ins.outs)} = rt.weight({ins.op.forward.name!r})"]
+        return [f"# {ins.op.name}: weight gradients of {ins.op.forward_op.name}",
+                f"{_targets(ins.outs)} = rt.weight({ins.op.forward_op.name!r})"]
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Assemble):
@@ -371,13 +375,14 @@ def _communication(ins: Instruction) -> str:
     if isinstance(ins, AllToAll):
         return (f"rt.all_to_all({ins.src}, ranks={ins.ranks}, dim={ins.dim}, "
                 f"readers={ins.readers}, split={ins.split})")
+    assert isinstance(ins, Broadcast), ins
     if ins.src is not None:  # a broadcast's root
         return f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, ranks={ins.ranks})"
     return (f"rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, shape={tuple(ins.shape)}, "
             f"dtype={ins.dtype})")
 
 
-def _grads(keys: tuple[tuple, ...]) -> str:
+def _grads(keys: tuple[Key, ...]) -> str:
     """Whether the sums are gradients, and which are not (a loss in a gradient bucket)."""
     plain = tuple(i for i, k in enumerate(keys) if not sums_gradients((k,)))
     if len(plain) == len(keys):
@@ -408,7 +413,7 @@ def _backward(ins: Backward) -> list[str]:
 
 
 def _backward_call(ins: Backward) -> list[str]:
-    pieces = [op.forward.name for op in ins.ops]
+    pieces = [op.forward_op.name for op in ins.ops]
     arriving = ", ".join(f"{name!r}: ({_names([g or 'None' for g in grads])})"
                          for name, grads in zip(pieces, ins.grad_outputs)
                          if any(g is not None for g in grads))
@@ -426,6 +431,7 @@ def _load(ins: Load) -> str:
     if ins.source == "zeros":
         return f"torch.zeros({tuple(mask.shape)}, dtype={t.dtype}, device=rt.device)"
     if ins.source == "param":
+        assert ins.held is not None, ins
         base = f"rt.param({t.name!r}, {ins.held.index})"
         within = Mask(mask.index).local_slices(ins.held)
         if Mask(mask.index) == ins.held:

@@ -28,6 +28,7 @@ from chronotope.compile.program import (
     Instruction,
     Key,
     Load,
+    Pattern,
     Recv,
     ReduceScatter,
     Role,
@@ -48,22 +49,23 @@ class Stuck(Exception):
 
 def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Replace collective patterns."""
-    found: dict[tuple, list[tuple[int, Assemble]]] = defaultdict(list)
+    found: dict[tuple[str, Key], list[tuple[int, Assemble, Pattern]]] = defaultdict(list)
     for rank, code in enumerate(ranks):
         for ins in code:
             if isinstance(ins, Assemble) and ins.pattern is not None:
-                found[(ins.pattern.kind, ins.pattern.key)].append((rank, ins))
+                found[(ins.pattern.kind, ins.pattern.key)].append((rank, ins, ins.pattern))
     chosen: dict[int, tuple[int, ...]] = {}  # id(Assemble) -> members, in the pattern's order
     step = _steps(ranks)
     for (kind, key), members in found.items():
         order = _members(kind, key, members)
-        if order is not None and len({step.get(id(ins)) for _, ins in members}) == 1:
-            for _, ins in members:
+        if order is not None and len({step.get(id(ins)) for _, ins, _ in members}) == 1:
+            for _, ins, _ in members:
                 chosen[id(ins)] = order
-    keys = {id(ins): ins.pattern.key for code in ranks for ins in code if id(ins) in chosen}
+    keys = {id(ins): key for (_, key), members in found.items() for _, ins, _ in members
+            if id(ins) in chosen}
     while True:
-        out = [[_collective(ins, chosen[id(ins)]) if id(ins) in chosen else ins for ins in code]
-               for code in ranks]
+        out = [[_collective(ins, chosen[id(ins)]) if isinstance(ins, Assemble)
+                and id(ins) in chosen else ins for ins in code] for code in ranks]
         out = _drop_unread_messages(out)
         stuck = _stuck(out)
         if not stuck:
@@ -113,7 +115,9 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
                 sends[(rank, ins.var, box)].append(ins)
             elif isinstance(ins, Recv):
                 recvs[(ins.src, ins.tag)] = ins
-    swap: list[dict[tuple, Broadcast | None]] = [{} for _ in ranks]  # per rank: what replaces
+    # per rank: what replaces a send or receive (whether the rank is the root, the members,
+    # the key, the first send); None: nothing
+    swap: list[dict[tuple, tuple[bool, tuple[int, ...], Key, Send] | None]] = [{} for _ in ranks]
     for (root, var, box), group in sends.items():
         key = Key(var, box, Role.VALUE, ("broadcast", root))
         dsts = [s.dst for s in group]
@@ -122,11 +126,11 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
                                                         for s in group))}) > 1:
             continue
         members = tuple(sorted({root, *dsts}))
-        swap[root][("send", group[0].tag)] = ("root", members, key, group[0])
+        swap[root][("send", group[0].tag)] = (True, members, key, group[0])
         for send in group[1:]:
             swap[root][("send", send.tag)] = None
         for send in group:
-            swap[send.dst][("recv", root, send.tag)] = ("member", members, key, group[0])
+            swap[send.dst][("recv", root, send.tag)] = (False, members, key, group[0])
     out = []
     for rank, code in enumerate(ranks):
         if not swap[rank]:
@@ -139,12 +143,13 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
             if at is None or at not in swap[rank]:
                 new.append(ins)
             elif (how := swap[rank][at]) is not None:
-                role, members, key, first = how
-                if role == "root":
+                root, members, key, first = how
+                if root:
                     recv = recvs[(rank, first.tag)]
                     new.append(Broadcast(None, first.var, first.slices, rank, members,
                                          recv.shape, recv.dtype, key))
                 else:
+                    assert isinstance(ins, Recv), ins
                     new.append(Broadcast(ins.var, None, (), key.via[1], members, ins.shape,
                                          ins.dtype, key))
         out.append(new)
@@ -157,19 +162,20 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
     return set(replay(ranks).stuck.values())
 
 
-def _members(kind: str, key: Key, members: list[tuple[int, Assemble]]) -> tuple | None:
+def _members(kind: str, key: Key, members: list[tuple[int, Assemble, Pattern]]
+             ) -> tuple[int, ...] | None:
     """The members in collective order, when exactly the ranks holding the pieces take part."""
     sources = sorted({r for _, r in key.via})
-    if len(members) < 2 or sorted(r for r, _ in members) != sources:
+    if len(members) < 2 or sorted(r for r, _, _ in members) != sources:
         return None
     if kind == "all_reduce":
         return tuple(sources)
     if kind == "all_gather":
-        orders = {tuple(ins.pattern.ranks) for _, ins in members}
+        orders = {tuple(p.ranks) for _, _, p in members}
         return orders.pop() if len(orders) == 1 else None
-    if kind == "all_to_all" and len({tuple(ins.pattern.ranks) for _, ins in members}) != 1:
+    if kind == "all_to_all" and len({tuple(p.ranks) for _, _, p in members}) != 1:
         return None
-    by_chunk = sorted((ins.pattern.chunk, r) for r, ins in members)
+    by_chunk = sorted((p.chunk, r) for r, _, p in members)
     if [c for c, _ in by_chunk] != list(range(len(members))):
         return None
     return tuple(r for _, r in by_chunk)
@@ -177,6 +183,7 @@ def _members(kind: str, key: Key, members: list[tuple[int, Assemble]]) -> tuple 
 
 def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
     p = ins.pattern
+    assert p is not None, ins
     if p.kind == "all_reduce":
         return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
     if p.kind == "all_gather":
@@ -197,14 +204,14 @@ def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
     adjacent: dict[tuple, set[int]] = defaultdict(set)  # (key a, key b) -> ranks
     for rank, code in enumerate(ranks):
         for a, b in zip(code, code[1:]):
-            if isinstance(a, kinds) and type(a) is type(b):
+            if isinstance(a, kinds) and isinstance(a, MULTI) and isinstance(b, type(a)):
                 adjacent[(a.keys[-1], b.keys[0])].add(rank)
     out = []
     for code in ranks:
         merged: list[Instruction] = []
         for ins in code:
             prev = merged[-1] if merged else None
-            if (isinstance(ins, kinds) and type(prev) is type(ins)
+            if (isinstance(ins, kinds) and isinstance(ins, MULTI) and isinstance(prev, type(ins))
                     and prev.ranks == ins.ranks and prev.dtype == ins.dtype
                     and adjacent[(prev.keys[-1], ins.keys[0])] == set(ins.ranks)):
                 merged[-1] = flat([(x, k) for x in (prev, ins) for k in range(len(x.vars))])

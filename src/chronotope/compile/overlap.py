@@ -34,6 +34,7 @@ from chronotope.compile.program import (
     AllGather,
     Assemble,
     Backward,
+    Broadcast,
     Forward,
     Instruction,
     Load,
@@ -42,6 +43,7 @@ from chronotope.compile.program import (
     Wait,
     WeightGrad,
     first_reads,
+    loads_param,
     reads,
     results,
     writes,
@@ -108,16 +110,17 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> lis
         if isinstance(ins, Recv):
             slot = posted[i]
             if slot < 2 * use:
-                ins = replace(ins, handle=fresh_name(f"{ins.var}_pending", handles))
-                out.append(((2 * use, 1), Wait(ins.handle, (ins.var,))))
+                handle = fresh_name(f"{ins.var}_pending", handles)
+                ins = replace(ins, handle=handle)
+                out.append(((2 * use, 1), Wait(handle, (ins.var,))))
             out.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
             continue
         if isinstance(ins, STARTED) and use > i + 1:
             made = results(ins)  # none on a broadcast's root: waited on at the end
-            base = made[0] if made else f"{ins.src}_sent"
-            ins = replace(ins, handle=fresh_name(f"{base}_pending", handles))
-            out.append(((2 * use, 1), Wait(ins.handle, results(ins),
-                                           unpack=isinstance(ins, MULTI))))
+            base = made[0] if made else f"{ins.src}_sent" if isinstance(ins, Broadcast) else ""
+            handle = fresh_name(f"{base}_pending", handles)
+            ins = replace(ins, handle=handle)
+            out.append(((2 * use, 1), Wait(handle, made, unpack=isinstance(ins, MULTI))))
         out.append(((2 * i + 1,), ins))
     out.sort(key=lambda x: x[0])
     code = []
@@ -163,9 +166,9 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
     for i, ins in enumerate(code):
         if not isinstance(ins, COLLECTIVES) or i not in first or is_regather(ins):
             continue  # a unit gathered again for its backward is already one ahead
-        loads = [made.get(v) for v in reads(ins)]
-        if not loads or not all(j is not None and isinstance(code[j], Load)
-                                and code[j].source == "param" for j in loads):
+        loads = [made[v] for v in reads(ins) if v in made]
+        if not loads or len(loads) < len(reads(ins)) or not all(
+                loads_param(code[j]) for j in loads):
             continue
         if (found := unit_of(code[first[i]], first[i])) != unit:  # one unit's start together
             unit, reader, ahead = found, first[i], reader
@@ -224,8 +227,8 @@ def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],
             wanted = 2 * compute[before - 1] if before else 2 * use
             slot = max(lower, min(wanted, most))
             if slot > most:
-                raise PlanError(f"rank {rank} cannot post message {code[i].tag} from rank "
-                                f"{code[i].src} in the order its pair sends: this is a bug in "
-                                f"chronotope, please report it with the plan")
+                raise PlanError(f"rank {rank} cannot post message {code[i]} in the order its "
+                                "pair sends: this is a bug in chronotope, please report it "
+                                "with the plan")
             slots[i] = lower = slot
     return slots

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fractions import Fraction
+from typing import Any, TypeVar
 
 import torch
 
@@ -395,18 +396,22 @@ Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble |
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
+Collective = AllReduce | AllGather | ReduceScatter | AllToAll | Broadcast
+Started = Recv | Collective
+Multi = TypeVar("Multi", bound=AllReduce | AllGather | ReduceScatter)
 _PER_OUTPUT = ("vars", "srcs", "shapes", "dims", "keys")  # a flat call's fields, by output
 
 
-def flat(outputs: list[tuple[AllReduce | AllGather | ReduceScatter, int]]) -> Instruction:
+def flat(outputs: list[tuple[Multi, int]]) -> Multi:
     """One call of these outputs (an instruction, which of its outputs), all of one kind,
     group and dtype, side by side in one flat buffer."""
     first = outputs[0][0]
-    return replace(first, **{f: tuple(getattr(ins, f)[k] for ins, k in outputs)
-                             for f in _PER_OUTPUT if hasattr(first, f)})
+    per_output: dict[str, Any] = {f: tuple(getattr(ins, f)[k] for ins, k in outputs)
+                                  for f in _PER_OUTPUT if hasattr(first, f)}
+    return replace(first, **per_output)
 
 
-def results(ins: Instruction) -> tuple[str, ...]:
+def results(ins: Started) -> tuple[str, ...]:
     """What a receive or collective gives, whether it is waited on at once or later."""
     if isinstance(ins, MULTI):
         return ins.vars
@@ -459,6 +464,11 @@ def reads(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, Refill):
         return (*ins.vars, *ins.fresh)
     return ()
+
+
+def loads_param(ins: Instruction) -> bool:
+    """Whether ``ins`` loads a parameter region this rank stores."""
+    return isinstance(ins, Load) and ins.source == "param"
 
 
 def first_reads(code: list[Instruction]) -> dict[str, int]:

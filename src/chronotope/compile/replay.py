@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from chronotope.compile.program import (
     COLLECTIVES,
     MULTI,
+    STARTED,
+    Collective,
     GatherParams,
     Instruction,
+    Key,
     PullParam,
     PushParam,
     Recv,
@@ -55,7 +58,7 @@ class Costs:
         return 0.0
 
 
-def collective_key(ins: Instruction) -> tuple:
+def collective_key(ins: Collective | GatherParams) -> Key | tuple:
     """What names a collective call, the same on every member."""
     if isinstance(ins, GatherParams):
         return ("gather_params", ins.ranks, tuple(name for name, _, _ in ins.params))
@@ -137,11 +140,12 @@ class _Engine:
             self.order.append(key)
             self.since[r] = 0.0
             return True
+        awaited: tuple
         if isinstance(ins, (Recv, PullParam)):
             awaited = ("recv", ins.src, ins.tag)
             self.posted.setdefault((ins.src, r, ins.tag), self.clock[r])
         elif isinstance(ins, (*COLLECTIVES, GatherParams)):
-            awaited = self.calling.pop(r, None) or self.call(r, ins)
+            awaited = self.calling.pop(r) if r in self.calling else self.call(r, ins)
         elif isinstance(ins, Wait):
             if not self.finish(r, self.started[r][ins.handle]):
                 return False
@@ -156,7 +160,7 @@ class _Engine:
             self.compute[r] += seconds
             self.since[r] += seconds
             return True
-        if getattr(ins, "handle", None) is not None:
+        if isinstance(ins, STARTED) and ins.handle is not None:
             self.started[r][ins.handle] = awaited
             return True
         if self.finish(r, awaited):
@@ -165,7 +169,7 @@ class _Engine:
             self.calling[r] = awaited
         return False
 
-    def call(self, r: int, ins: Instruction) -> tuple:
+    def call(self, r: int, ins: Collective | GatherParams) -> tuple:
         """Rank ``r`` calls collective ``ins``: its place among its group's calls."""
         # Ranks past those played are replicas of rank ``g % len(ranks)`` (a scaled plan's
         # unit): they run the same code, so they meet it there.

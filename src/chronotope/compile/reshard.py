@@ -37,6 +37,7 @@ from chronotope.compile.program import (
     WeightGrad,
     first_reads,
     flat,
+    loads_param,
     reads,
     writes,
 )
@@ -78,11 +79,12 @@ def reshard(code: list[Instruction]) -> list[Instruction]:
     units: dict[object, _Unit | None] = {}
     first = first_reads(code)
     for i, ins in enumerate(code):
-        if not _gathers_stored(code, i, made):
+        if not _gathers_stored(ins, code, made):
             continue
+        assert isinstance(ins, AllGather)
         reader = min((first[v] for v in ins.vars if v in first), default=None)
         key = i if reader is None else unit_of(code[reader], reader)
-        use = _uses(code, i)
+        use = _uses(code, i, ins)
         mine = units.setdefault(key, _Unit([], [], []))
         if use is None or mine is None:
             units[key] = None  # read by what may keep a view of it: never freed
@@ -106,11 +108,10 @@ def reshard(code: list[Instruction]) -> list[Instruction]:
         start = freed[k - 1].backward[0] if k else next(
             i for i in range(u.forward[-1], u.backward[0] + 1)
             if isinstance(code[i], (Backward, WeightGrad)))
-        for again in _again(code, u, made, taken):
-            before[start] += again
-            nbytes = sum(math.prod(s) for s in again[-1].shapes) * again[-1].dtype.itemsize
-            before[u.backward[0]].append(Refill(_outputs_of(u, again[-1]), again[-1].vars,
-                                                nbytes))
+        for loads, again in _again(code, u, made, taken):
+            before[start] += [*loads, again]
+            nbytes = sum(math.prod(s) for s in again.shapes) * again.dtype.itemsize
+            before[u.backward[0]].append(Refill(_outputs_of(u, again), again.vars, nbytes))
     out: list[Instruction] = []
     for i, ins in enumerate(code):
         out += before.get(i, [])
@@ -131,18 +132,17 @@ def check_shared(code: list[Instruction]) -> None:
                                 "report it with the plan")
 
 
-def _gathers_stored(code: list[Instruction], at: int, made: dict[str, int]) -> bool:
-    """Whether ``code[at]`` gathers stored parameter regions over several ranks."""
-    ins = code[at]
+def _gathers_stored(ins: Instruction, code: list[Instruction], made: dict[str, int]) -> bool:
+    """Whether ``ins`` gathers stored parameter regions over several ranks."""
     return isinstance(ins, AllGather) and len(ins.ranks) > 1 and not is_regather(ins) and all(
-        v in made and isinstance(code[made[v]], Load) and code[made[v]].source == "param"
-        for v in ins.srcs)
+        v in made and loads_param(code[made[v]]) for v in ins.srcs)
 
 
-def _uses(code: list[Instruction], at: int) -> tuple[list[int], list[int]] | None:
+def _uses(code: list[Instruction], at: int, gather: AllGather
+          ) -> tuple[list[int], list[int]] | None:
     """Where what the gather at ``at`` gives is read in the forward, and where a backward
     uses what its readers saved; None if a reader may keep a view of it (or send it)."""
-    aliases = set(code[at].vars)  # the gathered tensors and views cut out of them
+    aliases = set(gather.vars)  # the gathered tensors and views cut out of them
     readers: set[PlanOp] = set()
     forward: list[int] = []
     backward: list[int] = []
@@ -167,7 +167,7 @@ def _uses(code: list[Instruction], at: int) -> tuple[list[int], list[int]] | Non
 
 
 def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: set[str],
-           ) -> list[list[Instruction]]:
+           ) -> list[tuple[list[Load], AllGather]]:
     """The unit's gathers run again: fresh loads of the stored shards, then one flat call
     per group of ranks and dtype."""
     calls: dict[tuple, list[tuple[AllGather, int]]] = defaultdict(list)
@@ -179,10 +179,11 @@ def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: se
     out = []
     for outputs in calls.values():
         call = flat(outputs)
-        loads = [replace(code[made[v]], var=again(v)) for v in call.srcs]
-        out.append([*loads, replace(call, vars=tuple(map(again, call.vars)),
-                                    srcs=tuple(x.var for x in loads),
-                                    keys=tuple(key.marked(AGAIN) for key in call.keys))])
+        loads = [replace(load, var=again(v)) for v in call.srcs
+                 if isinstance(load := code[made[v]], Load)]
+        out.append((loads, replace(call, vars=tuple(map(again, call.vars)),
+                                   srcs=tuple(x.var for x in loads),
+                                   keys=tuple(key.marked(AGAIN) for key in call.keys))))
     return out
 
 

@@ -71,6 +71,12 @@ class PlanOp:
     def is_backward(self) -> bool:
         return self.forward is not None
 
+    @property
+    def forward_op(self) -> PlanOp:
+        """The forward piece of a backward (or weight-gradient) piece."""
+        assert self.forward is not None, f"{self.name} is a forward piece"
+        return self.forward
+
     def output_copies(self) -> tuple[Copies, ...]:
         return self.copies or ((),) * len(self.outputs)
 
