@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fractions import Fraction
+from typing import Any
 
 from chronotope.compile.program import (
     COLLECTIVES,
@@ -47,6 +48,7 @@ from chronotope.graph.axes import batch_dims, batch_start
 from chronotope.graph.ir import Graph, PTensor, fresh_name
 from chronotope.graph.mask import Mask, VTensor
 from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.steps import Cell
 
 _ONCE = ("param", "constant", "buffer")  # loads alike in every micro-batch
 
@@ -72,7 +74,7 @@ def batch_axes(graph: Graph) -> dict[PTensor, int]:
     broadcast to the batch's size by ops the batch does not flow through included)."""
     axis = dict(batch_start(graph))
     for op, dim in batch_dims(graph).items():
-        if dim is None:
+        if dim is None or op.signature is None:
             continue
         for t, dims in zip(op.inputs, op.signature.inputs):
             found = next((a for a, ax in enumerate(dims) if ax.factors[0].name == dim), None)
@@ -81,10 +83,11 @@ def batch_axes(graph: Graph) -> dict[PTensor, int]:
     return axis
 
 
-def _split(code: list[Instruction]):
+def _split(code: list[Instruction]
+           ) -> tuple[list[Instruction], dict[Cell, list[Instruction]], list[Instruction]]:
     """(before the micro-batches, each step's block, after them) of a rank's code."""
     before: list[Instruction] = []
-    blocks: dict[tuple[str, int], list[Instruction]] = {}
+    blocks: dict[Cell, list[Instruction]] = {}
     after: list[Instruction] = []
     into = before
     for ins in code:
@@ -199,15 +202,18 @@ class _Folder:
     def own_rows(self, ins: Instruction, m: int) -> Instruction:
         """``ins`` reading micro-batch ``m``'s rows of what ran once before the micro-batches
         and drawing its random numbers (what a backward makes again included)."""
+        if isinstance(ins, (Assemble, Forward)):
+            return self.piece_rows(ins, m)
+        if isinstance(ins, Backward) and ins.recompute:
+            return replace(ins, recompute=tuple(self.piece_rows(f, m) for f in ins.recompute))
+        return ins
+
+    def piece_rows(self, ins: Forward | Assemble, m: int) -> Forward | Assemble:
         if isinstance(ins, Assemble):
             return replace(ins, parts=[self.part_rows(p, m) for p in ins.parts])
-        if isinstance(ins, Forward):
-            if any(v not in self.made and self.batched(v) for v in ins.ins):
-                raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
-            return self.draws_at(ins, m)
-        if isinstance(ins, Backward) and ins.recompute:
-            return replace(ins, recompute=tuple(self.own_rows(f, m) for f in ins.recompute))
-        return ins
+        if any(v not in self.made and self.batched(v) for v in ins.ins):
+            raise PlanError(f"{ins.op.name} reads all of the batch in each micro-batch")
+        return self.draws_at(ins, m)
 
     def draws_at(self, ins: Forward, m: int) -> Forward:
         """A piece that draws random numbers draws micro-batch ``m``'s: those of its rows of
@@ -263,10 +269,11 @@ def _later(lo: int, hi: int, m: int) -> tuple[int, int]:
 
 def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
     """``ins`` with every local name in ``names`` renamed (others kept)."""
-    n = names.get
+    def n(v: Any) -> Any:
+        return names.get(v, v) if v is not None else None
 
-    def ns(vs):
-        return tuple(map(n, vs, vs))
+    def ns(vs: tuple) -> tuple:
+        return tuple(map(n, vs))
 
     def changed(**fields) -> Instruction:  # a shallow copy: much cheaper than replace()
         out = object.__new__(type(ins))
@@ -282,20 +289,20 @@ def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
     if isinstance(ins, WeightGrad):
         return changed(outs=ns(ins.outs))
     if isinstance(ins, Assemble):
-        return changed(var=n(ins.var, ins.var),
-                       parts=[replace(p, src=n(p.src, p.src)) for p in ins.parts])
+        return changed(var=n(ins.var),
+                       parts=[replace(p, src=n(p.src)) for p in ins.parts])
     if isinstance(ins, Wait):
-        return changed(handle=n(ins.handle, ins.handle), vars=ns(ins.vars))
+        return changed(handle=n(ins.handle), vars=ns(ins.vars))
     if isinstance(ins, STARTED):
-        handle = n(ins.handle, ins.handle)
+        handle = n(ins.handle)
         if isinstance(ins, Recv):
-            return changed(var=n(ins.var, ins.var), handle=handle)
+            return changed(var=n(ins.var), handle=handle)
         if isinstance(ins, (AllToAll, Broadcast)):
-            return changed(var=n(ins.var, ins.var), src=n(ins.src, ins.src), handle=handle)
-        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s, s) for s in ins.srcs)
+            return changed(var=n(ins.var), src=n(ins.src), handle=handle)
+        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s) for s in ins.srcs)
         return changed(vars=ns(ins.vars), srcs=srcs, handle=handle)
     if hasattr(ins, "var"):
-        return changed(var=n(ins.var, ins.var))
+        return changed(var=n(ins.var))
     if hasattr(ins, "vars"):
         return changed(vars=ns(ins.vars))
     return ins

@@ -98,9 +98,9 @@ class _Fuser:
 
     def close(self, region: _Region, out: list[Instruction]) -> None:
         if region.members:
-            remade: list[Instruction] = [self.forwards[m.ops[0].forward]
-                                         for m in region.members
-                                         if self.forwards[m.ops[0].forward].recompute]
+            remade: list[Forward | Assemble] = [self.forwards[m.ops[0].forward_op]
+                                                for m in region.members
+                                                if self.forwards[m.ops[0].forward_op].recompute]
             made = {v for f in remade for v in writes(f)}
             views = {id(a): a for f in remade for v in reads(f)  # views between them, again
                      if isinstance(a := self.defined.get(v), Assemble)
@@ -115,7 +115,7 @@ class _Fuser:
         """Add piece ``b`` to ``region`` if every gradient it reads is known before the
         region's call or flows inside it (then the forward edge carrying it is linked)."""
         (op,), (grads,), (outs,) = b.ops, b.grad_outputs, b.outs
-        producer = op.forward
+        producer = op.forward_op
         arriving: list[str | None] = []
         links: list[tuple[PlanOp, int]] = []
         linked_grads: list[str] = []  # the gradients those edges carried
@@ -152,16 +152,17 @@ class _Fuser:
             m, j = region.leaving_at.pop(gx)
             region.pending.discard(gx)
             region.outs[m][j] = None
-        for source, kept in rewrites:  # now computable before the call: out of the deferred
+        for source, rewritten in rewrites:  # now computable before the call: out of the deferred
             del region.deferred[id(source)]
-            if kept is not None:
-                out.append(kept)
+            if rewritten is not None:
+                out.append(rewritten)
         region.members.append(b)
         region.grads.append(arriving)
         region.outs.append(list(outs))
-        region.pending.update(outs)
         for j, var in enumerate(outs):
-            region.leaving_at[var] = (len(region.members) - 1, j)
+            if var is not None:
+                region.pending.add(var)
+                region.leaving_at[var] = (len(region.members) - 1, j)
         return True
 
     def link(self, region: _Region, gx: str, producer: PlanOp, k: int,
@@ -172,7 +173,7 @@ class _Fuser:
         if len(self.readers[gx]) != 1 or gx not in region.leaving_at:
             return None
         m, j = region.leaving_at[gx]
-        consumer = self.forwards[region.members[m].ops[0].forward]
+        consumer = self.forwards[region.members[m].ops[0].forward_op]
         i = consumer.input_grads()[j]
         origin = self.origin(consumer.ins[i])
         if origin is None or self.output_of.get(origin[0]) != (producer, k):
@@ -208,8 +209,11 @@ class _Fuser:
 
     def patched(self, ins: Instruction) -> Instruction:
         if isinstance(ins, Backward) and ins.recompute:
-            return replace(ins, recompute=tuple(self.patched(f) for f in ins.recompute))
-        if not isinstance(ins, Forward):
-            return ins
+            return replace(ins, recompute=tuple(self.linked_inputs(f) if isinstance(f, Forward)
+                                                else f for f in ins.recompute))
+        return self.linked_inputs(ins) if isinstance(ins, Forward) else ins
+
+    def linked_inputs(self, ins: Forward) -> Forward:
+        """A forward piece with the inputs whose gradients flow inside autograd marked."""
         linked = tuple((ins.op, i) in self.linked for i in range(len(ins.ins)))
         return replace(ins, linked=linked) if any(linked) else ins

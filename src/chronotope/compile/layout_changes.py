@@ -40,7 +40,7 @@ from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import BoxIndex, Mask
-from chronotope.plan.plan import PlanOp
+from chronotope.plan.plan import PlanOp, placed
 
 MAX_STATES = 2000  # per search: a compiler must not stall on one tensor
 
@@ -245,8 +245,9 @@ def placement(change: Change, position: dict[PlanOp, int],
     reader); None when a rank would have to read before it has made its pieces."""
     last: dict[int, PlanOp] = {}
     for op, _ in change.producers:
-        if op.device not in last or position[op] > position[last[op.device]]:
-            last[op.device] = op
+        device = placed(op)
+        if device not in last or position[op] > position[last[device]]:
+            last[device] = op
     wanted = {(r, m.index) for r, m in change.readers}
     first: dict[int, PlanOp] = {}
     for rank in {r for r, _ in change.readers}:

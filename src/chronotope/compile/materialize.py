@@ -61,8 +61,8 @@ from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
-from chronotope.plan.plan import PlanOp
-from chronotope.plan.steps import cells_of
+from chronotope.plan.plan import PlanOp, placed
+from chronotope.plan.steps import Cell, cells_of
 
 _RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
 _DERIVED = ("_in", "_share")  # suffixes codegen adds to a name
@@ -176,16 +176,16 @@ class Materializer:
                 grads = self.over_replicas(rank, grads)
             self.tail[rank] += grads
         loss = self.plan.graph.loss
-        whole = VTensor(loss, Mask.full(loss.shape))
-        for rank in self.loss_summers(whole):
-            self.read(rank, whole, self.tail[rank])
-        var = self.read(0, whole, self.tail[0])
+        whole_loss = VTensor(loss, Mask.full(loss.shape))
+        for rank in self.loss_summers(whole_loss):
+            self.read(rank, whole_loss, self.tail[rank])
+        var = self.read(0, whole_loss, self.tail[0])
         if self.replicas is not None:  # the global loss: the replicas' shares summed
-            whole = self.name(0, f"{var}_total", loss.shape)
-            self.tail[0].append(AllReduce((whole,), ((var,),), self.replicas.group(0),
+            total = self.name(0, f"{var}_total", loss.shape)
+            self.tail[0].append(AllReduce((total,), ((var,),), self.replicas.group(0),
                                           (loss.shape,), loss.dtype,
                                           (Key(loss.name, (), Role.LOSS, ("replicas",)),)))
-            var = whole
+            var = total
         self.tail[0].append(Loss(var))
         for bname, t in self.plan.graph.buffer_updates.items():  # every rank keeps whole buffers
             for rank in range(self.plan.ndevices):
@@ -226,7 +226,7 @@ class Materializer:
         shares). Their sum is one all-reduce, which ``buckets`` puts in a gradient
         bucket: rank 0 reports the loss without a message of its own."""
         found = self.sources.find(whole, 0)
-        holders = {p.device for p, _ in found}
+        holders = {placed(p) for p, _ in found}
         if (0 not in holders or len(holders) < 2 or self.replicas is not None
                 or any(m.index != whole.mask.index for _, m in found)):
             return []
@@ -241,7 +241,7 @@ class Materializer:
         labels; what the steps receive once), then each step's pieces after a ``Block``
         mark, in the order the template runs them, then, after the end mark, what the
         rank sends of its micro-batches' sums and the backward of what ran once."""
-        steps: dict[tuple[str, int], list[PlanOp]] = {}
+        steps: dict[Cell, list[PlanOp]] = {}
         for op in seq:
             if op in self.cells:
                 steps.setdefault(self.cells[op], []).append(op)
@@ -261,6 +261,7 @@ class Materializer:
             by_dtype[(self.plan.graph.params[g.param].dtype,
                       (g.param, g.region.index) in runs)].append(i)
         out = list(grads)
+        assert self.replicas is not None
         group = self.replicas.group(rank)
         for (dtype, cut), at in by_dtype.items():
             shapes = [self.shapes[rank][grads[i].var] for i in at]
@@ -283,12 +284,13 @@ class Materializer:
     def layout_changes(self) -> None:
         """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""
         emitter = Emitter(self.name, self._next_tag)
+        assert self.cluster is not None
         for change in find_changes(self.sequences, self.cluster, self.skip):
             where = placement(change, self.position, self.sequences)
             if where is None:
                 continue
             start = self.tag
-            inputs = {op.device: self.piece_var[(op, m, change.tensor)]
+            inputs = {placed(op): self.piece_var[(op, m, change.tensor)]
                       for op, m in change.producers}
             t = change.tensor
             code, held = emitter.emit(change.path, t.name, t.dtype, change.box.shape,
@@ -326,15 +328,15 @@ class Materializer:
                     self._summed_as_made(ins):  # (a template's are summed by ``fold``)
                 srcs = list(ins.srcs)
                 for e, local in enumerate(ins.srcs):
-                    shapes = {self.shapes[rank].get(v) for v in local}
+                    shapes = {self.shapes[rank][v] for v in local if v in self.shapes[rank]}
                     if len({made_at.get(v) for v in local}) < 2 or len(shapes) != 1 or any(
                             v not in made_at or readers[v] != 1 for v in local):
                         continue
                     shape = shapes.pop()
                     whole = tuple(slice(0, n) for n in shape)
-                    parts = sorted(local, key=made_at.__getitem__)
-                    total = Part(parts[0], whole, whole, Fraction(1))
-                    for k, v in enumerate(parts[1:]):
+                    made = sorted(local, key=made_at.__getitem__)
+                    total = Part(made[0], whole, whole, Fraction(1))
+                    for k, v in enumerate(made[1:]):
                         var = self.name(rank, f"{ins.vars[e]}_partial", shape)
                         after[made_at[v]].append(Assemble(var, shape, ins.dtype, [
                             total, Part(v, whole, whole, Fraction(1))], accumulate=k > 0))
@@ -381,6 +383,7 @@ class Materializer:
                 gathered.add(pname)
         for rank, runs in enumerate(self.runs):  # first the runs the replicas updated
             if runs:
+                assert self.replicas is not None  # (runs are a scaled plan's)
                 code[rank].append(GatherParams(
                     tuple((p, index, dim) for (p, index), dim in runs.items()),
                     self.replicas.group(rank)))
@@ -397,6 +400,7 @@ class Materializer:
                             continue
                         self.tag += 1
                         part = owned.intersect(region)
+                        assert part is not None  # (owners of the region)
                         code[owner].append(PushParam(pname, owned, part, rank, self.tag))
                         code[rank].append(PullParam(pname, region, part, owner, self.tag,
                                                     self.plan.graph.params[pname].dtype))
@@ -453,10 +457,10 @@ class Materializer:
         scale = Fraction(1)
         if opdef is not None and opdef.averages(op.op.kwargs) and op.outputs:
             scale = op.outputs[0].mask.value.width
-        scales = ()
+        scales: tuple[Fraction, ...] = ()
         if self.replicas is not None:
             scale, scales, outs = self.as_replica(rank, op, scale, outs)
-        later = ()
+        later: tuple[bool, ...] = ()
         if op in self.plan.split and self.plan.weight_op(op) is not None:
             later = tuple(g and v.ptensor.kind is TensorKind.PARAM
                           for v, g in zip(op.inputs, grad))
@@ -472,6 +476,7 @@ class Materializer:
         it adds, and what sums over the batch without a gradient is summed over the
         replicas as soon as it is made (the piece writes its own part under another name)."""
         rep = self.replicas
+        assert rep is not None
         if op.op in rep.means:
             scale *= rep.share
         shared = rep.shares.get(op.op, frozenset())
@@ -542,6 +547,7 @@ class Materializer:
         owners = self._owners(t.name, want, rank)
         for owner, owned in owners:
             region = owned.intersect(want)
+            assert region is not None  # (owners of the region)
             if owner == rank:
                 src = self.load(rank, VTensor(t, region), pre)
             else:
@@ -596,7 +602,7 @@ class Materializer:
         by_rank: dict[tuple[int, tuple], list[tuple[PlanOp, Mask]]] = defaultdict(list)
         for producer, m in found:
             if producer.device != rank and m.value.intersect(v.mask.value) == m.value:
-                by_rank[(producer.device, m.index)].append((producer, m))
+                by_rank[(placed(producer), m.index)].append((producer, m))
         grouped = {id(p) for group in by_rank.values() for p, _ in group}
         out = [(p, m) for p, m in found if id(p) not in grouped]
         for (device, index), group in by_rank.items():
@@ -622,11 +628,11 @@ class Materializer:
     def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                 pre: list[Instruction]) -> Pattern | None:
         """What this read does in terms every rank involved can agree on (see ``Pattern``)."""
-        devices = [p.device for p, _ in found]
+        devices = [placed(p) for p, _ in found]
         if len(set(devices)) < 2 or rank not in devices or not v.mask.value.is_full:
             return None
         t = v.ptensor
-        sources = tuple(sorted((p.name, p.device) for p, _ in found))
+        sources = tuple(sorted((p.name, placed(p)) for p, _ in found))
         local = tuple(self.piece_var[(p, m, t)] for p, m in found if p.device == rank)
         if all(m.index == v.mask.index for _, m in found):
             return Pattern("all_reduce", Key(t.name, v.mask.index, self.role(t), sources),
@@ -678,7 +684,8 @@ class Materializer:
               pre: list[Instruction]) -> tuple[str, Mask]:
         """A local name for ``region`` of ``producer``'s piece ``m``, and the region it covers."""
         src_var = self.piece_var[(producer, m, t)]
-        if producer.device == rank:
+        source = placed(producer)
+        if source == rank:
             return src_var, Mask(m.index)
         # what a template's step reads of what another rank makes once a step (a table from
         # weights, a mask from the inputs) is received once, before the micro-batches: all
@@ -689,15 +696,15 @@ class Materializer:
         key = (producer, m, region.index, t)
         if key not in self.received[rank]:
             self.tag += 1
-            var = self.name(rank, f"{t.name}_from{producer.device}", region.shape)
+            var = self.name(rank, f"{t.name}_from{source}", region.shape)
             self.tensor_of[rank][var] = t
             # what runs once a step reads the sum of every micro-batch's part: sent after
             # they all ran
-            at = self.sent_once[producer.device] if self.once and producer in self.cells \
+            at = self.sent_once[source] if self.once and producer in self.cells \
                 else self.post[producer]
             at.append(Send(src_var, region.local_slices(m), rank, self.tag))
             (self.received_once[rank] if once else pre).append(
-                Recv(var, region.shape, t.dtype, producer.device, self.tag))
+                Recv(var, region.shape, t.dtype, source, self.tag))
             self.received[rank][key] = var
         return self.received[rank][key], Mask(region.index)
 

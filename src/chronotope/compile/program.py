@@ -23,6 +23,7 @@ import torch
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import Mask
 from chronotope.plan.plan import Fusion, Plan, PlanOp
+from chronotope.plan.steps import Cell
 from chronotope.plan.storage import Owned, replica_run
 
 Slices = tuple[slice, ...]
@@ -378,7 +379,7 @@ class Block:
     where the steps end and what runs once a step goes on (gradients, the loss). Folding
     (``compile/fold.py``) runs each block once per micro-batch, in the steps' order."""
 
-    cell: tuple[str, int] | None
+    cell: Cell | None
 
 
 @dataclass

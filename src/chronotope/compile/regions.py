@@ -83,7 +83,7 @@ def regions(code: list[Instruction], rest: bool = True) -> list[Instruction | Re
     """``code`` with its fused pieces grouped into regions of their fusion group and, with
     ``rest``, its other runs of forward pieces too (runs of fewer than ``MIN_PIECES``
     unfused pieces stay as they were)."""
-    backward_of = {op.forward.name: i for i, ins in enumerate(code)
+    backward_of = {op.forward_op.name: i for i, ins in enumerate(code)
                    if isinstance(ins, Backward) for op in ins.ops}
     out: list[Instruction | Region] = []
     run: Region | None = None

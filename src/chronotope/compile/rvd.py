@@ -114,14 +114,20 @@ class Layout:
         """The layout of a tensor with ``ndim`` dims placed on a device mesh as DTensor
         places it (``mesh_devices`` in row-major order). Several axes sharding one dim
         nest left to right, as DTensor's do."""
+        from torch.distributed.tensor import Shard
+
         if len(mesh_shape) != len(placements):
             raise PlanError(f"a mesh of shape {list(mesh_shape)} needs {len(mesh_shape)} "
                             f"placements, got {len(placements)}")
+        other = [p for p in placements
+                 if not (p.is_replicate() or p.is_partial() or isinstance(p, Shard))]
+        if other:
+            raise PlanError(f"placement {other[0]} is none of Replicate, Partial and Shard")
         r = math.prod(n for n, p in zip(mesh_shape, placements) if p.is_replicate())
         v = math.prod(n for n, p in zip(mesh_shape, placements) if p.is_partial())
         d = [1] * ndim
         for n, p in zip(mesh_shape, placements):
-            if p.is_shard():
+            if isinstance(p, Shard):
                 if not 0 <= p.dim < ndim:
                     raise PlanError(f"{p} on a tensor of {ndim} dims")
                 d[p.dim] *= n
@@ -131,7 +137,7 @@ class Layout:
             digits = [0] * (2 + ndim)  # (r, v, d1..dn) of this mesh coordinate
             sizes = [1] * (2 + ndim)  # how much of each digit the axes so far made
             for c, n, p in zip(coord, mesh_shape, placements):
-                slot = 0 if p.is_replicate() else 1 if p.is_partial() else 2 + p.dim
+                slot = 2 + p.dim if isinstance(p, Shard) else 1 if p.is_partial() else 0
                 digits[slot] = digits[slot] * n + c
                 sizes[slot] *= n
             flat = 0

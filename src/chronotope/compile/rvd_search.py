@@ -236,7 +236,7 @@ def cross_layouts(layout: Layout, devices: tuple[int, ...], target: Layout,
                     and (axis == R or shape[axis - 2] % (radix[axis] * k) == 0)]
     elif n % m == 0:
         k = n // m
-        options += [_times(radix, axis, 1 / k) for axis in range(len(radix))
+        options += [_times(radix, axis, 1, k) for axis in range(len(radix))
                     if radix[axis] % k == 0]
     out = []
     for new in options:
@@ -247,8 +247,9 @@ def cross_layouts(layout: Layout, devices: tuple[int, ...], target: Layout,
     return out
 
 
-def _times(radix: tuple[int, ...], axis: int, k: float) -> tuple[float, ...]:
-    return tuple(x * k if i == axis else x for i, x in enumerate(radix))
+def _times(radix: tuple[int, ...], axis: int, times: int, over: int = 1) -> tuple[int, ...]:
+    """``radix`` with digit ``axis`` multiplied by ``times / over`` (exactly divisible)."""
+    return tuple(x * times // over if i == axis else x for i, x in enumerate(radix))
 
 
 # ---- search ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from chronotope.compile.program import (
@@ -131,7 +131,7 @@ class _Prices(Costs):
 
     def __init__(self, cluster: Cluster, piece: Callable[[PlanOp], float], params: dict,
                  calibration: Calibration, held: Held | None = None,
-                 swapped: set[PlanOp] = frozenset()):
+                 swapped: Set[PlanOp] = frozenset()):
         self.params, self.calibration, self.held = params, calibration, held
         self.swapped = swapped
         self.cluster, self.piece = cluster, piece
@@ -187,7 +187,7 @@ class _Prices(Costs):
         if isinstance(ins, Forward) and ins.swap:
             ops = [ins.op]
         elif isinstance(ins, Backward):
-            ops = [op.forward for op in ins.ops if op.forward in self.swapped]
+            ops = [op.forward_op for op in ins.ops if op.forward in self.swapped]
         else:
             return 0.0
         return sum(self.held.swapped(op) for op in ops) / self.cluster.host_bandwidth
