@@ -7,6 +7,10 @@ other micro-batch runs the same pieces on its own rows. What a step of micro-bat
 data edges between the template's cells say which. The steps are checked here as
 ``check`` checks a plan's orders: every step of a device's stages listed once, and
 no device waiting for a step that can only come after its own next one.
+
+``actions`` reads a plan's per-device order back as ``torch.distributed.pipelining``
+actions (``"1F0"``: stage 1, forward, micro-batch 0; ``I`` and ``W`` for split
+backwards), so orders compare step by step with torch's own schedules.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from chronotope.graph.convert import is_random
 from chronotope.graph.ir import Op, PTensor
 from chronotope.plan.plan import Plan, PlanOp, placed
 
-Step = tuple[str, int, int]  # (kind, stage, micro-batch)
+Step = tuple[str, int, int]  # ("F", "B" or "W", stage, micro-batch): one step of a rank
 Cell = tuple[str, int | str]  # (kind, stage): a template step (plan.cells's stages)
 
 
@@ -202,3 +206,46 @@ def _shown(steps: list) -> str:
     text = ", ".join("".join(map(str, s)) if len(s) == 2 else f"{s[0]}{s[1]}.{s[2]}"
                      for s in steps[:4])
     return text + (f" and {len(steps) - 4} more" if len(steps) > 4 else "")
+
+
+def step_of(plan: Plan) -> dict[PlanOp, str]:
+    """Each forward and backward piece a pipeline policy placed, as its action string
+    (a split backward's parts: ``I`` and ``W``)."""
+    out = {}
+    for (_, s, m), pieces in plan.cells.items():
+        split = any(plan.weight_op(leaf) for piece in pieces for leaf in plan.leaves(piece))
+        for piece in pieces:
+            for leaf in plan.leaves(piece):
+                out[leaf] = f"{s}F{m}"
+                back, weight = plan.backward_op(leaf), plan.weight_op(leaf)
+                if back is not None:
+                    out[back] = f"{s}{'I' if split else 'B'}{m}"
+                if weight is not None:
+                    out[weight] = f"{s}W{m}"
+    return out
+
+
+def _written(steps: list[Step]) -> list[str]:
+    """Steps as action strings; a backward whose weight part is a step of its own is ``I``."""
+    split = any(kind == "W" for kind, _, _ in steps)
+    return [f"{s}{'I' if kind == 'B' and split else kind}{m}" for kind, s, m in steps]
+
+
+def actions(plan: Plan) -> dict[int, list[str]]:
+    """Per rank, its stage's forward / backward micro-batch steps in the order it runs them,
+    as torch pipelining action strings (``"0F1"``, ``"1B0"``); ranks without stages are
+    left out. A run of pieces of one step is one action."""
+    if plan.micro > 1:  # a template: its steps are written down
+        return {d: _written(steps) for d, steps in sorted(plan.steps.items()) if steps}
+    steps_of = step_of(plan)
+    checked = plan.check()
+    out: dict[int, list[str]] = {}
+    for rank in range(plan.ndevices):
+        steps: list[str] = []
+        for op in checked.sequence(rank):
+            step = steps_of.get(op)
+            if step is not None and (not steps or steps[-1] != step):
+                steps.append(step)
+        if steps:
+            out[rank] = steps
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from chronotope.compile.timeline import timeline
 from chronotope.errors import DeadlockError, PlanError
 from chronotope.graph.axes import batch_dims, loss_tails
 from chronotope.graph.ir import Graph, Op, PTensor
@@ -26,7 +27,6 @@ from chronotope.plan.plan import PlanOp
 from chronotope.policies.mesh import batch_cut, data_only
 from chronotope.policies.mesh import stages as cut_stages
 from chronotope.policies.pipeline import one_f_one_b
-from chronotope.policies.timeline import timeline
 
 
 def shared_table(graph: Graph) -> tuple[PTensor, list[Op], int]:

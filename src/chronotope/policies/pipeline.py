@@ -11,10 +11,7 @@ with ``W`` steps splits every backward into its input-gradient part (``B``)
 and its weight-gradient part (``W``, see ``Plan.split_backward``). No schedule
 is known to the compiler or the runtime.
 
-``actions`` reads a checked plan's per-device order back as
-``torch.distributed.pipelining`` actions (``"1F0"``: stage 1, forward,
-micro-batch 0; ``I`` and ``W`` for split backwards), so orders compare step by
-step with torch's own schedules.
+``plan.steps.actions`` reads the order back as torch pipelining actions.
 """
 
 from __future__ import annotations
@@ -27,12 +24,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from chronotope.errors import PlanError
+from chronotope.plan.steps import Step
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph
-    from chronotope.plan import Plan, PlanOp
+    from chronotope.plan import Plan
 
-Step = tuple[str, int, int]  # ("F", "B" or "W", stage, micro-batch)
 
 
 def gpipe(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
@@ -273,46 +270,3 @@ def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Sched
 
     return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
                 chunks=chunks, recompute=recompute, swap=swap, fold=fold)
-
-
-def step_of(plan: Plan) -> dict[PlanOp, str]:
-    """Each forward and backward piece a pipeline policy placed, as its action string
-    (a split backward's parts: ``I`` and ``W``)."""
-    out = {}
-    for (_, s, m), pieces in plan.cells.items():
-        split = any(plan.weight_op(leaf) for piece in pieces for leaf in plan.leaves(piece))
-        for piece in pieces:
-            for leaf in plan.leaves(piece):
-                out[leaf] = f"{s}F{m}"
-                back, weight = plan.backward_op(leaf), plan.weight_op(leaf)
-                if back is not None:
-                    out[back] = f"{s}{'I' if split else 'B'}{m}"
-                if weight is not None:
-                    out[weight] = f"{s}W{m}"
-    return out
-
-
-def _written(steps: list[Step]) -> list[str]:
-    """Steps as action strings; a backward whose weight part is a step of its own is ``I``."""
-    split = any(kind == "W" for kind, _, _ in steps)
-    return [f"{s}{'I' if kind == 'B' and split else kind}{m}" for kind, s, m in steps]
-
-
-def actions(plan: Plan) -> dict[int, list[str]]:
-    """Per rank, its stage's forward / backward micro-batch steps in the order it runs them,
-    as torch pipelining action strings (``"0F1"``, ``"1B0"``); ranks without stages are
-    left out. A run of pieces of one step is one action."""
-    if plan.micro > 1:  # a template: its steps are written down
-        return {d: _written(steps) for d, steps in sorted(plan.steps.items()) if steps}
-    steps_of = step_of(plan)
-    checked = plan.check()
-    out: dict[int, list[str]] = {}
-    for rank in range(plan.ndevices):
-        steps: list[str] = []
-        for op in checked.sequence(rank):
-            step = steps_of.get(op)
-            if step is not None and (not steps or steps[-1] != step):
-                steps.append(step)
-        if steps:
-            out[rank] = steps
-    return out

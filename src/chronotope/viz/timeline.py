@@ -1,13 +1,13 @@
 """Pipeline timelines drawn: one lane per rank, its steps coloured by kind (forward,
 backward, a split backward's input and weight parts) and messages under them, in grey.
-The timeline itself is ``policies.timeline``."""
+The timeline itself is ``compile.timeline``."""
 
 from __future__ import annotations
 
 import html
 
+from chronotope.compile.timeline import Timeline
 from chronotope.errors import PlanError
-from chronotope.policies.timeline import Timeline
 
 # forward, backward, a split backward's input part and its weight part, communication
 COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452", "C": "#999999"}

@@ -26,7 +26,8 @@ from chronotope.cost import OpTime, piece_flops, piece_seconds
 from chronotope.errors import PlanError
 from chronotope.plan import Plan
 from chronotope.plan.check import Sources
-from chronotope.policies.pipeline import actions, step_of
+from chronotope.plan.plan import placed
+from chronotope.plan.steps import actions, step_of
 
 Key = tuple[int, str]  # (rank, step)
 
@@ -83,7 +84,7 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
     cost: dict[Key, float] = defaultdict(float)
     for op in ops:
         if op in steps:
-            cost[(op.device, steps[op])] += piece_seconds(op, measured) if measured else \
+            cost[(placed(op), steps[op])] += piece_seconds(op, measured) if measured else \
                 piece_flops(op) / flops_per_s
     if step_cost is not None:
         cost = defaultdict(float, {key: step_cost(*key) for key in cost})
@@ -96,11 +97,11 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
                 a = steps.get(p)
                 if a is None or b is None or a == b:
                     continue
-                edge = ((p.device, a), (op.device, b))
+                edge = ((placed(p), a), (placed(op), b))
                 common = held.intersect(v.mask)
-                far = bytes_per_s and p.device != op.device and common
+                far = bytes_per_s and p.device != op.device and common is not None
                 wire[edge] = wire.get(edge, 0) + (
-                    common.numel * v.ptensor.dtype.itemsize if far else 0)
+                    common.numel * v.ptensor.dtype.itemsize if far and common else 0)
     if plan.micro > 1:  # a template's micro-batch 0 stands for every micro-batch
         cost = defaultdict(float, {(d, _micro(step, m)): c for (d, step), c in cost.items()
                                    for m in range(plan.micro)})
@@ -157,6 +158,7 @@ def _play(order: dict[int, list[str]], cost: dict[Key, float],
     ended: dict[Key, float] = {}
     bars = []
     for r, run, start, end in played.spans:
+        assert isinstance(run, _Run)
         ended[(r, run.step)] = end
         bars.append(Bar(r, run.step, start, end))
     if played.stuck:
