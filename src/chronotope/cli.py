@@ -922,9 +922,10 @@ def parser() -> argparse.ArgumentParser:
                          help="micro-batches per data-parallel group (gradient accumulation; "
                               "default 1, and for the pipelines up to 2 x stages, as the "
                               "batch allows)")
-        cmd.add_argument("--fold", action="store_true",
+        cmd.add_argument("--fold", action=argparse.BooleanOptionalAction, default=None,
                          help="plan, check and compile one micro-batch and run every "
-                              "micro-batch from it (compile time independent of --micro)")
+                              "micro-batch from it (compile time independent of --micro; "
+                              "the pipelines fold unless --no-fold, but for chimera and 3f1b)")
         cmd.add_argument("--chunks", type=positive_int, default=None,
                          help="stages each pipeline rank holds (interleaved, zbv; default 2)")
         cmd.add_argument("--coshard", type=positive_int, default=None,

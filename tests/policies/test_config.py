@@ -29,9 +29,15 @@ def code(plan) -> list[str]:
     (ParallelConfig("dp-tp", 4, tp=2, recompute="full"),
      lambda g: mesh(g, 2, 2, recompute="full")),
     (ParallelConfig("zero-3", 2), lambda g: zero(g, 2, 3)),
-    (ParallelConfig("1f1b", 4, pp=2, micro=4), lambda g: pipeline(g, 2, 4, "1f1b", dp=2)),
-    (ParallelConfig("interleaved", 2), lambda g: pipeline(g, 2, 4, "interleaved", chunks=2)),
-], ids=lambda x: x.policy if isinstance(x, ParallelConfig) else "")
+    (ParallelConfig("1f1b", 4, pp=2, micro=4),
+     lambda g: pipeline(g, 2, 4, "1f1b", dp=2, fold=True)),
+    (ParallelConfig("1f1b", 4, pp=2, micro=4, fold=False),
+     lambda g: pipeline(g, 2, 4, "1f1b", dp=2)),
+    (ParallelConfig("interleaved", 2),
+     lambda g: pipeline(g, 2, 4, "interleaved", chunks=2, fold=True)),
+    (ParallelConfig("chimera", 2), lambda g: pipeline(g, 2, 4, "chimera")),
+], ids=lambda x: f"{x.policy}{'-no-fold' if x.fold is False else ''}"
+   if isinstance(x, ParallelConfig) else "")
 def test_a_config_builds_what_the_policy_function_builds(config, direct):
     assert code(make(gpt(), config)) == code(direct(gpt()))
 
@@ -40,6 +46,19 @@ def test_a_config_builds_what_the_policy_function_builds(config, direct):
 def test_every_policy_by_name_makes_a_plan_that_checks(name):
     plan = make(gpt(), ParallelConfig(name, 2 if name == "interlaced" else 4))
     assert plan.check() is not None
+
+
+def test_pipelines_fold_by_default_and_say_no_fold_to_cut_every_micro_batch():
+    """A folded pipeline plans one micro-batch (compile time independent of micro); a
+    schedule that runs the model more than once a step (chimera, 3f1b) is cut, and so is
+    a mesh without pipeline stages (its micro-batches accumulate gradients)."""
+    assert make(gpt(), ParallelConfig("1f1b", 2, micro=4)).micro == 4
+    assert make(gpt(), ParallelConfig("1f1b", 2, micro=4, fold=False)).micro == 1
+    assert make(gpt(), ParallelConfig("chimera", 2, micro=4)).micro == 1
+    assert make(gpt(), ParallelConfig("dp-tp", 4, pp=2, micro=4)).micro == 4
+    assert make(gpt(), ParallelConfig("dp-tp", 4, micro=4)).micro == 1  # no pipeline
+    with pytest.raises(ct.PlanError, match="does not read --no-fold"):
+        make(gpt(), ParallelConfig("dp", 2, fold=False), FLAGS)
 
 
 def test_options_a_policy_does_not_read_are_refused_in_the_callers_words():

@@ -17,7 +17,14 @@ from chronotope.graph.ir import Graph
 from chronotope.plan.plan import Plan
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import mesh
-from chronotope.policies.pipeline import MULTI_STAGE, SCHEDULES, pipeline, read_schedule
+from chronotope.policies.pipeline import (
+    DIRECTIONS,
+    MULTI_STAGE,
+    RECYCLING,
+    SCHEDULES,
+    pipeline,
+    read_schedule,
+)
 from chronotope.policies.zero import zero
 
 ACTIVATIONS = ("full", "selective")  # what recompute and swap take
@@ -34,7 +41,9 @@ class ParallelConfig:
     batch allows); ``chunks``: stages per rank (interleaved, zbv; default 2);
     ``coshard``: pieces per device of each attention and MLP (default 2); ``recompute``
     and ``swap``: "full" or "selective"; ``fold``: plan one micro-batch and run every
-    one from it; ``schedule``: csv's pipeline order, a torch pipelining CSV file."""
+    one from it (default: pipelines fold, a mesh's with pp > 1 among them, but for
+    co-shard and the schedules that run the model twice a step, chimera and 3f1b);
+    ``schedule``: csv's pipeline order, a torch pipelining CSV file."""
 
     policy: str = "dp"
     devices: int = 1
@@ -45,14 +54,14 @@ class ParallelConfig:
     coshard: int | None = None
     recompute: str | None = None
     swap: str | None = None
-    fold: bool = False
+    fold: bool | None = None
     schedule: str | None = None
 
     def given(self) -> dict[str, object]:
         """The options set away from their default (policy and devices aside)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)
                   if f.name not in ("policy", "devices")}
-        return {k: v for k, v in values.items() if v is not None and v is not False}
+        return {k: v for k, v in values.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -68,12 +77,15 @@ class Spelling:
     def said(self, option: str, value: object) -> str:
         if not self.flags:
             return f"{option}={value!r}"
-        return self.name(option) if value is True else f"{self.name(option)} {value}"
+        if isinstance(value, bool):
+            return self.name(option) if value else f"--no-{option.replace('_', '-')}"
+        return f"{self.name(option)} {value}"
 
 
 KEYWORDS, FLAGS = Spelling(), Spelling(flags=True)
 Builder = Callable[[Graph, ParallelConfig, Spelling], Plan]
 _ACTIVATION_OPTIONS = frozenset({"recompute", "swap"})
+UNFOLDED = {*DIRECTIONS, *RECYCLING}  # pipelines that run the model more than once a step
 
 
 def _mesh(sequence: bool = False, coshard: bool = False) -> Builder:
@@ -85,7 +97,8 @@ def _mesh(sequence: bool = False, coshard: bool = False) -> Builder:
                             "dp * pp * tp")
         return mesh(graph, c.devices // (tp * pp), tp, pp=pp, micro=c.micro or 1,
                     sequence=sequence, coshard=(c.coshard or 2) if coshard else 1,
-                    fold=c.fold, recompute=c.recompute, swap=c.swap)
+                    fold=c.fold if c.fold is not None else pp > 1 and not coshard,
+                    recompute=c.recompute, swap=c.swap)
     return build
 
 
@@ -108,8 +121,9 @@ def _pipeline(schedule: str) -> Builder:
                             "dp * stages")
         dp = c.devices // stages
         chunks = (c.chunks or 2) if schedule in MULTI_STAGE else 1
+        fold = c.fold if c.fold is not None else schedule not in UNFOLDED
         return pipeline(graph, stages, _micro(graph, c, stages, dp), schedule, dp=dp,
-                        chunks=chunks, fold=c.fold, recompute=c.recompute, swap=c.swap)
+                        chunks=chunks, fold=fold, recompute=c.recompute, swap=c.swap)
     return build
 
 
