@@ -19,19 +19,17 @@ from fractions import Fraction
 
 import torch
 
-from chronotope.compile.buckets import BUCKET_MB, buckets
-from chronotope.compile.collectives import Stuck, collectives
-from chronotope.compile.fold import batch_axes, fold
-from chronotope.compile.fuse import fuse
+from chronotope.compile.buckets import BUCKET_MB
+from chronotope.compile.collectives import Stuck
+from chronotope.compile.fold import batch_axes
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
-from chronotope.compile.overlap import overlap
+from chronotope.compile.passes import Lowered, run_passes
 from chronotope.compile.program import (
     AllReduce,
     Assemble,
     Backward,
     Block,
     Forward,
-    Free,
     GatherParams,
     Grad,
     Instruction,
@@ -51,11 +49,7 @@ from chronotope.compile.program import (
     WeightGrad,
     covers,
     groups_of,
-    reads,
-    sums_gradients,
-    writes,
 )
-from chronotope.compile.reshard import reshard
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.ir import PTensor, TensorKind
@@ -195,21 +189,8 @@ class Materializer:
         for rank, seq in sorted(self.sequences.items()):
             flat = self.in_blocks(rank, seq) if self.cells else self.code_of(seq)
             ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks = collectives(ranks)
-        if not self.cells:  # a template's gradients are summed once every micro-batch ran
-            ranks = buckets(ranks, self.bucket_bytes)
-        if self.plan.reshard:
-            ranks = [reshard(code) for code in ranks]
-        ranks = [self.running_sums(rank, fuse(code)) for rank, code in enumerate(ranks)]
-        if not self.cells:
-            ranks = overlap(ranks)
-        else:  # the folded code is long: one replay checks the buckets and places messages
-            ranks = fold(ranks, self.plan, self.tensor_of, self.shapes, self.whole)
-            try:
-                ranks = overlap(buckets(ranks, self.bucket_bytes, check=False))
-            except PlanError:
-                ranks = overlap(ranks)
-        ranks = [with_frees(code) for code in ranks]
+        ranks = run_passes(Lowered(ranks, self.plan, self.bucket_bytes, bool(self.cells),
+                                   self.shapes, self.tensor_of, self.whole, self.name))
         refresh = self.refresh()
         return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
                        refresh, self.changes, self.runs)
@@ -309,66 +290,6 @@ class Materializer:
     def _next_tag(self) -> int:
         self.tag += 1
         return self.tag
-
-    def running_sums(self, rank: int, code: list[Instruction]) -> list[Instruction]:
-        """A sum of three or more pieces this rank computes is added up as they are made, so
-        only the running total and the newest part are alive (co-shard's partial sums,
-        forward and backward); so are the local pieces of a gradient's reduction made at
-        different times (a tied weight's gradient from each micro-batch)."""
-        made_at = {var: i for i, ins in enumerate(code) if isinstance(ins, (Forward, Backward))
-                   for var in writes(ins)}
-        readers: dict[str, int] = defaultdict(int)
-        for ins in code:
-            for var in reads(ins):
-                readers[var] += 1
-        after: dict[int, list[Instruction]] = defaultdict(list)
-        out = list(code)
-        for i, ins in enumerate(code):
-            if isinstance(ins, (AllReduce, ReduceScatter)) and not self.cells and \
-                    self._summed_as_made(ins):  # (a template's are summed by ``fold``)
-                srcs = list(ins.srcs)
-                for e, local in enumerate(ins.srcs):
-                    shapes = {self.shapes[rank][v] for v in local if v in self.shapes[rank]}
-                    if len({made_at.get(v) for v in local}) < 2 or len(shapes) != 1 or any(
-                            v not in made_at or readers[v] != 1 for v in local):
-                        continue
-                    shape = shapes.pop()
-                    whole = tuple(slice(0, n) for n in shape)
-                    made = sorted(local, key=made_at.__getitem__)
-                    total = Part(made[0], whole, whole, Fraction(1))
-                    for k, v in enumerate(made[1:]):
-                        var = self.name(rank, f"{ins.vars[e]}_partial", shape)
-                        after[made_at[v]].append(Assemble(var, shape, ins.dtype, [
-                            total, Part(v, whole, whole, Fraction(1))], accumulate=k > 0))
-                        total = replace(total, src=var)
-                    srcs[e] = (total.src,)
-                out[i] = replace(ins, srcs=tuple(srcs))
-                continue
-            if not (isinstance(ins, Assemble) and ins.pattern is None and len(ins.parts) > 2
-                    and all(p.scale == 1 and p.src in made_at and readers[p.src] == 1
-                            and self.shapes[rank].get(p.src) == ins.shape  # all of it
-                            and covers(p.src_slices, ins.shape)
-                            and covers(p.dst_slices, ins.shape) for p in ins.parts)):
-                continue
-            parts = sorted(ins.parts, key=lambda p: made_at[p.src])
-            if len({made_at[p.src] for p in parts}) < 3:
-                continue  # made together (one backward region): nothing to gain
-            total = parts[0]
-            for k, p in enumerate(parts[1:-1]):  # the totals made here are added into
-                var = self.name(rank, f"{ins.var}_partial", ins.shape)
-                after[made_at[p.src]].append(Assemble(var, ins.shape, ins.dtype, [total, p],
-                                                      accumulate=k > 0))
-                total = replace(total, src=var)
-            out[i] = replace(ins, parts=[total, parts[-1]], accumulate=len(parts) > 2)
-        return [x for i, ins in enumerate(out) for x in (ins, *after.get(i, ()))]
-
-    def _summed_as_made(self, ins: AllReduce | ReduceScatter) -> bool:
-        """Whether a reduction's local pieces may be summed before it, in their own dtype:
-        gradients, in fp32 (a parameter's always is)."""
-        params = {self.plan.grads[t].name for t in self.plan.graph.params.values()
-                  if t in self.plan.grads}
-        return sums_gradients(ins.keys) and (self.plan.dtype == "fp32" or all(
-            k.tensor in params for k in ins.keys))
 
     def refresh(self) -> list[list[Instruction]]:
         """After the optimizer step: stored regions that others own, copied from the owners."""
@@ -764,40 +685,6 @@ def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: i
     return Pattern("all_gather", Key(name, want.index, Role.VALUE, sources),
                    [ranks[i] for i in order],
                    (parts[ranks.index(rank)].src,), dim)
-
-
-def with_frees(code: list[Instruction]) -> list[Instruction]:
-    """Insert ``Free`` after the last instruction that reads each tensor."""
-    last: dict[str, int] = {}
-    for i, ins in enumerate(code):
-        for var in reads(ins):
-            last[var] = i
-    frees: dict[int, list[str]] = defaultdict(list)
-    for var, i in last.items():
-        frees[i].append(var)
-    out: list[Instruction] = []
-    for i, ins in enumerate(code):
-        if isinstance(ins, Backward) and ins.recompute:
-            ins = _freed_inside(ins, {v for v in _writes_inside(ins) if last.get(v, -1) <= i})
-        out.append(ins)
-        if frees.get(i):
-            out.append(Free(tuple(frees[i])))
-    return out
-
-
-def _writes_inside(ins: Backward) -> list[str]:
-    return [v for f in ins.recompute for v in writes(f)]
-
-
-def _freed_inside(ins: Backward, unread: set[str]) -> Backward:
-    """``ins`` freeing what its forwards run again make as soon as they are done with it
-    (nothing after the call reads it): after the last of them that reads it."""
-    last = {v: k for k, f in enumerate(ins.recompute) for v in (*writes(f), *reads(f))}
-    frees: list[list[str]] = [[] for _ in ins.recompute]
-    for v in dict.fromkeys(_writes_inside(ins)):
-        if v in unread:
-            frees[last[v]].append(v)
-    return replace(ins, frees=tuple(tuple(f) for f in frees))
 
 
 def materialize(checked: CheckedPlan, cluster: Cluster | None = None,

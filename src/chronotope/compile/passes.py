@@ -1,0 +1,99 @@
+"""The compiler after lowering: a named list of passes over every rank's code, in order.
+
+Lowering (``compile/materialize.py``) resolves every read of every piece into
+messages, collectives it recognises and local assembly; each pass then takes
+every rank's code and returns it, keeping what its module says it guarantees.
+Where a pass reorders code, the replay engine (``compile/replay.py``) checks that
+it still runs through, and the pass keeps the order it had when not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chronotope.compile.buckets import buckets
+from chronotope.compile.collectives import collectives
+from chronotope.compile.fold import fold
+from chronotope.compile.frees import with_frees
+from chronotope.compile.fuse import fuse
+from chronotope.compile.overlap import overlap
+from chronotope.compile.program import Instruction
+from chronotope.compile.reshard import reshard
+from chronotope.compile.running_sums import running_sums
+from chronotope.errors import PlanError
+from chronotope.graph.ir import PTensor
+from chronotope.plan.plan import Plan
+
+Code = list[list[Instruction]]  # every rank's instructions
+
+
+@dataclass
+class Lowered:
+    """Every rank's code as lowering wrote it, and what the passes read besides."""
+
+    ranks: Code
+    plan: Plan
+    bucket_bytes: float  # gradient reductions start in buckets of this size
+    template: bool  # a template's code (``plan.micro``): its blocks run per micro-batch
+    shapes: list[dict[str, tuple[int, ...]]]  # each rank's local names, with their shapes
+    tensor_of: list[dict[str, PTensor]]  # the whole tensor each piece's name holds
+    whole: list[set[str]]  # names every micro-batch of a template makes alike
+    name: Callable[[int, str, tuple[int, ...]], str]  # (rank, hint, shape) -> a fresh name
+
+
+def _buckets(lowered: Lowered) -> Code:
+    """Gradient reductions in buckets (a template's after ``fold``, in ``_overlap``)."""
+    return lowered.ranks if lowered.template else buckets(lowered.ranks, lowered.bucket_bytes)
+
+
+def _reshard(lowered: Lowered) -> Code:
+    return [reshard(code) for code in lowered.ranks] if lowered.plan.reshard else lowered.ranks
+
+
+def _regions(lowered: Lowered) -> Code:
+    return [fuse(code) for code in lowered.ranks]
+
+
+def _running_sums(lowered: Lowered) -> Code:
+    return [running_sums(rank, code, lowered) for rank, code in enumerate(lowered.ranks)]
+
+
+def _fold(lowered: Lowered) -> Code:
+    if not lowered.template:
+        return lowered.ranks
+    return fold(lowered.ranks, lowered.plan, lowered.tensor_of, lowered.shapes, lowered.whole)
+
+
+def _overlap(lowered: Lowered) -> Code:
+    """Communication started ahead of its readers; a template's (long, folded) code gets
+    its gradient buckets here too, checked by the one replay overlap runs."""
+    if not lowered.template:
+        return overlap(lowered.ranks)
+    try:
+        return overlap(buckets(lowered.ranks, lowered.bucket_bytes, check=False))
+    except PlanError:
+        return overlap(lowered.ranks)
+
+
+def _frees(lowered: Lowered) -> Code:
+    return [with_frees(code) for code in lowered.ranks]
+
+
+PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
+    ("collectives", lambda lowered: collectives(lowered.ranks)),  # messages to collectives
+    ("buckets", _buckets),  # gradient reductions bucketed, started as the backward makes them
+    ("reshard", _reshard),  # ZeRO-3: gathered parameters freed after the forward, again later
+    ("regions", _regions),  # stretches of backward pieces run as one autograd call
+    ("running sums", _running_sums),  # sums of many parts added up as the parts are made
+    ("fold", _fold),  # a template's blocks run once per micro-batch
+    ("overlap", _overlap),  # communication started early, NCCL-safe message order
+    ("frees", _frees),  # each tensor freed after its last reader
+]
+
+
+def run_passes(lowered: Lowered) -> Code:
+    """Every pass of ``PASSES`` in order, on ``lowered``'s code."""
+    for _, run in PASSES:
+        lowered.ranks = run(lowered)
+    return lowered.ranks
