@@ -14,7 +14,7 @@ import chronotope as ct
 from chronotope.graph import rng
 from chronotope.graph.convert import torch_random
 from chronotope.models import get_workload
-from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from chronotope.policies import ParallelConfig, make, tensor_parallel
 from chronotope.runtime.local import Optim
 from chronotope.runtime.reference import train_reference
 from tests.policies.plan_testing import trains_like_one_device
@@ -70,11 +70,11 @@ def test_eager_code_under_counter_random_draws_what_the_graph_draws():
 
 
 POLICIES = {
-    "dp": lambda g: data_parallel(g, 2),
-    "tp": lambda g: tensor_parallel(g, 2),
-    "zero3": lambda g: zero(g, 2, stage=3),
-    "1f1b": lambda g: mesh(g, pp=2, micro=2, schedule="1f1b"),
-    "dp-recompute": lambda g: mesh(g, dp=2, recompute="full"),
+    "dp": ParallelConfig("dp", 2),
+    "tp": ParallelConfig("tp", 2),
+    "zero3": ParallelConfig("zero-3", 2),
+    "1f1b": ParallelConfig("1f1b", 2, micro=2, fold=False),
+    "dp-recompute": ParallelConfig("dp", 2, recompute="full"),
 }
 
 
@@ -89,7 +89,7 @@ def test_dropout_trains_like_one_device(name, config, policy):
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
     assert not torch_random(graph)
-    trains_like_one_device(w, ct.compile(POLICIES[policy](graph)))
+    trains_like_one_device(w, ct.compile(make(graph, POLICIES[policy])))
 
 
 def test_exported_dropout_trains_like_one_device():

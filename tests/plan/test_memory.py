@@ -12,6 +12,7 @@ from chronotope.graph.autocast import saves
 from chronotope.graph.capture import model_loss
 from chronotope.graph.memory import PeakMemory
 from chronotope.models import get_workload
+from chronotope.policies import ParallelConfig, make
 from chronotope.runtime.local import Optim, run_in_threads
 from chronotope.workload import Workload
 
@@ -21,22 +22,21 @@ SHAPES = {
                   vocab_size=2048),
     "bert": dict(d_model=128, n_head=4, d_ffn=512, n_layer=2, seq_len=128, vocab_size=2048),
 }
-P = ct.policies
 PLANS = {
-    "one device": lambda g: P.mesh(g),
-    "recompute full": lambda g: P.mesh(g, recompute="full"),
-    "recompute selective": lambda g: P.mesh(g, recompute="selective"),
-    "4 micro-batches": lambda g: P.mesh(g, micro=4),
-    "dp 2": lambda g: P.mesh(g, dp=2),
-    "tp 2": lambda g: P.mesh(g, tp=2),
-    "tp 2, sequence parallel": lambda g: P.mesh(g, tp=2, sequence=True),
-    "zero-1 x2": lambda g: P.zero(g, 2, 1),
-    "zero-2 x2": lambda g: P.zero(g, 2, 2),
-    "zero-3 x2": lambda g: P.zero(g, 2, 3),
-    "1f1b, 2 stages x 4": lambda g: P.mesh(g, pp=2, micro=4, schedule="1f1b"),
-    "interleaved, 2 stages x 2 chunks x 4": lambda g: P.mesh(g, pp=2, micro=4,
-                                                             schedule="interleaved", chunks=2),
-    "coshard 2": lambda g: P.mesh(g, coshard=2),
+    "one device": ParallelConfig("dp", 1),
+    "recompute full": ParallelConfig("dp", 1, recompute="full"),
+    "recompute selective": ParallelConfig("dp", 1, recompute="selective"),
+    "4 micro-batches": ParallelConfig("dp-tp", 1, tp=1, micro=4),
+    "dp 2": ParallelConfig("dp", 2),
+    "tp 2": ParallelConfig("tp", 2),
+    "tp 2, sequence parallel": ParallelConfig("sp", 2),
+    "zero-1 x2": ParallelConfig("zero-1", 2),
+    "zero-2 x2": ParallelConfig("zero-2", 2),
+    "zero-3 x2": ParallelConfig("zero-3", 2),
+    "1f1b, 2 stages x 4": ParallelConfig("1f1b", 2, micro=4, fold=False),
+    "interleaved, 2 stages x 2 chunks x 4": ParallelConfig("interleaved", 2, micro=4, chunks=2,
+                                                           fold=False),
+    "coshard 2": ParallelConfig("coshard", 1, tp=1, coshard=2),
 }
 
 
@@ -62,8 +62,8 @@ def test_the_estimate_is_within_10_percent_of_the_measured_peak_under_every_plan
     w = workload(model)
     graph = capture(w)
     off = {}
-    for name, make in PLANS.items():
-        plan = make(graph)
+    for name, config in PLANS.items():
+        plan = make(graph, config)
         plan.dtype = dtype
         memory = plan.check().memory
         peaks = measured(plan, w)
@@ -81,7 +81,7 @@ def test_a_step_on_one_device_holds_what_the_model_run_eagerly_holds(model):
     with PeakMemory() as eager:
         model_loss(w.model(*w.inputs)).backward()
     w.model.zero_grad(set_to_none=True)
-    ours = measured(P.mesh(graph), w)[0]
+    ours = measured(ct.policies.mesh(graph), w)[0]
     assert ours <= eager.peak * 1.02
 
 
@@ -89,14 +89,14 @@ def test_a_step_on_one_device_holds_what_the_model_run_eagerly_holds(model):
 def test_tensor_parallel_ranks_hold_less_than_one_device(model):
     w = workload(model)
     graph = capture(w)
-    one = measured(P.mesh(graph), w)[0]
-    assert max(measured(P.mesh(graph, tp=2), w)) < one
+    one = measured(ct.policies.mesh(graph), w)[0]
+    assert max(measured(ct.policies.mesh(graph, tp=2), w)) < one
 
 
 def test_the_tied_weights_gradients_of_every_micro_batch_are_summed_as_they_come():
     w = workload("gpt")
     graph = capture(w)
-    code = ct.compile(P.mesh(graph, pp=2, micro=4, schedule="1f1b")).code(1)
+    code = ct.compile(ct.policies.mesh(graph, pp=2, micro=4, schedule="1f1b")).code(1)
     assert "rt.accumulate(grad_wte_weight" in code
     reductions = [line for line in code.splitlines() if "rt.all_reduce(" in line]
     assert not any("d_wte_weight_1" in line for line in reductions)

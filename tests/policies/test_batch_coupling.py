@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import chronotope as ct
-from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from chronotope.policies import ParallelConfig, make
 from tests.policies.plan_testing import trains_like_one_device
 
 B, D = 4, 8
@@ -80,10 +80,10 @@ def workload(layers: list[str], loss: str, seed: int = 0, frozen: bool = False) 
 
 
 POLICIES = {
-    "dp": lambda g: data_parallel(g, 2),
-    "zero2": lambda g: zero(g, 2, stage=2),
-    "tp": lambda g: tensor_parallel(g, 2),
-    "dp-micro": lambda g: mesh(g, dp=2, micro=2),
+    "dp": ParallelConfig("dp", 2),
+    "zero2": ParallelConfig("zero-2", 2),
+    "tp": ParallelConfig("tp", 2),
+    "dp-micro": ParallelConfig("dp-tp", 2, tp=1, micro=2),
 }
 
 
@@ -91,7 +91,7 @@ def check(w: ct.Workload, policy: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(w)
-    trains_like_one_device(w, ct.compile(POLICIES[policy](graph)), steps=2)
+    trains_like_one_device(w, ct.compile(make(graph, POLICIES[policy])), steps=2)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

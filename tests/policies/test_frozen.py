@@ -7,15 +7,15 @@ import pytest
 import torch
 
 import chronotope as ct
-from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
+from chronotope.policies import ParallelConfig, make, mesh
 from chronotope.runtime.local import Optim, run_in_threads
 from tests.policies.plan_testing import captured, trains_like_one_device
 
 POLICIES = {
-    "dp": lambda g: data_parallel(g, 2),
-    "tp": lambda g: tensor_parallel(g, 2),
-    "zero3": lambda g: zero(g, 2, stage=3),
-    "1f1b": lambda g: mesh(g, pp=2, micro=2, schedule="1f1b"),
+    "dp": ParallelConfig("dp", 2),
+    "tp": ParallelConfig("tp", 2),
+    "zero3": ParallelConfig("zero-3", 2),
+    "1f1b": ParallelConfig("1f1b", 2, micro=2, fold=False),
 }
 
 
@@ -33,7 +33,7 @@ def frozen_gpt(what: str):
 def test_frozen_parameters_stay_fixed(policy, what):
     w, graph, frozen = frozen_gpt(what)
     assert {n for n, t in graph.params.items() if t.frozen} == frozen
-    program = ct.compile(POLICIES[policy](graph))
+    program = ct.compile(make(graph, POLICIES[policy]))
     for rank in range(program.ndevices):
         assert not frozen & set(program.owned[rank]), "frozen parameters have no update"
         code = program.code(rank)

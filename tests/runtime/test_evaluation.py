@@ -13,7 +13,7 @@ import chronotope as ct
 from chronotope.cli import main
 from chronotope.errors import PlanError
 from chronotope.models import get_workload, load_function
-from chronotope.policies import mesh, pipeline, zero
+from chronotope.policies import ParallelConfig, make, mesh, pipeline
 from chronotope.runtime.data import DataRandom
 from chronotope.runtime.local import Rank, rank_specs
 from chronotope.runtime.train import train
@@ -21,16 +21,16 @@ from chronotope.runtime.transport import OrderedTransport
 
 DATA = f"{Path(__file__).parent / 'train_data.py'}"
 PLANS = {
-    "dp": lambda g: mesh(g, dp=2),
-    "tp": lambda g: mesh(g, tp=2),
-    "sp": lambda g: mesh(g, tp=2, sequence=True),
-    "dp-tp": lambda g: mesh(g, dp=2, tp=2),
-    "zero3": lambda g: zero(g, 2, 3),
-    "1f1b": lambda g: pipeline(g, 2, 2, "1f1b"),
-    "1f1b-fold": lambda g: pipeline(g, 2, 4, "1f1b", fold=True),
-    "interleaved": lambda g: pipeline(g, 2, 2, "interleaved", chunks=2),
-    "zb1": lambda g: pipeline(g, 2, 2, "zb1"),
-    "recompute": lambda g: mesh(g, dp=2, recompute="full"),
+    "dp": ParallelConfig("dp", 2),
+    "tp": ParallelConfig("tp", 2),
+    "sp": ParallelConfig("sp", 2),
+    "dp-tp": ParallelConfig("dp-tp", 4, tp=2),
+    "zero3": ParallelConfig("zero-3", 2),
+    "1f1b": ParallelConfig("1f1b", 2, micro=2, fold=False),
+    "1f1b-fold": ParallelConfig("1f1b", 2, micro=4),
+    "interleaved": ParallelConfig("interleaved", 2, micro=2, chunks=2, fold=False),
+    "zb1": ParallelConfig("zb1", 2, micro=2, fold=False),
+    "recompute": ParallelConfig("dp", 2, recompute="full"),
 }
 
 
@@ -77,7 +77,7 @@ def evaluated(program, w) -> float:
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_the_evaluation_of_every_kind_of_plan_gives_the_loss_of_model_eval(plan):
     w, graph = gpt()
-    program = ct.compile(PLANS[plan](graph))
+    program = ct.compile(make(graph, PLANS[plan]))
     assert evaluated(program, w) == pytest.approx(one_device(w), rel=1e-5)
 
 

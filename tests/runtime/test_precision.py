@@ -14,6 +14,7 @@ from torch import nn
 
 import chronotope as ct
 from chronotope.models import Workload, get_workload
+from chronotope.policies import ParallelConfig, make
 from chronotope.runtime.launch import spawn
 from chronotope.runtime.local import Rank, gather_params, rank_specs, run_in_threads
 from chronotope.runtime.optim import Optim
@@ -30,11 +31,11 @@ from chronotope.runtime.transport import DistTransport, ThreadTransport
 STEPS = 3
 SGD = Optim("sgd", 0.1)
 PLANS = {
-    "dp": lambda g: ct.policies.mesh(g, dp=2),
-    "tp": lambda g: ct.policies.mesh(g, tp=2),  # row-parallel partial sums, all-reduced
-    "zero2": lambda g: ct.policies.zero(g, 2, 2),  # gradients reduce-scattered
-    "zero3": lambda g: ct.policies.zero(g, 2, 3),  # parameters all-gathered too
-    "1f1b": lambda g: ct.policies.pipeline(g, 2, 2, "1f1b"),  # activations sent and received
+    "dp": ParallelConfig("dp", 2),
+    "tp": ParallelConfig("tp", 2),  # row-parallel partial sums, all-reduced
+    "zero2": ParallelConfig("zero-2", 2),  # gradients reduce-scattered
+    "zero3": ParallelConfig("zero-3", 2),  # parameters all-gathered too
+    "1f1b": ParallelConfig("1f1b", 2, micro=2, fold=False),  # activations sent and received
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,7 +51,7 @@ def gpt():
 
 @functools.cache
 def program(plan: str) -> ct.Program:
-    return ct.compile(PLANS[plan](gpt()[1]))
+    return ct.compile(make(gpt()[1], PLANS[plan]))
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from rich.table import Table
 import chronotope as ct
 from chronotope.graph.axes import carried_dim, carry
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
-from chronotope.plan import Plan
+from chronotope.policies import ParallelConfig, make
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, RunResult, run_in_threads
 from chronotope.runtime.reference import compare, train_reference
@@ -45,12 +45,12 @@ TRANSPORTS: dict[str, Callable[..., RunResult]] = {
     "compiled": partial(run_processes, compile="aot_eager"),
 }
 
-POLICIES: dict[str, Callable[[Graph], Plan]] = {
-    "dp": lambda g: ct.policies.data_parallel(g, DEVICES),
-    "tp": lambda g: ct.policies.tensor_parallel(g, DEVICES),
-    "zero-3": lambda g: ct.policies.zero(g, DEVICES, 3),
-    "1f1b": lambda g: ct.policies.pipeline(g, DEVICES, 2, "1f1b"),
-    "1f1b-fold": lambda g: ct.policies.pipeline(g, DEVICES, 2, "1f1b", fold=True),
+POLICIES: dict[str, ParallelConfig] = {
+    "dp": ParallelConfig("dp", DEVICES),
+    "tp": ParallelConfig("tp", DEVICES),
+    "zero-3": ParallelConfig("zero-3", DEVICES),
+    "1f1b": ParallelConfig("1f1b", DEVICES, micro=2, fold=False),
+    "1f1b-fold": ParallelConfig("1f1b", DEVICES, micro=2),
 }
 
 
@@ -127,7 +127,7 @@ def check(family: str, policy: str, graph: Graph, transport: str = "threads",
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         try:
-            plan = POLICIES[policy](graph)
+            plan = make(graph, POLICIES[policy])
             stage = "compile"
             program = ct.compile(plan)
             stage = "run"
