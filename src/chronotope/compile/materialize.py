@@ -7,6 +7,9 @@ ranks, and assembled: regions concatenated, partial values summed. After the
 backward, each rank sums the gradient of every parameter region it stores,
 and rank 0 assembles the loss (where every rank holds a share of it, as in data
 parallel, the shares are summed in a gradient bucket rather than sent).
+
+This is lowering, the first step of compile: what it writes then goes through
+the passes of ``compile/passes.py``, in order.
 """
 
 from __future__ import annotations
