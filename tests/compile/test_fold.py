@@ -10,6 +10,7 @@ from torch import nn
 import chronotope as ct
 from chronotope.compile.program import Micro
 from chronotope.errors import DeadlockError, PlanError
+from chronotope.plan.steps import Kind, Step
 from chronotope.policies import actions, mesh, pipeline, timeline
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim
@@ -115,6 +116,23 @@ def test_steps_that_miss_a_step_or_deadlock_are_refused(gpt):
     plan.micro_batches(2, steps)
     with pytest.raises(PlanError, match="devices 0 and 1 share steps"):
         plan.check()
+    with pytest.raises(PlanError, match=r"device 0's step \('X', 0, 0\): a step's kind is "
+                                        "one of B, F, W"):
+        plan.micro_batches(2, {0: [("X", 0, 0)]})
+
+
+def test_one_step_type_reads_and_writes_torch_pipelining_actions(gpt):
+    """A Step is its kind, stage and micro-batch, whatever made it: a schedule, a plan's
+    template steps, or a torch pipelining action (``I``: a split backward's input part)."""
+    assert Step(Kind.B, 1, 0) == ("B", 1, 0) and Step(Kind.B, 1, 0).action() == "1B0"
+    assert Step(Kind.B, 1, 0).action(split=True) == "1I0"
+    assert Step.parse("1I0") == Step(Kind.B, 1, 0) and Step.parse("0W3").kind is Kind.W
+    assert Step.parse("0SEND_F1") is None and Step.parse("0F") is None
+    assert Step.parse("0FB1") is None
+    _, graph = gpt
+    plan = pipeline(graph, 2, 4, "zb1", fold=True)
+    assert all(isinstance(s, Step) for steps in plan.steps.values() for s in steps)
+    assert [s.action(split=True) for s in plan.steps[0][:3]] == actions(plan)[0][:3]
 
 
 def test_a_folded_pipeline_draws_each_micro_batchs_own_random_numbers():

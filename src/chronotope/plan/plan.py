@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
@@ -31,6 +31,7 @@ from chronotope.plan.pause import collector_paused
 
 if TYPE_CHECKING:
     from chronotope.plan.check import CheckedPlan
+    from chronotope.plan.steps import Step
 
 # Under each op above a piece whose pieces hold the same region of a tensor (copies of it),
 # which one the piece descends from: (that op's name, the copy's index), outermost first.
@@ -165,7 +166,7 @@ class Plan:
         # A template (see ``template``): the plan is written for the first of ``micro``
         # micro-batches, and ``steps`` say when each device runs each one's (stage, kind).
         self.micro = 1
-        self.steps: dict[int, list[tuple[str, int, int]]] = {}
+        self.steps: dict[int, list[Step]] = {}
         self.templated: set[str] = set()  # the ops ``template`` cut: into micro-batches
         # Ops a policy was to split along the batch but could not, with why (no signature,
         # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
@@ -266,16 +267,27 @@ class Plan:
         self.checked = None
         return list(target.children)
 
-    def micro_batches(self, micro: int, steps: dict[int, list[tuple[str, int, int]]]) -> None:
+    def micro_batches(self, micro: int, steps: Mapping[int, Sequence[tuple[str, int, int]]]
+                      ) -> None:
         """Make this plan a template: its pieces of the ops the batch flows through are
         micro-batch 0's of ``micro`` (cut with ``template``, grouped by stage in
         ``cells``), and each device runs every micro-batch's forward (F), backward (B)
         and weight-gradient (W) steps of its stages in the order ``steps[device]`` lists
         them as ``(kind, stage, micro-batch)``. Plan, check and compile then cost what one
         micro-batch costs; the compiled program runs them all."""
+        from chronotope.plan.steps import Kind, Step  # (steps.py reads plans)
+
         if micro < 1:
             raise PlanError(f"micro_batches needs micro >= 1, got {micro}")
-        self.micro, self.steps = micro, {d: list(s) for d, s in steps.items()}
+        kinds = {k.value for k in Kind}
+        for d, listed in steps.items():
+            wrong = next((s for s in listed if s[0] not in kinds), None)
+            if wrong is not None:
+                raise PlanError(f"device {d}'s step {tuple(wrong)}: a step's kind is one of "
+                                f"{', '.join(sorted(kinds))}")
+        self.micro = micro
+        self.steps = {d: [Step(Kind(k), s, m) for k, s, m in listed]
+                      for d, listed in steps.items()}
         self.checked = None
 
     def assign(self, op: Ref, device: int) -> None:

@@ -15,9 +15,11 @@ backwards), so orders compare step by step with torch's own schedules.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from enum import StrEnum
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +29,41 @@ from chronotope.graph.convert import is_random
 from chronotope.graph.ir import Op, PTensor
 from chronotope.plan.plan import Plan, PlanOp, placed
 
-Step = tuple[str, int, int]  # ("F", "B" or "W", stage, micro-batch): one step of a rank
+
+class Kind(StrEnum):
+    """What a pipeline step runs of its stage, for one micro-batch."""
+
+    F = "F"  # the forward
+    B = "B"  # the backward (its input-gradient part where a W step follows: action "I")
+    W = "W"  # the weight-gradient part of a split backward
+
+
+class Step(NamedTuple):
+    """One step of a rank's pipeline schedule: ``kind`` of ``stage`` for micro-batch
+    ``micro``. Schedules, a template's steps, pipeline actions and timelines use it."""
+
+    kind: Kind
+    stage: int
+    micro: int
+
+    def action(self, split: bool = False) -> str:
+        """As torch pipelining writes it (``"1F0"``); with ``split`` (the schedule has W
+        steps), a backward is its input-gradient part, ``I``."""
+        kind = "I" if split and self.kind is Kind.B else self.kind.value
+        return f"{self.stage}{kind}{self.micro}"
+
+    @staticmethod
+    def parse(action: str) -> Step | None:
+        """The step a torch pipelining compute action names (``I`` read as ``B``); None
+        for anything else (communication, gradient reduction, a malformed cell)."""
+        found = _ACTION.fullmatch(action)
+        if found is None or found.group(2) not in ("F", "B", "I", "W") or not found.group(3):
+            return None
+        kind = Kind.B if found.group(2) == "I" else Kind(found.group(2))
+        return Step(kind, int(found.group(1)), int(found.group(3)))
+
+
+_ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
 Cell = tuple[str, int | str]  # (kind, stage): a template step (plan.cells's stages)
 
 
@@ -216,7 +252,7 @@ def step_of(plan: Plan) -> dict[PlanOp, str]:
         split = any(plan.weight_op(leaf) for piece in pieces for leaf in plan.leaves(piece))
         for piece in pieces:
             for leaf in plan.leaves(piece):
-                out[leaf] = f"{s}F{m}"
+                out[leaf] = f"{s}F{m}"  # (a stage may be a group's name: not a Step)
                 back, weight = plan.backward_op(leaf), plan.weight_op(leaf)
                 if back is not None:
                     out[back] = f"{s}{'I' if split else 'B'}{m}"
@@ -227,8 +263,8 @@ def step_of(plan: Plan) -> dict[PlanOp, str]:
 
 def _written(steps: list[Step]) -> list[str]:
     """Steps as action strings; a backward whose weight part is a step of its own is ``I``."""
-    split = any(kind == "W" for kind, _, _ in steps)
-    return [f"{s}{'I' if kind == 'B' and split else kind}{m}" for kind, s, m in steps]
+    split = any(step.kind is Kind.W for step in steps)
+    return [step.action(split) for step in steps]
 
 
 def actions(plan: Plan) -> dict[int, list[str]]:

@@ -3,10 +3,10 @@
 ``pipeline`` cuts the model into stages by compute and the batch into
 micro-batches (``mesh`` does the placing; with ``chunks`` > 1 each rank holds
 that many stages: ``r, r + ranks, ...``, or for V-shaped schedules ``r`` and
-``2 * ranks - 1 - r``). A schedule is the list of ``("F" | "B" | "W", stage,
-micro-batch)`` steps of one rank (which also says which stages the rank holds),
-and consecutive steps become ``plan.order`` calls between the rank's forward and
-backward micro-batch groups. A schedule
+``2 * ranks - 1 - r``). A schedule is the list of ``Step(kind, stage,
+micro-batch)`` steps of one rank (``plan/steps.py``: kinds F, B and W), which also
+says which stages the rank holds, and consecutive steps become ``plan.order``
+calls between the rank's forward and backward micro-batch groups. A schedule
 with ``W`` steps splits every backward into its input-gradient part (``B``)
 and its weight-gradient part (``W``, see ``Plan.split_backward``). No schedule
 is known to the compiler or the runtime.
@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from chronotope.errors import PlanError
-from chronotope.plan.steps import Step
+from chronotope.plan.steps import Kind, Step
 
 if TYPE_CHECKING:
     from chronotope.graph.ir import Graph
@@ -34,17 +34,18 @@ if TYPE_CHECKING:
 
 def gpipe(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     """All forwards, then all backwards, in micro-batch order."""
-    return [("F", rank, m) for m in range(micro)] + [("B", rank, m) for m in range(micro)]
+    return [Step(Kind.F, rank, m) for m in range(micro)] + \
+        [Step(Kind.B, rank, m) for m in range(micro)]
 
 
 def one_f_one_b(rank: int, ranks: int, micro: int, chunks: int = 1) -> list[Step]:
     """Warm up with the forwards the later stages need, then alternate one forward and one
     backward, then drain the backwards: at most ``ranks - rank`` micro-batches live."""
     warmup = min(ranks - rank - 1, micro)
-    steps: list[Step] = [("F", rank, m) for m in range(warmup)]
+    steps = [Step(Kind.F, rank, m) for m in range(warmup)]
     for m in range(micro - warmup):
-        steps += [("F", rank, warmup + m), ("B", rank, m)]
-    return steps + [("B", rank, m) for m in range(micro - warmup, micro)]
+        steps += [Step(Kind.F, rank, warmup + m), Step(Kind.B, rank, m)]
+    return steps + [Step(Kind.B, rank, m) for m in range(micro - warmup, micro)]
 
 
 def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
@@ -59,19 +60,19 @@ def interleaved(rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
     per_round = micro // rounds
     total = chunks * micro
     warmup = min((chunks - 1) * per_round + 2 * (ranks - 1 - rank), total)
-    done: dict[tuple[str, int], int] = defaultdict(int)
+    done: dict[tuple[Kind, int], int] = defaultdict(int)
     steps: list[Step] = []
 
-    def step(kind: str, chunk: int) -> None:
+    def step(kind: Kind, chunk: int) -> None:
         stage = chunk * ranks + rank
-        steps.append((kind, stage, done[(kind, stage)]))
+        steps.append(Step(kind, stage, done[(kind, stage)]))
         done[(kind, stage)] += 1
 
     for i in range(total + warmup):
         if i < total:
-            step("F", i // per_round % chunks)
+            step(Kind.F, i // per_round % chunks)
         if i >= warmup:
-            step("B", chunks - 1 - (i - warmup) // per_round % chunks)
+            step(Kind.B, chunks - 1 - (i - warmup) // per_round % chunks)
     return steps
 
 
@@ -175,31 +176,33 @@ def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bo
         for r in range(ranks):
             if steps[r] and ended[steps[r][-1]] > t:
                 continue  # busy
-            step = next((("B", v, backwards[v]) for v in held[r] if v in graded
-                         and backwards[v] < micro and ready(("F", v, backwards[v]))
-                         and (nxt[v] is None or ready(("B", nxt[v], backwards[v])))), None)
+            step = next((Step(Kind.B, v, backwards[v]) for v in held[r] if v in graded
+                         and backwards[v] < micro and ready(Step(Kind.F, v, backwards[v]))
+                         and (nxt[v] is None or ready(Step(Kind.B, nxt[v], backwards[v])))),
+                        None)
             if step is None and kept[r] < limit:
-                step = min((("F", v, forwards[v]) for v in held[r] if forwards[v] < micro
-                            and (prev[v] is None or ready(("F", prev[v], forwards[v])))),
-                           key=lambda s: first(position[s[1]], s[2]), default=None)
+                step = min((Step(Kind.F, v, forwards[v]) for v in held[r]
+                            if forwards[v] < micro and (prev[v] is None or ready(
+                                Step(Kind.F, prev[v], forwards[v])))),
+                           key=lambda s: first(position[s.stage], s.micro), default=None)
             if step is None and waiting[r]:
                 step = waiting[r].pop(0)
             if step is None:
                 continue
             kind, v, m = step
-            if kind == "F":
+            if kind is Kind.F:
                 forwards[v] += 1
                 kept[r] += v in graded
-            elif kind == "B":
+            elif kind is Kind.B:
                 backwards[v] += 1
                 if split:
-                    waiting[r].append(("W", v, m))
+                    waiting[r].append(Step(Kind.W, v, m))
                 else:
                     kept[r] -= 1
             else:
                 kept[r] -= 1
             steps[r].append(step)
-            ended[step] = t + (2 if kind == "B" and not split else 1)
+            ended[step] = t + (2 if kind is Kind.B and not split else 1)
         t += 1
     return max(ended.values()), steps
 
@@ -220,9 +223,8 @@ DIRECTIONS = {"chimera": 2}  # schedules running the model in several pipelines 
 RECYCLING = {"3f1b"}  # schedules whose stages are the passes of a model that runs itself again
 
 
-_ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
 # Actions torch lists that are communication or gradient reduction: the compiler's own.
-_DERIVED = {"REDUCE_GRAD", "UNSHARD", "RESHARD", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+_DERIVED = re.compile(r"\d+(REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B)\d*")
 
 
 def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
@@ -238,13 +240,11 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
             for cell in (c.strip() for c in row):
                 if not cell:
                     continue
-                found = _ACTION.fullmatch(cell)
-                kind = found.group(2) if found else None
-                if kind in _DERIVED:
+                if _DERIVED.fullmatch(cell):
                     continue
-                if kind in ("F", "B", "I", "W") and found.group(3):
-                    kind = "B" if kind == "I" else kind  # the input part of a split backward
-                    rows[rank].append((kind, int(found.group(1)), int(found.group(3))))
+                step = Step.parse(cell)  # (I: the input part of a split backward, a B)
+                if step is not None:
+                    rows[rank].append(step)
                 else:
                     raise PlanError(f"{path}: rank {rank}: cannot read action {cell!r}; "
                                     "expected a stage, F, B, I or W, and a micro-batch, "
