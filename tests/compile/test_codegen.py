@@ -8,8 +8,9 @@ import pytest
 
 import chronotope as ct
 from chronotope.compile.codegen import _wrap, render
+from chronotope.compile.program import Forward
 from chronotope.models import get_workload
-from chronotope.policies import mesh
+from chronotope.policies import actions, mesh
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama", "swin"])
@@ -52,3 +53,29 @@ def test_wrap_keeps_what_a_line_means():
         assert run(line) == run("\n".join(_wrap(line)))
     left = run(lines[0] + "\n" + "\n".join(_wrap(lines[2])))  # del deletes them all
     assert not set(names) & set(left)
+
+
+def test_a_local_name_never_reads_as_another_ops():
+    """A second piece of ``linear`` is ``linear_p1``, not ``linear_1`` (another op's name)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt"))
+    ops = {op.name: op for op in graph.ops}
+    for plan in (mesh(graph, tp=2), mesh(graph, dp=2, micro=2), mesh(graph, coshard=2)):
+        program = ct.compile(plan)
+        for code in program.ranks:
+            for ins in code:
+                if isinstance(ins, Forward):
+                    assert all(ops.get(v, ins.op.op) is ins.op.op for v in ins.outs), ins
+    assert "linear_p1 = torch.nn.functional.linear(" in ct.compile(mesh(graph, tp=2)).code(0)
+
+
+def test_a_folded_programs_code_shows_its_schedule():
+    """Each step of the schedule is a labelled block of the code, in the order it runs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", batch_size=8))
+    plan = ct.policies.pipeline(graph, 2, 4, "zb1", fold=True)
+    program = ct.compile(plan)
+    for rank, steps in actions(plan).items():
+        assert re.findall(r"# step (\S+)", program.code(rank)) == steps

@@ -293,7 +293,7 @@ def render_instruction(ins: Instruction) -> list[str]:
     if isinstance(ins, Free):
         return [f"del {', '.join(ins.vars)}"]
     if isinstance(ins, Micro):
-        return [f"rt.micro({ins.index})"]
+        return [*([f"# step {ins.step}"] if ins.step else []), f"rt.micro({ins.index})"]
     if isinstance(ins, Reshard):
         return [f"rt.reshard(({_names(ins.vars)}))"]
     if isinstance(ins, Refill):

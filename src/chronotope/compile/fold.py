@@ -48,7 +48,7 @@ from chronotope.graph.axes import batch_dims, batch_start
 from chronotope.graph.ir import Graph, PTensor, fresh_name
 from chronotope.graph.mask import Mask, VTensor
 from chronotope.plan.plan import Plan, PlanOp
-from chronotope.plan.steps import Cell
+from chronotope.plan.steps import Cell, Kind, Step
 
 _ONCE = ("param", "constant", "buffer")  # loads alike in every micro-batch
 
@@ -118,7 +118,7 @@ def _refuse_once_to_block(parts) -> None:
 
 
 class _Folder:
-    def __init__(self, rank: int, steps, before, blocks, after, stride: int,
+    def __init__(self, rank: int, steps: list[Step], before, blocks, after, stride: int,
                  axes: dict[PTensor, int], tensor_of: dict[str, PTensor],
                  shapes: dict[str, tuple[int, ...]], whole: set[str]) -> None:
         self.rank, self.steps, self.stride, self.axes = rank, steps, stride, axes
@@ -153,9 +153,11 @@ class _Folder:
         made_here: set[str] = set()  # totals this code made: added into in place
         summed = {cell: [v for ins in code for v in writes(ins) if v in self.summed]
                   for cell, code in self.blocks.items()}
-        for kind, stage, m in self.steps:
+        split = any(step.kind is Kind.W for step in self.steps)
+        for step in self.steps:
+            kind, stage, m = step
             block = self.blocks.get((kind, stage), [])
-            out.append(Micro(m))
+            out.append(Micro(m, step.action(split)))
             if m:
                 names = self.names_of(m)
                 out += [self.instance(ins, m, names) for ins in block]

@@ -67,6 +67,10 @@ _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
             TensorKind.CONSTANT: "constant", TensorKind.INPUT: "input"}
 
 
+def _identifier(hint: str) -> str:
+    return re.sub(r"\W", "_", hint).strip("_") or "t"
+
+
 def _overlap(a: Mask, b: Mask) -> Mask | None:
     """The index region two masks share (values aside)."""
     index = tuple((max(x, y), min(u, w)) for (x, u), (y, w) in zip(a.index, b.index))
@@ -124,17 +128,19 @@ class Materializer:
         self.received_once: list[list[Instruction]] = [[] for _ in range(n)]
         self.in_step = False  # emitting a piece of a template's step
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
+        self.graph_names = {_identifier(n) for op in self.plan.graph.ops
+                            for n in (op.name, *(t.name for t in op.outputs))}
 
     def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
         """A fresh local name on ``rank`` for a tensor of ``shape``."""
-        base = re.sub(r"\W", "_", hint).strip("_") or "t"
+        base = _identifier(hint)
         if base[0].isdigit():
             base = "t_" + base
         if keyword.iskeyword(base) or base in _RESERVED or base.endswith(_DERIVED):
             base += "_"  # codegen derives ``x_in`` (a leaf) and ``x_share`` from names
         name, i = base, 1
-        while name in self.shapes[rank]:
-            name, i = f"{base}_{i}", i + 1
+        while name in self.shapes[rank] or name != base and name in self.graph_names:
+            name, i = f"{base}_p{i}", i + 1  # another piece or part: never another op's name
         self.shapes[rank][name] = shape
         return name
 

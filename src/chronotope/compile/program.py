@@ -388,6 +388,7 @@ class Micro:
     runs once a step): the pieces' autograd state is kept per micro-batch."""
 
     index: int | None
+    step: str = ""  # the step it runs, as a pipeline action (``"0F1"``)
 
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
