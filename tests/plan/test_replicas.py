@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
+from chronotope.compile.program import AllReduce, Role
 from chronotope.models import get_workload
 from chronotope.policies import data_parallel, mesh, tensor_parallel, zero
 from chronotope.runtime.launch import run_processes
@@ -51,7 +52,10 @@ def test_every_replica_runs_replica_zeros_code_and_sums_gradients_and_the_loss_o
     assert program.code(3) == code  # device 1 of replica 1
     assert "ranks=(1, 3), grads=True" in code  # its gradients, summed with its replica's
     # the loss, over the replicas of device 0, in the last bucket of its gradients
-    assert "ranks=(0, 2), grads=True, plain=(" in program.code(0)
+    [bucket] = [ins for ins in program.ranks[0] if isinstance(ins, AllReduce)
+                and any(k.role is Role.LOSS for k in ins.keys)]
+    assert bucket.ranks == (0, 2) and any(k.role is Role.GRADIENT for k in bucket.keys)
+    assert "grads=True, plain=(" in program.code(0)
     # the token count a mean loss divides by is the whole batch's
     assert "cross_entropy_count_pending = rt.all_reduce([(cross_entropy_count_mine,)], " \
         "ranks=(0, 2)" in program.code(0)
