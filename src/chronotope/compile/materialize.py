@@ -284,7 +284,7 @@ class Materializer:
                       for op, m in change.producers}
             t = change.tensor
             code, held = emitter.emit(change.path, t.name, t.dtype, change.box.shape,
-                                      Key(t.name, change.box.index, self.role(t), ("rvd",)),
+                                      Key(t.name, change.box.index, self.role(t), change.key),
                                       inputs)
             for rank, (when, op) in where.items():
                 (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
@@ -707,7 +707,7 @@ def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
         try:
             return m.run()
         except Stuck as e:
-            undo = {("rvd", k.tensor, k.region) if isinstance(k, Key) and k.via[:1] == ("rvd",)
+            undo = {k.via[:3] if isinstance(k, Key) and k.via[:1] == ("rvd",)  # Change.key
                     else m.change_tags.get(k) for k in e.keys} - {None}
             if not undo:
                 raise PlanError(f"the compiled program would wait forever in {e}; this is a "

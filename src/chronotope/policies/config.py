@@ -18,10 +18,9 @@ from chronotope.plan.plan import Plan
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import mesh
 from chronotope.policies.pipeline import (
-    DIRECTIONS,
     MULTI_STAGE,
-    RECYCLING,
     SCHEDULES,
+    UNFOLDED,
     pipeline,
     read_schedule,
 )
@@ -85,7 +84,6 @@ class Spelling:
 KEYWORDS, FLAGS = Spelling(), Spelling(flags=True)
 Builder = Callable[[Graph, ParallelConfig, Spelling], Plan]
 _ACTIVATION_OPTIONS = frozenset({"recompute", "swap"})
-UNFOLDED = {*DIRECTIONS, *RECYCLING}  # pipelines that run the model more than once a step
 
 
 def _mesh(sequence: bool = False, coshard: bool = False) -> Builder:

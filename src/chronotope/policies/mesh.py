@@ -46,6 +46,7 @@ from chronotope.policies.pipeline import (
     MULTI_STAGE,
     RECYCLING,
     SCHEDULES,
+    UNFOLDED,
     Schedule,
     Step,
 )
@@ -323,7 +324,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     else:
         stage = stages(graph, pp * chunks, micro_batched=micro > 1)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
-    if fold and (schedule in DIRECTIONS or schedule in RECYCLING or coshard > 1):
+    if fold and (schedule in UNFOLDED or coshard > 1):
         raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
                         "co-shard; cut the micro-batches instead (fold=False, no --fold)")
     fold = fold and micro > 1

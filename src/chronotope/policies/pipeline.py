@@ -221,6 +221,7 @@ SCHEDULES: dict[str, Schedule] = {
 MULTI_STAGE = {"interleaved", "zbv"}  # schedules for ranks holding several stages (chunks)
 DIRECTIONS = {"chimera": 2}  # schedules running the model in several pipelines at once
 RECYCLING = {"3f1b"}  # schedules whose stages are the passes of a model that runs itself again
+UNFOLDED = {*DIRECTIONS, *RECYCLING}  # run the model more than once a step: never folded
 
 
 # Actions torch lists that are communication or gradient reduction: the compiler's own.
