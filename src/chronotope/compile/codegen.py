@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from chronotope.compile.outline import Stretch, outline
 from chronotope.compile.program import (
     MULTI,
     STARTED,
+    Accumulate,
     AllGather,
     AllReduce,
     AllToAll,
@@ -45,6 +47,7 @@ from chronotope.compile.program import (
     Reshard,
     Send,
     SetBuffer,
+    Total,
     Wait,
     WeightGrad,
     reads,
@@ -82,29 +85,40 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         "",
         "def step(rt):",
     ]
-    body: list[str] = []
+    stretches = [Stretch([], None)]  # a template's steps, each a stretch (compile/outline.py)
     functions: list[list[str]] = []
     code = program.ranks[rank]
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
     items: list[Instruction | Region] = \
         find_regions(code, rest=regions) if regions or fused else list(code)
+    autograd = _Autograd.of(code)
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)
-        arriving = {op.forward_op.name: tuple(g is not None for g in grads)
-                    for ins in code if isinstance(ins, Backward)
-                    for op, grads in zip(ins.ops, ins.grad_outputs)}
     # ticks time each instruction: views stay one line each there
     splits = _splits(code) if not regions and not fused and not ticks else {}
+    cheap = {ins.var: line for ins in code if isinstance(ins, Load) and ins.source in _CHEAP
+             for line in render_instruction(ins)}
     for k, ins in enumerate(items):
+        if isinstance(ins, Micro):
+            stretches.append(Stretch([], _step_function(ins)))
+        elif isinstance(ins, Total) and stretches[-1].name is not None:
+            stretches.append(Stretch([], None))  # sums done: not the step's own code
+        if isinstance(ins, Free):  # a load of a parameter region frees nothing
+            ins = Free(tuple(v for v in ins.vars if v not in cheap))
+            if not ins.vars:
+                continue
+        body = stretches[-1].lines
         if isinstance(ins, Region):
-            call, function = _region(ins, len(functions), later[k], arriving)
+            call, function = _region(ins, len(functions), later[k], autograd)
             body += call
             functions.append(function)
             continue
-        body += splits[id(ins)] if id(ins) in splits else render_instruction(ins)
+        body += splits[id(ins)] if id(ins) in splits else render_instruction(ins, autograd)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
-    if any(re.search(rf"\b{_RNG}", line) for line in body):
+    body, outlined = outline(stretches, cheap)
+    functions = outlined + functions
+    if any(re.search(rf"\b{_RNG}", line) for line in body + sum(functions, [])):
         at = lines.index("import torch") + 1
         lines[at:at] = ["", "from chronotope.graph import rng"]
     lines += [wrapped for line in body for wrapped in _wrap("    " + line)] or ["    pass"]
@@ -117,6 +131,22 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     for function in functions:
         lines += ["", "", *(wrapped for line in function for wrapped in _wrap(line))]
     return "\n".join(lines) + "\n"
+
+
+_CHEAP = ("param", "constant")  # loads a function may run again rather than take
+_STEP = re.compile(r"(\w+?)([FBIW])(\d+)")
+_STEP_KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight"}
+
+
+def _step_function(ins: Micro) -> str | None:
+    """What a template step's function is called (``stage0_forward`` for ``0F1``), if it
+    has one (what runs once a step has not)."""
+    if ins.index is None:
+        return None
+    found = _STEP.fullmatch(ins.step)
+    if found is None:
+        return "micro_step"
+    return f"stage{found.group(1)}_{_STEP_KINDS[found.group(2)]}"
 
 
 def _read_after(items: list[Instruction | Region]) -> list[set[str]]:
@@ -132,22 +162,22 @@ def _read_after(items: list[Instruction | Region]) -> list[set[str]]:
 
 
 def _region(region: Region, k: int, read_later: set[str],
-            arriving: dict[str, tuple[bool, ...]]) -> tuple[list[str], list[str]]:
+            autograd: _Autograd) -> tuple[list[str], list[str]]:
     """The lines that call region ``k`` in ``step``, and the function ``forward_<k>``: each
     piece's entry is made before the call, its ``rt.leave`` after it, and the function
     returns what is read later or leaves. Only outputs that a gradient arrives at from
-    outside the region's backward leave (``arriving``: per piece, by output that passes
-    one back): the rest stay inside the graph, free for the compiler to fuse away."""
+    outside the region's backward leave: the rest stay inside the graph, free for the
+    compiler to fuse away."""
     entry, inside, leave, made = [], [], [], []
     inputs: list[str] = []
     defined: set[str] = set()
     left: set[str] = set()  # outputs a gradient arrives at
     for ins in region.body:
         if isinstance(ins, Forward):
-            piece = _piece(ins, frozenset(defined))
+            piece = _piece(ins, frozenset(defined), autograd)
             entry += piece.entry
             made += piece.made
-            at = arriving.get(ins.op.name, ())
+            at = autograd.arriving.get(ins.op.name, ())
             if any(at):
                 passing = [o for o, g in zip(ins.outs, ins.out_grad) if g]
                 left.update(o for o, a in zip(passing, at) if a)
@@ -187,6 +217,33 @@ def _region(region: Region, k: int, read_later: set[str],
     if fusion is not None:
         function += ["", "", f"{name} = torch.compile({name}, backend={fusion.backend!r})"]
     return lines, function
+
+
+@dataclass(frozen=True)
+class _Autograd:
+    """What a rank's backward calls read of its forward pieces. A piece's outputs leave
+    (``rt.leave``) only where a gradient arrives at them from outside an autograd call,
+    or where its weight gradients come later (they start there); a call lists only the
+    pieces it has something to do with: those that entered, left or wait for ``weight``.
+    The rest of the graph stays inside autograd, where a piece costs nothing of ours."""
+
+    arriving: dict[str, tuple[bool, ...]]  # per piece, by output that passes a gradient back
+    leaving: frozenset[str]
+    listed: frozenset[str]
+
+    @staticmethod
+    def of(code: list[Instruction]) -> _Autograd:
+        arriving = {op.forward_op.name: tuple(g is not None for g in grads)
+                    for ins in code if isinstance(ins, Backward)
+                    for op, grads in zip(ins.ops, ins.grad_outputs)}
+        forwards = [f for ins in code
+                    for f in ([ins] if isinstance(ins, Forward) else
+                              ins.recompute if isinstance(ins, Backward) else ())
+                    if isinstance(f, Forward)]
+        leaving = frozenset({n for n, at in arriving.items() if any(at)} |
+                            {f.op.name for f in forwards if any(f.later)})
+        entered = {f.op.name for f in forwards if any(f.leaf(i) for i in range(len(f.ins)))}
+        return _Autograd(arriving, leaving, leaving | entered)
 
 
 def _splits(code: list[Instruction]) -> dict[int, list[str]]:
@@ -236,8 +293,10 @@ def _tiling(shape: tuple[int, ...] | None, boxes: list[tuple[slice, ...]]
     return dim, order
 
 
-def render_instruction(ins: Instruction) -> list[str]:
-    """The lines of Python that run ``ins`` (``rt`` is the rank's ``StepContext``)."""
+def render_instruction(ins: Instruction, autograd: _Autograd | None = None) -> list[str]:
+    """The lines of Python that run ``ins`` (``rt`` is the rank's ``StepContext``);
+    ``autograd`` (the rank's, see ``_Autograd``) cuts the per-piece calls to those its
+    backward calls read."""
     if isinstance(ins, STARTED):
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
@@ -253,9 +312,9 @@ def render_instruction(ins: Instruction) -> list[str]:
     if isinstance(ins, Load):
         return [f"{ins.var} = {_load(ins)}"]
     if isinstance(ins, Forward):
-        return _no_grad(ins) if ins.recompute else _forward(ins)
+        return _no_grad(ins) if ins.recompute else _forward(ins, autograd)
     if isinstance(ins, Backward):
-        return _backward(ins)
+        return _backward(ins, autograd)
     if isinstance(ins, WeightGrad):
         return [f"# {ins.op.name}: weight gradients of {ins.op.forward_op.name}",
                 f"{_targets(ins.outs)} = rt.weight({ins.op.forward_op.name!r})"]
@@ -267,7 +326,7 @@ def render_instruction(ins: Instruction) -> list[str]:
             return [f"{ins.var} = {p.src}{_index(p.src_slices)}"]
         if ins.accumulate:
             total, part = ins.parts
-            return [f"{ins.var} = rt.accumulate({total.src}, {part.src})"]
+            return [f"{ins.var} = rt.add_into({total.src}, {part.src})"]
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
@@ -286,6 +345,10 @@ def render_instruction(ins: Instruction) -> list[str]:
         where = _index(ins.region.local_slices(ins.stored))
         return [f"rt.param({ins.param!r}, {ins.stored.index}){where}.copy_(rt.recv("
                 f"{tuple(ins.region.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag}))"]
+    if isinstance(ins, Accumulate):
+        return [f"rt.accumulate({ins.total!r}, {ins.part}, {ins.dtype})"]
+    if isinstance(ins, Total):
+        return [f"{ins.var} = rt.total({ins.total!r})"]
     if isinstance(ins, Loss):
         return [f"rt.loss({ins.var})"]
     if isinstance(ins, SetBuffer):
@@ -399,28 +462,30 @@ def _no_grad(ins: Forward) -> list[str]:
             "with torch.no_grad():", *("    " + line for line in body[1:])]
 
 
-def _backward(ins: Backward) -> list[str]:
+def _backward(ins: Backward, autograd: _Autograd | None) -> list[str]:
     """One autograd call: gradients arriving for the pieces' outputs in, their leaves'
     gradients out (those flowing between the pieces stay inside autograd)."""
     lines = []
     if ins.recompute:
         lines.append(f"# recompute {len(ins.recompute)} forward pieces, with their graph")
         for f, freed in zip(ins.recompute, ins.frees or ((),) * len(ins.recompute)):
-            lines += _forward(f)[1:] if isinstance(f, Forward) else render_instruction(f)
+            lines += _forward(f, autograd)[1:] if isinstance(f, Forward) else \
+                render_instruction(f, autograd)
             if freed:
                 lines += render_instruction(Free(freed))
-    return lines + _backward_call(ins)
+    return lines + _backward_call(ins, autograd)
 
 
-def _backward_call(ins: Backward) -> list[str]:
-    pieces = [op.forward_op.name for op in ins.ops]
+def _backward_call(ins: Backward, autograd: _Autograd | None) -> list[str]:
+    names = [op.forward_op.name for op in ins.ops]
     arriving = ", ".join(f"{name!r}: ({_names([g or 'None' for g in grads])})"
-                         for name, grads in zip(pieces, ins.grad_outputs)
+                         for name, grads in zip(names, ins.grad_outputs)
                          if any(g is not None for g in grads))
+    pieces = [n for n in names if autograd is None or n in autograd.listed]
     outs = [v for vs in ins.outs for v in vs if v is not None]
     call = f"rt.backward({{{arriving}}}, ({_names([repr(p) for p in pieces])}))"
-    if len(pieces) > 1:
-        return [f"# backward of {len(pieces)} pieces in one call", f"{_targets(outs)} = {call}"]
+    if len(names) > 1:
+        return [f"# backward of {len(names)} pieces in one call", f"{_targets(outs)} = {call}"]
     return [f"{_targets(outs)} = {call}"]
 
 
@@ -444,8 +509,8 @@ def _load(ins: Load) -> str:
     return text
 
 
-def _forward(ins: Forward) -> list[str]:
-    piece = _piece(ins)
+def _forward(ins: Forward, autograd: _Autograd | None = None) -> list[str]:
+    piece = _piece(ins, autograd=autograd)
     lines = [piece.comment, *piece.entry, *piece.call, *piece.leave]
     if piece.made:  # autograd keeps what the backward needs
         lines.append(f"del {', '.join(piece.made)}")
@@ -464,7 +529,8 @@ class _Piece:
     reads: list[str]  # the names the call reads
 
 
-def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
+def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
+           autograd: _Autograd | None = None) -> _Piece:
     """``inside``: names made within the piece's region; an input among them that the piece
     detaches is detached in the call, not entered (the region rule keeps leaves out)."""
     op = ins.op
@@ -522,7 +588,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset()) -> _Piece:
     if ins.output_scale != 1:
         calls.append(f"{ins.outs[0]} = {ins.outs[0]} * {_number(ins.output_scale)}")
     leave = []
-    if any(ins.grad):
+    if any(ins.grad) and (autograd is None or op.name in autograd.leaving):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
         leave.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
     return _Piece(f"# {op.name}: {op.op.kind}{where}", entry, calls, leave,

@@ -13,18 +13,20 @@ its steps list them:
   value made once before (a count of the labels), moved along the batch axis; what it
   draws at random is what the counter stream gives that micro-batch's rows;
 * what runs once after the micro-batches reads the sum of every micro-batch's part of
-  what a block made (a weight's gradient, the loss), added up as they are made.
+  what a block made (a weight's gradient, the loss), added up as they are made into
+  a running total the runtime keeps (``Accumulate``), so that every micro-batch's
+  step is the same code (``compile/outline.py`` writes it once).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from fractions import Fraction
 from typing import Any
 
 from chronotope.compile.program import (
     COLLECTIVES,
     STARTED,
+    Accumulate,
     AllToAll,
     Assemble,
     Backward,
@@ -37,6 +39,7 @@ from chronotope.compile.program import (
     Part,
     Recv,
     Send,
+    Total,
     Wait,
     WeightGrad,
     reads,
@@ -149,12 +152,12 @@ class _Folder:
             raise PlanError(f"rank {self.rank} reads {early} once before the micro-batches, "
                             "but a micro-batch's step makes it: compile without fold")
         out = list(self.before)
-        totals: dict[str, str] = {}  # what the micro-batches made so far, summed
-        made_here: set[str] = set()  # totals this code made: added into in place
+        totals: dict[str, str] = {}  # each sum, once its last micro-batch's part is in
         summed = {cell: [v for ins in code for v in writes(ins) if v in self.summed]
                   for cell, code in self.blocks.items()}
+        last = {v: k for k, step in enumerate(self.steps) for v in summed.get(step[:2], ())}
         split = any(step.kind is Kind.W for step in self.steps)
-        for step in self.steps:
+        for k, step in enumerate(self.steps):
             kind, stage, m = step
             block = self.blocks.get((kind, stage), [])
             out.append(Micro(m, step.action(split)))
@@ -163,19 +166,12 @@ class _Folder:
                 out += [self.instance(ins, m, names) for ins in block]
             else:
                 out += block
-            for v in summed.get((kind, stage), ()):
-                mine = self.name(v, m)
-                if v not in totals:
-                    totals[v] = mine
-                    continue
-                total = fresh_name(f"{v}_sum", self.taken)
-                whole = tuple(slice(0, n) for n in self.shapes[v])
-                out.append(Assemble(total, self.shapes[v], self.tensor_of[v].dtype,
-                                    [Part(totals[v], whole, whole, Fraction(1)),
-                                     Part(mine, whole, whole, Fraction(1))],
-                                    accumulate=totals[v] in made_here))
-                totals[v] = total
-                made_here.add(total)
+            made = summed.get((kind, stage), [])
+            out += [Accumulate(v, self.name(v, m), self.tensor_of[v].dtype) for v in made]
+            for v in made:
+                if last[v] == k:  # (after the step's parts: its code is every step's)
+                    totals[v] = fresh_name(f"{v}_sum", self.taken)
+                    out.append(Total(totals[v], v))
         after = [_renamed(ins, totals) for ins in self.after]
         return out + ([Micro(None), *after] if self.steps else after)
 

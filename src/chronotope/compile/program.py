@@ -374,6 +374,25 @@ class Refill:
 
 
 @dataclass
+class Accumulate:
+    """Add ``part`` to the step's running total ``total``, which the runtime keeps (a
+    template's sum over its micro-batches: a weight's gradient, the loss), so every
+    micro-batch's step runs the same code; the first part is the total as it is."""
+
+    total: str
+    part: str
+    dtype: torch.dtype  # what the total is summed in
+
+
+@dataclass
+class Total:
+    """The running total ``total`` is done: local tensor ``var`` from here on."""
+
+    var: str
+    total: str
+
+
+@dataclass
 class Block:
     """Where one step of a template starts (``cell``: its kind and stage), or with None
     where the steps end and what runs once a step goes on (gradients, the loss). Folding
@@ -393,8 +412,8 @@ class Micro:
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
                | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
-               | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill | Block
-               | Micro)
+               | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill
+               | Accumulate | Total | Block | Micro)
 COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
@@ -459,6 +478,8 @@ def reads(ins: Instruction) -> tuple[str, ...]:
         return (ins.src,) if ins.src is not None else ()
     if isinstance(ins, (Send, Grad, Loss, SetBuffer)):
         return (ins.var,)
+    if isinstance(ins, Accumulate):
+        return (ins.part,)
     if isinstance(ins, Wait):
         return (ins.handle,)
     if isinstance(ins, Reshard):
@@ -496,7 +517,7 @@ def writes(ins: Instruction) -> tuple[str, ...]:
         return ins.outs
     if isinstance(ins, STARTED):
         return results(ins)
-    if isinstance(ins, (Load, Assemble)):
+    if isinstance(ins, (Load, Assemble, Total)):
         return (ins.var,)
     return ()
 

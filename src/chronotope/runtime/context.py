@@ -105,6 +105,8 @@ class StepContext:
         self.later: dict[str, tuple[torch.Tensor, ...]] = {}
         self.kept: dict[str, tuple[list[GradientEdge], list[torch.Tensor | None]]] = {}
         self.micro_index: int | None = None  # the micro-batch a template's block runs
+        self.totals: dict[str, torch.Tensor] = {}  # running sums over micro-batches
+        self.summing: set[str] = set()  # those that are a sum of their own (added into)
         self.losses: list[float] = []
         self.ticks = ticks  # when each instruction ended, in code generated with ticks
         self.stream = stream or Stream()  # what this step's random ops draw (graph/rng.py)
@@ -438,9 +440,29 @@ class StepContext:
         return out
 
     @staticmethod
-    def accumulate(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         """A running sum made here and read nowhere else, with one more part added in place."""
         return total.add_(part.detach())
+
+    def accumulate(self, total: str, part: torch.Tensor, dtype: torch.dtype) -> None:
+        """Add ``part`` to the step's running total ``total`` (a sum over micro-batches):
+        the first part is the total as it is, the second makes a sum of its own (in
+        ``dtype``, as ``assemble`` sums), and the later ones are added into it in place."""
+        found = self.totals.get(total)
+        if found is None:
+            self.totals[total] = part.detach()
+        elif total in self.summing:
+            found.add_(part.detach())
+        else:
+            whole = tuple(slice(0, n) for n in part.shape)
+            self.totals[total] = self.assemble(tuple(part.shape), dtype,
+                                               [(found, whole, 1.0), (part, whole, 1.0)])
+            self.summing.add(total)
+
+    def total(self, name: str) -> torch.Tensor:
+        """Running total ``name``, done (the runtime lets go of it)."""
+        self.summing.discard(name)
+        return self.totals.pop(name)
 
     def tick(self) -> None:
         """The instruction before this call has ended (its device work included)."""
