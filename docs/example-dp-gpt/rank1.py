@@ -22,555 +22,56 @@ def step(rt):
     # arange.1: factory  (gpt.py:127)
     arange = torch.arange(32, device=rt.device)
     idx = rt.input('idx')[2:4, 0:32]
-    wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
     # embedding.1: embedding  (gpt.py:128, wte)
+    wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
     idx, wte_weight_in = rt.enter('embedding.1', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    rt.leave('embedding.1', (embedding,))
     del wte_weight_in
     del idx
-    wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     # embedding_1.1: embedding  (gpt.py:128, wpe)
+    wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     arange, wpe_weight_in = rt.enter('embedding_1.1', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    rt.leave('embedding_1.1', (embedding_1,))
     del wpe_weight_in
-    del arange, wpe_weight
+    del arange
     # add.1: add  (gpt.py:128)
     add = operator.add(embedding, embedding_1)
-    rt.leave('add.1', (add,))
     del embedding, embedding_1
-    h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
-    h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
-    # layer_norm.1: layer_norm  (gpt.py:100, h.0.ln_1)
-    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter('layer_norm.1', (h_0_ln_1_weight,
-            h_0_ln_1_bias), (True, True))
-    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
-            bias=h_0_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm.1', (layer_norm,))
-    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
-    del h_0_ln_1_weight, h_0_ln_1_bias
-    h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((0, 192), (0, 64)))
-    h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((0, 192),))
-    # linear.1: linear  (gpt.py:60, h.0.attn.c_attn)
-    (h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter('linear.1',
-            (h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True))
-    linear = torch.nn.functional.linear(layer_norm, h_0_attn_c_attn_weight_in,
-            h_0_attn_c_attn_bias_in)
-    rt.leave('linear.1', (linear,))
-    del h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
-    del layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
-    linear_p1, linear_p2, linear_p3 = linear.split(64, dim=2)
-    # chunk.1: narrow  (gpt.py:60, h.0.attn)
-    chunk = linear_p1.reshape((2, 32, 64))
-    rt.leave('chunk.1', (chunk,))
-    del linear_p1
-    # chunk_v1.1: narrow  (gpt.py:60, h.0.attn)
-    chunk_v1 = linear_p2.reshape((2, 32, 64))
-    rt.leave('chunk_v1.1', (chunk_v1,))
-    del linear_p2
-    del linear
-    # chunk_v2.1: narrow  (gpt.py:60, h.0.attn)
-    chunk_v2 = linear_p3.reshape((2, 32, 64))
-    rt.leave('chunk_v2.1', (chunk_v2,))
-    del linear_p3
-    # view.1: reshape  (gpt.py:61, h.0.attn)
-    view = chunk.reshape((2, 32, 4, 16))
-    rt.leave('view.1', (view,))
-    del chunk
-    # transpose.1: transpose  (gpt.py:61, h.0.attn)
-    transpose = view.transpose(1, 2)
-    rt.leave('transpose.1', (transpose,))
-    del view
-    # view_1.1: reshape  (gpt.py:62, h.0.attn)
-    view_1 = chunk_v1.reshape((2, 32, 4, 16))
-    rt.leave('view_1.1', (view_1,))
-    del chunk_v1
-    # transpose_1.1: transpose  (gpt.py:62, h.0.attn)
-    transpose_1 = view_1.transpose(1, 2)
-    rt.leave('transpose_1.1', (transpose_1,))
-    del view_1
-    # view_2.1: reshape  (gpt.py:63, h.0.attn)
-    view_2 = chunk_v2.reshape((2, 32, 4, 16))
-    rt.leave('view_2.1', (view_2,))
-    del chunk_v2
-    # transpose_2.1: transpose  (gpt.py:63, h.0.attn)
-    transpose_2 = view_2.transpose(1, 2)
-    rt.leave('transpose_2.1', (transpose_2,))
-    del view_2
-    # scaled_dot_product_attention.1: attention  (gpt.py:66, h.0.attn)
-    scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention(transpose,
-            transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention.1', (scaled_dot_product_attention,))
-    del transpose, transpose_1, transpose_2
-    # transpose_3.1: transpose  (gpt.py:72, h.0.attn)
-    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
-    rt.leave('transpose_3.1', (transpose_3,))
-    del scaled_dot_product_attention
-    # contiguous.1: contiguous  (gpt.py:72, h.0.attn)
-    contiguous = transpose_3.contiguous()
-    rt.leave('contiguous.1', (contiguous,))
-    del transpose_3
-    # view_3.1: reshape  (gpt.py:72, h.0.attn)
-    view_3 = contiguous.reshape((2, 32, 64))
-    rt.leave('view_3.1', (view_3,))
-    del contiguous
-    h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (0, 64)))
-    h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
-    # linear_1.1: linear  (gpt.py:73, h.0.attn.c_proj)
-    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in) = rt.enter('linear_1.1',
-            (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
-    linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
-            h_0_attn_c_proj_bias_in)
-    rt.leave('linear_1.1', (linear_1,))
-    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
-    del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
-    # add_1.1: add  (gpt.py:100, h.0)
-    add_1 = operator.add(add, linear_1)
-    rt.leave('add_1.1', (add_1,))
-    del add, linear_1
-    h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
-    h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
-    # layer_norm_1.1: layer_norm  (gpt.py:101, h.0.ln_2)
-    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter('layer_norm_1.1', (h_0_ln_2_weight,
-            h_0_ln_2_bias), (True, True))
-    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
-            bias=h_0_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_1.1', (layer_norm_1,))
-    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
-    del h_0_ln_2_weight, h_0_ln_2_bias
-    h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((0, 256), (0, 64)))
-    h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((0, 256),))
-    # linear_2.1: linear  (gpt.py:86, h.0.mlp.c_fc)
-    (h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter('linear_2.1', (h_0_mlp_c_fc_weight,
-            h_0_mlp_c_fc_bias), (True, True))
-    linear_2 = torch.nn.functional.linear(layer_norm_1, h_0_mlp_c_fc_weight_in,
-            h_0_mlp_c_fc_bias_in)
-    rt.leave('linear_2.1', (linear_2,))
-    del h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
-    del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
-    # gelu.1: gelu  (gpt.py:86, h.0.mlp)
-    gelu = torch.nn.functional.gelu(linear_2)
-    rt.leave('gelu.1', (gelu,))
-    del linear_2
-    h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (0, 256)))
-    h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
-    # linear_3.1: linear  (gpt.py:86, h.0.mlp.c_proj)
-    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in) = rt.enter('linear_3.1',
-            (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
-    linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
-    rt.leave('linear_3.1', (linear_3,))
-    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
-    del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
-    # add_2.1: add  (gpt.py:101, h.0)
-    add_2 = operator.add(add_1, linear_3)
-    rt.leave('add_2.1', (add_2,))
-    del add_1, linear_3
-    h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
-    h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
-    # layer_norm_2.1: layer_norm  (gpt.py:100, h.1.ln_1)
-    (h_1_ln_1_weight_in, h_1_ln_1_bias_in) = rt.enter('layer_norm_2.1', (h_1_ln_1_weight,
-            h_1_ln_1_bias), (True, True))
-    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in,
-            bias=h_1_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm_2.1', (layer_norm_2,))
-    del h_1_ln_1_weight_in, h_1_ln_1_bias_in
-    del h_1_ln_1_weight, h_1_ln_1_bias
-    h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((0, 192), (0, 64)))
-    h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((0, 192),))
-    # linear_4.1: linear  (gpt.py:60, h.1.attn.c_attn)
-    (h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in) = rt.enter('linear_4.1',
-            (h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True))
-    linear_4 = torch.nn.functional.linear(layer_norm_2, h_1_attn_c_attn_weight_in,
-            h_1_attn_c_attn_bias_in)
-    rt.leave('linear_4.1', (linear_4,))
-    del h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in
-    del layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
-    linear_4_p1, linear_4_p2, linear_4_p3 = linear_4.split(64, dim=2)
-    # chunk_1.1: narrow  (gpt.py:60, h.1.attn)
-    chunk_1 = linear_4_p1.reshape((2, 32, 64))
-    rt.leave('chunk_1.1', (chunk_1,))
-    del linear_4_p1
-    # chunk_1_v1.1: narrow  (gpt.py:60, h.1.attn)
-    chunk_1_v1 = linear_4_p2.reshape((2, 32, 64))
-    rt.leave('chunk_1_v1.1', (chunk_1_v1,))
-    del linear_4_p2
-    del linear_4
-    # chunk_1_v2.1: narrow  (gpt.py:60, h.1.attn)
-    chunk_1_v2 = linear_4_p3.reshape((2, 32, 64))
-    rt.leave('chunk_1_v2.1', (chunk_1_v2,))
-    del linear_4_p3
-    # view_4.1: reshape  (gpt.py:61, h.1.attn)
-    view_4 = chunk_1.reshape((2, 32, 4, 16))
-    rt.leave('view_4.1', (view_4,))
-    del chunk_1
-    # transpose_4.1: transpose  (gpt.py:61, h.1.attn)
-    transpose_4 = view_4.transpose(1, 2)
-    rt.leave('transpose_4.1', (transpose_4,))
-    del view_4
-    # view_5.1: reshape  (gpt.py:62, h.1.attn)
-    view_5 = chunk_1_v1.reshape((2, 32, 4, 16))
-    rt.leave('view_5.1', (view_5,))
-    del chunk_1_v1
-    # transpose_5.1: transpose  (gpt.py:62, h.1.attn)
-    transpose_5 = view_5.transpose(1, 2)
-    rt.leave('transpose_5.1', (transpose_5,))
-    del view_5
-    # view_6.1: reshape  (gpt.py:63, h.1.attn)
-    view_6 = chunk_1_v2.reshape((2, 32, 4, 16))
-    rt.leave('view_6.1', (view_6,))
-    del chunk_1_v2
-    # transpose_6.1: transpose  (gpt.py:63, h.1.attn)
-    transpose_6 = view_6.transpose(1, 2)
-    rt.leave('transpose_6.1', (transpose_6,))
-    del view_6
-    # scaled_dot_product_attention_1.1: attention  (gpt.py:66, h.1.attn)
-    scaled_dot_product_attention_1 = torch.nn.functional.scaled_dot_product_attention(transpose_4,
-            transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_1.1', (scaled_dot_product_attention_1,))
-    del transpose_4, transpose_5, transpose_6
-    # transpose_7.1: transpose  (gpt.py:72, h.1.attn)
-    transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
-    rt.leave('transpose_7.1', (transpose_7,))
-    del scaled_dot_product_attention_1
-    # contiguous_1.1: contiguous  (gpt.py:72, h.1.attn)
-    contiguous_1 = transpose_7.contiguous()
-    rt.leave('contiguous_1.1', (contiguous_1,))
-    del transpose_7
-    # view_7.1: reshape  (gpt.py:72, h.1.attn)
-    view_7 = contiguous_1.reshape((2, 32, 64))
-    rt.leave('view_7.1', (view_7,))
-    del contiguous_1
-    h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (0, 64)))
-    h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
-    # linear_5.1: linear  (gpt.py:73, h.1.attn.c_proj)
-    (h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in) = rt.enter('linear_5.1',
-            (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias), (True, True))
-    linear_5 = torch.nn.functional.linear(view_7, h_1_attn_c_proj_weight_in,
-            h_1_attn_c_proj_bias_in)
-    rt.leave('linear_5.1', (linear_5,))
-    del h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_in
-    del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
-    # add_3.1: add  (gpt.py:100, h.1)
-    add_3 = operator.add(add_2, linear_5)
-    rt.leave('add_3.1', (add_3,))
-    del add_2, linear_5
-    h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
-    h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
-    # layer_norm_3.1: layer_norm  (gpt.py:101, h.1.ln_2)
-    (h_1_ln_2_weight_in, h_1_ln_2_bias_in) = rt.enter('layer_norm_3.1', (h_1_ln_2_weight,
-            h_1_ln_2_bias), (True, True))
-    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in,
-            bias=h_1_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_3.1', (layer_norm_3,))
-    del h_1_ln_2_weight_in, h_1_ln_2_bias_in
-    del h_1_ln_2_weight, h_1_ln_2_bias
-    h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((0, 256), (0, 64)))
-    h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((0, 256),))
-    # linear_6.1: linear  (gpt.py:86, h.1.mlp.c_fc)
-    (h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in) = rt.enter('linear_6.1', (h_1_mlp_c_fc_weight,
-            h_1_mlp_c_fc_bias), (True, True))
-    linear_6 = torch.nn.functional.linear(layer_norm_3, h_1_mlp_c_fc_weight_in,
-            h_1_mlp_c_fc_bias_in)
-    rt.leave('linear_6.1', (linear_6,))
-    del h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in
-    del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
-    # gelu_1.1: gelu  (gpt.py:86, h.1.mlp)
-    gelu_1 = torch.nn.functional.gelu(linear_6)
-    rt.leave('gelu_1.1', (gelu_1,))
-    del linear_6
-    h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (0, 256)))
-    h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
-    # linear_7.1: linear  (gpt.py:86, h.1.mlp.c_proj)
-    (h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in) = rt.enter('linear_7.1',
-            (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias), (True, True))
-    linear_7 = torch.nn.functional.linear(gelu_1, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in)
-    rt.leave('linear_7.1', (linear_7,))
-    del h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_in
-    del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
-    # add_4.1: add  (gpt.py:101, h.1)
-    add_4 = operator.add(add_3, linear_7)
-    rt.leave('add_4.1', (add_4,))
-    del add_3, linear_7
-    h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
-    h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
-    # layer_norm_4.1: layer_norm  (gpt.py:100, h.2.ln_1)
-    (h_2_ln_1_weight_in, h_2_ln_1_bias_in) = rt.enter('layer_norm_4.1', (h_2_ln_1_weight,
-            h_2_ln_1_bias), (True, True))
-    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in,
-            bias=h_2_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm_4.1', (layer_norm_4,))
-    del h_2_ln_1_weight_in, h_2_ln_1_bias_in
-    del h_2_ln_1_weight, h_2_ln_1_bias
-    h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((0, 192), (0, 64)))
-    h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((0, 192),))
-    # linear_8.1: linear  (gpt.py:60, h.2.attn.c_attn)
-    (h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in) = rt.enter('linear_8.1',
-            (h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True))
-    linear_8 = torch.nn.functional.linear(layer_norm_4, h_2_attn_c_attn_weight_in,
-            h_2_attn_c_attn_bias_in)
-    rt.leave('linear_8.1', (linear_8,))
-    del h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in
-    del layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
-    linear_8_p1, linear_8_p2, linear_8_p3 = linear_8.split(64, dim=2)
-    # chunk_2.1: narrow  (gpt.py:60, h.2.attn)
-    chunk_2 = linear_8_p1.reshape((2, 32, 64))
-    rt.leave('chunk_2.1', (chunk_2,))
-    del linear_8_p1
-    # chunk_2_v1.1: narrow  (gpt.py:60, h.2.attn)
-    chunk_2_v1 = linear_8_p2.reshape((2, 32, 64))
-    rt.leave('chunk_2_v1.1', (chunk_2_v1,))
-    del linear_8_p2
-    del linear_8
-    # chunk_2_v2.1: narrow  (gpt.py:60, h.2.attn)
-    chunk_2_v2 = linear_8_p3.reshape((2, 32, 64))
-    rt.leave('chunk_2_v2.1', (chunk_2_v2,))
-    del linear_8_p3
-    # view_8.1: reshape  (gpt.py:61, h.2.attn)
-    view_8 = chunk_2.reshape((2, 32, 4, 16))
-    rt.leave('view_8.1', (view_8,))
-    del chunk_2
-    # transpose_8.1: transpose  (gpt.py:61, h.2.attn)
-    transpose_8 = view_8.transpose(1, 2)
-    rt.leave('transpose_8.1', (transpose_8,))
-    del view_8
-    # view_9.1: reshape  (gpt.py:62, h.2.attn)
-    view_9 = chunk_2_v1.reshape((2, 32, 4, 16))
-    rt.leave('view_9.1', (view_9,))
-    del chunk_2_v1
-    # transpose_9.1: transpose  (gpt.py:62, h.2.attn)
-    transpose_9 = view_9.transpose(1, 2)
-    rt.leave('transpose_9.1', (transpose_9,))
-    del view_9
-    # view_10.1: reshape  (gpt.py:63, h.2.attn)
-    view_10 = chunk_2_v2.reshape((2, 32, 4, 16))
-    rt.leave('view_10.1', (view_10,))
-    del chunk_2_v2
-    # transpose_10.1: transpose  (gpt.py:63, h.2.attn)
-    transpose_10 = view_10.transpose(1, 2)
-    rt.leave('transpose_10.1', (transpose_10,))
-    del view_10
-    # scaled_dot_product_attention_2.1: attention  (gpt.py:66, h.2.attn)
-    scaled_dot_product_attention_2 = torch.nn.functional.scaled_dot_product_attention(transpose_8,
-            transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_2.1', (scaled_dot_product_attention_2,))
-    del transpose_8, transpose_9, transpose_10
-    # transpose_11.1: transpose  (gpt.py:72, h.2.attn)
-    transpose_11 = scaled_dot_product_attention_2.transpose(1, 2)
-    rt.leave('transpose_11.1', (transpose_11,))
-    del scaled_dot_product_attention_2
-    # contiguous_2.1: contiguous  (gpt.py:72, h.2.attn)
-    contiguous_2 = transpose_11.contiguous()
-    rt.leave('contiguous_2.1', (contiguous_2,))
-    del transpose_11
-    # view_11.1: reshape  (gpt.py:72, h.2.attn)
-    view_11 = contiguous_2.reshape((2, 32, 64))
-    rt.leave('view_11.1', (view_11,))
-    del contiguous_2
-    h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (0, 64)))
-    h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
-    # linear_9.1: linear  (gpt.py:73, h.2.attn.c_proj)
-    (h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in) = rt.enter('linear_9.1',
-            (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias), (True, True))
-    linear_9 = torch.nn.functional.linear(view_11, h_2_attn_c_proj_weight_in,
-            h_2_attn_c_proj_bias_in)
-    rt.leave('linear_9.1', (linear_9,))
-    del h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_in
-    del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
-    # add_5.1: add  (gpt.py:100, h.2)
-    add_5 = operator.add(add_4, linear_9)
-    rt.leave('add_5.1', (add_5,))
-    del add_4, linear_9
-    h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
-    h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
-    # layer_norm_5.1: layer_norm  (gpt.py:101, h.2.ln_2)
-    (h_2_ln_2_weight_in, h_2_ln_2_bias_in) = rt.enter('layer_norm_5.1', (h_2_ln_2_weight,
-            h_2_ln_2_bias), (True, True))
-    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in,
-            bias=h_2_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_5.1', (layer_norm_5,))
-    del h_2_ln_2_weight_in, h_2_ln_2_bias_in
-    del h_2_ln_2_weight, h_2_ln_2_bias
-    h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((0, 256), (0, 64)))
-    h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((0, 256),))
-    # linear_10.1: linear  (gpt.py:86, h.2.mlp.c_fc)
-    (h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in) = rt.enter('linear_10.1', (h_2_mlp_c_fc_weight,
-            h_2_mlp_c_fc_bias), (True, True))
-    linear_10 = torch.nn.functional.linear(layer_norm_5, h_2_mlp_c_fc_weight_in,
-            h_2_mlp_c_fc_bias_in)
-    rt.leave('linear_10.1', (linear_10,))
-    del h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in
-    del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
-    # gelu_2.1: gelu  (gpt.py:86, h.2.mlp)
-    gelu_2 = torch.nn.functional.gelu(linear_10)
-    rt.leave('gelu_2.1', (gelu_2,))
-    del linear_10
-    h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (0, 256)))
-    h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
-    # linear_11.1: linear  (gpt.py:86, h.2.mlp.c_proj)
-    (h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in) = rt.enter('linear_11.1',
-            (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias), (True, True))
-    linear_11 = torch.nn.functional.linear(gelu_2, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in)
-    rt.leave('linear_11.1', (linear_11,))
-    del h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_in
-    del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
-    # add_6.1: add  (gpt.py:101, h.2)
-    add_6 = operator.add(add_5, linear_11)
-    rt.leave('add_6.1', (add_6,))
-    del add_5, linear_11
-    h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
-    h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
-    # layer_norm_6.1: layer_norm  (gpt.py:100, h.3.ln_1)
-    (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('layer_norm_6.1', (h_3_ln_1_weight,
-            h_3_ln_1_bias), (True, True))
-    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in,
-            bias=h_3_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm_6.1', (layer_norm_6,))
-    del h_3_ln_1_weight_in, h_3_ln_1_bias_in
-    del h_3_ln_1_weight, h_3_ln_1_bias
-    h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((0, 192), (0, 64)))
-    h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((0, 192),))
-    # linear_12.1: linear  (gpt.py:60, h.3.attn.c_attn)
-    (h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in) = rt.enter('linear_12.1',
-            (h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True, True))
-    linear_12 = torch.nn.functional.linear(layer_norm_6, h_3_attn_c_attn_weight_in,
-            h_3_attn_c_attn_bias_in)
-    rt.leave('linear_12.1', (linear_12,))
-    del h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
-    del layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
-    linear_12_p1, linear_12_p2, linear_12_p3 = linear_12.split(64, dim=2)
-    # chunk_3.1: narrow  (gpt.py:60, h.3.attn)
-    chunk_3 = linear_12_p1.reshape((2, 32, 64))
-    rt.leave('chunk_3.1', (chunk_3,))
-    del linear_12_p1
-    # chunk_3_v1.1: narrow  (gpt.py:60, h.3.attn)
-    chunk_3_v1 = linear_12_p2.reshape((2, 32, 64))
-    rt.leave('chunk_3_v1.1', (chunk_3_v1,))
-    del linear_12_p2
-    del linear_12
-    # chunk_3_v2.1: narrow  (gpt.py:60, h.3.attn)
-    chunk_3_v2 = linear_12_p3.reshape((2, 32, 64))
-    rt.leave('chunk_3_v2.1', (chunk_3_v2,))
-    del linear_12_p3
-    # view_12.1: reshape  (gpt.py:61, h.3.attn)
-    view_12 = chunk_3.reshape((2, 32, 4, 16))
-    rt.leave('view_12.1', (view_12,))
-    del chunk_3
-    # transpose_12.1: transpose  (gpt.py:61, h.3.attn)
-    transpose_12 = view_12.transpose(1, 2)
-    rt.leave('transpose_12.1', (transpose_12,))
-    del view_12
-    # view_13.1: reshape  (gpt.py:62, h.3.attn)
-    view_13 = chunk_3_v1.reshape((2, 32, 4, 16))
-    rt.leave('view_13.1', (view_13,))
-    del chunk_3_v1
-    # transpose_13.1: transpose  (gpt.py:62, h.3.attn)
-    transpose_13 = view_13.transpose(1, 2)
-    rt.leave('transpose_13.1', (transpose_13,))
-    del view_13
-    # view_14.1: reshape  (gpt.py:63, h.3.attn)
-    view_14 = chunk_3_v2.reshape((2, 32, 4, 16))
-    rt.leave('view_14.1', (view_14,))
-    del chunk_3_v2
-    # transpose_14.1: transpose  (gpt.py:63, h.3.attn)
-    transpose_14 = view_14.transpose(1, 2)
-    rt.leave('transpose_14.1', (transpose_14,))
-    del view_14
-    # scaled_dot_product_attention_3.1: attention  (gpt.py:66, h.3.attn)
-    scaled_dot_product_attention_3 = torch.nn.functional.scaled_dot_product_attention(transpose_12,
-            transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_3.1', (scaled_dot_product_attention_3,))
-    del transpose_12, transpose_13, transpose_14
-    # transpose_15.1: transpose  (gpt.py:72, h.3.attn)
-    transpose_15 = scaled_dot_product_attention_3.transpose(1, 2)
-    rt.leave('transpose_15.1', (transpose_15,))
-    del scaled_dot_product_attention_3
-    # contiguous_3.1: contiguous  (gpt.py:72, h.3.attn)
-    contiguous_3 = transpose_15.contiguous()
-    rt.leave('contiguous_3.1', (contiguous_3,))
-    del transpose_15
-    # view_15.1: reshape  (gpt.py:72, h.3.attn)
-    view_15 = contiguous_3.reshape((2, 32, 64))
-    rt.leave('view_15.1', (view_15,))
-    del contiguous_3
-    h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (0, 64)))
-    h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
-    # linear_13.1: linear  (gpt.py:73, h.3.attn.c_proj)
-    (h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in) = rt.enter('linear_13.1',
-            (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias), (True, True))
-    linear_13 = torch.nn.functional.linear(view_15, h_3_attn_c_proj_weight_in,
-            h_3_attn_c_proj_bias_in)
-    rt.leave('linear_13.1', (linear_13,))
-    del h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_in
-    del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
-    # add_7.1: add  (gpt.py:100, h.3)
-    add_7 = operator.add(add_6, linear_13)
-    rt.leave('add_7.1', (add_7,))
-    del add_6, linear_13
-    h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
-    h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
-    # layer_norm_7.1: layer_norm  (gpt.py:101, h.3.ln_2)
-    (h_3_ln_2_weight_in, h_3_ln_2_bias_in) = rt.enter('layer_norm_7.1', (h_3_ln_2_weight,
-            h_3_ln_2_bias), (True, True))
-    layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in,
-            bias=h_3_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_7.1', (layer_norm_7,))
-    del h_3_ln_2_weight_in, h_3_ln_2_bias_in
-    del h_3_ln_2_weight, h_3_ln_2_bias
-    h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((0, 256), (0, 64)))
-    h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((0, 256),))
-    # linear_14.1: linear  (gpt.py:86, h.3.mlp.c_fc)
-    (h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in) = rt.enter('linear_14.1', (h_3_mlp_c_fc_weight,
-            h_3_mlp_c_fc_bias), (True, True))
-    linear_14 = torch.nn.functional.linear(layer_norm_7, h_3_mlp_c_fc_weight_in,
-            h_3_mlp_c_fc_bias_in)
-    rt.leave('linear_14.1', (linear_14,))
-    del h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
-    del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
-    # gelu_3.1: gelu  (gpt.py:86, h.3.mlp)
-    gelu_3 = torch.nn.functional.gelu(linear_14)
-    rt.leave('gelu_3.1', (gelu_3,))
-    del linear_14
-    h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (0, 256)))
-    h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
-    # linear_15.1: linear  (gpt.py:86, h.3.mlp.c_proj)
-    (h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in) = rt.enter('linear_15.1',
-            (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias), (True, True))
-    linear_15 = torch.nn.functional.linear(gelu_3, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in)
-    rt.leave('linear_15.1', (linear_15,))
-    del h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_in
-    del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
-    # add_8.1: add  (gpt.py:101, h.3)
-    add_8 = operator.add(add_7, linear_15)
-    rt.leave('add_8.1', (add_8,))
-    del add_7, linear_15
+    add_2 = h_forward(rt, 'h.0', 'layer_norm.1', 'linear.1', 'linear_1.1', 'layer_norm_1.1',
+            'linear_2.1', 'linear_3.1', add)
+    del add
+    add_4 = h_forward(rt, 'h.1', 'layer_norm_2.1', 'linear_4.1', 'linear_5.1', 'layer_norm_3.1',
+            'linear_6.1', 'linear_7.1', add_2)
+    del add_2
+    add_6 = h_forward(rt, 'h.2', 'layer_norm_4.1', 'linear_8.1', 'linear_9.1', 'layer_norm_5.1',
+            'linear_10.1', 'linear_11.1', add_4)
+    del add_4
+    add_8 = h_forward(rt, 'h.3', 'layer_norm_6.1', 'linear_12.1', 'linear_13.1', 'layer_norm_7.1',
+            'linear_14.1', 'linear_15.1', add_6)
+    del add_6
+    # layer_norm_8.1: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
-    # layer_norm_8.1: layer_norm  (gpt.py:131, ln_f)
     (ln_f_weight_in, ln_f_bias_in) = rt.enter('layer_norm_8.1', (ln_f_weight, ln_f_bias), (True,
             True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
-    rt.leave('layer_norm_8.1', (layer_norm_8,))
     del ln_f_weight_in, ln_f_bias_in
-    del add_8, ln_f_weight, ln_f_bias
+    del add_8
     # linear_16.1: linear  (gpt.py:131, lm_head)
     wte_weight_in, = rt.enter('linear_16.1', (wte_weight,), (True,))
     linear_16 = torch.nn.functional.linear(layer_norm_8, wte_weight_in, None)
-    rt.leave('linear_16.1', (linear_16,))
     del wte_weight_in
-    del wte_weight, layer_norm_8
+    del layer_norm_8
     # view_16.1: reshape  (gpt.py:132)
     view_16 = linear_16.reshape((64, 512))
-    rt.leave('view_16.1', (view_16,))
     del linear_16
     # cross_entropy_sum.1: cross_entropy  (gpt.py:132)
     cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16, target=view_17,
             weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum',
             label_smoothing=0.0)
-    rt.leave('cross_entropy_sum.1', (cross_entropy_sum,))
     del view_17, view_16
     cross_entropy_count_p1, = cross_entropy_count_p1_pending.wait()
     del cross_entropy_count_p1_pending
@@ -595,25 +96,12 @@ def step(rt):
             d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_attn_c_attn_weight,
             d_h_0_attn_c_attn_bias, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight,
             d_wte_weight_p1) = rt.backward({'cross_entropy.1': (d_loss,)}, ('cross_entropy.1',
-            'cross_entropy_sum.1', 'view_16.1', 'linear_16.1', 'layer_norm_8.1', 'add_8.1',
-            'linear_15.1', 'gelu_3.1', 'linear_14.1', 'layer_norm_7.1', 'add_7.1', 'linear_13.1',
-            'view_15.1', 'contiguous_3.1', 'transpose_15.1', 'scaled_dot_product_attention_3.1',
-            'transpose_14.1', 'view_14.1', 'transpose_13.1', 'view_13.1', 'transpose_12.1',
-            'view_12.1', 'chunk_3_v2.1', 'chunk_3_v1.1', 'chunk_3.1', 'linear_12.1',
-            'layer_norm_6.1', 'add_6.1', 'linear_11.1', 'gelu_2.1', 'linear_10.1', 'layer_norm_5.1',
-            'add_5.1', 'linear_9.1', 'view_11.1', 'contiguous_2.1', 'transpose_11.1',
-            'scaled_dot_product_attention_2.1', 'transpose_10.1', 'view_10.1', 'transpose_9.1',
-            'view_9.1', 'transpose_8.1', 'view_8.1', 'chunk_2_v2.1', 'chunk_2_v1.1', 'chunk_2.1',
-            'linear_8.1', 'layer_norm_4.1', 'add_4.1', 'linear_7.1', 'gelu_1.1', 'linear_6.1',
-            'layer_norm_3.1', 'add_3.1', 'linear_5.1', 'view_7.1', 'contiguous_1.1',
-            'transpose_7.1', 'scaled_dot_product_attention_1.1', 'transpose_6.1', 'view_6.1',
-            'transpose_5.1', 'view_5.1', 'transpose_4.1', 'view_4.1', 'chunk_1_v2.1',
-            'chunk_1_v1.1', 'chunk_1.1', 'linear_4.1', 'layer_norm_2.1', 'add_2.1', 'linear_3.1',
-            'gelu.1', 'linear_2.1', 'layer_norm_1.1', 'add_1.1', 'linear_1.1', 'view_3.1',
-            'contiguous.1', 'transpose_3.1', 'scaled_dot_product_attention.1', 'transpose_2.1',
-            'view_2.1', 'transpose_1.1', 'view_1.1', 'transpose.1', 'view.1', 'chunk_v2.1',
-            'chunk_v1.1', 'chunk.1', 'linear.1', 'layer_norm.1', 'add.1', 'embedding_1.1',
-            'embedding.1'))
+            'linear_16.1', 'layer_norm_8.1', 'linear_15.1', 'linear_14.1', 'layer_norm_7.1',
+            'linear_13.1', 'linear_12.1', 'layer_norm_6.1', 'linear_11.1', 'linear_10.1',
+            'layer_norm_5.1', 'linear_9.1', 'linear_8.1', 'layer_norm_4.1', 'linear_7.1',
+            'linear_6.1', 'layer_norm_3.1', 'linear_5.1', 'linear_4.1', 'layer_norm_2.1',
+            'linear_3.1', 'linear_2.1', 'layer_norm_1.1', 'linear_1.1', 'linear.1', 'layer_norm.1',
+            'embedding_1.1', 'embedding.1'))
     del d_loss
     (grad_ln_f_weight, grad_ln_f_bias, grad_h_3_mlp_c_proj_weight, grad_h_3_mlp_c_proj_bias,
             grad_h_3_mlp_c_fc_weight, grad_h_3_mlp_c_fc_bias, grad_h_3_ln_2_weight,
@@ -669,103 +157,163 @@ def step(rt):
     del grad_wte_weight
     rt.grad('wpe.weight', ((0, 32), (0, 64)), grad_wpe_weight)
     del grad_wpe_weight
-    rt.grad('h.0.ln_1.weight', ((0, 64),), grad_h_0_ln_1_weight)
-    del grad_h_0_ln_1_weight
-    rt.grad('h.0.ln_1.bias', ((0, 64),), grad_h_0_ln_1_bias)
-    del grad_h_0_ln_1_bias
-    rt.grad('h.0.attn.c_attn.weight', ((0, 192), (0, 64)), grad_h_0_attn_c_attn_weight)
-    del grad_h_0_attn_c_attn_weight
-    rt.grad('h.0.attn.c_attn.bias', ((0, 192),), grad_h_0_attn_c_attn_bias)
-    del grad_h_0_attn_c_attn_bias
-    rt.grad('h.0.attn.c_proj.weight', ((0, 64), (0, 64)), grad_h_0_attn_c_proj_weight)
-    del grad_h_0_attn_c_proj_weight
-    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), grad_h_0_attn_c_proj_bias)
-    del grad_h_0_attn_c_proj_bias
-    rt.grad('h.0.ln_2.weight', ((0, 64),), grad_h_0_ln_2_weight)
-    del grad_h_0_ln_2_weight
-    rt.grad('h.0.ln_2.bias', ((0, 64),), grad_h_0_ln_2_bias)
-    del grad_h_0_ln_2_bias
-    rt.grad('h.0.mlp.c_fc.weight', ((0, 256), (0, 64)), grad_h_0_mlp_c_fc_weight)
-    del grad_h_0_mlp_c_fc_weight
-    rt.grad('h.0.mlp.c_fc.bias', ((0, 256),), grad_h_0_mlp_c_fc_bias)
-    del grad_h_0_mlp_c_fc_bias
-    rt.grad('h.0.mlp.c_proj.weight', ((0, 64), (0, 256)), grad_h_0_mlp_c_proj_weight)
-    del grad_h_0_mlp_c_proj_weight
-    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), grad_h_0_mlp_c_proj_bias)
-    del grad_h_0_mlp_c_proj_bias
-    rt.grad('h.1.ln_1.weight', ((0, 64),), grad_h_1_ln_1_weight)
-    del grad_h_1_ln_1_weight
-    rt.grad('h.1.ln_1.bias', ((0, 64),), grad_h_1_ln_1_bias)
-    del grad_h_1_ln_1_bias
-    rt.grad('h.1.attn.c_attn.weight', ((0, 192), (0, 64)), grad_h_1_attn_c_attn_weight)
-    del grad_h_1_attn_c_attn_weight
-    rt.grad('h.1.attn.c_attn.bias', ((0, 192),), grad_h_1_attn_c_attn_bias)
-    del grad_h_1_attn_c_attn_bias
-    rt.grad('h.1.attn.c_proj.weight', ((0, 64), (0, 64)), grad_h_1_attn_c_proj_weight)
-    del grad_h_1_attn_c_proj_weight
-    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), grad_h_1_attn_c_proj_bias)
-    del grad_h_1_attn_c_proj_bias
-    rt.grad('h.1.ln_2.weight', ((0, 64),), grad_h_1_ln_2_weight)
-    del grad_h_1_ln_2_weight
-    rt.grad('h.1.ln_2.bias', ((0, 64),), grad_h_1_ln_2_bias)
-    del grad_h_1_ln_2_bias
-    rt.grad('h.1.mlp.c_fc.weight', ((0, 256), (0, 64)), grad_h_1_mlp_c_fc_weight)
-    del grad_h_1_mlp_c_fc_weight
-    rt.grad('h.1.mlp.c_fc.bias', ((0, 256),), grad_h_1_mlp_c_fc_bias)
-    del grad_h_1_mlp_c_fc_bias
-    rt.grad('h.1.mlp.c_proj.weight', ((0, 64), (0, 256)), grad_h_1_mlp_c_proj_weight)
-    del grad_h_1_mlp_c_proj_weight
-    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), grad_h_1_mlp_c_proj_bias)
-    del grad_h_1_mlp_c_proj_bias
-    rt.grad('h.2.ln_1.weight', ((0, 64),), grad_h_2_ln_1_weight)
-    del grad_h_2_ln_1_weight
-    rt.grad('h.2.ln_1.bias', ((0, 64),), grad_h_2_ln_1_bias)
-    del grad_h_2_ln_1_bias
-    rt.grad('h.2.attn.c_attn.weight', ((0, 192), (0, 64)), grad_h_2_attn_c_attn_weight)
-    del grad_h_2_attn_c_attn_weight
-    rt.grad('h.2.attn.c_attn.bias', ((0, 192),), grad_h_2_attn_c_attn_bias)
-    del grad_h_2_attn_c_attn_bias
-    rt.grad('h.2.attn.c_proj.weight', ((0, 64), (0, 64)), grad_h_2_attn_c_proj_weight)
-    del grad_h_2_attn_c_proj_weight
-    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), grad_h_2_attn_c_proj_bias)
-    del grad_h_2_attn_c_proj_bias
-    rt.grad('h.2.ln_2.weight', ((0, 64),), grad_h_2_ln_2_weight)
-    del grad_h_2_ln_2_weight
-    rt.grad('h.2.ln_2.bias', ((0, 64),), grad_h_2_ln_2_bias)
-    del grad_h_2_ln_2_bias
-    rt.grad('h.2.mlp.c_fc.weight', ((0, 256), (0, 64)), grad_h_2_mlp_c_fc_weight)
-    del grad_h_2_mlp_c_fc_weight
-    rt.grad('h.2.mlp.c_fc.bias', ((0, 256),), grad_h_2_mlp_c_fc_bias)
-    del grad_h_2_mlp_c_fc_bias
-    rt.grad('h.2.mlp.c_proj.weight', ((0, 64), (0, 256)), grad_h_2_mlp_c_proj_weight)
-    del grad_h_2_mlp_c_proj_weight
-    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), grad_h_2_mlp_c_proj_bias)
-    del grad_h_2_mlp_c_proj_bias
-    rt.grad('h.3.ln_1.weight', ((0, 64),), grad_h_3_ln_1_weight)
-    del grad_h_3_ln_1_weight
-    rt.grad('h.3.ln_1.bias', ((0, 64),), grad_h_3_ln_1_bias)
-    del grad_h_3_ln_1_bias
-    rt.grad('h.3.attn.c_attn.weight', ((0, 192), (0, 64)), grad_h_3_attn_c_attn_weight)
-    del grad_h_3_attn_c_attn_weight
-    rt.grad('h.3.attn.c_attn.bias', ((0, 192),), grad_h_3_attn_c_attn_bias)
-    del grad_h_3_attn_c_attn_bias
-    rt.grad('h.3.attn.c_proj.weight', ((0, 64), (0, 64)), grad_h_3_attn_c_proj_weight)
-    del grad_h_3_attn_c_proj_weight
-    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), grad_h_3_attn_c_proj_bias)
-    del grad_h_3_attn_c_proj_bias
-    rt.grad('h.3.ln_2.weight', ((0, 64),), grad_h_3_ln_2_weight)
-    del grad_h_3_ln_2_weight
-    rt.grad('h.3.ln_2.bias', ((0, 64),), grad_h_3_ln_2_bias)
-    del grad_h_3_ln_2_bias
-    rt.grad('h.3.mlp.c_fc.weight', ((0, 256), (0, 64)), grad_h_3_mlp_c_fc_weight)
-    del grad_h_3_mlp_c_fc_weight
-    rt.grad('h.3.mlp.c_fc.bias', ((0, 256),), grad_h_3_mlp_c_fc_bias)
-    del grad_h_3_mlp_c_fc_bias
-    rt.grad('h.3.mlp.c_proj.weight', ((0, 64), (0, 256)), grad_h_3_mlp_c_proj_weight)
-    del grad_h_3_mlp_c_proj_weight
-    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), grad_h_3_mlp_c_proj_bias)
-    del grad_h_3_mlp_c_proj_bias
+    h_grads(rt, 'h.0', grad_h_0_ln_1_weight, grad_h_0_ln_1_bias, grad_h_0_attn_c_attn_weight,
+            grad_h_0_attn_c_attn_bias, grad_h_0_attn_c_proj_weight, grad_h_0_attn_c_proj_bias,
+            grad_h_0_ln_2_weight, grad_h_0_ln_2_bias, grad_h_0_mlp_c_fc_weight,
+            grad_h_0_mlp_c_fc_bias, grad_h_0_mlp_c_proj_weight, grad_h_0_mlp_c_proj_bias)
+    del (grad_h_0_ln_1_weight, grad_h_0_ln_1_bias, grad_h_0_attn_c_attn_weight,
+            grad_h_0_attn_c_attn_bias, grad_h_0_attn_c_proj_weight, grad_h_0_attn_c_proj_bias,
+            grad_h_0_ln_2_weight, grad_h_0_ln_2_bias, grad_h_0_mlp_c_fc_weight,
+            grad_h_0_mlp_c_fc_bias, grad_h_0_mlp_c_proj_weight, grad_h_0_mlp_c_proj_bias)
+    h_grads(rt, 'h.1', grad_h_1_ln_1_weight, grad_h_1_ln_1_bias, grad_h_1_attn_c_attn_weight,
+            grad_h_1_attn_c_attn_bias, grad_h_1_attn_c_proj_weight, grad_h_1_attn_c_proj_bias,
+            grad_h_1_ln_2_weight, grad_h_1_ln_2_bias, grad_h_1_mlp_c_fc_weight,
+            grad_h_1_mlp_c_fc_bias, grad_h_1_mlp_c_proj_weight, grad_h_1_mlp_c_proj_bias)
+    del (grad_h_1_ln_1_weight, grad_h_1_ln_1_bias, grad_h_1_attn_c_attn_weight,
+            grad_h_1_attn_c_attn_bias, grad_h_1_attn_c_proj_weight, grad_h_1_attn_c_proj_bias,
+            grad_h_1_ln_2_weight, grad_h_1_ln_2_bias, grad_h_1_mlp_c_fc_weight,
+            grad_h_1_mlp_c_fc_bias, grad_h_1_mlp_c_proj_weight, grad_h_1_mlp_c_proj_bias)
+    h_grads(rt, 'h.2', grad_h_2_ln_1_weight, grad_h_2_ln_1_bias, grad_h_2_attn_c_attn_weight,
+            grad_h_2_attn_c_attn_bias, grad_h_2_attn_c_proj_weight, grad_h_2_attn_c_proj_bias,
+            grad_h_2_ln_2_weight, grad_h_2_ln_2_bias, grad_h_2_mlp_c_fc_weight,
+            grad_h_2_mlp_c_fc_bias, grad_h_2_mlp_c_proj_weight, grad_h_2_mlp_c_proj_bias)
+    del (grad_h_2_ln_1_weight, grad_h_2_ln_1_bias, grad_h_2_attn_c_attn_weight,
+            grad_h_2_attn_c_attn_bias, grad_h_2_attn_c_proj_weight, grad_h_2_attn_c_proj_bias,
+            grad_h_2_ln_2_weight, grad_h_2_ln_2_bias, grad_h_2_mlp_c_fc_weight,
+            grad_h_2_mlp_c_fc_bias, grad_h_2_mlp_c_proj_weight, grad_h_2_mlp_c_proj_bias)
+    h_grads(rt, 'h.3', grad_h_3_ln_1_weight, grad_h_3_ln_1_bias, grad_h_3_attn_c_attn_weight,
+            grad_h_3_attn_c_attn_bias, grad_h_3_attn_c_proj_weight, grad_h_3_attn_c_proj_bias,
+            grad_h_3_ln_2_weight, grad_h_3_ln_2_bias, grad_h_3_mlp_c_fc_weight,
+            grad_h_3_mlp_c_fc_bias, grad_h_3_mlp_c_proj_weight, grad_h_3_mlp_c_proj_bias)
+    del (grad_h_3_ln_1_weight, grad_h_3_ln_1_bias, grad_h_3_attn_c_attn_weight,
+            grad_h_3_attn_c_attn_bias, grad_h_3_attn_c_proj_weight, grad_h_3_attn_c_proj_bias,
+            grad_h_3_ln_2_weight, grad_h_3_ln_2_bias, grad_h_3_mlp_c_fc_weight,
+            grad_h_3_mlp_c_fc_bias, grad_h_3_mlp_c_proj_weight, grad_h_3_mlp_c_proj_bias)
     rt.grad('ln_f.weight', ((0, 64),), grad_ln_f_weight)
     del grad_ln_f_weight
     rt.grad('ln_f.bias', ((0, 64),), grad_ln_f_bias)
     del grad_ln_f_bias
+
+
+def h_forward(rt, at, a0, a1, a2, a3, a4, a5, add):
+    # layer_norm.1: layer_norm  (gpt.py:100, h.0.ln_1)
+    h_0_ln_1_weight = rt.param(f'{at}.ln_1.weight', ((0, 64),))
+    h_0_ln_1_bias = rt.param(f'{at}.ln_1.bias', ((0, 64),))
+    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(a0, (h_0_ln_1_weight, h_0_ln_1_bias), (True,
+            True))
+    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
+            bias=h_0_ln_1_bias_in, eps=1e-05)
+    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
+    # linear.1: linear  (gpt.py:60, h.0.attn.c_attn)
+    h_0_attn_c_attn_weight = rt.param(f'{at}.attn.c_attn.weight', ((0, 192), (0, 64)))
+    h_0_attn_c_attn_bias = rt.param(f'{at}.attn.c_attn.bias', ((0, 192),))
+    (h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter(a1, (h_0_attn_c_attn_weight,
+            h_0_attn_c_attn_bias), (True, True))
+    linear = torch.nn.functional.linear(layer_norm, h_0_attn_c_attn_weight_in,
+            h_0_attn_c_attn_bias_in)
+    del h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
+    del layer_norm
+    linear_p1, linear_p2, linear_p3 = linear.split(64, dim=2)
+    # chunk.1: narrow  (gpt.py:60, h.0.attn)
+    chunk = linear_p1.reshape((2, 32, 64))
+    del linear_p1
+    # chunk_v1.1: narrow  (gpt.py:60, h.0.attn)
+    chunk_v1 = linear_p2.reshape((2, 32, 64))
+    del linear_p2
+    del linear
+    # chunk_v2.1: narrow  (gpt.py:60, h.0.attn)
+    chunk_v2 = linear_p3.reshape((2, 32, 64))
+    del linear_p3
+    # view.1: reshape  (gpt.py:61, h.0.attn)
+    view = chunk.reshape((2, 32, 4, 16))
+    del chunk
+    # transpose.1: transpose  (gpt.py:61, h.0.attn)
+    transpose = view.transpose(1, 2)
+    del view
+    # view_1.1: reshape  (gpt.py:62, h.0.attn)
+    view_1 = chunk_v1.reshape((2, 32, 4, 16))
+    del chunk_v1
+    # transpose_1.1: transpose  (gpt.py:62, h.0.attn)
+    transpose_1 = view_1.transpose(1, 2)
+    del view_1
+    # view_2.1: reshape  (gpt.py:63, h.0.attn)
+    view_2 = chunk_v2.reshape((2, 32, 4, 16))
+    del chunk_v2
+    # transpose_2.1: transpose  (gpt.py:63, h.0.attn)
+    transpose_2 = view_2.transpose(1, 2)
+    del view_2
+    # scaled_dot_product_attention.1: attention  (gpt.py:66, h.0.attn)
+    scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention(transpose,
+            transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
+    del transpose, transpose_1, transpose_2
+    # transpose_3.1: transpose  (gpt.py:72, h.0.attn)
+    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
+    del scaled_dot_product_attention
+    # contiguous.1: contiguous  (gpt.py:72, h.0.attn)
+    contiguous = transpose_3.contiguous()
+    del transpose_3
+    # view_3.1: reshape  (gpt.py:72, h.0.attn)
+    view_3 = contiguous.reshape((2, 32, 64))
+    del contiguous
+    # linear_1.1: linear  (gpt.py:73, h.0.attn.c_proj)
+    h_0_attn_c_proj_weight = rt.param(f'{at}.attn.c_proj.weight', ((0, 64), (0, 64)))
+    h_0_attn_c_proj_bias = rt.param(f'{at}.attn.c_proj.bias', ((0, 64),))
+    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in) = rt.enter(a2, (h_0_attn_c_proj_weight,
+            h_0_attn_c_proj_bias), (True, True))
+    linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
+            h_0_attn_c_proj_bias_in)
+    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
+    del view_3
+    # add_1.1: add  (gpt.py:100, h.0)
+    add_1 = operator.add(add, linear_1)
+    del linear_1
+    # layer_norm_1.1: layer_norm  (gpt.py:101, h.0.ln_2)
+    h_0_ln_2_weight = rt.param(f'{at}.ln_2.weight', ((0, 64),))
+    h_0_ln_2_bias = rt.param(f'{at}.ln_2.bias', ((0, 64),))
+    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(a3, (h_0_ln_2_weight, h_0_ln_2_bias), (True,
+            True))
+    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
+            bias=h_0_ln_2_bias_in, eps=1e-05)
+    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
+    # linear_2.1: linear  (gpt.py:86, h.0.mlp.c_fc)
+    h_0_mlp_c_fc_weight = rt.param(f'{at}.mlp.c_fc.weight', ((0, 256), (0, 64)))
+    h_0_mlp_c_fc_bias = rt.param(f'{at}.mlp.c_fc.bias', ((0, 256),))
+    (h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(a4, (h_0_mlp_c_fc_weight,
+            h_0_mlp_c_fc_bias), (True, True))
+    linear_2 = torch.nn.functional.linear(layer_norm_1, h_0_mlp_c_fc_weight_in,
+            h_0_mlp_c_fc_bias_in)
+    del h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
+    del layer_norm_1
+    # gelu.1: gelu  (gpt.py:86, h.0.mlp)
+    gelu = torch.nn.functional.gelu(linear_2)
+    del linear_2
+    # linear_3.1: linear  (gpt.py:86, h.0.mlp.c_proj)
+    h_0_mlp_c_proj_weight = rt.param(f'{at}.mlp.c_proj.weight', ((0, 64), (0, 256)))
+    h_0_mlp_c_proj_bias = rt.param(f'{at}.mlp.c_proj.bias', ((0, 64),))
+    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in) = rt.enter(a5, (h_0_mlp_c_proj_weight,
+            h_0_mlp_c_proj_bias), (True, True))
+    linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
+    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
+    del gelu
+    # add_2.1: add  (gpt.py:101, h.0)
+    add_2 = operator.add(add_1, linear_3)
+    del add_1, linear_3
+    return add_2
+
+
+def h_grads(rt, at, grad_h_0_ln_1_weight, grad_h_0_ln_1_bias, grad_h_0_attn_c_attn_weight,
+        grad_h_0_attn_c_attn_bias, grad_h_0_attn_c_proj_weight, grad_h_0_attn_c_proj_bias,
+        grad_h_0_ln_2_weight, grad_h_0_ln_2_bias, grad_h_0_mlp_c_fc_weight, grad_h_0_mlp_c_fc_bias,
+        grad_h_0_mlp_c_proj_weight, grad_h_0_mlp_c_proj_bias):
+    rt.grad(f'{at}.ln_1.weight', ((0, 64),), grad_h_0_ln_1_weight)
+    rt.grad(f'{at}.ln_1.bias', ((0, 64),), grad_h_0_ln_1_bias)
+    rt.grad(f'{at}.attn.c_attn.weight', ((0, 192), (0, 64)), grad_h_0_attn_c_attn_weight)
+    rt.grad(f'{at}.attn.c_attn.bias', ((0, 192),), grad_h_0_attn_c_attn_bias)
+    rt.grad(f'{at}.attn.c_proj.weight', ((0, 64), (0, 64)), grad_h_0_attn_c_proj_weight)
+    rt.grad(f'{at}.attn.c_proj.bias', ((0, 64),), grad_h_0_attn_c_proj_bias)
+    rt.grad(f'{at}.ln_2.weight', ((0, 64),), grad_h_0_ln_2_weight)
+    rt.grad(f'{at}.ln_2.bias', ((0, 64),), grad_h_0_ln_2_bias)
+    rt.grad(f'{at}.mlp.c_fc.weight', ((0, 256), (0, 64)), grad_h_0_mlp_c_fc_weight)
+    rt.grad(f'{at}.mlp.c_fc.bias', ((0, 256),), grad_h_0_mlp_c_fc_bias)
+    rt.grad(f'{at}.mlp.c_proj.weight', ((0, 64), (0, 256)), grad_h_0_mlp_c_proj_weight)
+    rt.grad(f'{at}.mlp.c_proj.bias', ((0, 64),), grad_h_0_mlp_c_proj_bias)

@@ -13,604 +13,122 @@ def step(rt):
     # arange.0: factory  (gpt.py:127)
     arange = torch.arange(32, device=rt.device)
     idx = rt.input('idx')
-    wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
     # embedding.0: embedding  (gpt.py:128, wte)
+    wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
     idx, wte_weight_in = rt.enter('embedding.0', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    rt.leave('embedding.0', (embedding,))
     del wte_weight_in
-    del idx, wte_weight
-    wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
+    del idx
     # embedding_1.0: embedding  (gpt.py:128, wpe)
+    wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     arange, wpe_weight_in = rt.enter('embedding_1.0', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    rt.leave('embedding_1.0', (embedding_1,))
     del wpe_weight_in
-    del arange, wpe_weight
+    del arange
     # add.0: add  (gpt.py:128)
     add = operator.add(embedding, embedding_1)
     rt.leave('add.0', (add,))
     del embedding, embedding_1
-    h_0_ln_1_weight = rt.param('h.0.ln_1.weight', ((0, 64),))
-    h_0_ln_1_bias = rt.param('h.0.ln_1.bias', ((0, 64),))
-    # layer_norm.0: layer_norm  (gpt.py:100, h.0.ln_1)
-    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter('layer_norm.0', (h_0_ln_1_weight,
-            h_0_ln_1_bias), (True, True))
-    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
-            bias=h_0_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm.0', (layer_norm,))
-    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
-    del h_0_ln_1_weight, h_0_ln_1_bias
-    h_0_attn_c_attn_weight = rt.param('h.0.attn.c_attn.weight', ((0, 32), (0, 64)))
-    h_0_attn_c_attn_bias = rt.param('h.0.attn.c_attn.bias', ((0, 32),))
-    # linear.0.0: linear  (gpt.py:60, h.0.attn.c_attn)
-    (layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter('linear.0.0',
-            (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
-    linear = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_in,
-            h_0_attn_c_attn_bias_in)
-    rt.leave('linear.0.0', (linear,))
-    del layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
-    del h_0_attn_c_attn_weight, h_0_attn_c_attn_bias
-    h_0_attn_c_attn_weight_p1 = rt.param('h.0.attn.c_attn.weight', ((64, 96), (0, 64)))
-    h_0_attn_c_attn_bias_p1 = rt.param('h.0.attn.c_attn.bias', ((64, 96),))
-    # linear.1.0: linear  (gpt.py:60, h.0.attn.c_attn)
-    (layer_norm_in, h_0_attn_c_attn_weight_p1_in, h_0_attn_c_attn_bias_p1_in) = rt.enter(
-            'linear.1.0', (layer_norm, h_0_attn_c_attn_weight_p1, h_0_attn_c_attn_bias_p1), (True,
-            True, True))
-    linear_p1 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p1_in,
-            h_0_attn_c_attn_bias_p1_in)
-    rt.leave('linear.1.0', (linear_p1,))
-    del layer_norm_in, h_0_attn_c_attn_weight_p1_in, h_0_attn_c_attn_bias_p1_in
-    del h_0_attn_c_attn_weight_p1, h_0_attn_c_attn_bias_p1
-    h_0_attn_c_attn_weight_p2 = rt.param('h.0.attn.c_attn.weight', ((128, 160), (0, 64)))
-    h_0_attn_c_attn_bias_p2 = rt.param('h.0.attn.c_attn.bias', ((128, 160),))
-    # linear.2.0: linear  (gpt.py:60, h.0.attn.c_attn)
-    (layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in) = rt.enter(
-            'linear.2.0', (layer_norm, h_0_attn_c_attn_weight_p2, h_0_attn_c_attn_bias_p2), (True,
-            True, True))
-    linear_p2 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p2_in,
-            h_0_attn_c_attn_bias_p2_in)
-    rt.leave('linear.2.0', (linear_p2,))
-    del layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in
-    del layer_norm, h_0_attn_c_attn_weight_p2, h_0_attn_c_attn_bias_p2
-    # chunk.0: narrow  (gpt.py:60, h.0.attn)
-    chunk = linear.reshape((4, 32, 32))
-    rt.leave('chunk.0', (chunk,))
-    del linear
-    # chunk_v1.0: narrow  (gpt.py:60, h.0.attn)
-    chunk_v1 = linear_p1.reshape((4, 32, 32))
-    rt.leave('chunk_v1.0', (chunk_v1,))
-    del linear_p1
-    # chunk_v2.0: narrow  (gpt.py:60, h.0.attn)
-    chunk_v2 = linear_p2.reshape((4, 32, 32))
-    rt.leave('chunk_v2.0', (chunk_v2,))
-    del linear_p2
-    # view.0: reshape  (gpt.py:61, h.0.attn)
-    view = chunk.reshape((4, 32, 2, 16))
-    rt.leave('view.0', (view,))
-    del chunk
-    # transpose.0: transpose  (gpt.py:61, h.0.attn)
-    transpose = view.transpose(1, 2)
-    rt.leave('transpose.0', (transpose,))
-    del view
-    # view_1.0: reshape  (gpt.py:62, h.0.attn)
-    view_1 = chunk_v1.reshape((4, 32, 2, 16))
-    rt.leave('view_1.0', (view_1,))
-    del chunk_v1
-    # transpose_1.0: transpose  (gpt.py:62, h.0.attn)
-    transpose_1 = view_1.transpose(1, 2)
-    rt.leave('transpose_1.0', (transpose_1,))
-    del view_1
-    # view_2.0: reshape  (gpt.py:63, h.0.attn)
-    view_2 = chunk_v2.reshape((4, 32, 2, 16))
-    rt.leave('view_2.0', (view_2,))
-    del chunk_v2
-    # transpose_2.0: transpose  (gpt.py:63, h.0.attn)
-    transpose_2 = view_2.transpose(1, 2)
-    rt.leave('transpose_2.0', (transpose_2,))
-    del view_2
-    # scaled_dot_product_attention.0: attention  (gpt.py:66, h.0.attn)
-    scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention(transpose,
-            transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention.0', (scaled_dot_product_attention,))
-    del transpose, transpose_1, transpose_2
-    # transpose_3.0: transpose  (gpt.py:72, h.0.attn)
-    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
-    rt.leave('transpose_3.0', (transpose_3,))
-    del scaled_dot_product_attention
-    # contiguous.0: contiguous  (gpt.py:72, h.0.attn)
-    contiguous = transpose_3.contiguous()
-    rt.leave('contiguous.0', (contiguous,))
-    del transpose_3
-    # view_3.0: reshape  (gpt.py:72, h.0.attn)
-    view_3 = contiguous.reshape((4, 32, 32))
-    rt.leave('view_3.0', (view_3,))
-    del contiguous
-    h_0_attn_c_proj_weight = rt.param('h.0.attn.c_proj.weight', ((0, 64), (0, 32)))
-    h_0_attn_c_proj_bias = rt.param('h.0.attn.c_proj.bias', ((0, 64),))
-    # linear_1.0: linear  (gpt.py:73, h.0.attn.c_proj)
-    h_0_attn_c_proj_bias_share = h_0_attn_c_proj_bias * 0.5
-    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in) = rt.enter('linear_1.0',
-            (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
-    linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
-            h_0_attn_c_proj_bias_share_in)
-    rt.leave('linear_1.0', (linear_1,))
-    del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
-    del view_3, h_0_attn_c_proj_weight, h_0_attn_c_proj_bias
-    linear_1_p1, = rt.all_reduce([(linear_1,)], ranks=(0, 1))
-    del linear_1
-    # add_1.0: add  (gpt.py:100, h.0)
-    add_in, linear_1_p1_in = rt.enter('add_1.0', (add, linear_1_p1), (True, True))
-    add_1 = operator.add(add_in, linear_1_p1_in)
-    rt.leave('add_1.0', (add_1,))
-    del add_in, linear_1_p1_in
-    del add, linear_1_p1
-    h_0_ln_2_weight = rt.param('h.0.ln_2.weight', ((0, 64),))
-    h_0_ln_2_bias = rt.param('h.0.ln_2.bias', ((0, 64),))
-    # layer_norm_1.0: layer_norm  (gpt.py:101, h.0.ln_2)
-    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter('layer_norm_1.0', (h_0_ln_2_weight,
-            h_0_ln_2_bias), (True, True))
-    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
-            bias=h_0_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_1.0', (layer_norm_1,))
-    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
-    del h_0_ln_2_weight, h_0_ln_2_bias
-    h_0_mlp_c_fc_weight = rt.param('h.0.mlp.c_fc.weight', ((0, 128), (0, 64)))
-    h_0_mlp_c_fc_bias = rt.param('h.0.mlp.c_fc.bias', ((0, 128),))
-    # linear_2.0: linear  (gpt.py:86, h.0.mlp.c_fc)
-    (layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter('linear_2.0',
-            (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
-    linear_2 = torch.nn.functional.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in,
-            h_0_mlp_c_fc_bias_in)
-    rt.leave('linear_2.0', (linear_2,))
-    del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
-    del layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias
-    # gelu.0: gelu  (gpt.py:86, h.0.mlp)
-    gelu = torch.nn.functional.gelu(linear_2)
-    rt.leave('gelu.0', (gelu,))
-    del linear_2
-    h_0_mlp_c_proj_weight = rt.param('h.0.mlp.c_proj.weight', ((0, 64), (0, 128)))
-    h_0_mlp_c_proj_bias = rt.param('h.0.mlp.c_proj.bias', ((0, 64),))
-    # linear_3.0: linear  (gpt.py:86, h.0.mlp.c_proj)
-    h_0_mlp_c_proj_bias_share = h_0_mlp_c_proj_bias * 0.5
-    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in) = rt.enter('linear_3.0',
-            (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias_share), (True, True))
-    linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in,
-            h_0_mlp_c_proj_bias_share_in)
-    rt.leave('linear_3.0', (linear_3,))
-    del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
-    del gelu, h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias
-    linear_3_p1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
-    del linear_3
-    # add_2.0: add  (gpt.py:101, h.0)
-    add_1_in, linear_3_p1_in = rt.enter('add_2.0', (add_1, linear_3_p1), (True, True))
-    add_2 = operator.add(add_1_in, linear_3_p1_in)
-    rt.leave('add_2.0', (add_2,))
-    del add_1_in, linear_3_p1_in
-    del add_1, linear_3_p1
-    h_1_ln_1_weight = rt.param('h.1.ln_1.weight', ((0, 64),))
-    h_1_ln_1_bias = rt.param('h.1.ln_1.bias', ((0, 64),))
-    # layer_norm_2.0: layer_norm  (gpt.py:100, h.1.ln_1)
-    (h_1_ln_1_weight_in, h_1_ln_1_bias_in) = rt.enter('layer_norm_2.0', (h_1_ln_1_weight,
-            h_1_ln_1_bias), (True, True))
-    layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight=h_1_ln_1_weight_in,
-            bias=h_1_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm_2.0', (layer_norm_2,))
-    del h_1_ln_1_weight_in, h_1_ln_1_bias_in
-    del h_1_ln_1_weight, h_1_ln_1_bias
-    h_1_attn_c_attn_weight = rt.param('h.1.attn.c_attn.weight', ((0, 32), (0, 64)))
-    h_1_attn_c_attn_bias = rt.param('h.1.attn.c_attn.bias', ((0, 32),))
-    # linear_4.0.0: linear  (gpt.py:60, h.1.attn.c_attn)
-    (layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in) = rt.enter('linear_4.0.0',
-            (layer_norm_2, h_1_attn_c_attn_weight, h_1_attn_c_attn_bias), (True, True, True))
-    linear_4 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_in,
-            h_1_attn_c_attn_bias_in)
-    rt.leave('linear_4.0.0', (linear_4,))
-    del layer_norm_2_in, h_1_attn_c_attn_weight_in, h_1_attn_c_attn_bias_in
-    del h_1_attn_c_attn_weight, h_1_attn_c_attn_bias
-    h_1_attn_c_attn_weight_p1 = rt.param('h.1.attn.c_attn.weight', ((64, 96), (0, 64)))
-    h_1_attn_c_attn_bias_p1 = rt.param('h.1.attn.c_attn.bias', ((64, 96),))
-    # linear_4.1.0: linear  (gpt.py:60, h.1.attn.c_attn)
-    (layer_norm_2_in, h_1_attn_c_attn_weight_p1_in, h_1_attn_c_attn_bias_p1_in) = rt.enter(
-            'linear_4.1.0', (layer_norm_2, h_1_attn_c_attn_weight_p1, h_1_attn_c_attn_bias_p1),
-            (True, True, True))
-    linear_4_p1 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_p1_in,
-            h_1_attn_c_attn_bias_p1_in)
-    rt.leave('linear_4.1.0', (linear_4_p1,))
-    del layer_norm_2_in, h_1_attn_c_attn_weight_p1_in, h_1_attn_c_attn_bias_p1_in
-    del h_1_attn_c_attn_weight_p1, h_1_attn_c_attn_bias_p1
-    h_1_attn_c_attn_weight_p2 = rt.param('h.1.attn.c_attn.weight', ((128, 160), (0, 64)))
-    h_1_attn_c_attn_bias_p2 = rt.param('h.1.attn.c_attn.bias', ((128, 160),))
-    # linear_4.2.0: linear  (gpt.py:60, h.1.attn.c_attn)
-    (layer_norm_2_in, h_1_attn_c_attn_weight_p2_in, h_1_attn_c_attn_bias_p2_in) = rt.enter(
-            'linear_4.2.0', (layer_norm_2, h_1_attn_c_attn_weight_p2, h_1_attn_c_attn_bias_p2),
-            (True, True, True))
-    linear_4_p2 = torch.nn.functional.linear(layer_norm_2_in, h_1_attn_c_attn_weight_p2_in,
-            h_1_attn_c_attn_bias_p2_in)
-    rt.leave('linear_4.2.0', (linear_4_p2,))
-    del layer_norm_2_in, h_1_attn_c_attn_weight_p2_in, h_1_attn_c_attn_bias_p2_in
-    del layer_norm_2, h_1_attn_c_attn_weight_p2, h_1_attn_c_attn_bias_p2
-    # chunk_1.0: narrow  (gpt.py:60, h.1.attn)
-    chunk_1 = linear_4.reshape((4, 32, 32))
-    rt.leave('chunk_1.0', (chunk_1,))
-    del linear_4
-    # chunk_1_v1.0: narrow  (gpt.py:60, h.1.attn)
-    chunk_1_v1 = linear_4_p1.reshape((4, 32, 32))
-    rt.leave('chunk_1_v1.0', (chunk_1_v1,))
-    del linear_4_p1
-    # chunk_1_v2.0: narrow  (gpt.py:60, h.1.attn)
-    chunk_1_v2 = linear_4_p2.reshape((4, 32, 32))
-    rt.leave('chunk_1_v2.0', (chunk_1_v2,))
-    del linear_4_p2
-    # view_4.0: reshape  (gpt.py:61, h.1.attn)
-    view_4 = chunk_1.reshape((4, 32, 2, 16))
-    rt.leave('view_4.0', (view_4,))
-    del chunk_1
-    # transpose_4.0: transpose  (gpt.py:61, h.1.attn)
-    transpose_4 = view_4.transpose(1, 2)
-    rt.leave('transpose_4.0', (transpose_4,))
-    del view_4
-    # view_5.0: reshape  (gpt.py:62, h.1.attn)
-    view_5 = chunk_1_v1.reshape((4, 32, 2, 16))
-    rt.leave('view_5.0', (view_5,))
-    del chunk_1_v1
-    # transpose_5.0: transpose  (gpt.py:62, h.1.attn)
-    transpose_5 = view_5.transpose(1, 2)
-    rt.leave('transpose_5.0', (transpose_5,))
-    del view_5
-    # view_6.0: reshape  (gpt.py:63, h.1.attn)
-    view_6 = chunk_1_v2.reshape((4, 32, 2, 16))
-    rt.leave('view_6.0', (view_6,))
-    del chunk_1_v2
-    # transpose_6.0: transpose  (gpt.py:63, h.1.attn)
-    transpose_6 = view_6.transpose(1, 2)
-    rt.leave('transpose_6.0', (transpose_6,))
-    del view_6
-    # scaled_dot_product_attention_1.0: attention  (gpt.py:66, h.1.attn)
-    scaled_dot_product_attention_1 = torch.nn.functional.scaled_dot_product_attention(transpose_4,
-            transpose_5, transpose_6, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_1.0', (scaled_dot_product_attention_1,))
-    del transpose_4, transpose_5, transpose_6
-    # transpose_7.0: transpose  (gpt.py:72, h.1.attn)
-    transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
-    rt.leave('transpose_7.0', (transpose_7,))
-    del scaled_dot_product_attention_1
-    # contiguous_1.0: contiguous  (gpt.py:72, h.1.attn)
-    contiguous_1 = transpose_7.contiguous()
-    rt.leave('contiguous_1.0', (contiguous_1,))
-    del transpose_7
-    # view_7.0: reshape  (gpt.py:72, h.1.attn)
-    view_7 = contiguous_1.reshape((4, 32, 32))
-    rt.leave('view_7.0', (view_7,))
-    del contiguous_1
-    h_1_attn_c_proj_weight = rt.param('h.1.attn.c_proj.weight', ((0, 64), (0, 32)))
-    h_1_attn_c_proj_bias = rt.param('h.1.attn.c_proj.bias', ((0, 64),))
-    # linear_5.0: linear  (gpt.py:73, h.1.attn.c_proj)
-    h_1_attn_c_proj_bias_share = h_1_attn_c_proj_bias * 0.5
-    (h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in) = rt.enter('linear_5.0',
-            (h_1_attn_c_proj_weight, h_1_attn_c_proj_bias_share), (True, True))
-    linear_5 = torch.nn.functional.linear(view_7, h_1_attn_c_proj_weight_in,
-            h_1_attn_c_proj_bias_share_in)
-    rt.leave('linear_5.0', (linear_5,))
-    del h_1_attn_c_proj_bias_share, h_1_attn_c_proj_weight_in, h_1_attn_c_proj_bias_share_in
-    del view_7, h_1_attn_c_proj_weight, h_1_attn_c_proj_bias
-    linear_5_p1, = rt.all_reduce([(linear_5,)], ranks=(0, 1))
-    del linear_5
-    # add_3.0: add  (gpt.py:100, h.1)
-    add_2_in, linear_5_p1_in = rt.enter('add_3.0', (add_2, linear_5_p1), (True, True))
-    add_3 = operator.add(add_2_in, linear_5_p1_in)
-    rt.leave('add_3.0', (add_3,))
-    del add_2_in, linear_5_p1_in
-    del add_2, linear_5_p1
-    h_1_ln_2_weight = rt.param('h.1.ln_2.weight', ((0, 64),))
-    h_1_ln_2_bias = rt.param('h.1.ln_2.bias', ((0, 64),))
-    # layer_norm_3.0: layer_norm  (gpt.py:101, h.1.ln_2)
-    (h_1_ln_2_weight_in, h_1_ln_2_bias_in) = rt.enter('layer_norm_3.0', (h_1_ln_2_weight,
-            h_1_ln_2_bias), (True, True))
-    layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight=h_1_ln_2_weight_in,
-            bias=h_1_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_3.0', (layer_norm_3,))
-    del h_1_ln_2_weight_in, h_1_ln_2_bias_in
-    del h_1_ln_2_weight, h_1_ln_2_bias
-    h_1_mlp_c_fc_weight = rt.param('h.1.mlp.c_fc.weight', ((0, 128), (0, 64)))
-    h_1_mlp_c_fc_bias = rt.param('h.1.mlp.c_fc.bias', ((0, 128),))
-    # linear_6.0: linear  (gpt.py:86, h.1.mlp.c_fc)
-    (layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in) = rt.enter('linear_6.0',
-            (layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias), (True, True, True))
-    linear_6 = torch.nn.functional.linear(layer_norm_3_in, h_1_mlp_c_fc_weight_in,
-            h_1_mlp_c_fc_bias_in)
-    rt.leave('linear_6.0', (linear_6,))
-    del layer_norm_3_in, h_1_mlp_c_fc_weight_in, h_1_mlp_c_fc_bias_in
-    del layer_norm_3, h_1_mlp_c_fc_weight, h_1_mlp_c_fc_bias
-    # gelu_1.0: gelu  (gpt.py:86, h.1.mlp)
-    gelu_1 = torch.nn.functional.gelu(linear_6)
-    rt.leave('gelu_1.0', (gelu_1,))
-    del linear_6
-    h_1_mlp_c_proj_weight = rt.param('h.1.mlp.c_proj.weight', ((0, 64), (0, 128)))
-    h_1_mlp_c_proj_bias = rt.param('h.1.mlp.c_proj.bias', ((0, 64),))
-    # linear_7.0: linear  (gpt.py:86, h.1.mlp.c_proj)
-    h_1_mlp_c_proj_bias_share = h_1_mlp_c_proj_bias * 0.5
-    (h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in) = rt.enter('linear_7.0',
-            (h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias_share), (True, True))
-    linear_7 = torch.nn.functional.linear(gelu_1, h_1_mlp_c_proj_weight_in,
-            h_1_mlp_c_proj_bias_share_in)
-    rt.leave('linear_7.0', (linear_7,))
-    del h_1_mlp_c_proj_bias_share, h_1_mlp_c_proj_weight_in, h_1_mlp_c_proj_bias_share_in
-    del gelu_1, h_1_mlp_c_proj_weight, h_1_mlp_c_proj_bias
-    linear_7_p1, = rt.all_reduce([(linear_7,)], ranks=(0, 1))
-    del linear_7
-    # add_4.0: add  (gpt.py:101, h.1)
-    add_3_in, linear_7_p1_in = rt.enter('add_4.0', (add_3, linear_7_p1), (True, True))
-    add_4 = operator.add(add_3_in, linear_7_p1_in)
-    rt.leave('add_4.0', (add_4,))
-    del add_3_in, linear_7_p1_in
-    del add_3, linear_7_p1
-    h_2_ln_1_weight = rt.param('h.2.ln_1.weight', ((0, 64),))
-    h_2_ln_1_bias = rt.param('h.2.ln_1.bias', ((0, 64),))
-    # layer_norm_4.0: layer_norm  (gpt.py:100, h.2.ln_1)
-    (h_2_ln_1_weight_in, h_2_ln_1_bias_in) = rt.enter('layer_norm_4.0', (h_2_ln_1_weight,
-            h_2_ln_1_bias), (True, True))
-    layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight=h_2_ln_1_weight_in,
-            bias=h_2_ln_1_bias_in, eps=1e-05)
-    rt.leave('layer_norm_4.0', (layer_norm_4,))
-    del h_2_ln_1_weight_in, h_2_ln_1_bias_in
-    del h_2_ln_1_weight, h_2_ln_1_bias
-    h_2_attn_c_attn_weight = rt.param('h.2.attn.c_attn.weight', ((0, 32), (0, 64)))
-    h_2_attn_c_attn_bias = rt.param('h.2.attn.c_attn.bias', ((0, 32),))
-    # linear_8.0.0: linear  (gpt.py:60, h.2.attn.c_attn)
-    (layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in) = rt.enter('linear_8.0.0',
-            (layer_norm_4, h_2_attn_c_attn_weight, h_2_attn_c_attn_bias), (True, True, True))
-    linear_8 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_in,
-            h_2_attn_c_attn_bias_in)
-    rt.leave('linear_8.0.0', (linear_8,))
-    del layer_norm_4_in, h_2_attn_c_attn_weight_in, h_2_attn_c_attn_bias_in
-    del h_2_attn_c_attn_weight, h_2_attn_c_attn_bias
-    h_2_attn_c_attn_weight_p1 = rt.param('h.2.attn.c_attn.weight', ((64, 96), (0, 64)))
-    h_2_attn_c_attn_bias_p1 = rt.param('h.2.attn.c_attn.bias', ((64, 96),))
-    # linear_8.1.0: linear  (gpt.py:60, h.2.attn.c_attn)
-    (layer_norm_4_in, h_2_attn_c_attn_weight_p1_in, h_2_attn_c_attn_bias_p1_in) = rt.enter(
-            'linear_8.1.0', (layer_norm_4, h_2_attn_c_attn_weight_p1, h_2_attn_c_attn_bias_p1),
-            (True, True, True))
-    linear_8_p1 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_p1_in,
-            h_2_attn_c_attn_bias_p1_in)
-    rt.leave('linear_8.1.0', (linear_8_p1,))
-    del layer_norm_4_in, h_2_attn_c_attn_weight_p1_in, h_2_attn_c_attn_bias_p1_in
-    del h_2_attn_c_attn_weight_p1, h_2_attn_c_attn_bias_p1
-    h_2_attn_c_attn_weight_p2 = rt.param('h.2.attn.c_attn.weight', ((128, 160), (0, 64)))
-    h_2_attn_c_attn_bias_p2 = rt.param('h.2.attn.c_attn.bias', ((128, 160),))
-    # linear_8.2.0: linear  (gpt.py:60, h.2.attn.c_attn)
-    (layer_norm_4_in, h_2_attn_c_attn_weight_p2_in, h_2_attn_c_attn_bias_p2_in) = rt.enter(
-            'linear_8.2.0', (layer_norm_4, h_2_attn_c_attn_weight_p2, h_2_attn_c_attn_bias_p2),
-            (True, True, True))
-    linear_8_p2 = torch.nn.functional.linear(layer_norm_4_in, h_2_attn_c_attn_weight_p2_in,
-            h_2_attn_c_attn_bias_p2_in)
-    rt.leave('linear_8.2.0', (linear_8_p2,))
-    del layer_norm_4_in, h_2_attn_c_attn_weight_p2_in, h_2_attn_c_attn_bias_p2_in
-    del layer_norm_4, h_2_attn_c_attn_weight_p2, h_2_attn_c_attn_bias_p2
-    # chunk_2.0: narrow  (gpt.py:60, h.2.attn)
-    chunk_2 = linear_8.reshape((4, 32, 32))
-    rt.leave('chunk_2.0', (chunk_2,))
-    del linear_8
-    # chunk_2_v1.0: narrow  (gpt.py:60, h.2.attn)
-    chunk_2_v1 = linear_8_p1.reshape((4, 32, 32))
-    rt.leave('chunk_2_v1.0', (chunk_2_v1,))
-    del linear_8_p1
-    # chunk_2_v2.0: narrow  (gpt.py:60, h.2.attn)
-    chunk_2_v2 = linear_8_p2.reshape((4, 32, 32))
-    rt.leave('chunk_2_v2.0', (chunk_2_v2,))
-    del linear_8_p2
-    # view_8.0: reshape  (gpt.py:61, h.2.attn)
-    view_8 = chunk_2.reshape((4, 32, 2, 16))
-    rt.leave('view_8.0', (view_8,))
-    del chunk_2
-    # transpose_8.0: transpose  (gpt.py:61, h.2.attn)
-    transpose_8 = view_8.transpose(1, 2)
-    rt.leave('transpose_8.0', (transpose_8,))
-    del view_8
-    # view_9.0: reshape  (gpt.py:62, h.2.attn)
-    view_9 = chunk_2_v1.reshape((4, 32, 2, 16))
-    rt.leave('view_9.0', (view_9,))
-    del chunk_2_v1
-    # transpose_9.0: transpose  (gpt.py:62, h.2.attn)
-    transpose_9 = view_9.transpose(1, 2)
-    rt.leave('transpose_9.0', (transpose_9,))
-    del view_9
-    # view_10.0: reshape  (gpt.py:63, h.2.attn)
-    view_10 = chunk_2_v2.reshape((4, 32, 2, 16))
-    rt.leave('view_10.0', (view_10,))
-    del chunk_2_v2
-    # transpose_10.0: transpose  (gpt.py:63, h.2.attn)
-    transpose_10 = view_10.transpose(1, 2)
-    rt.leave('transpose_10.0', (transpose_10,))
-    del view_10
-    # scaled_dot_product_attention_2.0: attention  (gpt.py:66, h.2.attn)
-    scaled_dot_product_attention_2 = torch.nn.functional.scaled_dot_product_attention(transpose_8,
-            transpose_9, transpose_10, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_2.0', (scaled_dot_product_attention_2,))
-    del transpose_8, transpose_9, transpose_10
-    # transpose_11.0: transpose  (gpt.py:72, h.2.attn)
-    transpose_11 = scaled_dot_product_attention_2.transpose(1, 2)
-    rt.leave('transpose_11.0', (transpose_11,))
-    del scaled_dot_product_attention_2
-    # contiguous_2.0: contiguous  (gpt.py:72, h.2.attn)
-    contiguous_2 = transpose_11.contiguous()
-    rt.leave('contiguous_2.0', (contiguous_2,))
-    del transpose_11
-    # view_11.0: reshape  (gpt.py:72, h.2.attn)
-    view_11 = contiguous_2.reshape((4, 32, 32))
-    rt.leave('view_11.0', (view_11,))
-    del contiguous_2
-    h_2_attn_c_proj_weight = rt.param('h.2.attn.c_proj.weight', ((0, 64), (0, 32)))
-    h_2_attn_c_proj_bias = rt.param('h.2.attn.c_proj.bias', ((0, 64),))
-    # linear_9.0: linear  (gpt.py:73, h.2.attn.c_proj)
-    h_2_attn_c_proj_bias_share = h_2_attn_c_proj_bias * 0.5
-    (h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in) = rt.enter('linear_9.0',
-            (h_2_attn_c_proj_weight, h_2_attn_c_proj_bias_share), (True, True))
-    linear_9 = torch.nn.functional.linear(view_11, h_2_attn_c_proj_weight_in,
-            h_2_attn_c_proj_bias_share_in)
-    rt.leave('linear_9.0', (linear_9,))
-    del h_2_attn_c_proj_bias_share, h_2_attn_c_proj_weight_in, h_2_attn_c_proj_bias_share_in
-    del view_11, h_2_attn_c_proj_weight, h_2_attn_c_proj_bias
-    linear_9_p1, = rt.all_reduce([(linear_9,)], ranks=(0, 1))
-    del linear_9
-    # add_5.0: add  (gpt.py:100, h.2)
-    add_4_in, linear_9_p1_in = rt.enter('add_5.0', (add_4, linear_9_p1), (True, True))
-    add_5 = operator.add(add_4_in, linear_9_p1_in)
-    rt.leave('add_5.0', (add_5,))
-    del add_4_in, linear_9_p1_in
-    del add_4, linear_9_p1
-    h_2_ln_2_weight = rt.param('h.2.ln_2.weight', ((0, 64),))
-    h_2_ln_2_bias = rt.param('h.2.ln_2.bias', ((0, 64),))
-    # layer_norm_5.0: layer_norm  (gpt.py:101, h.2.ln_2)
-    (h_2_ln_2_weight_in, h_2_ln_2_bias_in) = rt.enter('layer_norm_5.0', (h_2_ln_2_weight,
-            h_2_ln_2_bias), (True, True))
-    layer_norm_5 = torch.nn.functional.layer_norm(add_5, (64,), weight=h_2_ln_2_weight_in,
-            bias=h_2_ln_2_bias_in, eps=1e-05)
-    rt.leave('layer_norm_5.0', (layer_norm_5,))
-    del h_2_ln_2_weight_in, h_2_ln_2_bias_in
-    del h_2_ln_2_weight, h_2_ln_2_bias
-    h_2_mlp_c_fc_weight = rt.param('h.2.mlp.c_fc.weight', ((0, 128), (0, 64)))
-    h_2_mlp_c_fc_bias = rt.param('h.2.mlp.c_fc.bias', ((0, 128),))
-    # linear_10.0: linear  (gpt.py:86, h.2.mlp.c_fc)
-    (layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in) = rt.enter('linear_10.0',
-            (layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias), (True, True, True))
-    linear_10 = torch.nn.functional.linear(layer_norm_5_in, h_2_mlp_c_fc_weight_in,
-            h_2_mlp_c_fc_bias_in)
-    rt.leave('linear_10.0', (linear_10,))
-    del layer_norm_5_in, h_2_mlp_c_fc_weight_in, h_2_mlp_c_fc_bias_in
-    del layer_norm_5, h_2_mlp_c_fc_weight, h_2_mlp_c_fc_bias
-    # gelu_2.0: gelu  (gpt.py:86, h.2.mlp)
-    gelu_2 = torch.nn.functional.gelu(linear_10)
-    rt.leave('gelu_2.0', (gelu_2,))
-    del linear_10
-    h_2_mlp_c_proj_weight = rt.param('h.2.mlp.c_proj.weight', ((0, 64), (0, 128)))
-    h_2_mlp_c_proj_bias = rt.param('h.2.mlp.c_proj.bias', ((0, 64),))
-    # linear_11.0: linear  (gpt.py:86, h.2.mlp.c_proj)
-    h_2_mlp_c_proj_bias_share = h_2_mlp_c_proj_bias * 0.5
-    (h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in) = rt.enter('linear_11.0',
-            (h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias_share), (True, True))
-    linear_11 = torch.nn.functional.linear(gelu_2, h_2_mlp_c_proj_weight_in,
-            h_2_mlp_c_proj_bias_share_in)
-    rt.leave('linear_11.0', (linear_11,))
-    del h_2_mlp_c_proj_bias_share, h_2_mlp_c_proj_weight_in, h_2_mlp_c_proj_bias_share_in
-    del gelu_2, h_2_mlp_c_proj_weight, h_2_mlp_c_proj_bias
-    linear_11_p1, = rt.all_reduce([(linear_11,)], ranks=(0, 1))
-    del linear_11
-    # add_6.0: add  (gpt.py:101, h.2)
-    add_5_in, linear_11_p1_in = rt.enter('add_6.0', (add_5, linear_11_p1), (True, True))
-    add_6 = operator.add(add_5_in, linear_11_p1_in)
-    rt.leave('add_6.0', (add_6,))
-    del add_5_in, linear_11_p1_in
-    del add_5, linear_11_p1
+    add_2 = h_forward(rt, 'h.0', 'layer_norm.0', 'linear.0.0', 'linear.1.0', 'linear.2.0',
+            'linear_1.0', 'add_1.0', 'layer_norm_1.0', 'linear_2.0', 'linear_3.0', 'add_2.0', add)
+    del add
+    add_4 = h_forward(rt, 'h.1', 'layer_norm_2.0', 'linear_4.0.0', 'linear_4.1.0', 'linear_4.2.0',
+            'linear_5.0', 'add_3.0', 'layer_norm_3.0', 'linear_6.0', 'linear_7.0', 'add_4.0', add_2)
+    del add_2
+    add_6 = h_forward(rt, 'h.2', 'layer_norm_4.0', 'linear_8.0.0', 'linear_8.1.0', 'linear_8.2.0',
+            'linear_9.0', 'add_5.0', 'layer_norm_5.0', 'linear_10.0', 'linear_11.0', 'add_6.0',
+            add_4)
+    del add_4
+    # layer_norm_6.0: layer_norm  (gpt.py:100, h.3.ln_1)
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
-    # layer_norm_6.0: layer_norm  (gpt.py:100, h.3.ln_1)
     (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('layer_norm_6.0', (h_3_ln_1_weight,
             h_3_ln_1_bias), (True, True))
     layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in,
             bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('layer_norm_6.0', (layer_norm_6,))
     del h_3_ln_1_weight_in, h_3_ln_1_bias_in
-    del h_3_ln_1_weight, h_3_ln_1_bias
+    # linear_12.0.0: linear  (gpt.py:60, h.3.attn.c_attn)
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((0, 32), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((0, 32),))
-    # linear_12.0.0: linear  (gpt.py:60, h.3.attn.c_attn)
     (layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in) = rt.enter(
             'linear_12.0.0', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias), (True,
             True, True))
     linear_12 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in,
             h_3_attn_c_attn_bias_in)
-    rt.leave('linear_12.0.0', (linear_12,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
-    del h_3_attn_c_attn_weight, h_3_attn_c_attn_bias
+    # linear_12.1.0: linear  (gpt.py:60, h.3.attn.c_attn)
     h_3_attn_c_attn_weight_p1 = rt.param('h.3.attn.c_attn.weight', ((64, 96), (0, 64)))
     h_3_attn_c_attn_bias_p1 = rt.param('h.3.attn.c_attn.bias', ((64, 96),))
-    # linear_12.1.0: linear  (gpt.py:60, h.3.attn.c_attn)
     (layer_norm_6_in, h_3_attn_c_attn_weight_p1_in, h_3_attn_c_attn_bias_p1_in) = rt.enter(
             'linear_12.1.0', (layer_norm_6, h_3_attn_c_attn_weight_p1, h_3_attn_c_attn_bias_p1),
             (True, True, True))
     linear_12_p1 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_p1_in,
             h_3_attn_c_attn_bias_p1_in)
-    rt.leave('linear_12.1.0', (linear_12_p1,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_p1_in, h_3_attn_c_attn_bias_p1_in
-    del h_3_attn_c_attn_weight_p1, h_3_attn_c_attn_bias_p1
+    # linear_12.2.0: linear  (gpt.py:60, h.3.attn.c_attn)
     h_3_attn_c_attn_weight_p2 = rt.param('h.3.attn.c_attn.weight', ((128, 160), (0, 64)))
     h_3_attn_c_attn_bias_p2 = rt.param('h.3.attn.c_attn.bias', ((128, 160),))
-    # linear_12.2.0: linear  (gpt.py:60, h.3.attn.c_attn)
     (layer_norm_6_in, h_3_attn_c_attn_weight_p2_in, h_3_attn_c_attn_bias_p2_in) = rt.enter(
             'linear_12.2.0', (layer_norm_6, h_3_attn_c_attn_weight_p2, h_3_attn_c_attn_bias_p2),
             (True, True, True))
     linear_12_p2 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_p2_in,
             h_3_attn_c_attn_bias_p2_in)
-    rt.leave('linear_12.2.0', (linear_12_p2,))
     del layer_norm_6_in, h_3_attn_c_attn_weight_p2_in, h_3_attn_c_attn_bias_p2_in
-    del layer_norm_6, h_3_attn_c_attn_weight_p2, h_3_attn_c_attn_bias_p2
+    del layer_norm_6
     # chunk_3.0: narrow  (gpt.py:60, h.3.attn)
     chunk_3 = linear_12.reshape((4, 32, 32))
-    rt.leave('chunk_3.0', (chunk_3,))
     del linear_12
     # chunk_3_v1.0: narrow  (gpt.py:60, h.3.attn)
     chunk_3_v1 = linear_12_p1.reshape((4, 32, 32))
-    rt.leave('chunk_3_v1.0', (chunk_3_v1,))
     del linear_12_p1
     # chunk_3_v2.0: narrow  (gpt.py:60, h.3.attn)
     chunk_3_v2 = linear_12_p2.reshape((4, 32, 32))
-    rt.leave('chunk_3_v2.0', (chunk_3_v2,))
     del linear_12_p2
     # view_12.0: reshape  (gpt.py:61, h.3.attn)
     view_12 = chunk_3.reshape((4, 32, 2, 16))
-    rt.leave('view_12.0', (view_12,))
     del chunk_3
     # transpose_12.0: transpose  (gpt.py:61, h.3.attn)
     transpose_12 = view_12.transpose(1, 2)
-    rt.leave('transpose_12.0', (transpose_12,))
     del view_12
     # view_13.0: reshape  (gpt.py:62, h.3.attn)
     view_13 = chunk_3_v1.reshape((4, 32, 2, 16))
-    rt.leave('view_13.0', (view_13,))
     del chunk_3_v1
     # transpose_13.0: transpose  (gpt.py:62, h.3.attn)
     transpose_13 = view_13.transpose(1, 2)
-    rt.leave('transpose_13.0', (transpose_13,))
     del view_13
     # view_14.0: reshape  (gpt.py:63, h.3.attn)
     view_14 = chunk_3_v2.reshape((4, 32, 2, 16))
-    rt.leave('view_14.0', (view_14,))
     del chunk_3_v2
     # transpose_14.0: transpose  (gpt.py:63, h.3.attn)
     transpose_14 = view_14.transpose(1, 2)
-    rt.leave('transpose_14.0', (transpose_14,))
     del view_14
     # scaled_dot_product_attention_3.0: attention  (gpt.py:66, h.3.attn)
     scaled_dot_product_attention_3 = torch.nn.functional.scaled_dot_product_attention(transpose_12,
             transpose_13, transpose_14, dropout_p=0.0, is_causal=True)
-    rt.leave('scaled_dot_product_attention_3.0', (scaled_dot_product_attention_3,))
     del transpose_12, transpose_13, transpose_14
     # transpose_15.0: transpose  (gpt.py:72, h.3.attn)
     transpose_15 = scaled_dot_product_attention_3.transpose(1, 2)
-    rt.leave('transpose_15.0', (transpose_15,))
     del scaled_dot_product_attention_3
     # contiguous_3.0: contiguous  (gpt.py:72, h.3.attn)
     contiguous_3 = transpose_15.contiguous()
-    rt.leave('contiguous_3.0', (contiguous_3,))
     del transpose_15
     # view_15.0: reshape  (gpt.py:72, h.3.attn)
     view_15 = contiguous_3.reshape((4, 32, 32))
-    rt.leave('view_15.0', (view_15,))
     del contiguous_3
-    h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (0, 32)))
-    h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     # linear_13.0: linear  (gpt.py:73, h.3.attn.c_proj)
+    h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     h_3_attn_c_proj_bias_share = h_3_attn_c_proj_bias * 0.5
+    h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (0, 32)))
     (h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in) = rt.enter('linear_13.0',
             (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True, True))
     linear_13 = torch.nn.functional.linear(view_15, h_3_attn_c_proj_weight_in,
             h_3_attn_c_proj_bias_share_in)
     rt.leave('linear_13.0', (linear_13,))
     del h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in
-    del view_15, h_3_attn_c_proj_weight, h_3_attn_c_proj_bias
+    del view_15
     linear_13_p1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
     # add_7.0: add  (gpt.py:100, h.3)
@@ -619,67 +137,62 @@ def step(rt):
     rt.leave('add_7.0', (add_7,))
     del add_6_in, linear_13_p1_in
     del add_6, linear_13_p1
+    # layer_norm_7.0: layer_norm  (gpt.py:101, h.3.ln_2)
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
-    # layer_norm_7.0: layer_norm  (gpt.py:101, h.3.ln_2)
     (h_3_ln_2_weight_in, h_3_ln_2_bias_in) = rt.enter('layer_norm_7.0', (h_3_ln_2_weight,
             h_3_ln_2_bias), (True, True))
     layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in,
             bias=h_3_ln_2_bias_in, eps=1e-05)
     rt.leave('layer_norm_7.0', (layer_norm_7,))
     del h_3_ln_2_weight_in, h_3_ln_2_bias_in
-    del h_3_ln_2_weight, h_3_ln_2_bias
+    # linear_14.0: linear  (gpt.py:86, h.3.mlp.c_fc)
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((0, 128), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((0, 128),))
-    # linear_14.0: linear  (gpt.py:86, h.3.mlp.c_fc)
     (layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in) = rt.enter('linear_14.0',
             (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
     linear_14 = torch.nn.functional.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in,
             h_3_mlp_c_fc_bias_in)
-    rt.leave('linear_14.0', (linear_14,))
     del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
-    del layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias
+    del layer_norm_7
     # gelu_3.0: gelu  (gpt.py:86, h.3.mlp)
     gelu_3 = torch.nn.functional.gelu(linear_14)
-    rt.leave('gelu_3.0', (gelu_3,))
     del linear_14
-    h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (0, 128)))
-    h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     # linear_15.0: linear  (gpt.py:86, h.3.mlp.c_proj)
+    h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     h_3_mlp_c_proj_bias_share = h_3_mlp_c_proj_bias * 0.5
+    h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (0, 128)))
     (h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in) = rt.enter('linear_15.0',
             (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias_share), (True, True))
     linear_15 = torch.nn.functional.linear(gelu_3, h_3_mlp_c_proj_weight_in,
             h_3_mlp_c_proj_bias_share_in)
     rt.leave('linear_15.0', (linear_15,))
     del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in
-    del gelu_3, h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias
+    del gelu_3
     linear_15_p1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
     # add_8.0: add  (gpt.py:101, h.3)
     add_7_in, linear_15_p1_in = rt.enter('add_8.0', (add_7, linear_15_p1), (True, True))
     add_8 = operator.add(add_7_in, linear_15_p1_in)
-    rt.leave('add_8.0', (add_8,))
     del add_7_in, linear_15_p1_in
     del add_7, linear_15_p1
+    # layer_norm_8.0: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
-    # layer_norm_8.0: layer_norm  (gpt.py:131, ln_f)
     (ln_f_weight_in, ln_f_bias_in) = rt.enter('layer_norm_8.0', (ln_f_weight, ln_f_bias), (True,
             True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
     rt.leave('layer_norm_8.0', (layer_norm_8,))
     del ln_f_weight_in, ln_f_bias_in
-    del add_8, ln_f_weight, ln_f_bias
-    wte_weight_p1 = rt.param('wte.weight', ((0, 512), (0, 64)))[0:256, 0:64]
+    del add_8
     # linear_16.0: linear  (gpt.py:131, lm_head)
+    wte_weight_p1 = rt.param('wte.weight', ((0, 512), (0, 64)))[0:256, 0:64]
     (layer_norm_8_in, wte_weight_p1_in) = rt.enter('linear_16.0', (layer_norm_8, wte_weight_p1),
             (True, True))
     linear_16 = torch.nn.functional.linear(layer_norm_8_in, wte_weight_p1_in, None)
-    rt.leave('linear_16.0', (linear_16,))
     del layer_norm_8_in, wte_weight_p1_in
-    del layer_norm_8, wte_weight_p1
+    del layer_norm_8
     # view_16.0: reshape  (gpt.py:132)
     view_16 = linear_16.reshape((128, 256))
     rt.leave('view_16.0', (view_16,))
@@ -695,7 +208,6 @@ def step(rt):
     cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_p1_in, target=view_17,
             weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum',
             label_smoothing=0.0)
-    rt.leave('cross_entropy_sum.0', (cross_entropy_sum,))
     del view_16_p1_in
     del view_16_p1
     # cross_entropy_count.0: loss_denominator  (gpt.py:132)
@@ -726,127 +238,35 @@ def step(rt):
     (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward(
             {'layer_norm_8.0': (grad_layer_norm_8,)}, ('layer_norm_8.0', 'add_8.0'))
     del grad_layer_norm_8
-    # backward of 3 pieces in one call
-    (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight,
-            d_h_3_mlp_c_fc_bias) = rt.backward({'linear_15.0': (d_linear_15,)}, ('linear_15.0',
-            'gelu_3.0', 'linear_14.0'))
-    del d_linear_15
-    grad_layer_norm_7_pending = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True,
-            async_op=True)
-    del d_layer_norm_7
-    grad_add_7 = d_add_7[0:4, 0:32, 0:64]
-    del d_add_7
-    grad_layer_norm_7, = grad_layer_norm_7_pending.wait()
-    del grad_layer_norm_7_pending
-    # backward of 2 pieces in one call
-    (d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13) = rt.backward(
-            {'layer_norm_7.0': (grad_layer_norm_7,), 'add_7.0': (grad_add_7,)}, ('layer_norm_7.0',
-            'add_7.0'))
-    del grad_layer_norm_7, grad_add_7
-    # backward of 17 pieces in one call
-    (d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight,
-            d_h_3_attn_c_attn_bias, d_layer_norm_6_p1, d_h_3_attn_c_attn_weight_p1,
-            d_h_3_attn_c_attn_bias_p1, d_layer_norm_6_p2, d_h_3_attn_c_attn_weight_p2,
-            d_h_3_attn_c_attn_bias_p2) = rt.backward({'linear_13.0': (d_linear_13,)},
-            ('linear_13.0', 'view_15.0', 'contiguous_3.0', 'transpose_15.0',
-            'scaled_dot_product_attention_3.0', 'transpose_14.0', 'view_14.0', 'transpose_13.0',
-            'view_13.0', 'transpose_12.0', 'view_12.0', 'chunk_3_v2.0', 'chunk_3_v1.0', 'chunk_3.0',
-            'linear_12.0.0', 'linear_12.1.0', 'linear_12.2.0'))
-    del d_linear_13
-    grad_layer_norm_6_pending = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_p1,
-            d_layer_norm_6_p2)], ranks=(0, 1), grads=True, async_op=True)
-    del d_layer_norm_6, d_layer_norm_6_p1, d_layer_norm_6_p2
-    grad_add_6 = d_add_6[0:4, 0:32, 0:64]
-    del d_add_6
-    grad_layer_norm_6, = grad_layer_norm_6_pending.wait()
-    del grad_layer_norm_6_pending
-    # backward of 2 pieces in one call
-    (d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = rt.backward(
-            {'layer_norm_6.0': (grad_layer_norm_6,), 'add_6.0': (grad_add_6,)}, ('layer_norm_6.0',
-            'add_6.0'))
-    del grad_layer_norm_6, grad_add_6
-    # backward of 3 pieces in one call
-    (d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_layer_norm_5, d_h_2_mlp_c_fc_weight,
-            d_h_2_mlp_c_fc_bias) = rt.backward({'linear_11.0': (d_linear_11,)}, ('linear_11.0',
-            'gelu_2.0', 'linear_10.0'))
-    del d_linear_11
-    grad_layer_norm_5_pending = rt.all_reduce([(d_layer_norm_5,)], ranks=(0, 1), grads=True,
-            async_op=True)
-    del d_layer_norm_5
-    grad_add_5 = d_add_5[0:4, 0:32, 0:64]
-    del d_add_5
-    grad_layer_norm_5, = grad_layer_norm_5_pending.wait()
-    del grad_layer_norm_5_pending
-    # backward of 2 pieces in one call
-    (d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_add_4, d_linear_9) = rt.backward(
-            {'layer_norm_5.0': (grad_layer_norm_5,), 'add_5.0': (grad_add_5,)}, ('layer_norm_5.0',
-            'add_5.0'))
-    del grad_layer_norm_5, grad_add_5
-    # backward of 17 pieces in one call
-    (d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias, d_layer_norm_4, d_h_2_attn_c_attn_weight,
-            d_h_2_attn_c_attn_bias, d_layer_norm_4_p1, d_h_2_attn_c_attn_weight_p1,
-            d_h_2_attn_c_attn_bias_p1, d_layer_norm_4_p2, d_h_2_attn_c_attn_weight_p2,
-            d_h_2_attn_c_attn_bias_p2) = rt.backward({'linear_9.0': (d_linear_9,)}, ('linear_9.0',
-            'view_11.0', 'contiguous_2.0', 'transpose_11.0', 'scaled_dot_product_attention_2.0',
-            'transpose_10.0', 'view_10.0', 'transpose_9.0', 'view_9.0', 'transpose_8.0', 'view_8.0',
-            'chunk_2_v2.0', 'chunk_2_v1.0', 'chunk_2.0', 'linear_8.0.0', 'linear_8.1.0',
-            'linear_8.2.0'))
-    del d_linear_9
-    grad_layer_norm_4_pending = rt.all_reduce([(d_layer_norm_4, d_layer_norm_4_p1,
-            d_layer_norm_4_p2)], ranks=(0, 1), grads=True, async_op=True)
-    del d_layer_norm_4, d_layer_norm_4_p1, d_layer_norm_4_p2
-    grad_add_4 = d_add_4[0:4, 0:32, 0:64]
-    del d_add_4
-    grad_layer_norm_4, = grad_layer_norm_4_pending.wait()
-    del grad_layer_norm_4_pending
-    # backward of 2 pieces in one call
-    (d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7) = rt.backward(
-            {'layer_norm_4.0': (grad_layer_norm_4,), 'add_4.0': (grad_add_4,)}, ('layer_norm_4.0',
-            'add_4.0'))
-    del grad_layer_norm_4, grad_add_4
-    # backward of 3 pieces in one call
-    (d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_layer_norm_3, d_h_1_mlp_c_fc_weight,
-            d_h_1_mlp_c_fc_bias) = rt.backward({'linear_7.0': (d_linear_7,)}, ('linear_7.0',
-            'gelu_1.0', 'linear_6.0'))
-    del d_linear_7
-    grad_layer_norm_3_pending = rt.all_reduce([(d_layer_norm_3,)], ranks=(0, 1), grads=True,
-            async_op=True)
-    del d_layer_norm_3
-    grad_add_3 = d_add_3[0:4, 0:32, 0:64]
-    del d_add_3
-    grad_layer_norm_3, = grad_layer_norm_3_pending.wait()
-    del grad_layer_norm_3_pending
-    # backward of 2 pieces in one call
-    (d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_add_2, d_linear_5) = rt.backward(
-            {'layer_norm_3.0': (grad_layer_norm_3,), 'add_3.0': (grad_add_3,)}, ('layer_norm_3.0',
-            'add_3.0'))
-    del grad_layer_norm_3, grad_add_3
-    # backward of 17 pieces in one call
-    (d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias, d_layer_norm_2, d_h_1_attn_c_attn_weight,
-            d_h_1_attn_c_attn_bias, d_layer_norm_2_p1, d_h_1_attn_c_attn_weight_p1,
-            d_h_1_attn_c_attn_bias_p1, d_layer_norm_2_p2, d_h_1_attn_c_attn_weight_p2,
-            d_h_1_attn_c_attn_bias_p2) = rt.backward({'linear_5.0': (d_linear_5,)}, ('linear_5.0',
-            'view_7.0', 'contiguous_1.0', 'transpose_7.0', 'scaled_dot_product_attention_1.0',
-            'transpose_6.0', 'view_6.0', 'transpose_5.0', 'view_5.0', 'transpose_4.0', 'view_4.0',
-            'chunk_1_v2.0', 'chunk_1_v1.0', 'chunk_1.0', 'linear_4.0.0', 'linear_4.1.0',
-            'linear_4.2.0'))
-    del d_linear_5
-    grad_layer_norm_2_pending = rt.all_reduce([(d_layer_norm_2, d_layer_norm_2_p1,
-            d_layer_norm_2_p2)], ranks=(0, 1), grads=True, async_op=True)
-    del d_layer_norm_2, d_layer_norm_2_p1, d_layer_norm_2_p2
-    grad_add_2 = d_add_2[0:4, 0:32, 0:64]
-    del d_add_2
-    grad_layer_norm_2, = grad_layer_norm_2_pending.wait()
-    del grad_layer_norm_2_pending
-    # backward of 2 pieces in one call
-    (d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3) = rt.backward(
-            {'layer_norm_2.0': (grad_layer_norm_2,), 'add_2.0': (grad_add_2,)}, ('layer_norm_2.0',
-            'add_2.0'))
-    del grad_layer_norm_2, grad_add_2
+    (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias,
+            d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias,
+            d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_attn_c_attn_weight_p1,
+            d_h_3_attn_c_attn_bias_p1, d_h_3_attn_c_attn_weight_p2, d_h_3_attn_c_attn_bias_p2,
+            d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = h_backward(rt,
+            'linear_15.0', 'linear_14.0', 'layer_norm_7.0', 'add_7.0', 'linear_13.0',
+            'linear_12.0.0', 'linear_12.1.0', 'linear_12.2.0', 'layer_norm_6.0', 'add_6.0',
+            d_linear_15, d_add_7)
+    del d_linear_15, d_add_7
+    (d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias,
+            d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias,
+            d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_attn_c_attn_weight_p1,
+            d_h_2_attn_c_attn_bias_p1, d_h_2_attn_c_attn_weight_p2, d_h_2_attn_c_attn_bias_p2,
+            d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7) = h_backward(rt, 'linear_11.0',
+            'linear_10.0', 'layer_norm_5.0', 'add_5.0', 'linear_9.0', 'linear_8.0.0',
+            'linear_8.1.0', 'linear_8.2.0', 'layer_norm_4.0', 'add_4.0', d_linear_11, d_add_5)
+    del d_linear_11, d_add_5
+    (d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias,
+            d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias,
+            d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_attn_c_attn_weight_p1,
+            d_h_1_attn_c_attn_bias_p1, d_h_1_attn_c_attn_weight_p2, d_h_1_attn_c_attn_bias_p2,
+            d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3) = h_backward(rt, 'linear_7.0',
+            'linear_6.0', 'layer_norm_3.0', 'add_3.0', 'linear_5.0', 'linear_4.0.0', 'linear_4.1.0',
+            'linear_4.2.0', 'layer_norm_2.0', 'add_2.0', d_linear_7, d_add_3)
+    del d_linear_7, d_add_3
     # backward of 3 pieces in one call
     (d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight,
             d_h_0_mlp_c_fc_bias) = rt.backward({'linear_3.0': (d_linear_3,)}, ('linear_3.0',
-            'gelu.0', 'linear_2.0'))
+            'linear_2.0'))
     del d_linear_3
     grad_layer_norm_1_pending = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1), grads=True,
             async_op=True)
@@ -865,9 +285,7 @@ def step(rt):
             d_h_0_attn_c_attn_bias, d_layer_norm_p1, d_h_0_attn_c_attn_weight_p1,
             d_h_0_attn_c_attn_bias_p1, d_layer_norm_p2, d_h_0_attn_c_attn_weight_p2,
             d_h_0_attn_c_attn_bias_p2) = rt.backward({'linear_1.0': (d_linear_1,)}, ('linear_1.0',
-            'view_3.0', 'contiguous.0', 'transpose_3.0', 'scaled_dot_product_attention.0',
-            'transpose_2.0', 'view_2.0', 'transpose_1.0', 'view_1.0', 'transpose.0', 'view.0',
-            'chunk_v2.0', 'chunk_v1.0', 'chunk.0', 'linear.0.0', 'linear.1.0', 'linear.2.0'))
+            'linear.0.0', 'linear.1.0', 'linear.2.0'))
     del d_linear_1
     grad_layer_norm_pending = rt.all_reduce([(d_layer_norm, d_layer_norm_p1, d_layer_norm_p2)],
             ranks=(0, 1), grads=True, async_op=True)
@@ -892,137 +310,247 @@ def step(rt):
     del grad_wte_weight
     rt.grad('wpe.weight', ((0, 32), (0, 64)), d_wpe_weight)
     del d_wpe_weight
-    rt.grad('h.0.ln_1.weight', ((0, 64),), d_h_0_ln_1_weight)
-    del d_h_0_ln_1_weight
-    rt.grad('h.0.ln_1.bias', ((0, 64),), d_h_0_ln_1_bias)
-    del d_h_0_ln_1_bias
-    rt.grad('h.0.attn.c_attn.weight', ((0, 32), (0, 64)), d_h_0_attn_c_attn_weight)
-    del d_h_0_attn_c_attn_weight
-    rt.grad('h.0.attn.c_attn.weight', ((64, 96), (0, 64)), d_h_0_attn_c_attn_weight_p1)
-    del d_h_0_attn_c_attn_weight_p1
-    rt.grad('h.0.attn.c_attn.weight', ((128, 160), (0, 64)), d_h_0_attn_c_attn_weight_p2)
-    del d_h_0_attn_c_attn_weight_p2
-    rt.grad('h.0.attn.c_attn.bias', ((0, 32),), d_h_0_attn_c_attn_bias)
-    del d_h_0_attn_c_attn_bias
-    rt.grad('h.0.attn.c_attn.bias', ((64, 96),), d_h_0_attn_c_attn_bias_p1)
-    del d_h_0_attn_c_attn_bias_p1
-    rt.grad('h.0.attn.c_attn.bias', ((128, 160),), d_h_0_attn_c_attn_bias_p2)
-    del d_h_0_attn_c_attn_bias_p2
-    rt.grad('h.0.attn.c_proj.weight', ((0, 64), (0, 32)), d_h_0_attn_c_proj_weight)
-    del d_h_0_attn_c_proj_weight
-    rt.grad('h.0.attn.c_proj.bias', ((0, 64),), d_h_0_attn_c_proj_bias)
-    del d_h_0_attn_c_proj_bias
-    rt.grad('h.0.ln_2.weight', ((0, 64),), d_h_0_ln_2_weight)
-    del d_h_0_ln_2_weight
-    rt.grad('h.0.ln_2.bias', ((0, 64),), d_h_0_ln_2_bias)
-    del d_h_0_ln_2_bias
-    rt.grad('h.0.mlp.c_fc.weight', ((0, 128), (0, 64)), d_h_0_mlp_c_fc_weight)
-    del d_h_0_mlp_c_fc_weight
-    rt.grad('h.0.mlp.c_fc.bias', ((0, 128),), d_h_0_mlp_c_fc_bias)
-    del d_h_0_mlp_c_fc_bias
-    rt.grad('h.0.mlp.c_proj.weight', ((0, 64), (0, 128)), d_h_0_mlp_c_proj_weight)
-    del d_h_0_mlp_c_proj_weight
-    rt.grad('h.0.mlp.c_proj.bias', ((0, 64),), d_h_0_mlp_c_proj_bias)
-    del d_h_0_mlp_c_proj_bias
-    rt.grad('h.1.ln_1.weight', ((0, 64),), d_h_1_ln_1_weight)
-    del d_h_1_ln_1_weight
-    rt.grad('h.1.ln_1.bias', ((0, 64),), d_h_1_ln_1_bias)
-    del d_h_1_ln_1_bias
-    rt.grad('h.1.attn.c_attn.weight', ((0, 32), (0, 64)), d_h_1_attn_c_attn_weight)
-    del d_h_1_attn_c_attn_weight
-    rt.grad('h.1.attn.c_attn.weight', ((64, 96), (0, 64)), d_h_1_attn_c_attn_weight_p1)
-    del d_h_1_attn_c_attn_weight_p1
-    rt.grad('h.1.attn.c_attn.weight', ((128, 160), (0, 64)), d_h_1_attn_c_attn_weight_p2)
-    del d_h_1_attn_c_attn_weight_p2
-    rt.grad('h.1.attn.c_attn.bias', ((0, 32),), d_h_1_attn_c_attn_bias)
-    del d_h_1_attn_c_attn_bias
-    rt.grad('h.1.attn.c_attn.bias', ((64, 96),), d_h_1_attn_c_attn_bias_p1)
-    del d_h_1_attn_c_attn_bias_p1
-    rt.grad('h.1.attn.c_attn.bias', ((128, 160),), d_h_1_attn_c_attn_bias_p2)
-    del d_h_1_attn_c_attn_bias_p2
-    rt.grad('h.1.attn.c_proj.weight', ((0, 64), (0, 32)), d_h_1_attn_c_proj_weight)
-    del d_h_1_attn_c_proj_weight
-    rt.grad('h.1.attn.c_proj.bias', ((0, 64),), d_h_1_attn_c_proj_bias)
-    del d_h_1_attn_c_proj_bias
-    rt.grad('h.1.ln_2.weight', ((0, 64),), d_h_1_ln_2_weight)
-    del d_h_1_ln_2_weight
-    rt.grad('h.1.ln_2.bias', ((0, 64),), d_h_1_ln_2_bias)
-    del d_h_1_ln_2_bias
-    rt.grad('h.1.mlp.c_fc.weight', ((0, 128), (0, 64)), d_h_1_mlp_c_fc_weight)
-    del d_h_1_mlp_c_fc_weight
-    rt.grad('h.1.mlp.c_fc.bias', ((0, 128),), d_h_1_mlp_c_fc_bias)
-    del d_h_1_mlp_c_fc_bias
-    rt.grad('h.1.mlp.c_proj.weight', ((0, 64), (0, 128)), d_h_1_mlp_c_proj_weight)
-    del d_h_1_mlp_c_proj_weight
-    rt.grad('h.1.mlp.c_proj.bias', ((0, 64),), d_h_1_mlp_c_proj_bias)
-    del d_h_1_mlp_c_proj_bias
-    rt.grad('h.2.ln_1.weight', ((0, 64),), d_h_2_ln_1_weight)
-    del d_h_2_ln_1_weight
-    rt.grad('h.2.ln_1.bias', ((0, 64),), d_h_2_ln_1_bias)
-    del d_h_2_ln_1_bias
-    rt.grad('h.2.attn.c_attn.weight', ((0, 32), (0, 64)), d_h_2_attn_c_attn_weight)
-    del d_h_2_attn_c_attn_weight
-    rt.grad('h.2.attn.c_attn.weight', ((64, 96), (0, 64)), d_h_2_attn_c_attn_weight_p1)
-    del d_h_2_attn_c_attn_weight_p1
-    rt.grad('h.2.attn.c_attn.weight', ((128, 160), (0, 64)), d_h_2_attn_c_attn_weight_p2)
-    del d_h_2_attn_c_attn_weight_p2
-    rt.grad('h.2.attn.c_attn.bias', ((0, 32),), d_h_2_attn_c_attn_bias)
-    del d_h_2_attn_c_attn_bias
-    rt.grad('h.2.attn.c_attn.bias', ((64, 96),), d_h_2_attn_c_attn_bias_p1)
-    del d_h_2_attn_c_attn_bias_p1
-    rt.grad('h.2.attn.c_attn.bias', ((128, 160),), d_h_2_attn_c_attn_bias_p2)
-    del d_h_2_attn_c_attn_bias_p2
-    rt.grad('h.2.attn.c_proj.weight', ((0, 64), (0, 32)), d_h_2_attn_c_proj_weight)
-    del d_h_2_attn_c_proj_weight
-    rt.grad('h.2.attn.c_proj.bias', ((0, 64),), d_h_2_attn_c_proj_bias)
-    del d_h_2_attn_c_proj_bias
-    rt.grad('h.2.ln_2.weight', ((0, 64),), d_h_2_ln_2_weight)
-    del d_h_2_ln_2_weight
-    rt.grad('h.2.ln_2.bias', ((0, 64),), d_h_2_ln_2_bias)
-    del d_h_2_ln_2_bias
-    rt.grad('h.2.mlp.c_fc.weight', ((0, 128), (0, 64)), d_h_2_mlp_c_fc_weight)
-    del d_h_2_mlp_c_fc_weight
-    rt.grad('h.2.mlp.c_fc.bias', ((0, 128),), d_h_2_mlp_c_fc_bias)
-    del d_h_2_mlp_c_fc_bias
-    rt.grad('h.2.mlp.c_proj.weight', ((0, 64), (0, 128)), d_h_2_mlp_c_proj_weight)
-    del d_h_2_mlp_c_proj_weight
-    rt.grad('h.2.mlp.c_proj.bias', ((0, 64),), d_h_2_mlp_c_proj_bias)
-    del d_h_2_mlp_c_proj_bias
-    rt.grad('h.3.ln_1.weight', ((0, 64),), d_h_3_ln_1_weight)
-    del d_h_3_ln_1_weight
-    rt.grad('h.3.ln_1.bias', ((0, 64),), d_h_3_ln_1_bias)
-    del d_h_3_ln_1_bias
-    rt.grad('h.3.attn.c_attn.weight', ((0, 32), (0, 64)), d_h_3_attn_c_attn_weight)
-    del d_h_3_attn_c_attn_weight
-    rt.grad('h.3.attn.c_attn.weight', ((64, 96), (0, 64)), d_h_3_attn_c_attn_weight_p1)
-    del d_h_3_attn_c_attn_weight_p1
-    rt.grad('h.3.attn.c_attn.weight', ((128, 160), (0, 64)), d_h_3_attn_c_attn_weight_p2)
-    del d_h_3_attn_c_attn_weight_p2
-    rt.grad('h.3.attn.c_attn.bias', ((0, 32),), d_h_3_attn_c_attn_bias)
-    del d_h_3_attn_c_attn_bias
-    rt.grad('h.3.attn.c_attn.bias', ((64, 96),), d_h_3_attn_c_attn_bias_p1)
-    del d_h_3_attn_c_attn_bias_p1
-    rt.grad('h.3.attn.c_attn.bias', ((128, 160),), d_h_3_attn_c_attn_bias_p2)
-    del d_h_3_attn_c_attn_bias_p2
-    rt.grad('h.3.attn.c_proj.weight', ((0, 64), (0, 32)), d_h_3_attn_c_proj_weight)
-    del d_h_3_attn_c_proj_weight
-    rt.grad('h.3.attn.c_proj.bias', ((0, 64),), d_h_3_attn_c_proj_bias)
-    del d_h_3_attn_c_proj_bias
-    rt.grad('h.3.ln_2.weight', ((0, 64),), d_h_3_ln_2_weight)
-    del d_h_3_ln_2_weight
-    rt.grad('h.3.ln_2.bias', ((0, 64),), d_h_3_ln_2_bias)
-    del d_h_3_ln_2_bias
-    rt.grad('h.3.mlp.c_fc.weight', ((0, 128), (0, 64)), d_h_3_mlp_c_fc_weight)
-    del d_h_3_mlp_c_fc_weight
-    rt.grad('h.3.mlp.c_fc.bias', ((0, 128),), d_h_3_mlp_c_fc_bias)
-    del d_h_3_mlp_c_fc_bias
-    rt.grad('h.3.mlp.c_proj.weight', ((0, 64), (0, 128)), d_h_3_mlp_c_proj_weight)
-    del d_h_3_mlp_c_proj_weight
-    rt.grad('h.3.mlp.c_proj.bias', ((0, 64),), d_h_3_mlp_c_proj_bias)
-    del d_h_3_mlp_c_proj_bias
+    h_grads(rt, 'h.0', d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_h_0_attn_c_attn_weight,
+            d_h_0_attn_c_attn_weight_p1, d_h_0_attn_c_attn_weight_p2, d_h_0_attn_c_attn_bias,
+            d_h_0_attn_c_attn_bias_p1, d_h_0_attn_c_attn_bias_p2, d_h_0_attn_c_proj_weight,
+            d_h_0_attn_c_proj_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_mlp_c_fc_weight,
+            d_h_0_mlp_c_fc_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias)
+    del (d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_h_0_attn_c_attn_weight, d_h_0_attn_c_attn_weight_p1,
+            d_h_0_attn_c_attn_weight_p2, d_h_0_attn_c_attn_bias, d_h_0_attn_c_attn_bias_p1,
+            d_h_0_attn_c_attn_bias_p2, d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias,
+            d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias,
+            d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias)
+    h_grads(rt, 'h.1', d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_1_attn_c_attn_weight,
+            d_h_1_attn_c_attn_weight_p1, d_h_1_attn_c_attn_weight_p2, d_h_1_attn_c_attn_bias,
+            d_h_1_attn_c_attn_bias_p1, d_h_1_attn_c_attn_bias_p2, d_h_1_attn_c_proj_weight,
+            d_h_1_attn_c_proj_bias, d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_mlp_c_fc_weight,
+            d_h_1_mlp_c_fc_bias, d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias)
+    del (d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_weight_p1,
+            d_h_1_attn_c_attn_weight_p2, d_h_1_attn_c_attn_bias, d_h_1_attn_c_attn_bias_p1,
+            d_h_1_attn_c_attn_bias_p2, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias,
+            d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias,
+            d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias)
+    h_grads(rt, 'h.2', d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_2_attn_c_attn_weight,
+            d_h_2_attn_c_attn_weight_p1, d_h_2_attn_c_attn_weight_p2, d_h_2_attn_c_attn_bias,
+            d_h_2_attn_c_attn_bias_p1, d_h_2_attn_c_attn_bias_p2, d_h_2_attn_c_proj_weight,
+            d_h_2_attn_c_proj_bias, d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_mlp_c_fc_weight,
+            d_h_2_mlp_c_fc_bias, d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias)
+    del (d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_weight_p1,
+            d_h_2_attn_c_attn_weight_p2, d_h_2_attn_c_attn_bias, d_h_2_attn_c_attn_bias_p1,
+            d_h_2_attn_c_attn_bias_p2, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias,
+            d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias,
+            d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias)
+    h_grads(rt, 'h.3', d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_3_attn_c_attn_weight,
+            d_h_3_attn_c_attn_weight_p1, d_h_3_attn_c_attn_weight_p2, d_h_3_attn_c_attn_bias,
+            d_h_3_attn_c_attn_bias_p1, d_h_3_attn_c_attn_bias_p2, d_h_3_attn_c_proj_weight,
+            d_h_3_attn_c_proj_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_mlp_c_fc_weight,
+            d_h_3_mlp_c_fc_bias, d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias)
+    del (d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_weight_p1,
+            d_h_3_attn_c_attn_weight_p2, d_h_3_attn_c_attn_bias, d_h_3_attn_c_attn_bias_p1,
+            d_h_3_attn_c_attn_bias_p2, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias,
+            d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias,
+            d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias)
     rt.grad('ln_f.weight', ((0, 64),), d_ln_f_weight)
     del d_ln_f_weight
     rt.grad('ln_f.bias', ((0, 64),), d_ln_f_bias)
     del d_ln_f_bias
     rt.loss(cross_entropy)
     del cross_entropy
+
+
+def h_forward(rt, at, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, add):
+    # layer_norm.0: layer_norm  (gpt.py:100, h.0.ln_1)
+    h_0_ln_1_weight = rt.param(f'{at}.ln_1.weight', ((0, 64),))
+    h_0_ln_1_bias = rt.param(f'{at}.ln_1.bias', ((0, 64),))
+    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(a0, (h_0_ln_1_weight, h_0_ln_1_bias), (True,
+            True))
+    layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
+            bias=h_0_ln_1_bias_in, eps=1e-05)
+    rt.leave(a0, (layer_norm,))
+    del h_0_ln_1_weight_in, h_0_ln_1_bias_in
+    # linear.0.0: linear  (gpt.py:60, h.0.attn.c_attn)
+    h_0_attn_c_attn_weight = rt.param(f'{at}.attn.c_attn.weight', ((0, 32), (0, 64)))
+    h_0_attn_c_attn_bias = rt.param(f'{at}.attn.c_attn.bias', ((0, 32),))
+    (layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter(a1, (layer_norm,
+            h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True, True))
+    linear = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_in,
+            h_0_attn_c_attn_bias_in)
+    del layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
+    # linear.1.0: linear  (gpt.py:60, h.0.attn.c_attn)
+    h_0_attn_c_attn_weight_p1 = rt.param(f'{at}.attn.c_attn.weight', ((64, 96), (0, 64)))
+    h_0_attn_c_attn_bias_p1 = rt.param(f'{at}.attn.c_attn.bias', ((64, 96),))
+    (layer_norm_in, h_0_attn_c_attn_weight_p1_in, h_0_attn_c_attn_bias_p1_in) = rt.enter(a2,
+            (layer_norm, h_0_attn_c_attn_weight_p1, h_0_attn_c_attn_bias_p1), (True, True, True))
+    linear_p1 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p1_in,
+            h_0_attn_c_attn_bias_p1_in)
+    del layer_norm_in, h_0_attn_c_attn_weight_p1_in, h_0_attn_c_attn_bias_p1_in
+    # linear.2.0: linear  (gpt.py:60, h.0.attn.c_attn)
+    h_0_attn_c_attn_weight_p2 = rt.param(f'{at}.attn.c_attn.weight', ((128, 160), (0, 64)))
+    h_0_attn_c_attn_bias_p2 = rt.param(f'{at}.attn.c_attn.bias', ((128, 160),))
+    (layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in) = rt.enter(a3,
+            (layer_norm, h_0_attn_c_attn_weight_p2, h_0_attn_c_attn_bias_p2), (True, True, True))
+    linear_p2 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p2_in,
+            h_0_attn_c_attn_bias_p2_in)
+    del layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in
+    del layer_norm
+    # chunk.0: narrow  (gpt.py:60, h.0.attn)
+    chunk = linear.reshape((4, 32, 32))
+    del linear
+    # chunk_v1.0: narrow  (gpt.py:60, h.0.attn)
+    chunk_v1 = linear_p1.reshape((4, 32, 32))
+    del linear_p1
+    # chunk_v2.0: narrow  (gpt.py:60, h.0.attn)
+    chunk_v2 = linear_p2.reshape((4, 32, 32))
+    del linear_p2
+    # view.0: reshape  (gpt.py:61, h.0.attn)
+    view = chunk.reshape((4, 32, 2, 16))
+    del chunk
+    # transpose.0: transpose  (gpt.py:61, h.0.attn)
+    transpose = view.transpose(1, 2)
+    del view
+    # view_1.0: reshape  (gpt.py:62, h.0.attn)
+    view_1 = chunk_v1.reshape((4, 32, 2, 16))
+    del chunk_v1
+    # transpose_1.0: transpose  (gpt.py:62, h.0.attn)
+    transpose_1 = view_1.transpose(1, 2)
+    del view_1
+    # view_2.0: reshape  (gpt.py:63, h.0.attn)
+    view_2 = chunk_v2.reshape((4, 32, 2, 16))
+    del chunk_v2
+    # transpose_2.0: transpose  (gpt.py:63, h.0.attn)
+    transpose_2 = view_2.transpose(1, 2)
+    del view_2
+    # scaled_dot_product_attention.0: attention  (gpt.py:66, h.0.attn)
+    scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention(transpose,
+            transpose_1, transpose_2, dropout_p=0.0, is_causal=True)
+    del transpose, transpose_1, transpose_2
+    # transpose_3.0: transpose  (gpt.py:72, h.0.attn)
+    transpose_3 = scaled_dot_product_attention.transpose(1, 2)
+    del scaled_dot_product_attention
+    # contiguous.0: contiguous  (gpt.py:72, h.0.attn)
+    contiguous = transpose_3.contiguous()
+    del transpose_3
+    # view_3.0: reshape  (gpt.py:72, h.0.attn)
+    view_3 = contiguous.reshape((4, 32, 32))
+    del contiguous
+    # linear_1.0: linear  (gpt.py:73, h.0.attn.c_proj)
+    h_0_attn_c_proj_bias = rt.param(f'{at}.attn.c_proj.bias', ((0, 64),))
+    h_0_attn_c_proj_bias_share = h_0_attn_c_proj_bias * 0.5
+    h_0_attn_c_proj_weight = rt.param(f'{at}.attn.c_proj.weight', ((0, 64), (0, 32)))
+    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in) = rt.enter(a4,
+            (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
+    linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
+            h_0_attn_c_proj_bias_share_in)
+    rt.leave(a4, (linear_1,))
+    del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
+    del view_3
+    linear_1_p1, = rt.all_reduce([(linear_1,)], ranks=(0, 1))
+    del linear_1
+    # add_1.0: add  (gpt.py:100, h.0)
+    add_in, linear_1_p1_in = rt.enter(a5, (add, linear_1_p1), (True, True))
+    add_1 = operator.add(add_in, linear_1_p1_in)
+    rt.leave(a5, (add_1,))
+    del add_in, linear_1_p1_in
+    del linear_1_p1
+    # layer_norm_1.0: layer_norm  (gpt.py:101, h.0.ln_2)
+    h_0_ln_2_weight = rt.param(f'{at}.ln_2.weight', ((0, 64),))
+    h_0_ln_2_bias = rt.param(f'{at}.ln_2.bias', ((0, 64),))
+    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(a6, (h_0_ln_2_weight, h_0_ln_2_bias), (True,
+            True))
+    layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
+            bias=h_0_ln_2_bias_in, eps=1e-05)
+    rt.leave(a6, (layer_norm_1,))
+    del h_0_ln_2_weight_in, h_0_ln_2_bias_in
+    # linear_2.0: linear  (gpt.py:86, h.0.mlp.c_fc)
+    h_0_mlp_c_fc_weight = rt.param(f'{at}.mlp.c_fc.weight', ((0, 128), (0, 64)))
+    h_0_mlp_c_fc_bias = rt.param(f'{at}.mlp.c_fc.bias', ((0, 128),))
+    (layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(a7, (layer_norm_1,
+            h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
+    linear_2 = torch.nn.functional.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in,
+            h_0_mlp_c_fc_bias_in)
+    del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
+    del layer_norm_1
+    # gelu.0: gelu  (gpt.py:86, h.0.mlp)
+    gelu = torch.nn.functional.gelu(linear_2)
+    del linear_2
+    # linear_3.0: linear  (gpt.py:86, h.0.mlp.c_proj)
+    h_0_mlp_c_proj_bias = rt.param(f'{at}.mlp.c_proj.bias', ((0, 64),))
+    h_0_mlp_c_proj_bias_share = h_0_mlp_c_proj_bias * 0.5
+    h_0_mlp_c_proj_weight = rt.param(f'{at}.mlp.c_proj.weight', ((0, 64), (0, 128)))
+    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in) = rt.enter(a8, (h_0_mlp_c_proj_weight,
+            h_0_mlp_c_proj_bias_share), (True, True))
+    linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in,
+            h_0_mlp_c_proj_bias_share_in)
+    rt.leave(a8, (linear_3,))
+    del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
+    del gelu
+    linear_3_p1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
+    del linear_3
+    # add_2.0: add  (gpt.py:101, h.0)
+    add_1_in, linear_3_p1_in = rt.enter(a9, (add_1, linear_3_p1), (True, True))
+    add_2 = operator.add(add_1_in, linear_3_p1_in)
+    rt.leave(a9, (add_2,))
+    del add_1_in, linear_3_p1_in
+    del add_1, linear_3_p1
+    return add_2
+
+
+def h_backward(rt, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, d_linear_15, d_add_7):
+    # backward of 3 pieces in one call
+    (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight,
+            d_h_3_mlp_c_fc_bias) = rt.backward({a0: (d_linear_15,)}, (a0, a1))
+    grad_layer_norm_7_pending = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True,
+            async_op=True)
+    del d_layer_norm_7
+    grad_add_7 = d_add_7[0:4, 0:32, 0:64]
+    grad_layer_norm_7, = grad_layer_norm_7_pending.wait()
+    del grad_layer_norm_7_pending
+    # backward of 2 pieces in one call
+    (d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13) = rt.backward(
+            {a2: (grad_layer_norm_7,), a3: (grad_add_7,)}, (a2, a3))
+    del grad_layer_norm_7, grad_add_7
+    # backward of 17 pieces in one call
+    (d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight,
+            d_h_3_attn_c_attn_bias, d_layer_norm_6_p1, d_h_3_attn_c_attn_weight_p1,
+            d_h_3_attn_c_attn_bias_p1, d_layer_norm_6_p2, d_h_3_attn_c_attn_weight_p2,
+            d_h_3_attn_c_attn_bias_p2) = rt.backward({a4: (d_linear_13,)}, (a4, a5, a6, a7))
+    del d_linear_13
+    grad_layer_norm_6_pending = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_p1,
+            d_layer_norm_6_p2)], ranks=(0, 1), grads=True, async_op=True)
+    del d_layer_norm_6, d_layer_norm_6_p1, d_layer_norm_6_p2
+    grad_add_6 = d_add_6[0:4, 0:32, 0:64]
+    del d_add_6
+    grad_layer_norm_6, = grad_layer_norm_6_pending.wait()
+    del grad_layer_norm_6_pending
+    # backward of 2 pieces in one call
+    (d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = rt.backward(
+            {a8: (grad_layer_norm_6,), a9: (grad_add_6,)}, (a8, a9))
+    del grad_layer_norm_6, grad_add_6
+    return (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight,
+            d_h_3_mlp_c_fc_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight,
+            d_h_3_attn_c_proj_bias, d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias,
+            d_h_3_attn_c_attn_weight_p1, d_h_3_attn_c_attn_bias_p1, d_h_3_attn_c_attn_weight_p2,
+            d_h_3_attn_c_attn_bias_p2, d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11)
+
+
+def h_grads(rt, at, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_h_0_attn_c_attn_weight,
+        d_h_0_attn_c_attn_weight_p1, d_h_0_attn_c_attn_weight_p2, d_h_0_attn_c_attn_bias,
+        d_h_0_attn_c_attn_bias_p1, d_h_0_attn_c_attn_bias_p2, d_h_0_attn_c_proj_weight,
+        d_h_0_attn_c_proj_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_h_0_mlp_c_fc_weight,
+        d_h_0_mlp_c_fc_bias, d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias):
+    rt.grad(f'{at}.ln_1.weight', ((0, 64),), d_h_0_ln_1_weight)
+    rt.grad(f'{at}.ln_1.bias', ((0, 64),), d_h_0_ln_1_bias)
+    rt.grad(f'{at}.attn.c_attn.weight', ((0, 32), (0, 64)), d_h_0_attn_c_attn_weight)
+    rt.grad(f'{at}.attn.c_attn.weight', ((64, 96), (0, 64)), d_h_0_attn_c_attn_weight_p1)
+    rt.grad(f'{at}.attn.c_attn.weight', ((128, 160), (0, 64)), d_h_0_attn_c_attn_weight_p2)
+    rt.grad(f'{at}.attn.c_attn.bias', ((0, 32),), d_h_0_attn_c_attn_bias)
+    rt.grad(f'{at}.attn.c_attn.bias', ((64, 96),), d_h_0_attn_c_attn_bias_p1)
+    rt.grad(f'{at}.attn.c_attn.bias', ((128, 160),), d_h_0_attn_c_attn_bias_p2)
+    rt.grad(f'{at}.attn.c_proj.weight', ((0, 64), (0, 32)), d_h_0_attn_c_proj_weight)
+    rt.grad(f'{at}.attn.c_proj.bias', ((0, 64),), d_h_0_attn_c_proj_bias)
+    rt.grad(f'{at}.ln_2.weight', ((0, 64),), d_h_0_ln_2_weight)
+    rt.grad(f'{at}.ln_2.bias', ((0, 64),), d_h_0_ln_2_bias)
+    rt.grad(f'{at}.mlp.c_fc.weight', ((0, 128), (0, 64)), d_h_0_mlp_c_fc_weight)
+    rt.grad(f'{at}.mlp.c_fc.bias', ((0, 128),), d_h_0_mlp_c_fc_bias)
+    rt.grad(f'{at}.mlp.c_proj.weight', ((0, 64), (0, 128)), d_h_0_mlp_c_proj_weight)
+    rt.grad(f'{at}.mlp.c_proj.bias', ((0, 64),), d_h_0_mlp_c_proj_bias)

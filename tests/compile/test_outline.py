@@ -5,20 +5,26 @@ import warnings
 import pytest
 
 import chronotope as ct
-from chronotope.compile.outline import Stretch, outline
+from chronotope.compile.outline import Stretch, outline, with_cheap
 from chronotope.models import get_workload
 from chronotope.policies import ParallelConfig, make
 
 
+def flat(per_stretch: list[list[str]], functions: list[list[str]]
+         ) -> tuple[list[str], list[list[str]]]:
+    return [line for lines in per_stretch for line in lines], functions
+
+
 def run(lines: list[str], functions: list[list[str]]) -> list:
-    """What ``lines``, run as a function body with ``functions`` around, ask of the runtime."""
+    """What ``lines``, run as a function body with ``functions`` around, ask of the runtime,
+    and what they leave unfreed."""
     source = "\n".join(["def body(rt):", *("    " + line for line in lines),
-                        *(line for f in functions for line in f)])
+                        "    return sorted(locals())", *(line for f in functions for line in f)])
     scope: dict = {}
     exec(source, scope)
     rt = Recorder()
-    scope["body"](rt)
-    return rt.calls
+    left = scope["body"](rt)
+    return [*rt.calls, ("left", left)]
 
 
 class Recorder:
@@ -59,7 +65,7 @@ def steps(count: int, last_extra: bool = False) -> list[Stretch]:
 def test_repeated_steps_become_one_function_and_run_the_same(last_extra):
     stretches = steps(5, last_extra)
     plain = [line for s in stretches for line in s.lines]
-    lines, functions = outline(stretches)
+    lines, functions = flat(*outline(stretches))
     assert len(functions) == 1
     function = "\n".join(functions[0])
     assert function.startswith("def stage0_forward(rt, m, w, total):")
@@ -73,21 +79,23 @@ def test_repeated_steps_become_one_function_and_run_the_same(last_extra):
 def test_stretches_that_differ_are_left_as_they_are():
     stretches = steps(2)
     stretches[2].lines[2] = "y_m1 = x_m1 - total"  # another operation
-    lines, functions = outline(stretches)
+    lines, functions = flat(*outline(stretches))
     assert not functions and lines == [line for s in stretches for line in s.lines]
 
 
 def test_a_cheap_load_is_made_by_the_function_not_passed():
     stretches = steps(4)
-    cheap = {"w": "w = rt.load('w')"}
-    lines, functions = outline(stretches, cheap)
+    cheap = {"w": "rt.load('w')"}
+    lines, functions = flat(*outline(stretches, cheap))
+    lines = with_cheap(lines, cheap)
     assert functions[0][0] == "def stage0_forward(rt, m, total):"
     assert "    w = rt.load('w')" in functions[0]
-    assert not any(line.startswith("w = ") or line.startswith("del w") for line in lines)
+    assert "w = rt.load('w')" not in lines and not any(line.startswith("del w") for line in lines)
     plain = [line for s in stretches for line in s.lines]
-    losses = [[c for c in run(code, f) if c[0] == "loss"] for code, f in
+    losses = [[c for c in run(code, f) if c[0] in ("loss", "left")] for code, f in
               ((lines, functions), (plain, []))]
     assert losses[0] == losses[1]  # (each call loads it again)
+    assert "w" not in losses[0][-1][1]
 
 
 @pytest.mark.slow
@@ -106,3 +114,20 @@ def test_a_folded_pipeline_writes_each_step_once():
                     for line in code.splitlines())
         assert calls >= 6
         assert code.count("rt.micro(") < 8  # of 16 steps: most are calls
+
+
+@pytest.mark.parametrize("model, container, layers", [("gpt", "h", 4), ("llama", "layers", 4)])
+def test_repeated_layers_become_one_function_called_per_layer(model, container, layers):
+    """Each layer of the model's stack: one call of one function, its parameters named
+    from the layer it is called for (``f'{at}.attn...'``); the forward and the gradients'
+    hand-over each."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload(model))
+    code = ct.compile(make(graph, ParallelConfig("dp", 2))).code(0)
+    for kind in ("forward", "grads"):
+        assert f"def {container}_{kind}(rt, at" in code
+        for layer in range(layers):
+            assert f"{container}_{kind}(rt, '{container}.{layer}'" in code
+    assert "rt.param(f'{at}." in code
+    assert len(code.splitlines()) < 450

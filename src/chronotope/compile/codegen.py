@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from chronotope.compile.outline import Stretch, outline
+from chronotope.compile.outline import Stretch, outline, with_cheap
 from chronotope.compile.program import (
     MULTI,
     STARTED,
@@ -85,7 +85,9 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         "",
         "def step(rt):",
     ]
-    stretches = [Stretch([], None)]  # a template's steps, each a stretch (compile/outline.py)
+    # each step of a template, and within it each layer's stretch (compile/outline.py)
+    steps: list[tuple[Stretch, list[Stretch]]] = [(Stretch([], None), [Stretch([], None)])]
+    layer: tuple | None = None
     functions: list[list[str]] = []
     code = program.ranks[rank]
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
@@ -96,18 +98,24 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         later = _read_after(items)
     # ticks time each instruction: views stay one line each there
     splits = _splits(code) if not regions and not fused and not ticks else {}
-    cheap = {ins.var: line for ins in code if isinstance(ins, Load) and ins.source in _CHEAP
-             for line in render_instruction(ins)}
+    cheap = {ins.var: _load(ins) for ins in code if isinstance(ins, Load)
+             and ins.source in _CHEAP}
     for k, ins in enumerate(items):
-        if isinstance(ins, Micro):
-            stretches.append(Stretch([], _step_function(ins)))
-        elif isinstance(ins, Total) and stretches[-1].name is not None:
-            stretches.append(Stretch([], None))  # sums done: not the step's own code
+        if isinstance(ins, Micro) or isinstance(ins, Total) and steps[-1][0].name is not None:
+            # (sums done after a step: not the step's own code)
+            name = _step_function(ins) if isinstance(ins, Micro) else None
+            steps.append((Stretch([], name, heading=True), [Stretch([], None)]))
+            layer = None
         if isinstance(ins, Free):  # a load of a parameter region frees nothing
             ins = Free(tuple(v for v in ins.vars if v not in cheap))
             if not ins.vars:
                 continue
-        body = stretches[-1].lines
+        if (found := _layer(ins)) is not None and found != layer:
+            layer = found
+            label, kind = found
+            name = f"{_identifier(label.rsplit('.', 1)[0])}_{kind}" if label else None
+            steps[-1][1].append(Stretch([], name, label))
+        body = steps[-1][1][-1].lines
         if isinstance(ins, Region):
             call, function = _region(ins, len(functions), later[k], autograd)
             body += call
@@ -116,8 +124,14 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         body += splits[id(ins)] if id(ins) in splits else render_instruction(ins, autograd)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
-    body, outlined = outline(stretches, cheap)
-    functions = outlined + functions
+    # the layers first, then the steps that call them
+    per_layer, by_layer = outline([s for _, layers in steps for s in layers], cheap)
+    made = iter(per_layer)
+    per_step, by_step = outline([Stretch([line for _ in layers for line in next(made)], s.name,
+                                         heading=True) for s, layers in steps], cheap,
+                                reserved=frozenset(f[0][4:f[0].index("(")] for f in by_layer))
+    body = with_cheap([line for lines in per_step for line in lines], cheap)
+    functions = by_step + by_layer + functions
     if any(re.search(rf"\b{_RNG}", line) for line in body + sum(functions, [])):
         at = lines.index("import torch") + 1
         lines[at:at] = ["", "from chronotope.graph import rng"]
@@ -136,6 +150,35 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
 _CHEAP = ("param", "constant")  # loads a function may run again rather than take
 _STEP = re.compile(r"(\w+?)([FBIW])(\d+)")
 _STEP_KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight"}
+
+
+def _identifier(text: str) -> str:
+    return re.sub(r"\W", "_", text)
+
+
+_INDEXED = re.compile(r"(.*?\.\d+)(?:\.|$)")  # a module path up to its first index
+
+
+def _layer(ins: Instruction | Region) -> tuple[str | None, str] | None:
+    """(the repeated layer, ``h.3``, or None, and forward or backward) that ``ins`` runs
+    or loads a parameter of; None for what goes with the code around it."""
+    if isinstance(ins, Grad):  # what runs once after a template's micro-batches
+        found = _INDEXED.match(ins.param)
+        return (found.group(1) if found else None), "grads"
+    if isinstance(ins, Total):
+        found = _INDEXED.match(re.sub(r"^\w+\(", "", ins.total))  # grad(h.3.ln_1.weight)
+        return (found.group(1) if found else None), "grads"
+    if isinstance(ins, Forward):
+        op, kind = ins.op, "forward"
+    elif isinstance(ins, WeightGrad):
+        op, kind = ins.op.forward_op, "backward"
+    elif isinstance(ins, Backward):
+        op, kind = ins.ops[0].forward_op, "backward"
+    else:
+        return None
+    source = op.op.source
+    found = _INDEXED.match(source.module) if source is not None and source.module else None
+    return (found.group(1) if found else None), kind
 
 
 def _step_function(ins: Micro) -> str | None:
@@ -380,8 +423,9 @@ def _wrap(line: str, width: int = 100) -> list[str]:
                              or len(out[-1]) + 1 + len(words[0]) <= width):
                 out[-1] += " " + words.pop(0)
         return out
-    if text.startswith("del "):
-        text = f"del ({text[4:]})"
+    if text.startswith(("del ", "return ")):
+        word, rest = text.split(" ", 1)
+        text = f"{word} ({rest})"
     else:
         assign = _top_level(text, " = ")
         if assign is not None and _top_level(text[:assign], ",") is not None:

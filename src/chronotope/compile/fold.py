@@ -13,9 +13,9 @@ its steps list them:
   value made once before (a count of the labels), moved along the batch axis; what it
   draws at random is what the counter stream gives that micro-batch's rows;
 * what runs once after the micro-batches reads the sum of every micro-batch's part of
-  what a block made (a weight's gradient, the loss), added up as they are made into
-  a running total the runtime keeps (``Accumulate``), so that every micro-batch's
-  step is the same code (``compile/outline.py`` writes it once).
+  what a block made (a weight's gradient, the loss), each part added as soon as it is
+  made to a running total the runtime keeps (``Accumulate``), so that every
+  micro-batch's step is the same code (``compile/outline.py`` writes it once).
 """
 
 from __future__ import annotations
@@ -156,23 +156,31 @@ class _Folder:
         summed = {cell: [v for ins in code for v in writes(ins) if v in self.summed]
                   for cell, code in self.blocks.items()}
         last = {v: k for k, step in enumerate(self.steps) for v in summed.get(step[:2], ())}
+        # each total by the tensor it sums (and which of this rank's pieces of it)
+        pieces: dict[str, list[str]] = {}
+        for v in sorted(self.summed):
+            pieces.setdefault(self.tensor_of[v].name, []).append(v)
+        key = {v: name if len(vs) == 1 else f"{name}#{i}"
+               for name, vs in pieces.items() for i, v in enumerate(vs)}
         split = any(step.kind is Kind.W for step in self.steps)
         for k, step in enumerate(self.steps):
             kind, stage, m = step
             block = self.blocks.get((kind, stage), [])
             out.append(Micro(m, step.action(split)))
-            if m:
-                names = self.names_of(m)
-                out += [self.instance(ins, m, names) for ins in block]
-            else:
-                out += block
-            made = summed.get((kind, stage), [])
-            out += [Accumulate(v, self.name(v, m), self.tensor_of[v].dtype) for v in made]
-            for v in made:
-                if last[v] == k:  # (after the step's parts: its code is every step's)
+            names = self.names_of(m) if m else {}
+            for ins in block:  # each part added to its total as soon as it is made
+                out.append(self.instance(ins, m, names) if m else ins)
+                out += [Accumulate(key[v], self.name(v, m), self.tensor_of[v].dtype)
+                        for v in writes(ins) if v in self.summed]
+            for v in summed.get((kind, stage), []):
+                if last[v] == k:
                     totals[v] = fresh_name(f"{v}_sum", self.taken)
-                    out.append(Total(totals[v], v))
-        after = [_renamed(ins, totals) for ins in self.after]
+        # each total taken where what runs once after the micro-batches first reads it
+        done = {totals[v]: Total(totals[v], key[v]) for v in totals}
+        after = []
+        for ins in self.after:
+            ins = _renamed(ins, totals)
+            after += [done.pop(v) for v in reads(ins) if v in done] + [ins]
         return out + ([Micro(None), *after] if self.steps else after)
 
     def names_of(self, m: int) -> dict[str, str]:

@@ -32,41 +32,59 @@ class Stretch:
 
     lines: list[str]
     name: str | None
+    label: str | None = None  # what tells its repetitions apart in their strings (``h.3``)
+    heading: bool = False  # its opening comments say which repetition it is: kept by the call
 
 
 @dataclass
 class _Statement:
     lines: list[str]
     tree: ast.Module
-    skeleton: str  # its code with names and literal values blanked out
+    skeleton: bytes  # its code with names and literal values blanked out
     names: list[tuple[int, int, str]]  # (line, byte offset, name) of each local name
     literals: list[tuple[int, int, int, Any]]  # (line, start, end, value) of each literal
-    uses: set[str] = field(default_factory=set)
-    defs: set[str] = field(default_factory=set)
+    uses: set[str] = field(default_factory=set)  # read before it sets them
+    defs: set[str] = field(default_factory=set)  # every name it sets
+    made: set[str] = field(default_factory=set)  # set when it ends
+    kills: set[str] = field(default_factory=set)  # deleted when it ends
     at: int = 0  # where it stands in the body
+    nodes: list[ast.Name | ast.Constant] = field(default_factory=list)
+    first: int = 0  # the line of the parsed text its first line is
 
 
-def outline(stretches: list[Stretch], cheap: dict[str, str] | None = None, minimum: int = 4
-            ) -> tuple[list[str], list[list[str]]]:
-    """The body's lines with repeated stretches as calls, and the functions they call.
+def outline(stretches: list[Stretch], cheap: dict[str, str] | None = None, minimum: int = 4,
+            reserved: frozenset[str] = frozenset()) -> tuple[list[list[str]], list[list[str]]]:
+    """Each stretch's lines, repeated ones as calls, and the functions they call.
     A stretch is outlined where at least two stretches are alike and the function is
-    at least ``minimum`` statements long. ``cheap``: names set once, by an expression
-    that is cheap to run again (a parameter region: a lookup), and what sets them; a
-    function sets those it reads itself instead of taking them from the caller."""
+    at least ``minimum`` statements long, and named for its stretches (not a local name,
+    not one of ``reserved``).
+
+    ``cheap``: names set by an expression that is cheap to run again (a parameter
+    region: a lookup), and that expression. Where one is set once, that statement
+    leaves the stretches: a function sets what it reads itself instead of taking it
+    from the caller, and ``with_cheap`` sets the rest before their first reader."""
     cut = [_statements(s.lines) for s in stretches]
-    local = {n for statements in cut for st in statements for n in st.defs}
+    sets: dict[str, int] = defaultdict(int)
+    for statements in cut:
+        for st in statements:
+            for n in st.defs:
+                sets[n] += 1
+    known = {n: e for n, e in (cheap or {}).items() if sets[n] <= 1}
+    cut = [[st for st in statements if not _sets(st, known)] for statements in cut]
+    local = {n for statements in cut for st in statements for n in st.defs} | set(known)
     flat = [st for statements in cut for st in statements]
     for at, st in enumerate(flat):
         st.at = at
         _analyse(st, local)
-    live_after = _liveness(flat)
+    live_after = _liveness(flat, set(known))
     groups: dict[tuple, list[int]] = defaultdict(list)
     shapes, bodies = {}, {}
     for k, (stretch, statements) in enumerate(zip(stretches, cut)):
-        if stretch.name is None or len(_body(statements)) < minimum:
+        if stretch.name is None or len(_body(statements, stretch.heading)) < minimum:
             continue
-        bodies[k] = body = _own_frees(_body(statements), local)
-        shapes[k] = shape = _Shape.of(body, live_after[body[-1].at])
+        bodies[k] = body = _own_frees(_body(statements, stretch.heading), local)
+        # (what it read and freed at its very end is the caller's to free after the call)
+        shapes[k] = shape = _Shape.of(body, live_after[statements[-1].at])
         groups[(stretch.name, *shape.signature)].append(k)
     outlined = {key: members for key, members in groups.items() if len(members) > 1}
     # a stretch that is one of them and then more (what another step's code put at its
@@ -74,116 +92,163 @@ def outline(stretches: list[Stretch], cheap: dict[str, str] | None = None, minim
     lengths: dict[int, int] = {}  # stretch -> how many of its statements the call runs
     assigned = {k for members in outlined.values() for k in members}
     for key, members in sorted(outlined.items(), key=lambda g: -len(g[0][1])):
-        n = len(key[1])
+        size = len(key[1])
         for k, body in bodies.items():
-            if k in assigned or len(body) <= n or stretches[k].name != key[0]:
+            if k in assigned or len(body) <= size or stretches[k].name != key[0]:
                 continue
-            shape = _Shape.of(body[:n], live_after[body[n - 1].at])
+            shape = _Shape.of(body[:size], live_after[body[size - 1].at])
             if shape.signature == key[1:]:
                 members.append(k)
                 assigned.add(k)
-                shapes[k], lengths[k] = shape, n
+                shapes[k], lengths[k] = shape, size
     calls: dict[int, list[str]] = {}
     functions: list[list[str]] = []
     taken: dict[str, int] = defaultdict(int)
-    known = _cheap(cheap or {}, local, cut)
     for (name, *_), members in outlined.items():
         base = re.sub(r"\W", "_", name)
         fname = base if not taken[base] else f"{base}_{taken[base] + 1}"
         taken[base] += 1
+        fname = _fresh(fname, local | reserved)
         first = bodies[members[0]][:lengths.get(members[0])]
         outputs = tuple(sorted({i for k in members for i in shapes[k].outputs}))
-        function, made = _function(fname, [shapes[k] for k in members], first, known, outputs)
+        function, made = _function(fname, [shapes[k] for k in members],
+                                   [stretches[k].label for k in members], first, known, outputs)
         functions.append(function)
         for k, call in zip(members, made):
             rest = [] if k not in lengths else \
                 [st for st in cut[k] if st.at > bodies[k][lengths[k] - 1].at]
-            calls[k] = [line for st in [*_leading(cut[k])] for line in st.lines] + call + \
+            heading = [line for st in _leading(cut[k]) for line in st.lines] \
+                if stretches[k].heading else []
+            if len(heading) == 1:  # the call, labelled
+                call, heading = [f"{call[0]}  {heading[0].strip()}", *call[1:]], []
+            calls[k] = heading + call + \
                 [line for st in rest for line in st.lines]
-    lines = [line for k, statements in enumerate(cut)
-             for line in (calls[k] if k in calls else
-                          (line for st in statements for line in st.lines))]
-    return (_without_unread(lines, set(known)) if functions else lines), functions
+    return [calls[k] if k in calls else [line for st in statements for line in st.lines]
+            for k, statements in enumerate(cut)], functions
 
 
-def _without_unread(lines: list[str], cheap: set[str]) -> list[str]:
-    """``lines`` without what sets a cheap name nothing reads any more (the functions
-    set their own), and without freeing it."""
-    statements = _statements(lines)
-    read = {n.id for st in statements for node in st.tree.body if not isinstance(node, ast.Delete)
-            for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    unread = cheap - read
-    out = []
-    for st in statements:
-        node = st.tree.body[0] if len(st.tree.body) == 1 else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-                isinstance(node.targets[0], ast.Name) and node.targets[0].id in unread:
-            continue
-        if isinstance(node, ast.Delete) and len(st.lines) == 1:
-            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            kept = [n for n in names if n not in unread]
-            if len(kept) < len(names):
-                indent = st.lines[0][:len(st.lines[0]) - len(st.lines[0].lstrip())]
-                out += [f"{indent}del {', '.join(kept)}"] if kept else []
-                continue
-        out += st.lines
+def with_cheap(lines: list[str], cheap: dict[str, str]) -> list[str]:
+    """``lines`` with each cheap name they read set right before the statement that
+    first reads it (a name found in a string or an attribute is set early: as good)."""
+    if not cheap:
+        return lines
+    found = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, cheap)) + r")(?!\w)")
+    out: list[str] = []
+    unset, start = dict(cheap), 0
+    for line in lines:
+        if not line.startswith((" ", "\t")):
+            start = len(out)  # where the statement this line is part of starts
+        made = [f"{n} = {unset.pop(n)}" for n in dict.fromkeys(found.findall(line))
+                if n in unset]
+        out[start:start] = made
+        out.append(line)
     return out
 
 
+def _sets(st: _Statement, cheap: dict[str, str]) -> bool:
+    """Whether ``st`` is ``name = <its cheap expression>``."""
+    node = st.tree.body[0] if len(st.tree.body) == 1 else None
+    return isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+        isinstance(node.targets[0], ast.Name) and len(st.lines) == 1 and \
+        st.lines[0].strip() == f"{node.targets[0].id} = {cheap.get(node.targets[0].id)}"
+
+
 def _statements(lines: list[str]) -> list[_Statement]:
-    """``lines`` as statements: a line and the more-indented lines after it."""
-    grouped: list[list[str]] = []
-    for line in lines:
-        if grouped and line.startswith((" ", "\t")):
-            grouped[-1].append(line)
+    """``lines`` as statements: a line and the more-indented lines after it (parsed as
+    one text: one parse, not one per statement)."""
+    starts: list[int] = []
+    for k, line in enumerate(lines):
+        if not (starts and line.startswith((" ", "\t"))):
+            starts.append(k)
+    at = {node.lineno - 1: node for node in ast.parse("\n".join(lines)).body}
+    return [_parse(lines[start:end], at.get(start), start)
+            for start, end in zip(starts, [*starts[1:], len(lines)])]
+
+
+def _parse(lines: list[str], node: ast.stmt | None, first: int) -> _Statement:
+    """A statement (``node``, None for a comment) of ``lines``, which start at line
+    ``first`` of the parsed text."""
+    tree = ast.Module(body=[node] if node is not None else [], type_ignores=[])
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Constant))]
+    names = [n for n in nodes if isinstance(n, ast.Name)]
+    defs = {n.id for n in names if isinstance(n.ctx, ast.Store)}
+    if node is not None and not isinstance(node, ast.With):  # (read, then set)
+        gone = {n.id for n in names if isinstance(n.ctx, ast.Del)}
+        uses = {n.id for n in names if not isinstance(n.ctx, ast.Store)}
+        made, kills = defs - gone, gone
+    else:
+        uses, made, kills = _effect(tree.body)
+    return _Statement(lines, tree, b"", [], [], uses=uses, defs=defs, made=made, kills=kills,
+                      nodes=nodes, first=first)
+
+
+def _effect(nodes: list[ast.stmt]) -> tuple[set[str], set[str], set[str]]:
+    """What statements run in order read before they set it, what they leave set, and
+    what they leave deleted."""
+    uses: set[str] = set()
+    made: set[str] = set()
+    kills: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.With):
+            read = {n.id for item in node.items for n in ast.walk(item)
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            inner, set_, gone = _effect(node.body)
+            read |= inner
         else:
-            grouped.append([line])
-    return [_parse(g) for g in grouped]
-
-
-def _parse(lines: list[str]) -> _Statement:
-    tree = ast.parse("\n".join(lines))
-    defs = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
-            and isinstance(n.ctx, ast.Store)}
-    return _Statement(lines, tree, "", [], [], defs=defs)
+            names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
+            read = {n.id for n in names if isinstance(n.ctx, (ast.Load, ast.Del))}
+            set_ = {n.id for n in names if isinstance(n.ctx, ast.Store)}
+            gone = {n.id for n in names if isinstance(n.ctx, ast.Del)}
+        uses |= read - made
+        made = (made | set_) - gone
+        kills = (kills - set_) | gone
+    return uses, made, kills
 
 
 def _analyse(st: _Statement, local: set[str]) -> None:
-    """Its local names and literals, in source order, and its skeleton."""
-    found: list[tuple[int, int, ast.Name | ast.Constant]] = []
-    for node in ast.walk(st.tree):
-        if isinstance(node, ast.Name) and node.id in local:
-            found.append((node.lineno - 1, node.col_offset, node))
-        elif isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
-            found.append((node.lineno - 1, node.col_offset, node))
-    found.sort(key=lambda f: (f[0], f[1]))
-    for line, col, node in found:
+    """Its local names and literals, in source order, and its skeleton: its code with
+    each of them blanked out (and no comment)."""
+    found = sorted(((n.lineno - 1 - st.first, n.col_offset, n) for n in st.nodes
+                    if isinstance(n, ast.Name) and n.id in local or
+                    isinstance(n, ast.Constant) and type(n.value) in (int, float, str)),
+                   key=lambda f: (f[0], f[1]))
+    text = [line.encode() for line in st.lines]
+    if st.tree.body:
+        last = st.tree.body[-1]
+        assert last.end_lineno is not None and last.end_col_offset is not None
+        text = text[:last.end_lineno - st.first]
+        text[-1] = text[-1][:last.end_col_offset]
+    else:
+        text = [b"#"]
+    for line, col, node in reversed(found):
+        assert node.end_col_offset is not None
         if isinstance(node, ast.Name):
             st.names.append((line, col, node.id))
-            if isinstance(node.ctx, (ast.Load, ast.Del)):
-                st.uses.add(node.id)
-            node.id = "_"
+            blank = b"\0"
         else:
-            assert node.end_col_offset is not None
             st.literals.append((line, col, node.end_col_offset, node.value))
-            node.value = "\0"
-    st.skeleton = ast.dump(st.tree)
+            blank = b"\1"
+        text[line] = text[line][:col] + blank + text[line][node.end_col_offset:]
+    st.names.reverse()
+    st.literals.reverse()
+    st.skeleton = b"\n".join(text)
+    st.uses &= local
 
 
-def _liveness(statements: list[_Statement]) -> list[set[str]]:
-    """For each statement, the local names read after it before they are set again."""
+def _liveness(statements: list[_Statement], ignored: set[str]) -> list[set[str]]:
+    """For each statement, the local names read after it before they are set again (of
+    those not ``ignored``: names no statement sets, alive throughout)."""
     live: set[str] = set()
-    after: list[set[str]] = [set() for _ in statements]
+    after: list[set[str]] = [live] * len(statements)
     for k in range(len(statements) - 1, -1, -1):
         after[k] = live
         st = statements[k]
-        live = (live - st.defs) | st.uses
+        live = (live - st.made - st.kills) | (st.uses - ignored)
     return after
 
 
 def _leading(statements: list[_Statement]) -> list[_Statement]:
-    """The comments a stretch opens with: they stay where the call is (they say which
-    repetition it is)."""
+    """The comments a stretch opens with."""
     out = []
     for st in statements:
         if st.tree.body:
@@ -192,8 +257,8 @@ def _leading(statements: list[_Statement]) -> list[_Statement]:
     return out
 
 
-def _body(statements: list[_Statement]) -> list[_Statement]:
-    return statements[len(_leading(statements)):]
+def _body(statements: list[_Statement], heading: bool) -> list[_Statement]:
+    return statements[len(_leading(statements)):] if heading else statements
 
 
 def _own_frees(body: list[_Statement], local: set[str]) -> list[_Statement]:
@@ -210,7 +275,7 @@ def _own_frees(body: list[_Statement], local: set[str]) -> list[_Statement]:
             if len(kept) < len(names):
                 if kept:
                     indent = st.lines[0][:len(st.lines[0]) - len(st.lines[0].lstrip())]
-                    fresh = _parse([f"{indent}del {', '.join(kept)}"])
+                    fresh = _statements([f"{indent}del {', '.join(kept)}"])[0]
                     _analyse(fresh, local)
                     fresh.at = st.at
                     out.append(fresh)
@@ -249,59 +314,48 @@ class _Shape:
             literals += [v for *_, v in st.literals]
             read = sorted(st.uses - defined, key=lambda n: index[n])
             inputs.update((index[n], None) for n in read)
-            defined |= st.defs
+            defined = (defined | st.made) - st.kills
         outputs = tuple(index[n] for n in sorted(defined & live_after, key=lambda n: index[n]))
         names = tuple(index)
         dropped = tuple(names[i] for i in inputs if names[i] not in live_after)
         return _Shape(tuple(pattern), tuple(inputs), outputs, names, tuple(literals), dropped)
 
 
-def _cheap(cheap: dict[str, str], local: set[str], cut: list[list[_Statement]]
-           ) -> dict[str, str]:
-    """Of ``cheap``, the names set once in the body, with the expression that sets them."""
-    sets: dict[str, int] = defaultdict(int)
-    for statements in cut:
-        for st in statements:
-            for n in st.defs:
-                sets[n] += 1
-    return {n: line.split(" = ", 1)[1] for n, line in cheap.items()
-            if sets[n] == 1 and n in local}
-
-
-def _function(name: str, shapes: list[_Shape], body: list[_Statement], cheap: dict[str, str],
-              outputs: tuple[int, ...]) -> tuple[list[str], list[list[str]]]:
+def _function(name: str, shapes: list[_Shape], labels: list[str | None],
+              body: list[_Statement], cheap: dict[str, str], outputs: tuple[int, ...]
+              ) -> tuple[list[str], list[list[str]]]:
     """The function the stretches of ``shapes`` become (written from the first), and
-    each one's call; ``outputs``: what it returns."""
+    each one's call; ``labels``: each stretch's label; ``outputs``: what it returns."""
     first = shapes[0]
-    # an input every call would pass alike and the function can set as cheaply itself
-    own = [i for i in first.inputs if all(s.names[i] in cheap for s in shapes) and
-           len({cheap[s.names[i]] for s in shapes}) == 1]
-    passed = [i for i in first.inputs if i not in own]
+    arguments = _Arguments(set(first.names) | {LOCALS}, labels)
     knobs = [k for k in range(len(first.literals))
              if len({repr(s.literals[k]) for s in shapes}) > 1]
-    taken = set(first.names) | {LOCALS}
     micro = _micro_knob(body, knobs)
-    arguments: list[tuple[int, str]] = []
-    written: dict[int, str] = {}
+    m = arguments.take(tuple(s.literals[micro] for s in shapes), "m") if micro is not None \
+        else ""
+    written = {}
     for k in knobs:
-        if micro is not None and k != micro and (linear := _linear(shapes, micro, k)):
-            written[k] = linear
-            continue
-        arg = _fresh("m" if k == micro else f"a{len(arguments)}", taken)
-        taken.add(arg)
-        arguments.append((k, arg))
-        written[k] = arg
-    if micro is not None:
-        arg = dict(arguments)[micro]
-        written.update((k, text.replace("{m}", arg)) for k, text in written.items())
-    params = [LOCALS, *(a for _, a in arguments), *(first.names[i] for i in passed)]
+        values = tuple(s.literals[k] for s in shapes)
+        linear = _linear(shapes, micro, k) if micro is not None and k != micro else None
+        written[k] = linear.replace("{m}", m) if linear else arguments.labelled(values) or \
+            arguments.take(values)
+    # an input every call would pass alike (up to its label) and the function can set
+    # as cheaply itself
+    own = {}
+    for i in first.inputs:
+        if all(s.names[i] in cheap for s in shapes):
+            made = arguments.labelled(tuple(cheap[s.names[i]] for s in shapes), code=True)
+            if made is not None or len({cheap[s.names[i]] for s in shapes}) == 1:
+                own[first.names[i]] = made or cheap[first.names[i]]
+    passed = [i for i in first.inputs if first.names[i] not in own]
+    params = [LOCALS, *arguments.names, *(first.names[i] for i in passed)]
     lines = [f"def {name}({', '.join(params)}):"]
-    unset = {first.names[i] for i in own}
+    unset = set(own)
     k = 0
     for st in body:
         if st.uses & unset:  # set right before its first reader, as the caller did
-            lines += [f"    {n} = {cheap[n]}" for n in sorted(st.uses & unset,
-                                                               key=first.names.index)]
+            lines += [f"    {n} = {own[n]}" for n in sorted(st.uses & unset,
+                                                             key=first.names.index)]
             unset -= st.uses
         edits = []
         for line, start, end, _ in st.literals:
@@ -312,16 +366,67 @@ def _function(name: str, shapes: list[_Shape], body: list[_Statement], cheap: di
     if outputs:
         lines.append(f"    return {', '.join(first.names[i] for i in outputs)}")
     calls = []
-    for shape in shapes:
-        args = [LOCALS, *(repr(shape.literals[k]) for k, _ in arguments),
+    for c, shape in enumerate(shapes):
+        args = [LOCALS, *(repr(values[c]) for values in arguments.values),
                 *(shape.names[i] for i in passed)]
         call = f"{name}({', '.join(args)})"
         outs = [shape.names[i] for i in outputs]
-        gone = [*(n for n in shape.dropped if n not in outs),  # (a name set again is let go)
+        gone = [*(n for n in shape.dropped if n not in outs and n not in cheap),
                 *(shape.names[i] for i in outputs if i not in shape.outputs)]
         calls.append([f"{', '.join(outs)} = {call}" if outs else call,
                       *([f"del {', '.join(gone)}"] if gone else [])])
     return lines, calls
+
+
+class _Arguments:
+    """A function's arguments besides ``rt`` and the names it reads: the values that
+    differ between its calls, one argument per distinct row of values."""
+
+    def __init__(self, taken: set[str], labels: list[str | None]) -> None:
+        self.taken, self.labels = taken, tuple(labels)
+        self.named: list[tuple[str, tuple]] = []  # the micro-batch index and the label
+        self.plain: list[tuple[str, tuple]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.named + self.plain]
+
+    @property
+    def values(self) -> list[tuple]:
+        return [values for _, values in self.named + self.plain]
+
+    def take(self, values: tuple, hint: str = "") -> str:
+        """The argument that is ``values`` in each call (``hint``: its name, first)."""
+        for name, known in self.named + self.plain:
+            if known == values:
+                return name
+        name = _fresh(hint or f"a{len(self.plain)}", self.taken)
+        self.taken.add(name)
+        (self.named if hint else self.plain).append((name, values))
+        return name
+
+    def labelled(self, values: tuple, code: bool = False) -> str | None:
+        """Strings (with ``code``, lines of code whose string literal holds it) that are
+        each call's label within the same text: an f-string of the label's argument."""
+        labels = tuple(label for label in self.labels if label is not None)
+        if len(labels) < len(values) or not all(isinstance(v, str) and label in v
+                                                for v, label in zip(values, labels)):
+            return None
+        if len({v.replace(label, "\0", 1) for v, label in zip(values, labels)}) > 1:
+            return None
+        if not code:
+            escaped = values[0].replace("{", "{{").replace("}", "}}")
+            return "f" + repr(escaped.replace(labels[0], self._at(labels), 1))
+        text, label = values[0], labels[0]  # a label inside the code's string literal
+        start = text.find(label)
+        opening = max(text.rfind("'", 0, start), text.rfind('"', 0, start))
+        if opening < 0 or text[:opening].count(text[opening]) % 2 or "{" in text or "}" in text:
+            return None
+        return text[:opening] + "f" + text[opening:start] + self._at(labels) + \
+            text[start + len(label):]
+
+    def _at(self, labels: tuple[str, ...]) -> str:
+        return "{" + self.take(labels, "at") + "}"
 
 
 def _micro_knob(body: list[_Statement], knobs: list[int]) -> int | None:
