@@ -131,3 +131,50 @@ def test_repeated_layers_become_one_function_called_per_layer(model, container, 
             assert f"{container}_{kind}(rt, '{container}.{layer}'" in code
     assert "rt.param(f'{at}." in code
     assert len(code.splitlines()) < 450
+
+
+STATEMENTS = [  # the forms codegen writes, and forms it does not (read by the ast module)
+    "x = 1", "x= f(a, b=2)", "a, b = f(c)", "(a, b) = g(x, y=z)", "a, = f(b)", "del a, b",
+    "return a, b", "f(a)  # a comment 'q'", "x = 'a#b'  # z", "x = 1e-05 * y", "x = .5",
+    "x = -3", "x = y.z(1, k='v')", "x = {'a': b}", "x = y[0:2, c:d]", "x = 'it\\'s'",
+    "x = \"a'b\"", "rt.micro(3)", "x = f(a)[0]", "x = y <= z", "x = a != b", "x = None",
+    "x = not y", "x = f(*a, **b)", "x = a @ b", "x = ~a", "# only a comment",
+    "x = a if b else c", "x = rt.grad('h.0.w', ((0, 16), (8, 16)), d_w)",
+    # not read by parts
+    "x.a = 1", "x[0] = y", "a = b = c", "del a[0]", "x: int = 3", "if x: y", "f'{a}'", "b'x'",
+    "x = 'a' 'b'", "x = 0x10", "y = lambda q: q", "y = [t for t in z]", "x += 1",
+    "x = (a := 3)", "x = 1j", "x = 'é'",
+]
+
+
+@pytest.mark.parametrize("statement", STATEMENTS)
+def test_reading_a_statement_by_its_parts_agrees_with_the_ast(statement):
+    from chronotope.compile.outline import _parsed, _scanned, _statements
+
+    read, = _statements([statement])
+    parsed = _parsed([statement])
+    for what in ("kind", "found", "end", "target", "uses", "defs", "made", "kills"):
+        assert getattr(read, what) == getattr(parsed, what), what
+    assert (_scanned(statement) is None) == (STATEMENTS.index(statement) >=
+                                             STATEMENTS.index("x.a = 1"))
+
+
+def test_every_generated_statement_is_read_by_its_parts_as_the_ast_reads_it():
+    from chronotope.compile.outline import _parsed, _scanned
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", batch_size=4))
+        program = ct.compile(make(graph, ParallelConfig("dp-tp", 4, tp=2, pp=2, micro=2)))
+    lines = set()
+    for r in range(4):
+        code = program.code(r).splitlines()
+        lines |= {line.strip() for line, after in zip(code, code[1:]) if
+                  line.startswith("    ") and not line.startswith("     ") and
+                  not after.startswith("     ")}  # (a statement on one line)
+    read = [line for line in lines if _scanned(line) is not None]
+    assert len(read) > 0.9 * len(lines)
+    for line in read:
+        scanned, parsed = _scanned(line), _parsed([line])
+        assert scanned[:4] == (parsed.kind, parsed.found, parsed.end[1], parsed.target), line
+        assert scanned[4:] == (parsed.uses, parsed.defs, parsed.kills), line

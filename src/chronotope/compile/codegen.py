@@ -12,6 +12,7 @@ import importlib
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -447,22 +448,25 @@ def _wrap(line: str, width: int = 100) -> list[str]:
 
 
 def _top_level(text: str, token: str) -> int | None:
-    """Where ``token`` first stands outside brackets and strings in ``text``."""
-    return next((i for i, _, depth in _code_chars(text)
-                 if depth == 0 and text.startswith(token, i)), None)
+    """Where ``token`` (one bracket, comma or ``=``, maybe with spaces around it) first
+    stands outside brackets and strings in ``text``."""
+    mark = token.strip()
+    before = token.index(mark)
+    return next((i - before for i, ch, depth in _code_chars(text)
+                 if depth == 0 and ch == mark and text.startswith(token, i - before)), None)
 
 
-def _code_chars(text: str):
-    """(index, character, bracket depth before it) of each character of Python ``text``
-    outside its string literals (quotes included)."""
-    depth, quote = 0, ""
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote and text[i - 1] != "\\" else quote
-        elif ch in "'\"":
-            quote = ch
-        else:
-            yield i, ch, depth
+_STRUCTURE = re.compile(r"[()\[\]{},=]|'(?:\\.|[^'\\])*'" r'|"(?:\\.|[^"\\])*"')
+
+
+def _code_chars(text: str) -> Iterator[tuple[int, str, int]]:
+    """(index, character, bracket depth before it) of each bracket, comma and ``=`` of
+    Python ``text`` outside its string literals."""
+    depth = 0
+    for m in _STRUCTURE.finditer(text):
+        ch = m.group()
+        if len(ch) == 1:  # (not a string)
+            yield m.start(), ch, depth
             depth += (ch in "([{") - (ch in ")]}")
 
 

@@ -17,10 +17,12 @@ function's own ``del`` only drops its name), so it lives to the end of the call.
 from __future__ import annotations
 
 import ast
+import functools
+import keyword
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 LOCALS = "rt"  # the step's one parameter, the same in every function
 
@@ -36,20 +38,32 @@ class Stretch:
     heading: bool = False  # its opening comments say which repetition it is: kept by the call
 
 
-@dataclass
+class _Found(NamedTuple):
+    """A name or a literal of a statement: where it stands (line, start and end byte),
+    and the name (``literal`` False) or the literal's value."""
+
+    line: int
+    start: int
+    end: int
+    value: Any
+    literal: bool
+
+
+@dataclass(slots=True)
 class _Statement:
     lines: list[str]
-    tree: ast.Module
-    skeleton: bytes  # its code with names and literal values blanked out
-    names: list[tuple[int, int, str]]  # (line, byte offset, name) of each local name
-    literals: list[tuple[int, int, int, Any]]  # (line, start, end, value) of each literal
-    uses: set[str] = field(default_factory=set)  # read before it sets them
-    defs: set[str] = field(default_factory=set)  # every name it sets
-    made: set[str] = field(default_factory=set)  # set when it ends
-    kills: set[str] = field(default_factory=set)  # deleted when it ends
+    kind: str  # "comment", "del", "assign" (to one name: ``target``) or "code"
+    found: tuple[_Found, ...]  # its names and literals, in source order
+    end: tuple[int, int]  # (line, byte) where its code ends (a comment after it: not code)
+    target: str | None = None
+    uses: frozenset[str] = frozenset()  # read before it sets them
+    defs: frozenset[str] = frozenset()  # every name it sets
+    made: frozenset[str] = frozenset()  # set when it ends
+    kills: frozenset[str] = frozenset()  # deleted when it ends
+    skeleton: bytes = b""  # its code with local names and literal values blanked out
+    names: tuple[tuple[int, int, str], ...] = ()  # (line, byte, name) of its local names
+    literals: tuple[tuple[int, int, int, Any], ...] = ()  # (line, start, end, value)
     at: int = 0  # where it stands in the body
-    nodes: list[ast.Name | ast.Constant] = field(default_factory=list)
-    first: int = 0  # the line of the parsed text its first line is
 
 
 def outline(stretches: list[Stretch], cheap: dict[str, str] | None = None, minimum: int = 4,
@@ -127,18 +141,20 @@ def outline(stretches: list[Stretch], cheap: dict[str, str] | None = None, minim
             for k, statements in enumerate(cut)], functions
 
 
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")
+
+
 def with_cheap(lines: list[str], cheap: dict[str, str]) -> list[str]:
     """``lines`` with each cheap name they read set right before the statement that
     first reads it (a name found in a string or an attribute is set early: as good)."""
     if not cheap:
         return lines
-    found = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, cheap)) + r")(?!\w)")
     out: list[str] = []
     unset, start = dict(cheap), 0
     for line in lines:
         if not line.startswith((" ", "\t")):
             start = len(out)  # where the statement this line is part of starts
-        made = [f"{n} = {unset.pop(n)}" for n in dict.fromkeys(found.findall(line))
+        made = [f"{n} = {unset.pop(n)}" for n in dict.fromkeys(_NAME.findall(line))
                 if n in unset]
         out[start:start] = made
         out.append(line)
@@ -147,39 +163,152 @@ def with_cheap(lines: list[str], cheap: dict[str, str]) -> list[str]:
 
 def _sets(st: _Statement, cheap: dict[str, str]) -> bool:
     """Whether ``st`` is ``name = <its cheap expression>``."""
-    node = st.tree.body[0] if len(st.tree.body) == 1 else None
-    return isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-        isinstance(node.targets[0], ast.Name) and len(st.lines) == 1 and \
-        st.lines[0].strip() == f"{node.targets[0].id} = {cheap.get(node.targets[0].id)}"
+    return st.kind == "assign" and len(st.lines) == 1 and st.target in cheap and \
+        st.lines[0].strip() == f"{st.target} = {cheap[st.target]}"
 
 
 def _statements(lines: list[str]) -> list[_Statement]:
-    """``lines`` as statements: a line and the more-indented lines after it (parsed as
-    one text: one parse, not one per statement)."""
+    """``lines`` as statements: a line and the more-indented lines after it."""
     starts: list[int] = []
     for k, line in enumerate(lines):
         if not (starts and line.startswith((" ", "\t"))):
             starts.append(k)
-    at = {node.lineno - 1: node for node in ast.parse("\n".join(lines)).body}
-    return [_parse(lines[start:end], at.get(start), start)
-            for start, end in zip(starts, [*starts[1:], len(lines)])]
+    out = []
+    for start, end in zip(starts, [*starts[1:], len(lines)]):
+        scanned = _scanned(lines[start]) if end == start + 1 else None
+        if scanned is None:
+            out.append(_parsed(lines[start:end]))
+        else:
+            kind, found, stop, target, uses, defs, kills = scanned
+            out.append(_Statement([lines[start]], kind, found, (0, stop), target, uses, defs,
+                                  defs, kills))
+    return out
 
 
-def _parse(lines: list[str], node: ast.stmt | None, first: int) -> _Statement:
-    """A statement (``node``, None for a comment) of ``lines``, which start at line
-    ``first`` of the parsed text."""
-    tree = ast.Module(body=[node] if node is not None else [], type_ignores=[])
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Constant))]
+# The statements codegen writes, read from their names, numbers, strings and what lies
+# between (the ast module costs ten times more); any other statement is parsed.
+_PARTS = re.compile(r"""(
+    \#.*
+  | [A-Za-z_]\w*(?!['"])
+  | (?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?(?![\w.])
+  | '(?:\\.|[^'\\\n])*' | "(?:\\.|[^"\\\n])*"
+)""", re.X)
+_BETWEEN = re.compile(r"[ ()\[\]{},:.=+\-*/%<>!&|^~@]*")  # operators and spaces
+_KEYWORDS = frozenset({"and", "or", "not", "in", "is", "if", "else", "None", "True", "False"})
+_OTHER = frozenset(keyword.kwlist) - _KEYWORDS  # what the reading by parts leaves
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scanned(line: str) -> tuple | None:
+    """A one-line call, ``names = ...``, ``del names``, ``return ...`` or comment as
+    (kind, found, where its code ends, target, read, set, deleted); None for any other
+    statement. (Repetitions of a line are read once.)"""
+    parts = _PARTS.split(line)
+    between = "".join(parts[0::2])
+    if not line.isascii() or not _BETWEEN.fullmatch(between) or ":=" in between:
+        return None  # (an f-string, a bytes literal, ...)
+    tokens = parts[1::2]
+    if tokens and tokens[-1][0] == "#":
+        tokens.pop()
+    if not tokens:
+        return "comment", (), 0, None, frozenset(), frozenset(), frozenset()
+    if tokens[0] in ("if", "else") or _OTHER.intersection(tokens) - {"del", "return"}:
+        return None  # (a compound statement, a lambda, a comprehension, ...)
+    found: list[_Found] = []
+    depth = at = 0
+    cut = 0  # the tokens (and names found) before it are what an ``=`` sets
+    targets = 0
+    for k, token in enumerate(tokens):
+        before = parts[2 * k]
+        depth, assigns = _between(before, depth)
+        if assigns:
+            if cut or assigns > 1:
+                return None  # (a chain of ``=``, a compound statement, an annotation)
+            cut, targets = k, len(found)
+        start = at + len(before)
+        at = start + len(token)
+        if token[0] in "'\"":
+            if k and not before.strip() and tokens[k - 1][0] in "'\"":
+                return None  # (one constant of two texts)
+            found.append(_Found(0, start, at, ast.literal_eval(token) if "\\" in token
+                                else token[1:-1], True))
+        elif token[0].isdigit() or token[0] == ".":
+            found.append(_Found(0, start, at, float(token) if set(token) & set(".eE")
+                                else int(token), True))
+        elif not (token in _KEYWORDS or k == 0 and token in ("del", "return") or
+                  before.endswith(".") or depth and _keyword_argument(parts[2 * k + 2])):
+            found.append(_Found(0, start, at, token, False))
+    after = parts[2 * len(tokens)]
+    if _between(after, depth)[1]:
+        return None
+    at += len(after.rstrip())
+    if tokens[0] == "del":
+        if len(found) < len(tokens) - 1 or any(f.literal for f in found) or \
+                between.strip(" ,()"):
+            return None  # (a subscript or an attribute deleted)
+        names = frozenset(f.value for f in found)
+        return "del", tuple(found), at, None, names, frozenset(), names
+    if cut and (targets != cut or any(f.literal for f in found[:cut]) or
+                ("".join(parts[0:2 * cut:2]) + parts[2 * cut].split("=")[0]).strip(" ,()")):
+        return None  # (a subscript, an attribute or a literal set)
+    sets = frozenset(f.value for f in found[:cut])
+    reads = frozenset(f.value for f in found[cut:] if not f.literal)
+    one = cut == 1 and "," not in parts[2]  # (``name, = ...`` sets a tuple)
+    return "assign" if one else "code", tuple(found), at, found[0].value if one else None, \
+        reads, sets, frozenset()
+
+
+@functools.lru_cache(maxsize=4096)
+def _between(text: str, depth: int) -> tuple[int, int]:
+    """The bracket depth after ``text`` (operators between tokens), from ``depth``,
+    and how many ``=`` or ``:`` it has outside brackets (an assignment, a compound
+    statement)."""
+    top = 0
+    for k, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and (ch == ":" or ch == "=" and (k == 0 or text[k - 1] not in "=<>!")
+                             and text[k + 1:k + 2] != "="):
+            top += 1
+    return depth, top
+
+
+def _keyword_argument(after: str) -> bool:
+    """Whether a name followed by ``after`` inside brackets is a keyword argument."""
+    after = after.lstrip()
+    return after.startswith("=") and not after.startswith("==")
+
+
+def _parsed(lines: list[str]) -> _Statement:
+    """A statement (with its indented lines) read by the ast module."""
+    tree = ast.parse("\n".join(lines))
+    if not tree.body:
+        return _Statement(lines, "comment", (), (0, 0))
+    node, = tree.body
+    nodes = [n for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Constant))]
+    found = tuple(sorted((_Found(n.lineno - 1, n.col_offset, n.end_col_offset or 0,
+                           n.id if isinstance(n, ast.Name) else n.value,
+                           isinstance(n, ast.Constant)) for n in nodes
+                    if isinstance(n, ast.Name) or type(n.value) in (int, float, str)),
+                   key=lambda f: (f.line, f.start)))
+    assert node.end_lineno is not None and node.end_col_offset is not None
+    end = (node.end_lineno - 1, node.end_col_offset)
     names = [n for n in nodes if isinstance(n, ast.Name)]
     defs = {n.id for n in names if isinstance(n.ctx, ast.Store)}
-    if node is not None and not isinstance(node, ast.With):  # (read, then set)
+    one = isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+        isinstance(node.targets[0], ast.Name)
+    kind = "del" if isinstance(node, ast.Delete) else "assign" if one else "code"
+    target = node.targets[0].id if one else None  # type: ignore[attr-defined]
+    if not isinstance(node, ast.With):  # (read, then set)
         gone = {n.id for n in names if isinstance(n.ctx, ast.Del)}
         uses = {n.id for n in names if not isinstance(n.ctx, ast.Store)}
         made, kills = defs - gone, gone
     else:
-        uses, made, kills = _effect(tree.body)
-    return _Statement(lines, tree, b"", [], [], uses=uses, defs=defs, made=made, kills=kills,
-                      nodes=nodes, first=first)
+        uses, made, kills = _effect([node])
+    return _Statement(lines, kind, found, end, target, frozenset(uses), frozenset(defs),
+                      frozenset(made), frozenset(kills))
 
 
 def _effect(nodes: list[ast.stmt]) -> tuple[set[str], set[str], set[str]]:
@@ -208,31 +337,28 @@ def _effect(nodes: list[ast.stmt]) -> tuple[set[str], set[str], set[str]]:
 def _analyse(st: _Statement, local: set[str]) -> None:
     """Its local names and literals, in source order, and its skeleton: its code with
     each of them blanked out (and no comment)."""
-    found = sorted(((n.lineno - 1 - st.first, n.col_offset, n) for n in st.nodes
-                    if isinstance(n, ast.Name) and n.id in local or
-                    isinstance(n, ast.Constant) and type(n.value) in (int, float, str)),
-                   key=lambda f: (f[0], f[1]))
-    text = [line.encode() for line in st.lines]
-    if st.tree.body:
-        last = st.tree.body[-1]
-        assert last.end_lineno is not None and last.end_col_offset is not None
-        text = text[:last.end_lineno - st.first]
-        text[-1] = text[-1][:last.end_col_offset]
-    else:
-        text = [b"#"]
-    for line, col, node in reversed(found):
-        assert node.end_col_offset is not None
-        if isinstance(node, ast.Name):
-            st.names.append((line, col, node.id))
-            blank = b"\0"
-        else:
-            st.literals.append((line, col, node.end_col_offset, node.value))
-            blank = b"\1"
-        text[line] = text[line][:col] + blank + text[line][node.end_col_offset:]
-    st.names.reverse()
-    st.literals.reverse()
-    st.skeleton = b"\n".join(text)
+    if st.kind == "comment":
+        st.skeleton = b"#"
+        return
+    kept = [f for f in st.found if f.literal or f.value in local]
+    st.names = tuple((f.line, f.start, f.value) for f in kept if not f.literal)
+    st.literals = tuple((f.line, f.start, f.end, f.value) for f in kept if f.literal)
     st.uses &= local
+    if len(st.lines) == 1 and st.lines[0].isascii():  # (most: cut as text, in one go)
+        line = st.lines[0]
+        text, at = [], 0
+        for f in kept:
+            text += [line[at:f.start], "\1" if f.literal else "\0"]
+            at = f.end
+        text.append(line[at:st.end[1]])
+        st.skeleton = "".join(text).encode()
+        return
+    lines = [line.encode() for line in st.lines[:st.end[0] + 1]]
+    lines[-1] = lines[-1][:st.end[1]]
+    for f in reversed(kept):
+        lines[f.line] = lines[f.line][:f.start] + (b"\1" if f.literal else b"\0") + \
+            lines[f.line][f.end:]
+    st.skeleton = b"\n".join(lines)
 
 
 def _liveness(statements: list[_Statement], ignored: set[str]) -> list[set[str]]:
@@ -251,7 +377,7 @@ def _leading(statements: list[_Statement]) -> list[_Statement]:
     """The comments a stretch opens with."""
     out = []
     for st in statements:
-        if st.tree.body:
+        if st.kind != "comment":
             break
         out.append(st)
     return out
@@ -268,9 +394,8 @@ def _own_frees(body: list[_Statement], local: set[str]) -> list[_Statement]:
     made: set[str] = set()
     out = []
     for st in body:
-        node = st.tree.body[0] if len(st.tree.body) == 1 else None
-        if isinstance(node, ast.Delete) and len(st.lines) == 1:
-            names = [n for *_, n in st.names]  # (the tree's own names are blanked)
+        if st.kind == "del" and len(st.lines) == 1:
+            names = [n for *_, n in st.names]
             kept = [n for n in names if n in made]
             if len(kept) < len(names):
                 if kept:
@@ -283,6 +408,7 @@ def _own_frees(body: list[_Statement], local: set[str]) -> list[_Statement]:
         out.append(st)
         made |= st.defs
     return out
+
 
 @dataclass(frozen=True)
 class _Shape:
