@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from chronotope.compile.compiled_regions import FUNCTION, FUSED, Region, compiled_regions
 from chronotope.compile.outline import Stretch, outline, with_cheap
 from chronotope.compile.program import (
     MULTI,
@@ -55,8 +56,6 @@ from chronotope.compile.program import (
     sums_gradients,
     writes,
 )
-from chronotope.compile.regions import FUNCTION, FUSED, Region
-from chronotope.compile.regions import regions as find_regions
 from chronotope.graph import rng
 from chronotope.graph.ir import DEVICE, PTensor
 from chronotope.graph.mask import Mask
@@ -69,7 +68,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     """Rank ``rank``'s module; with ``ticks``, ``rt.tick()`` after each instruction (how
     ``measure.calibrate`` times the runtime's own work per instruction); with ``regions``,
     each run of forward pieces between communications is a function ``forward_<k>``
-    (``compile/regions.py``), which the runtime hands to ``torch.compile``. Fused pieces
+    (``compile/compiled_regions.py``), which the runtime hands to ``torch.compile``. Fused pieces
     (``Plan.fuse``) are always functions ``fused_<k>``, compiled where they are defined."""
     plan = program.plan
     lines = [
@@ -93,7 +92,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     code = program.ranks[rank]
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
     items: list[Instruction | Region] = \
-        find_regions(code, rest=regions) if regions or fused else list(code)
+        compiled_regions(code, rest=regions) if regions or fused else list(code)
     autograd = _Autograd.of(code)
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)

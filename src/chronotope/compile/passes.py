@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chronotope.compile.autograd_regions import autograd_regions
 from chronotope.compile.buckets import buckets
 from chronotope.compile.collectives import collectives
 from chronotope.compile.fold import fold
 from chronotope.compile.frees import with_frees
-from chronotope.compile.fuse import fuse
 from chronotope.compile.overlap import overlap
 from chronotope.compile.program import Instruction
 from chronotope.compile.reshard import reshard
@@ -51,8 +51,8 @@ def _reshard(lowered: Lowered) -> Code:
     return [reshard(code) for code in lowered.ranks] if lowered.plan.reshard else lowered.ranks
 
 
-def _regions(lowered: Lowered) -> Code:
-    return [fuse(code) for code in lowered.ranks]
+def _autograd_regions(lowered: Lowered) -> Code:
+    return [autograd_regions(code) for code in lowered.ranks]
 
 
 def _running_sums(lowered: Lowered) -> Code:
@@ -84,7 +84,7 @@ PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
     ("collectives", lambda lowered: collectives(lowered.ranks)),  # messages to collectives
     ("buckets", _buckets),  # gradient reductions bucketed, started as the backward makes them
     ("reshard", _reshard),  # ZeRO-3: gathered parameters freed after the forward, again later
-    ("regions", _regions),  # stretches of backward pieces run as one autograd call
+    ("autograd regions", _autograd_regions),  # backward pieces run back to back: one call
     ("running sums", _running_sums),  # sums of many parts added up as the parts are made
     ("fold", _fold),  # a template's blocks run once per micro-batch
     ("overlap", _overlap),  # communication started early, NCCL-safe message order

@@ -77,7 +77,7 @@ class Forward:
     out_grad: tuple[bool, ...]  # which outputs pass a gradient back
     output_scale: Fraction = Fraction(1)  # a mean over part of a reduced dim: its share
     input_shares: tuple[Fraction, ...] = ()  # value share of each input this piece takes
-    # Inputs that stay connected to their local producer's autograd graph (see fuse.py).
+    # Inputs that stay connected to their local producer's autograd graph (see autograd_regions.py).
     linked: tuple[bool, ...] = ()
     recompute: bool = False  # run without a graph now, again in its backward
     swap: bool = False  # what it saves for its backward waits in CPU memory
@@ -581,7 +581,7 @@ class Program:
 
     def code(self, rank: int, regions: bool = False) -> str:
         """Rank ``rank``'s step as a readable Python module; with ``regions``, its runs of
-        forward pieces as functions for ``torch.compile`` (``compile/regions.py``)."""
+        forward pieces as functions for ``torch.compile`` (``compile/compiled_regions.py``)."""
         from chronotope.compile.codegen import render
 
         return render(self, rank % self.ndevices, regions=regions)

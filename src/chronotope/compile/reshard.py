@@ -9,7 +9,7 @@ backward the unit is gathered again, in one call on fresh loads of the stored
 shards, and ``Refill`` copies what it gives back into the freed storage: autograd's
 saved tensors, the gathered weights or views of them, hold them again. The gather
 again starts one unit ahead, where the unit needed before it starts its backward;
-the backward regions (``fuse``) end where a unit's gather lands, so one unit's
+the autograd regions (``autograd_regions``) end where a unit's gather lands, so one unit's
 backward runs at a time.
 
 A unit is resharded only where that is safe and gains something: every piece that

@@ -65,7 +65,7 @@ class Shard:
 
 
 @dataclass
-class Layout:
+class Choices:
     """Per-op choices a caller makes in place of ``mesh``'s own (the module schedule
     language does): how tensor parallelism cuts each op, the sequence dim it splits where
     it is not cut, its pipeline stage, which of its group's devices run it, and which
@@ -261,7 +261,7 @@ def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[in
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
          recompute: str | None = None, swap: str | None = None, coshard: int = 1,
-         layout: Layout | None = None, fold: bool = False) -> Plan:
+         choices: Choices | None = None, fold: bool = False) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
     devices: rank = (i * pp + s) * tp + j.
 
@@ -283,7 +283,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     their backward, so a device holds one piece's activations at a time (attention
     heads, MLP columns); with ``tp`` = 1 that is on one device.
 
-    ``layout`` replaces the tensor-parallel cuts, sequence dims and stages the policy
+    ``choices`` replace the tensor-parallel cuts, sequence dims and stages the policy
     would choose, and may run an op on some of its group's devices (without stages).
 
     ``fold``: the plan is written for micro-batch 0 alone (``Plan.micro_batches``), and
@@ -304,21 +304,21 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     plan = Plan(graph, dp * pp * tp)
-    if layout is None:
-        layout = Layout(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
-                        sequence_dims(graph) if sequence and tp > 1 else {})
-        if tp > 1 and coshard == 1 and not any(layout.shards.values()) \
-                and not any(layout.seq.values()):
+    if choices is None:
+        choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
+                          sequence_dims(graph) if sequence and tp > 1 else {})
+        if tp > 1 and coshard == 1 and not any(choices.shards.values()) \
+                and not any(choices.seq.values()):
             raise PlanError(_splits_nothing(graph, tp))
-    if layout.devices and pp > 1:
+    if choices.devices and pp > 1:
         raise PlanError(f"ops placed on chosen devices need one pipeline stage, not pp={pp}")
     batch_dim, unsplit = trail(graph, batch_start(graph))
     tails = loss_tails(graph, batch_dim, plan.registry)
     data = data_only(graph)
     if (pp > 1 or fold) and micro > 1:  # before stages: what no micro-batch runs alone
         _refuse_barriers(graph, batch_dim, tails, data, schedule, micro)
-    if layout.stage is not None:
-        stage = layout.stage
+    if choices.stage is not None:
+        stage = choices.stage
     elif schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
         stage, chunks = recycled_stages(graph, pp)
     else:
@@ -340,7 +340,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     rank_of = _placement(orders, pp, chunks * ways)
     if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
         plan.unsplit = unsplit
-    shards, seq = layout.shards, layout.seq
+    shards, seq = choices.shards, choices.seq
     spans = _spans(graph, shards) if coshard > 1 else {}
     if coshard > 1 and not spans:
         raise PlanError(f"nothing in {graph.name} splits {tp * coshard} ways (tp {tp} x "
@@ -356,7 +356,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         for g, piece in enumerate(groups):
             i, v = g // ways, g % ways * pp * chunks + stage[op]  # group, (virtual) stage
             first = (i * pp + rank_of[v]) * tp
-            placed = layout.devices.get(op)
+            placed = choices.devices.get(op)
             devices = [first + d for d in placed] if placed else range(first, first + tp)
             micros = [piece]
             batched = op not in data and (batch_dim[op] is not None or op in tails)
@@ -374,12 +374,12 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     plan.cells = dict(cells)
     keep = data | set(tails)
     for op in checkpointed(graph, recompute, "recompute", batch_dim, keep) + \
-            [op for op in graph.ops if op.name in layout.recompute and op not in keep]:
+            [op for op in graph.ops if op.name in choices.recompute and op not in keep]:
         plan.recompute(op.name)
     for op in checkpointed(graph, swap, "swap", batch_dim, keep) + \
-            [op for op in graph.ops if op.name in layout.swap and op not in keep]:
+            [op for op in graph.ops if op.name in choices.swap and op not in keep]:
         plan.swap(op.name)
-    for name, fusion in layout.fused.items():
+    for name, fusion in choices.fused.items():
         plan.fuse(name, fusion.group, fusion.backend)
     if fold:
         _fold(plan, cells, dp, tp, micro, orders, rank_of)

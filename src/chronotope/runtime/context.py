@@ -1,7 +1,7 @@
 """``rt``: what a generated rank program calls.
 
 A forward piece's inputs enter a graph of their own (``enter``) unless they stay
-linked to a local producer in the same backward region (see ``compile/fuse.py``). A
+linked to a local producer in the same backward region (see ``compile/autograd_regions.py``). A
 region's backward (``backward``) is one ``torch.autograd.grad`` call from the
 gradients arriving at its pieces' outputs to their entries: exactly those pieces'
 share of their inputs' gradients, wherever the gradients are then sent. An entry

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from chronotope.compile.compiled_regions import FUNCTION
 from chronotope.compile.program import Program
-from chronotope.compile.regions import FUNCTION
 from chronotope.errors import ChronotopeError
 from chronotope.graph.batch import Batch
 from chronotope.graph.capture import capture

@@ -16,7 +16,7 @@ Megatron sequence-parallel stretch, which a ``fwd_pre`` all_gather ends). Every
 gradient reduction is derived too; a ``bwd_post`` sync is checked to sit on a
 module whose input gradient is a partial sum.
 
-The result is a ``policies.mesh.Layout`` (each op's cut, sequence dim, stage and
+The result is a ``policies.mesh.Choices`` (each op's cut, sequence dim, stage and
 devices, and the ops checkpointed, swapped or fused) that ``mesh`` turns into ``op_trans`` /
 ``op_assign`` / ``op_order`` calls, with the schedule's micro-batches, pipeline order
 and data-parallel replicas.
@@ -31,7 +31,7 @@ from chronotope.graph.axes import carry, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan import Plan
 from chronotope.plan.plan import Fusion
-from chronotope.policies.mesh import Layout, Shard, fused_parts, mesh, still_fused
+from chronotope.policies.mesh import Choices, Shard, fused_parts, mesh, still_fused
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -100,12 +100,12 @@ def ref(module: str) -> str:
 
 def lower(graph: Graph, steps: Steps) -> Plan:
     """The plan the steps describe (see the module docstring)."""
-    layout, tp, pp = analyse(graph, steps)
+    choices, tp, pp = analyse(graph, steps)
     return mesh(graph, dp=steps.replicas, tp=tp, pp=pp, micro=steps.micro,
-                schedule=steps.schedule, layout=layout)
+                schedule=steps.schedule, choices=choices)
 
 
-def analyse(graph: Graph, steps: Steps) -> tuple[Layout, int, int]:
+def analyse(graph: Graph, steps: Steps) -> tuple[Choices, int, int]:
     """Each op's cut, sequence dim, stage and devices; the tensor-parallel size of a stage
     and the number of stages."""
     group = steps.devices // steps.replicas
@@ -131,7 +131,7 @@ def analyse(graph: Graph, steps: Steps) -> tuple[Layout, int, int]:
     for op in graph.ops:
         flow.visit(op)
     flow.finish()
-    return Layout(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap,
+    return Choices(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap,
                   steps.fused), tp, pp
 
 

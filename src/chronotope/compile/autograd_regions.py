@@ -48,7 +48,7 @@ class _Region:
     leaving_at: dict[str, tuple[int, int]] = field(default_factory=dict)  # var -> (member, j)
 
 
-def fuse(code: list[Instruction]) -> list[Instruction]:
+def autograd_regions(code: list[Instruction]) -> list[Instruction]:
     """One rank's code (before frees are placed) with runs of backward pieces fused."""
     return _Fuser(code).run()
 

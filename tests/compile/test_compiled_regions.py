@@ -7,8 +7,14 @@ import warnings
 import pytest
 
 import chronotope as ct
+from chronotope.compile.compiled_regions import (
+    MIN_PIECES,
+    Region,
+    compilable,
+    compiled_regions,
+    entered,
+)
 from chronotope.compile.program import Backward, Forward, writes
-from chronotope.compile.regions import MIN_PIECES, Region, compilable, entered, regions
 from chronotope.models import get_workload
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, rank_specs
@@ -38,7 +44,7 @@ def test_a_region_is_one_autograd_node_with_its_leaves_made_outside(plan):
     program = ct.compile(PLANS[plan](graph))
     found = 0
     for rank, code in enumerate(program.ranks):
-        items = regions(code)
+        items = compiled_regions(code)
         # grouping moves nothing: the instructions stay as they were, in order
         assert [x for i in items for x in (i.taken if isinstance(i, Region) else [i])] == code
         backward_of = {op.forward.name: k for k, ins in enumerate(code)

@@ -1,4 +1,4 @@
-"""Forward regions: runs of local forward pieces that ``torch.compile`` compiles as one.
+"""Compiled regions: runs of local forward pieces that ``torch.compile`` compiles as one.
 
 Two kinds: the pieces a plan fuses (``Plan.fuse``, a schedule's ``fuse``) form
 regions of their fusion group, each compiled with the group's backend in the
@@ -79,7 +79,7 @@ def compilable(ins: Forward) -> bool:
     return not (ins.recompute or ins.swap or any(ins.later) or rng.drawn(ins.op.op.target))
 
 
-def regions(code: list[Instruction], rest: bool = True) -> list[Instruction | Region]:
+def compiled_regions(code: list[Instruction], rest: bool = True) -> list[Instruction | Region]:
     """``code`` with its fused pieces grouped into regions of their fusion group and, with
     ``rest``, its other runs of forward pieces too (runs of fewer than ``MIN_PIECES``
     unfused pieces stay as they were)."""
