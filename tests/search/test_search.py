@@ -265,3 +265,40 @@ def test_constraints_keep_the_cuts_they_allow_or_name_what_they_refuse(capsys):
     assert main(["search", "gpt", "--devices", "2", "--constrain", "lm_head=replicate",
                  "--method", "ilp", "--no-simulate", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["method"] == "ilp"
+
+
+def test_the_search_placements_are_dtensor_placements_of_the_pieces_a_plan_cuts():
+    """Each strategy says per mesh axis how each tensor is held (R, P, S(dim)); as DTensor
+    placements on the row-major mesh, they are the pieces op_trans cuts, device by device."""
+    from chronotope.compile.rvd import Layout, placement
+    from chronotope.graph.ops import DEFAULT_REGISTRY
+    from chronotope.plan.algo import partition
+    from chronotope.search.space import IRREGULAR
+
+    graph = capture(get_workload("gpt", batch_size=4))
+    mesh = Mesh((2, 2))
+    whole = ct.Plan(graph, 1)
+    space = strategies(graph, mesh, cluster_for(4), whole=whole)
+    checked = set()
+    for op, found in space.items():
+        opdef = DEFAULT_REGISTRY.of(op.target)
+        additive = opdef.additive_inputs if opdef is not None else ()
+        linear = opdef.linear_in(len(op.inputs)) if opdef is not None else ()
+        for s in found:
+            pieces = [whole.roots[op.name].piece]
+            for algo in s.algos:  # device i * 2 + j holds part j of part i
+                pieces = [p for piece in pieces for p in
+                          partition(op.name, op.signature, piece, algo, additive, linear)]
+            root = whole.roots[op.name].piece
+            held = [(s.inputs, [p.inputs for p in pieces], op.inputs, root.inputs),
+                    (s.outputs, [p.outputs for p in pieces], op.outputs, root.outputs)]
+            for codes, views, tensors, read in held:
+                for k, (axes, t) in enumerate(zip(codes, tensors)):
+                    if IRREGULAR in axes or read[k].mask.index != tuple((0, n) for n in t.shape):
+                        continue  # (no placement; a region of the tensor, not all of it)
+                    layout = Layout.from_placements(mesh.shape, tuple(map(placement, axes)),
+                                                    (0, 1, 2, 3), len(t.shape))
+                    assert sorted(layout.pieces(t.shape)) == [(d, v[k].mask) for d, v in
+                                                              enumerate(views)], (op.name, s.label)
+                    checked.add(axes)
+    assert {("S(0)", "R"), ("R", "S(0)"), ("P", "R"), ("R", "R")} <= checked, checked

@@ -9,6 +9,11 @@ converts to and from the pieces (``VTensor`` masks) the compiler works with, and
 to and from ``torch.distributed.tensor`` placements on a device mesh (Replicate,
 Partial, Shard per mesh axis), so layouts compare with DTensor's and can
 describe checkpoints.
+
+One mesh axis's placement is written as DTensor prints it, ``"R"`` (Replicate),
+``"P"`` (Partial: a sum) or ``"S(d)"`` (Shard(d)): the search's strategies say per
+mesh axis how each tensor is held in these words, and ``placement`` makes the
+DTensor placement of each.
 """
 
 from __future__ import annotations
@@ -23,6 +28,48 @@ from chronotope.graph.mask import Mask, ValueRange
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes half a second to import: on demand
     from torch.distributed.tensor import Placement
+
+
+REPLICATE, PARTIAL = "R", "P"  # one mesh axis's placement (with ``shard(dim)``)
+
+
+def shard(dim: int) -> str:
+    """The placement of a tensor cut along ``dim`` over a mesh axis: Shard(dim)."""
+    return f"S({dim})"
+
+
+def is_shard(code: str) -> bool:
+    return code[0] == "S"
+
+
+def shard_dim(code: str) -> int | None:
+    """The dim a placement cuts (``"S(1)"``: 1); None for Replicate and Partial."""
+    return int(code[2:-1]) if is_shard(code) else None
+
+
+def placement(code: str) -> Placement:
+    """The DTensor placement a code names."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if code == REPLICATE:
+        return Replicate()
+    if code == PARTIAL:
+        return Partial()
+    dim = shard_dim(code)
+    if dim is None:
+        raise PlanError(f"{code!r} is no placement: R, P or S(<dim>)")
+    return Shard(dim)
+
+
+def placement_code(p: Placement) -> str:
+    """A DTensor placement's code (``Shard(1)``: ``"S(1)"``)."""
+    from torch.distributed.tensor import Shard
+
+    if isinstance(p, Shard):
+        return shard(p.dim)
+    if p.is_replicate() or p.is_partial():
+        return REPLICATE if p.is_replicate() else PARTIAL
+    raise PlanError(f"placement {p} is none of Replicate, Partial and Shard")
 
 
 @dataclass(frozen=True)
@@ -101,12 +148,10 @@ class Layout:
         """A device mesh (its shape, its devices in row-major order) and the placement of
         each of its axes that make this layout: Replicate for R, Partial for V, Shard(i)
         for the splits of dim i. Axes of size 1 are left out."""
-        from torch.distributed.tensor import Partial, Replicate, Shard
-
-        axes = [(self.rvd.r, Replicate()), (self.rvd.v, Partial()),
-                *((k, Shard(i)) for i, k in enumerate(self.rvd.d))]
-        kept = [(n, p) for n, p in axes if n > 1] or [(1, Replicate())]
-        return tuple(n for n, _ in kept), tuple(p for _, p in kept), self.devices
+        axes = [(self.rvd.r, REPLICATE), (self.rvd.v, PARTIAL),
+                *((k, shard(i)) for i, k in enumerate(self.rvd.d))]
+        kept = [(n, p) for n, p in axes if n > 1] or [(1, REPLICATE)]
+        return tuple(n for n, _ in kept), tuple(placement(p) for _, p in kept), self.devices
 
     @staticmethod
     def from_placements(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
@@ -114,31 +159,27 @@ class Layout:
         """The layout of a tensor with ``ndim`` dims placed on a device mesh as DTensor
         places it (``mesh_devices`` in row-major order). Several axes sharding one dim
         nest left to right, as DTensor's do."""
-        from torch.distributed.tensor import Shard
-
         if len(mesh_shape) != len(placements):
             raise PlanError(f"a mesh of shape {list(mesh_shape)} needs {len(mesh_shape)} "
                             f"placements, got {len(placements)}")
-        other = [p for p in placements
-                 if not (p.is_replicate() or p.is_partial() or isinstance(p, Shard))]
-        if other:
-            raise PlanError(f"placement {other[0]} is none of Replicate, Partial and Shard")
-        r = math.prod(n for n, p in zip(mesh_shape, placements) if p.is_replicate())
-        v = math.prod(n for n, p in zip(mesh_shape, placements) if p.is_partial())
+        codes = [placement_code(p) for p in placements]
+        r = math.prod(n for n, c in zip(mesh_shape, codes) if c == REPLICATE)
+        v = math.prod(n for n, c in zip(mesh_shape, codes) if c == PARTIAL)
         d = [1] * ndim
-        for n, p in zip(mesh_shape, placements):
-            if isinstance(p, Shard):
-                if not 0 <= p.dim < ndim:
+        for n, code, p in zip(mesh_shape, codes, placements):
+            if (dim := shard_dim(code)) is not None:
+                if not 0 <= dim < ndim:
                     raise PlanError(f"{p} on a tensor of {ndim} dims")
-                d[p.dim] *= n
+                d[dim] *= n
         rvd = RVD(r, v, tuple(d))
         slots = [0] * rvd.ndevices
         for coord in itertools.product(*(range(n) for n in mesh_shape)):
             digits = [0] * (2 + ndim)  # (r, v, d1..dn) of this mesh coordinate
             sizes = [1] * (2 + ndim)  # how much of each digit the axes so far made
-            for c, n, p in zip(coord, mesh_shape, placements):
-                slot = 2 + p.dim if isinstance(p, Shard) else 1 if p.is_partial() else 0
-                digits[slot] = digits[slot] * n + c
+            for at, n, code in zip(coord, mesh_shape, codes):
+                cut = shard_dim(code)
+                slot = 2 + cut if cut is not None else 1 if code == PARTIAL else 0
+                digits[slot] = digits[slot] * n + at
                 sizes[slot] *= n
             flat = 0
             for digit, size in zip(digits, rvd.radix):

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from chronotope.compile.rvd import is_shard
 from chronotope.cost.compute import Traffic, op_flops
 from chronotope.cost.network import Cluster, cluster_for
 from chronotope.errors import ChronotopeError, PlanError
@@ -590,7 +591,7 @@ def _no_fit(graph: Graph, space, devices: int, memory: float | None, least: floa
     states, worst, worst_bytes = 0.0, None, 0.0
     for t in graph.params.values():
         readers = [op for op in graph.ops if t in op.inputs and space.get(op)]
-        cut = any(lay.startswith("S") for op in readers for s in space[op]
+        cut = any(is_shard(lay) for op in readers for s in space[op]
                   for lay in s.inputs[op.inputs.index(t)])
         held = 4 * nbytes(t) / (devices if cut else 1)
         states += held

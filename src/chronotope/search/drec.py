@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from chronotope.compile.rvd import PARTIAL, REPLICATE, is_shard
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph, Op
 from chronotope.graph.mask import ValueRange
@@ -39,7 +40,7 @@ from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
 from chronotope.plan.algo import Algorithm, Piece, Replicate, Split, ValueSplit, partition
 from chronotope.plan.plan import Plan
-from chronotope.search.space import IRREGULAR, PARTIAL, WHOLE, _grad_layout, _layout
+from chronotope.search.space import IRREGULAR, _grad_layout, _layout
 
 Choice = dict[Op, tuple[Algorithm, ...]]
 
@@ -203,9 +204,9 @@ def _edges(graph: Graph, needs_grad: set) -> list[_Edge]:
 
 def _move(src: str, dst: str, elements: int) -> float:
     """Elements a device receives to turn a tensor held as ``src`` into ``dst``."""
-    if src == dst or src == WHOLE:
+    if src == dst or src == REPLICATE:
         return 0.0
-    if dst.startswith("S") and (src == PARTIAL or src.startswith("S")):
+    if is_shard(dst) and (src == PARTIAL or is_shard(src)):
         return elements / 4
     return elements / 2
 
@@ -213,7 +214,7 @@ def _move(src: str, dst: str, elements: int) -> float:
 def _wanted_grad(output: str) -> str:
     """How the backward of an output held as ``output`` reads its gradient: sliced
     alike, or whole (each replica, and each partial sum, needs all of it)."""
-    return output if output.startswith("S") else WHOLE
+    return output if is_shard(output) else REPLICATE
 
 
 def _edge_cost(edge: _Edge, producer: _Cut, consumer: _Cut) -> float:

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from chronotope.compile.rvd import PARTIAL, REPLICATE
 from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.check import OPTIMIZER_STATES
 from chronotope.plan.plan import differentiable
 from chronotope.search.space import (
-    PARTIAL,
-    WHOLE,
-    Layout,
     Mesh,
+    Placements,
     Pricer,
     Strategy,
     nbytes,
@@ -261,7 +260,7 @@ def _shared(first: Strategy, later: Strategy, j: int, i: int, t: PTensor, pricer
 def updates_cut(op: Op, s: Strategy, i: int) -> bool:
     """Whether ``s`` cuts the update of the weight ``op`` reads as input ``i`` over the
     devices (ZeRO): a trainable weight it reads whole."""
-    return s.zero and not op.inputs[i].frozen and all(x == WHOLE for x in s.inputs[i])
+    return s.zero and not op.inputs[i].frozen and all(x == REPLICATE for x in s.inputs[i])
 
 
 def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
@@ -307,7 +306,7 @@ def _gradient_bytes(op: Op, s: Strategy, mesh: Mesh, needs_grad: set) -> float:
                       if t in needs_grad and t.kind is not TensorKind.PARAM)
 
 
-def _edge(made: Layout, consumer: Strategy, i: int, t, pricer: Pricer,
+def _edge(made: Placements, consumer: Strategy, i: int, t, pricer: Pricer,
           needs_grad: set, micro: int = 1) -> float:
     """A tensor's layout change from its producer to a consumer, and its gradient's back
     (on one micro-batch's share of it)."""
@@ -342,7 +341,7 @@ def price(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh | int,
     return total
 
 
-def _wanted(output: Layout) -> Layout:
+def _wanted(output: Placements) -> Placements:
     """The layout of the gradient a producer's pieces need for an output held as ``output``:
     as held, or whole where they made partial sums (an addend's gradient is the sum's)."""
-    return tuple(WHOLE if lay == PARTIAL else lay for lay in output)
+    return tuple(REPLICATE if lay == PARTIAL else lay for lay in output)

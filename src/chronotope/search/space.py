@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
+from chronotope.compile.rvd import PARTIAL, REPLICATE, is_shard, shard
 from chronotope.cost.compute import Traffic, op_flops
 from chronotope.cost.network import Cluster
 from chronotope.errors import ChronotopeError
@@ -31,10 +32,10 @@ from chronotope.graph.registry import OpRegistry
 from chronotope.plan.algo import Algorithm, Piece, Replicate, Split, ValueSplit, partition
 from chronotope.plan.plan import Plan
 
-WHOLE, PARTIAL, IRREGULAR = "R", "P", "?"
+IRREGULAR = "?"  # pieces no placement describes
 TRAINING_FLOPS = 3.0  # a backward costs twice its forward
 
-Layout = tuple[str, ...]  # one of R, P, S<a> per mesh axis
+Placements = tuple[str, ...]  # per mesh axis: R, P or S(<dim>) (compile.rvd)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ def meshes(devices: int, per_node: int | None = None) -> list[Mesh]:
 @dataclass(frozen=True)
 class Strategy:
     algos: tuple[Algorithm, ...]  # one per mesh axis, outermost first
-    inputs: tuple[Layout, ...]  # each input's layout as the pieces read it
-    outputs: tuple[Layout, ...]
-    grads: tuple[Layout, ...]  # each input's gradient as the backward pieces yield it
+    inputs: tuple[Placements, ...]  # each input's layout as the pieces read it
+    outputs: tuple[Placements, ...]
+    grads: tuple[Placements, ...]  # each input's gradient as the backward pieces yield it
     compute: float  # seconds per device, forward and backward
     zero: bool = False  # the weights it reads first: updates cut over the devices (ZeRO)
 
@@ -95,9 +96,9 @@ def nbytes(t: PTensor) -> int:
     return math.prod(t.shape) * t.dtype.itemsize
 
 
-def sharded(layout: Layout, mesh: Mesh) -> int:
+def sharded(layout: Placements, mesh: Mesh) -> int:
     """Into how many slices a tensor held as ``layout`` is cut (its per-device fraction)."""
-    return math.prod(n for lay, n in zip(layout, mesh.shape) if lay.startswith("S"))
+    return math.prod(n for lay, n in zip(layout, mesh.shape) if is_shard(lay))
 
 
 def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
@@ -266,7 +267,7 @@ def _zero_applies(op: Op, s: Strategy) -> bool:
 def data_parallel_read(s: Strategy, i: int) -> bool:
     """Whether ``s`` reads input ``i`` as data parallelism does: whole on every device,
     its gradient a partial sum on every axis."""
-    return all(lay == WHOLE for lay in s.inputs[i]) and all(g == PARTIAL for g in s.grads[i])
+    return all(lay == REPLICATE for lay in s.inputs[i]) and all(g == PARTIAL for g in s.grads[i])
 
 
 def _with_zero(s: Strategy) -> Strategy:
@@ -280,7 +281,7 @@ def _layout(views: list[VTensor], full: Mask) -> str:
     masks = [v.mask for v in views]
     if all(m.index == full.index for m in masks):
         if all(m.value == full.value for m in masks):
-            return WHOLE
+            return REPLICATE
         return PARTIAL if len({m.value for m in masks}) == len(masks) else IRREGULAR
     if any(m.value != full.value for m in masks):
         return IRREGULAR
@@ -290,7 +291,7 @@ def _layout(views: list[VTensor], full: Mask) -> str:
         return IRREGULAR
     axis = axes.pop()
     starts = [m.index[axis][0] for m in masks]
-    return f"S{axis}" if starts == sorted(starts) and len(set(starts)) == len(starts) \
+    return shard(axis) if starts == sorted(starts) and len(set(starts)) == len(starts) \
         else IRREGULAR
 
 
@@ -298,12 +299,12 @@ def _grad_layout(read: str, shares: list, parent: ValueRange | None = None) -> s
     """The gradient of an input read with layout ``read``: sliced as read, or partial
     where the pieces each yield a share of their parent's (an input read whole by cut
     pieces)."""
-    if read.startswith("S"):
+    if is_shard(read):
         return read
     if any(s is not None and s != (parent if parent is not None else ValueRange.FULL)
            for s in shares):
         return PARTIAL
-    return WHOLE
+    return REPLICATE
 
 
 @dataclass
@@ -344,7 +345,7 @@ class Pricer:
                 + self.cluster.collective("all_reduce", size / k, across)
                 + self.cluster.collective("all_gather", size, inner))
 
-    def change(self, src: Layout, dst: Layout, size: int) -> float:
+    def change(self, src: Placements, dst: Placements, size: int) -> float:
         """Turn a tensor of ``size`` bytes held as ``src`` into ``dst``, one axis at a time
         on the slice the other axes leave each device."""
         key = (src, dst, size)
@@ -352,40 +353,40 @@ class Pricer:
             self._changes[key] = self._change(src, dst, size)
         return self._changes[key]
 
-    def _change(self, src: Layout, dst: Layout, size: int) -> float:
+    def _change(self, src: Placements, dst: Placements, size: int) -> float:
         total = 0.0
         for axis, (s, d) in enumerate(zip(src, dst)):
             n = self.mesh.shape[axis]
             if s == d or n == 1:
                 continue
             others = math.prod(m for a, (lay, m) in enumerate(zip(src, self.mesh.shape))
-                               if a != axis and lay.startswith("S"))
+                               if a != axis and is_shard(lay))
             total += self._axis_change(s, d, size / others, axis, n)
         return total
 
     def _axis_change(self, src: str, dst: str, size: float, axis: int, n: int) -> float:
-        if dst == PARTIAL and src == WHOLE or dst.startswith("S") and src == WHOLE:
+        if dst == PARTIAL and src == REPLICATE or is_shard(dst) and src == REPLICATE:
             return 0.0  # a value share or a slice of a whole tensor: local
         if src == PARTIAL:
-            kind = "reduce_scatter" if dst.startswith("S") else "all_reduce"
+            kind = "reduce_scatter" if is_shard(dst) else "all_reduce"
             return self.collective(kind, size, axis, levels=True)
-        if src.startswith("S") and dst.startswith("S"):
+        if is_shard(src) and is_shard(dst):
             return self.collective("all_to_all", size / n, axis)  # each holds its slice
         return self.collective("all_gather", size, axis)  # sliced -> whole or partial
 
-    def reduction(self, grads: Layout, read: Layout, size: int) -> float:
+    def reduction(self, grads: Placements, read: Placements, size: int) -> float:
         """A weight gradient's share of the all-reduces that sum a step's gradients at once
         over each axis it is partial on: its bytes' time, the call's latency aside."""
         total = 0.0
         for axis, g in enumerate(grads):
             if g == PARTIAL and self.mesh.shape[axis] > 1:
                 others = math.prod(m for a, (lay, m) in enumerate(zip(read, self.mesh.shape))
-                                   if a != axis and lay.startswith("S"))
+                                   if a != axis and is_shard(lay))
                 total += self.collective("all_reduce", size / others, axis) - \
                     self.collective("all_reduce", 0, axis)
         return total
 
-    def zero_calls(self, grads: Layout) -> float:
+    def zero_calls(self, grads: Placements) -> float:
         """A weight updated in pieces is summed and gathered on its own, not in the step's
         one all-reduce: two calls' latency per axis (the bytes are an all-reduce's)."""
         return sum(self.collective("reduce_scatter", 0, a) + self.collective("all_gather", 0, a)

@@ -24,6 +24,7 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from chronotope.compile.rvd import PARTIAL
 from chronotope.cost.network import Cluster
 from chronotope.graph.axes import batch_dims, loss_tails
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
@@ -32,7 +33,6 @@ from chronotope.plan.plan import Plan, differentiable
 from chronotope.policies.mesh import _crossing
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
-    PARTIAL,
     ConstraintError,
     Mesh,
     Pricer,
