@@ -439,6 +439,11 @@ class StepContext:
             out[where] += t * scale if scale != 1 else t
         return out
 
+    def add(self, dtype: torch.dtype, *parts: torch.Tensor) -> torch.Tensor:
+        """Whole values of one tensor added up (in ``dtype``, as ``assemble`` sums them)."""
+        whole = tuple(slice(0, n) for n in parts[0].shape)
+        return self.assemble(tuple(parts[0].shape), dtype, [(t, whole, 1.0) for t in parts])
+
     @staticmethod
     def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         """A running sum made here and read nowhere else, with one more part added in place."""
