@@ -20,11 +20,11 @@ from chronotope.search.build import build
 from chronotope.search.drec import (
     DRecError,
     Pricing,
+    balanced_stages,
     bubble_ratio,
     cost_of,
     drec,
     joint,
-    split_stages,
     tail_factors,
 )
 
@@ -138,16 +138,16 @@ def test_tail_factors_follow_algorithm_2():
 
 def test_bubble_ratio_and_stage_split():
     assert bubble_ratio(1, 8) == 1 and bubble_ratio(4, 8) == 11 / 8
-    assert split_stages([1.0] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert split_stages([0.1] * 6, 3) == [0, 0, 1, 1, 2, 2]
-    assert split_stages([100, 1, 1, 1], 3) == [0, 1, 1, 2]  # no stage left empty
-    assert split_stages([0, 0, 0, 0], 2) == [0, 0, 1, 1]
+    assert balanced_stages([1.0] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert balanced_stages([0.1] * 6, 3) == [0, 0, 1, 1, 2, 2]
+    assert balanced_stages([100, 1, 1, 1], 3) == [0, 1, 1, 2]  # no stage left empty
+    assert balanced_stages([0, 0, 0, 0], 2) == [0, 0, 1, 1]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(0, 100), min_size=1, max_size=20), st.integers(1, 8))
 def test_stages_are_consecutive_never_too_many_and_none_empty(costs, stages):
-    split = split_stages(costs, stages)
+    split = balanced_stages(costs, stages)
     assert split[0] == 0 and all(b - a in (0, 1) for a, b in zip(split, split[1:]))
     assert split[-1] == min(stages, len(costs)) - 1
 

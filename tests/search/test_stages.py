@@ -20,7 +20,7 @@ from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import zero_weights
 from chronotope.search.build import build_pipeline
 from chronotope.search.space import strategies
-from chronotope.search.stages import cut_positions, on_micro_batches, pipelines, split
+from chronotope.search.stages import cut_positions, on_micro_batches, pipelines, stage_bounds
 
 
 @settings(max_examples=60, deadline=None)
@@ -29,7 +29,7 @@ def test_the_cuts_minimise_the_slowest_stage_as_brute_force_does(seconds, stages
     cuts = data.draw(st.lists(st.integers(1, len(seconds) - 1), unique=True).map(sorted))
     if stages > len(cuts) + 1:
         return
-    bounds = split(seconds, cuts, stages)
+    bounds = stage_bounds(seconds, cuts, stages)
     assert bounds[0] == 0 and bounds[-1] == len(seconds) and len(bounds) == stages + 1
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
     assert set(bounds[1:-1]) <= set(cuts)

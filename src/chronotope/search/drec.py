@@ -397,7 +397,7 @@ def bubble_ratio(stages: int, micro: int) -> float:
     return (stages + micro - 1) / micro
 
 
-def split_stages(costs: Sequence[float], stages: int) -> list[int]:
+def balanced_stages(costs: Sequence[float], stages: int) -> list[int]:
     """Each item's stage: consecutive items fill a stage up to an equal share of the total
     (the thesis's Algorithm 5), never more than ``stages`` of them, none left empty while
     items remain for it. Items that cost nothing at all are shared out by count."""
@@ -465,7 +465,7 @@ def _pipeline(pricing: Pricing, stages: int, choice: Choice, compute: Mapping[Op
         moved[consumer] += cost
     weight = [compute.get(op, 0.0) / width + bill.own[op] + gamma * bill.sync[op] + moved[op]
               for op in graph.ops]
-    stage_of = dict(zip(graph.ops, split_stages(weight, stages)))
+    stage_of = dict(zip(graph.ops, balanced_stages(weight, stages)))
     busy, sync = [0.0] * stages, [0.0] * stages
     for op in graph.ops:
         busy[stage_of[op]] += compute.get(op, 0.0) / width + bill.own[op]
@@ -477,5 +477,5 @@ def _pipeline(pricing: Pricing, stages: int, choice: Choice, compute: Mapping[Op
     return Pipeline(stages, stage_of, choice, cost)
 
 
-__all__ = ["DRec", "DRecError", "Pipeline", "Pricing", "bubble_ratio", "cost_of", "drec",
-           "joint", "rounds_for", "split_stages", "tail_factors"]
+__all__ = ["DRec", "DRecError", "Pipeline", "Pricing", "balanced_stages", "bubble_ratio", "cost_of",
+           "drec", "joint", "rounds_for", "tail_factors"]

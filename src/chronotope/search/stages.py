@@ -100,7 +100,8 @@ def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None
             continue
         sends = {c: _sent(crossed[c], s, (0, d), cluster) for c in cuts}  # before the
         # split, no cut knows its devices: priced between the first two stages'
-        bounds = split(op_seconds(graph, whole.choice, whole.mesh, cluster, s), cuts, s, sends)
+        seconds = op_seconds(graph, whole.choice, whole.mesh, cluster, s)
+        bounds = stage_bounds(seconds, cuts, s, sends)
         stages = [graph.ops[bounds[i]:bounds[i + 1]] for i in range(s)]
         stage_of = {op: i for i, ops in enumerate(stages) for op in ops}
         shared = shared_weights(graph, stage_of)
@@ -340,8 +341,8 @@ def op_seconds(graph: Graph, choice: dict[Op, Strategy], mesh: Mesh, cluster: Cl
     return out
 
 
-def split(seconds: Sequence[float], cuts: Sequence[int], stages: int,
-          sends: Mapping[int, float] | None = None) -> list[int]:
+def stage_bounds(seconds: Sequence[float], cuts: Sequence[int], stages: int,
+                           sends: Mapping[int, float] | None = None) -> list[int]:
     """Stage bounds ``[0, c1, ..., len(seconds)]`` at ``cuts`` that minimise the slowest
     stage's total, with what it sends and receives at its cuts (``sends``: seconds per
     cut; a cut before a loss sends the logits), then the sum of squares, for balance."""
