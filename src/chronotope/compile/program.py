@@ -22,6 +22,7 @@ import torch
 
 from chronotope.graph.ir import PTensor
 from chronotope.graph.mask import Mask
+from chronotope.plan.pause import collector_paused
 from chronotope.plan.plan import Fusion, Plan, PlanOp
 from chronotope.plan.steps import Cell
 from chronotope.plan.storage import Owned, replica_run
@@ -584,4 +585,5 @@ class Program:
         forward pieces as functions for ``torch.compile`` (``compile/compiled_regions.py``)."""
         from chronotope.compile.codegen import render
 
-        return render(self, rank % self.ndevices, regions=regions)
+        with collector_paused():
+            return render(self, rank % self.ndevices, regions=regions)

@@ -1,4 +1,4 @@
-"""Python's cycle collector paused while a large plan is checked or compiled.
+"""Python's cycle collector paused while a large plan is checked, compiled or written out.
 
 Checking and compiling make hundreds of thousands of small objects (pieces, masks,
 instructions) and free few of them: each of the collector's full passes walks them

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph
+from chronotope.plan.pause import collector_paused
 from chronotope.plan.plan import Plan
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import mesh
@@ -213,4 +214,5 @@ def make(graph: Graph, config: ParallelConfig, say: Spelling = KEYWORDS) -> Plan
         value = getattr(config, name)
         if value is not None and value not in ACTIVATIONS:
             raise PlanError(f"{say.said(name, value)}: use one of {', '.join(ACTIVATIONS)}")
-    return policy.build(graph, config, say)
+    with collector_paused():  # (a large plan's pieces: see plan/pause.py)
+        return policy.build(graph, config, say)
