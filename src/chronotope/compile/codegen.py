@@ -371,7 +371,8 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None) -> l
         if ins.accumulate:
             total, part = ins.parts
             return [f"{ins.var} = rt.add_into({total.src}, {part.src})"]
-        if all(p.scale == 1 and covers(p.dst_slices, ins.shape) for p in ins.parts):  # a sum
+        if len(ins.parts) > 1 and all(p.scale == 1 and covers(p.dst_slices, ins.shape)
+                                      for p in ins.parts):  # a sum of whole values
             return [f"{ins.var} = rt.add({ins.dtype}, "
                     f"{', '.join(p.src + _index(p.src_slices) for p in ins.parts)})"]
         parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
