@@ -55,10 +55,9 @@ def placement(code: str) -> Placement:
         return Replicate()
     if code == PARTIAL:
         return Partial()
-    dim = shard_dim(code)
-    if dim is None:
+    if not (is_shard(code) and code[1:2] == "(" and code[2:-1].isdigit() and code[-1] == ")"):
         raise PlanError(f"{code!r} is no placement: R, P or S(<dim>)")
-    return Shard(dim)
+    return Shard(int(code[2:-1]))
 
 
 def placement_code(p: Placement) -> str:
