@@ -50,26 +50,42 @@ class _Entry(torch.autograd.Function):
 
 
 class _Entered:
-    """One piece's entry: its node, its anchor and what a missing gradient's zeros are
-    shaped like (neither the inputs nor what the piece reads of them are kept)."""
+    """One piece's entry. A tensor the rank stores (a parameter region) enters as a leaf of
+    its own, an alias autograd is asked about directly; any other passes through the
+    entry's node, which keeps nothing of it, and ``anchor``, an empty leaf, is what is asked
+    for it. What a missing gradient's zeros are shaped like is kept, not the tensors."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.anchor = torch.empty(0, requires_grad=True)
+    def __init__(self, tensors: Sequence[torch.Tensor], stored: Sequence[bool]) -> None:
+        self.stored = stored
+        self.passed = not all(stored)
+        self.anchor = torch.empty(0, requires_grad=True) if self.passed else None
         self.node: Any = None
+        self.leaves: list[torch.Tensor] = []
         self.like = [(t.shape, t.dtype, t.device) for t in tensors]
 
     def enter(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """What the piece reads: ``tensors`` passed through the entry's node."""
-        if not tensors:
-            return ()
-        outs = _Entry.apply(self.anchor, *tensors)
+        """What the piece reads: ``tensors`` as leaves or through the entry's node."""
+        self.leaves = [t.detach().requires_grad_() for t, s in zip(tensors, self.stored) if s]
+        if not self.passed:
+            return tuple(self.leaves)
+        outs = _Entry.apply(self.anchor, *(t for t, s in zip(tensors, self.stored) if not s))
         self.node = outs[0].grad_fn
-        return outs
+        leaves, passed = iter(self.leaves), iter(outs)
+        return tuple(next(leaves) if s else next(passed) for s in self.stored)
 
-    def grads(self) -> list[torch.Tensor]:
-        found = (self.node.found if self.node is not None else None) or (None,) * len(self.like)
+    def asked(self) -> list[torch.Tensor]:
+        """What autograd is asked for: the anchor (if any tensor passed), then the leaves."""
+        return ([self.anchor] if self.anchor is not None else []) + self.leaves
+
+    def grads(self, found: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Each tensor's gradient, from what autograd found for ``asked()`` (zeros where
+        none reached it)."""
+        through = iter((self.node.found if self.node is not None else None)
+                       or (None,) * len(self.like))
+        leaves = iter(found[1:] if self.anchor is not None else found)
+        got = [next(leaves) if s else next(through) for s in self.stored]
         return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                for g, (shape, dtype, device) in zip(found, self.like)]
+                for g, (shape, dtype, device) in zip(got, self.like)]
 
 
 class StepContext:
@@ -99,6 +115,8 @@ class StepContext:
         self.transport = transport
         self.targets = targets
         self.entries: dict[str, _Entered] = {}
+        # what the rank stores: a piece reads these as leaves of its own (``_Entered``)
+        self._stored = {id(t) for t in stored.values()} | {id(t) for t in owned.values()}
         # each piece's outputs as where their gradients enter its graph (None: no gradient)
         self.outputs: dict[str, tuple[GradientEdge | None, ...]] = {}
         # split backward: leaves whose gradients ``weight`` computes, and what it starts from
@@ -163,7 +181,7 @@ class StepContext:
         split) as leaves whose gradients ``weight`` computes, not ``backward``."""
         later = tuple(later) or (False,) * len(tensors)
         entering = [t for t, g, w in zip(tensors, grad, later) if g and not w]
-        entry = _Entered(entering)
+        entry = _Entered(entering, [id(t) in self._stored for t in entering])
         name = self._key(name)
         self.entries[name] = entry
         entered = iter(entry.enter(entering))
@@ -198,17 +216,23 @@ class StepContext:
             if name in self.later:
                 kept.append((name, [o for o in made if o is not None]))
         entries = [e for name in pieces if (e := self.entries.pop(self._key(name), None))]
-        anchors = [e.anchor for e in entries if e.like]
+        asked = [e.asked() for e in entries]
+        flat = [t for ts in asked for t in ts]
         at = [o for _, outs in kept for o in outs]  # their total gradient, captured
-        found: Sequence[torch.Tensor | None] = [None] * (len(anchors) + len(at))
-        if outputs and (anchors or at):
+        found: Sequence[torch.Tensor | None] = [None] * (len(flat) + len(at))
+        if outputs and (flat or at):
             with self._backward_mode():
-                found = torch.autograd.grad(outputs, anchors + at, grads, allow_unused=True,
+                found = torch.autograd.grad(outputs, flat + at, grads, allow_unused=True,
                                             retain_graph=bool(at))
-        captured = iter(found[len(anchors):])
+        captured = iter(found[len(flat):])
         for name, outs in kept:
             self.kept[name] = (outs, [next(captured) for _ in outs])
-        return tuple(g for e in entries for g in e.grads())
+        out: list[torch.Tensor] = []
+        start = 0
+        for e, ts in zip(entries, asked):
+            out += e.grads(found[start:start + len(ts)])
+            start += len(ts)
+        return tuple(out)
 
     def weight(self, name: str) -> tuple[torch.Tensor, ...]:
         """The gradients of piece ``name``'s parameters, from what its ``backward`` kept:
