@@ -11,7 +11,7 @@ from torch import nn
 import chronotope as ct
 from chronotope.models import get_workload
 from chronotope.policies import tensor_parallel
-from chronotope.policies.mesh import Shard
+from chronotope.policies.mesh import TpSplit
 from chronotope.schedule.lower import analyse
 
 
@@ -63,11 +63,11 @@ def test_sub_schedules_mirror_the_module_tree_and_own_their_ops(gpt):
 def test_shard_cuts_columns_then_follows_the_heads_to_the_row_linear(gpt):
     layout, tp, pp = analyse(gpt[1], megatron(fresh(gpt))._state.steps)
     assert (tp, pp) == (2, 1)
-    shards = {op.name: layout.shards.get(op) for op in gpt[1].ops}
-    assert shards["linear"] == Shard("n", 3)  # q, k, v side by side: each cut in two
-    assert shards["scaled_dot_product_attention"] == Shard("b1")  # the heads
-    assert shards["linear_1"] == Shard("k")  # row: partial sums
-    assert shards["add_1"] is None and shards["layer_norm"] is None  # after the sync: whole
+    splits = {op.name: layout.splits.get(op) for op in gpt[1].ops}
+    assert splits["linear"] == TpSplit("n", 3)  # q, k, v side by side: each cut in two
+    assert splits["scaled_dot_product_attention"] == TpSplit("b1")  # the heads
+    assert splits["linear_1"] == TpSplit("k")  # row: partial sums
+    assert splits["add_1"] is None and splits["layer_norm"] is None  # after the sync: whole
 
 
 def test_megatron_schedule_equals_the_tp_policy_in_traffic_and_trains_like_one_device(gpt,
@@ -101,7 +101,7 @@ def test_a_tied_weight_is_sharded_by_any_of_its_names(gpt):
     sch["lm_head"].sync(mode="fwd_post", op="all_gather")
     layout, _, _ = analyse(gpt[1], sch._state.steps)
     lookup, head = gpt[1].op("embedding"), gpt[1].op("linear_16")
-    assert layout.shards[head] == Shard("n") and layout.shards.get(lookup) is None
+    assert layout.splits[head] == TpSplit("n") and layout.splits.get(lookup) is None
     matches(sch)
 
 
@@ -111,7 +111,7 @@ def test_a_shard_written_from_an_ancestor_lets_the_module_sync(gpt):
     sch["h.0"].shard("mlp.c_proj.weight", axis=1)
     sch["h.0.mlp.c_proj"].sync(mode="fwd_post", op="all_reduce")
     layout, _, _ = analyse(gpt[1], sch._state.steps)
-    assert layout.shards[gpt[1].op("linear_3")] == Shard("k")
+    assert layout.splits[gpt[1].op("linear_3")] == TpSplit("k")
     matches(sch)
 
 
@@ -420,7 +420,7 @@ def test_a_registered_primitive_is_a_method_of_every_schedule(gpt, gallery):
     assert "sch['h.0.attn.c_attn'].shard('weight', axis=0)" in sch.steps
     assert "sch['h.0.mlp.c_proj'].sync(mode='fwd_post', op='all_reduce')" in sch.steps
     layout, _, _ = analyse(gpt[1], sch._state.steps)
-    assert layout.shards[gpt[1].op("linear")] == Shard("n", 3)
+    assert layout.splits[gpt[1].op("linear")] == TpSplit("n", 3)
     matches(sch)
     with pytest.raises(ct.ScheduleError, match="'shard' is a built-in schedule primitive"):
         ct.schedule_primitive(lambda sch: sch, name="shard")

@@ -53,8 +53,10 @@ from chronotope.policies.pipeline import (
 
 
 @dataclass(frozen=True)
-class Shard:
-    """How tensor parallelism cuts one op: along ``dim``, first into ``chunks`` equal runs.
+class TpSplit:
+    """How tensor parallelism splits one op (``plan.trans`` with ``Split``): along its
+    signature's ``dim``, first into ``chunks`` equal runs. An op's partition, not a
+    tensor's placement (``compile/rvd.py``'s ``shard(d)`` is that).
 
     A fused projection (q, k and v side by side) is cut into its ``chunks`` first,
     so that device ``j`` gets part ``j`` of each and its readers find them locally.
@@ -71,7 +73,7 @@ class Choices:
     it is not cut, its pipeline stage, which of its group's devices run it, and which
     ops' activations are made again or swapped (besides ``recompute`` and ``swap``)."""
 
-    shards: dict[Op, Shard | None] = field(default_factory=dict)
+    splits: dict[Op, TpSplit | None] = field(default_factory=dict)
     seq: dict[Op, str | None] = field(default_factory=dict)
     stage: dict[Op, int] | None = None  # None: ``stages`` cuts the model
     devices: dict[Op, tuple[int, ...]] = field(default_factory=dict)  # in the group; no pp
@@ -80,12 +82,12 @@ class Choices:
     fused: dict[str, Fusion] = field(default_factory=dict)  # ops run in one compiled function
 
 
-def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
+def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, TpSplit | None]:
     """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it."""
     readers = _readers(graph)
     axis: dict[PTensor, int] = {}
     fused: dict[PTensor, int] = {}
-    out: dict[Op, Shard | None] = {}
+    out: dict[Op, TpSplit | None] = {}
     for op in graph.ops:
         out[op] = None
         if op.signature is None:
@@ -96,12 +98,12 @@ def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, Shard | None]:
             chunks = still_fused(op, fused)
         elif (dim := column_dim(op)) is not None:
             chunks = fused_parts(op.outputs[0], readers)
-        shard = Shard(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
+        split = TpSplit(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
             else None
-        if shard is not None:
-            carry(op, shard.dim, axis)
-            fused.update({t: shard.chunks for t in op.outputs if shard.chunks > 1})
-        out[op] = shard
+        if split is not None:
+            carry(op, split.dim, axis)
+            fused.update({t: split.chunks for t in op.outputs if split.chunks > 1})
+        out[op] = split
     return out
 
 
@@ -307,7 +309,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if choices is None:
         choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
                           sequence_dims(graph) if sequence and tp > 1 else {})
-        if tp > 1 and coshard == 1 and not any(choices.shards.values()) \
+        if tp > 1 and coshard == 1 and not any(choices.splits.values()) \
                 and not any(choices.seq.values()):
             raise PlanError(_splits_nothing(graph, tp))
     if choices.devices and pp > 1:
@@ -340,8 +342,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     rank_of = _placement(orders, pp, chunks * ways)
     if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
         plan.unsplit = unsplit
-    shards, seq = choices.shards, choices.seq
-    spans = _spans(graph, shards) if coshard > 1 else {}
+    splits, seq = choices.splits, choices.seq
+    spans = _spans(graph, splits) if coshard > 1 else {}
     if coshard > 1 and not spans:
         raise PlanError(f"nothing in {graph.name} splits {tp * coshard} ways (tp {tp} x "
                         f"coshard {coshard}): heads and features must divide by it")
@@ -364,7 +366,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                 cut = batch_cut(op, batch_dim, tails, micro // ways)
                 micros = [plan.template(piece, cut)] if fold else plan.trans(piece, cut)
             for m, sub in enumerate(micros):
-                parts = _tensor_parallel(plan, sub, shards.get(op), seq.get(op), devices,
+                parts = _tensor_parallel(plan, sub, splits.get(op), seq.get(op), devices,
                                          coshard if op in spans else 1)
                 if op in spans:
                     for c, pieces in enumerate(parts):
@@ -390,7 +392,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     return plan
 
 
-def _spans(graph: Graph, shards: dict[Op, Shard | None]) -> dict[Op, int]:
+def _spans(graph: Graph, splits: dict[Op, TpSplit | None]) -> dict[Op, int]:
     """Split ops connected through what they read from each other, numbered: the runs a
     co-shard part goes through before the next part starts. Only runs that end in a sum
     (an attention, an MLP: a split reduced dim) are kept; a run whose pieces are read
@@ -405,14 +407,14 @@ def _spans(graph: Graph, shards: dict[Op, Shard | None]) -> dict[Op, int]:
         return op
 
     for op in graph.ops:
-        if shards.get(op) is None:
+        if splits.get(op) is None:
             continue
         root[op] = op
         for t in op.inputs:
             other = made_by.get(t)
             if other in root:
                 root[find(other)] = find(op)
-    summed = {find(op) for op in root if _reduces(op, shards[op].dim)}
+    summed = {find(op) for op in root if _reduces(op, splits[op].dim)}
     ids: dict[Op, int] = {}
     return {op: ids.setdefault(find(op), len(ids)) for op in root if find(op) in summed}
 
@@ -634,15 +636,15 @@ def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, 
     plan.micro_batches(micro, steps)
 
 
-def _tensor_parallel(plan: Plan, piece: PlanOp, shard: Shard | None, seq: str | None,
+def _tensor_parallel(plan: Plan, piece: PlanOp, tp: TpSplit | None, seq: str | None,
                      devices: Sequence[int], coshard: int = 1) -> list[list[PlanOp]]:
     """Split and place one piece over the tensor-parallel ``devices``; a sharded op is cut
     ``coshard`` times as many ways, consecutive pieces on one device. Returns the sharded
     pieces by co-shard part (empty when the op is not sharded)."""
-    if shard is not None:
+    if tp is not None:
         n = len(devices) * coshard
-        chunks = plan.trans(piece, Split(shard.dim, shard.chunks)) if shard.chunks > 1 else [piece]
-        cut = [plan.trans(c, Split(shard.dim, n)) for c in chunks]
+        chunks = plan.trans(piece, Split(tp.dim, tp.chunks)) if tp.chunks > 1 else [piece]
+        cut = [plan.trans(c, Split(tp.dim, n)) for c in chunks]
         for subs in cut:
             for k, sub in enumerate(subs):
                 plan.assign(sub, devices[k // coshard])

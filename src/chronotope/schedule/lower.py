@@ -31,7 +31,7 @@ from chronotope.graph.axes import carry, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan import Plan
 from chronotope.plan.plan import Fusion
-from chronotope.policies.mesh import Choices, Shard, fused_parts, mesh, still_fused
+from chronotope.policies.mesh import Choices, TpSplit, fused_parts, mesh, still_fused
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -131,7 +131,7 @@ def analyse(graph: Graph, steps: Steps) -> tuple[Choices, int, int]:
     for op in graph.ops:
         flow.visit(op)
     flow.finish()
-    return Choices(flow.shards, flow.seq, stage, devices, steps.recompute, steps.swap,
+    return Choices(flow.splits, flow.seq, stage, devices, steps.recompute, steps.swap,
                   steps.fused), tp, pp
 
 
@@ -174,7 +174,7 @@ class _Flow:
         self.axis: dict[PTensor, int] = {}  # the cut axis of a split or sequence tensor
         self.fused: dict[PTensor, int] = {}  # a cut tensor's fused parts (q, k, v side by side)
         self.origin: dict[PTensor, str] = {}  # the module whose shard a cut tensor comes from
-        self.shards: dict[Op, Shard | None] = {}
+        self.splits: dict[Op, TpSplit | None] = {}
         self.seq: dict[Op, str | None] = {}
         self.used: set[Sync] = set()
         self.used_shards: set[ShardStep] = set()
@@ -291,7 +291,7 @@ class _Flow:
                 f"{why[0][1]}: op {op.name} ({_where(op)}) would cut its dim {dim} of size "
                 f"{sizes[dim]} into {parts}, which does not divide it. Choose a device count "
                 "that divides it, or leave this module whole")
-        self.shards[op] = Shard(dim, chunks)
+        self.splits[op] = TpSplit(dim, chunks)
         if whole_in and not reduces:
             self.grad_sums[op] = grad_sum
         if reduces:

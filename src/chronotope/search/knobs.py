@@ -202,12 +202,12 @@ class Model:
         if key not in self._choices:
             space = strategies(self.graph, Mesh((tp,)), self.cluster, whole=self.whole,
                                dtype=self.dtype)
-            shards = tensor_parallel_dims(self.graph, tp) if tp > 1 else {}
+            splits = tensor_parallel_dims(self.graph, tp) if tp > 1 else {}
             seq = sequence_dims(self.graph) if sequence else {}
             out = {}
             for op in self.ops:
-                shard = shards.get(op)
-                dim = shard.dim if shard is not None else seq.get(op)
+                split = splits.get(op)
+                dim = split.dim if split is not None else seq.get(op)
                 wanted = (Split(dim, tp),) if dim is not None and tp > 1 else (Replicate(tp),)
                 found = [s for s in space.get(op, ()) if not s.zero]
                 pick = next((s for s in found if s.algos == wanted), None) or next(
