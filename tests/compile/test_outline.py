@@ -173,7 +173,8 @@ def test_every_generated_statement_is_read_by_its_parts_as_the_ast_reads_it():
                   line.startswith("    ") and not line.startswith("     ") and
                   not after.startswith("     ")}  # (a statement on one line)
     read = [line for line in lines if _scanned(line) is not None]
-    assert len(read) > 0.9 * len(lines)
+    written = {line for line in lines if "f'" not in line}  # f-strings: outlining's output
+    assert len(read) > 0.9 * len(written)
     for line in read:
         scanned, parsed = _scanned(line), _parsed([line])
         assert scanned[:4] == (parsed.kind, parsed.found, parsed.end[1], parsed.target), line

@@ -11,8 +11,8 @@ import builtins
 import importlib
 import math
 import re
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -58,9 +58,10 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.graph import rng
-from chronotope.graph.ir import DEVICE, PTensor
+from chronotope.graph.ir import DEVICE, Graph, Op, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
+from chronotope.plan.plan import PlanOp
 
 _RNG = r"rng\."  # the counter-based random ops, as generated code calls them
 
@@ -94,7 +95,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
     items: list[Instruction | Region] = \
         compiled_regions(code, rest=regions) if regions or fused else list(code)
-    autograd = _Autograd.of(code)
+    autograd = _Autograd.of(code, program.plan.graph)
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)
     # ticks time each instruction: views stay one line each there
@@ -226,7 +227,7 @@ def _region(region: Region, k: int, read_later: set[str],
                 passing = [o for o, g in zip(ins.outs, ins.out_grad) if g]
                 left.update(o for o, a in zip(passing, at) if a)
                 kept = [o if a else "None" for o, a in zip(passing, at)]
-                leave.append(f"rt.leave({ins.op.name!r}, ({_names(kept)}))")
+                leave.append(f"rt.leave({autograd.key(ins.op)!r}, ({_names(kept)}))")
             inside += [piece.comment, *piece.call]
             needs = piece.reads
         else:
@@ -274,9 +275,17 @@ class _Autograd:
     arriving: dict[str, tuple[bool, ...]]  # per piece, by output that passes a gradient back
     leaving: frozenset[str]
     listed: frozenset[str]
+    keys: Mapping[Op, str]  # what ``rt`` calls each op's pieces (``piece_keys``)
+
+    def key(self, piece: PlanOp) -> str:
+        """The name ``rt`` keeps ``piece``'s autograd state under."""
+        base = self.keys.get(piece.op)
+        if base is None or not piece.name.startswith(piece.op.name):
+            return piece.name
+        return base + piece.name[len(piece.op.name):]
 
     @staticmethod
-    def of(code: list[Instruction]) -> _Autograd:
+    def of(code: list[Instruction], graph: Graph) -> _Autograd:
         arriving = {op.forward_op.name: tuple(g is not None for g in grads)
                     for ins in code if isinstance(ins, Backward)
                     for op, grads in zip(ins.ops, ins.grad_outputs)}
@@ -287,7 +296,23 @@ class _Autograd:
         leaving = frozenset({n for n, at in arriving.items() if any(at)} |
                             {f.op.name for f in forwards if any(f.later)})
         entered = {f.op.name for f in forwards if any(f.leaf(i) for i in range(len(f.ins)))}
-        return _Autograd(arriving, leaving, leaving | entered)
+        return _Autograd(arriving, leaving, leaving | entered, piece_keys(graph))
+
+
+def piece_keys(graph: Graph) -> dict[Op, str]:
+    """What the generated code calls each op's pieces when it asks ``rt`` for their
+    autograd state: the op's module and kind, and its count among that module's ops of
+    that kind (``h.3.attn:view#2``; ``add#1`` at the top level). A repeated layer's keys
+    differ only by the layer's path, which its outlined function is given: no piece
+    names as arguments."""
+    seen: Counter[tuple[str, str]] = Counter()
+    out = {}
+    for op in graph.ops:
+        module = op.source.module if op.source else ""
+        n = seen[(module, op.kind)]
+        seen[(module, op.kind)] += 1
+        out[op] = (f"{module}:" if module else "") + op.kind + (f"#{n}" if n else "")
+    return out
 
 
 def _splits(code: list[Instruction]) -> dict[int, list[str]]:
@@ -361,7 +386,7 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None) -> l
         return _backward(ins, autograd)
     if isinstance(ins, WeightGrad):
         return [f"# {ins.op.name}: weight gradients of {ins.op.forward_op.name}",
-                f"{_targets(ins.outs)} = rt.weight({ins.op.forward_op.name!r})"]
+                f"{_targets(ins.outs)} = rt.weight({_key(ins.op.forward_op, autograd)!r})"]
     if isinstance(ins, Send):
         return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Assemble):
@@ -530,15 +555,20 @@ def _backward(ins: Backward, autograd: _Autograd | None) -> list[str]:
 
 def _backward_call(ins: Backward, autograd: _Autograd | None) -> list[str]:
     names = [op.forward_op.name for op in ins.ops]
-    arriving = ", ".join(f"{name!r}: ({_names([g or 'None' for g in grads])})"
-                         for name, grads in zip(names, ins.grad_outputs)
+    keys = [_key(op.forward_op, autograd) for op in ins.ops]
+    arriving = ", ".join(f"{key!r}: ({_names([g or 'None' for g in grads])})"
+                         for key, grads in zip(keys, ins.grad_outputs)
                          if any(g is not None for g in grads))
-    pieces = [n for n in names if autograd is None or n in autograd.listed]
+    pieces = [k for n, k in zip(names, keys) if autograd is None or n in autograd.listed]
     outs = [v for vs in ins.outs for v in vs if v is not None]
     call = f"rt.backward({{{arriving}}}, ({_names([repr(p) for p in pieces])}))"
     if len(names) > 1:
         return [f"# backward of {len(names)} pieces in one call", f"{_targets(outs)} = {call}"]
     return [f"{_targets(outs)} = {call}"]
+
+
+def _key(piece: PlanOp, autograd: _Autograd | None) -> str:
+    return piece.name if autograd is None else autograd.key(piece)
 
 
 def _load(ins: Load) -> str:
@@ -609,7 +639,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
         entering = [i for i in entering if ins.ins[i] not in inside]
         leaves = [f"{ins_names[i]}_in" if ins.grad[i] else ins_names[i] for i in entering]
         later = f", later={tuple(ins.later[i] for i in entering)}" if ins.later else ""
-        entry.append(f"{_targets(leaves)} = rt.enter({op.name!r}, "
+        entry.append(f"{_targets(leaves)} = rt.enter({_key(op, autograd)!r}, "
                      f"({_names([ins_names[i] for i in entering])}), "
                      f"{tuple(ins.grad[i] for i in entering)}{later})")
         for i, leaf in zip(entering, leaves):
@@ -642,7 +672,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
     leave = []
     if any(ins.grad) and (autograd is None or op.name in autograd.leaving):
         rg = [o for o, g in zip(ins.outs, ins.out_grad) if g]
-        leave.append(f"rt.leave({op.name!r}, ({_names(rg)}))")
+        leave.append(f"rt.leave({_key(op, autograd)!r}, ({_names(rg)}))")
     return _Piece(f"# {op.name}: {op.op.kind}{where}", entry, calls, leave,
                   list(dict.fromkeys(made)), list(dict.fromkeys(reads)))
 
