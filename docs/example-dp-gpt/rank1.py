@@ -24,14 +24,14 @@ def step(rt):
     idx = rt.input('idx')[2:4, 0:32]
     # embedding.1: embedding  (gpt.py:128, wte)
     wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
-    idx, wte_weight_in = rt.enter('wte:embedding.1', (idx, wte_weight), (False, True))
+    idx, wte_weight_in = rt.enter('wte:1', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     del wte_weight_in
     del idx
     # embedding_1.1: embedding  (gpt.py:128, wpe)
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
-    arange, wpe_weight_in = rt.enter('wpe:embedding.1', (arange, wpe_weight), (False, True))
+    arange, wpe_weight_in = rt.enter('wpe:1', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     del wpe_weight_in
@@ -50,14 +50,13 @@ def step(rt):
     # layer_norm_8.1: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
-    (ln_f_weight_in, ln_f_bias_in) = rt.enter('ln_f:layer_norm.1', (ln_f_weight, ln_f_bias), (True,
-            True))
+    ln_f_weight_in, ln_f_bias_in = rt.enter('ln_f:1', (ln_f_weight, ln_f_bias), (True, True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
     del ln_f_weight_in, ln_f_bias_in
     del add_8
     # linear_16.1: linear  (gpt.py:131, lm_head)
-    wte_weight_in, = rt.enter('lm_head:linear.1', (wte_weight,), (True,))
+    wte_weight_in, = rt.enter('lm_head:1', (wte_weight,), (True,))
     linear_16 = torch.nn.functional.linear(layer_norm_8, wte_weight_in, None)
     del wte_weight_in
     del layer_norm_8
@@ -73,7 +72,7 @@ def step(rt):
     del cross_entropy_count_p1_pending
     # cross_entropy.1: truediv  (gpt.py:132)
     cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count_p1)
-    rt.leave('truediv.1', (cross_entropy,))
+    rt.leave('cross_entropy:1', (cross_entropy,))
     del cross_entropy_sum, cross_entropy_count_p1
     d_loss = rt.seed((), torch.float32)
     # backward of 96 pieces in one call
@@ -91,17 +90,13 @@ def step(rt):
             d_h_0_mlp_c_fc_weight, d_h_0_mlp_c_fc_bias, d_h_0_ln_2_weight, d_h_0_ln_2_bias,
             d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_h_0_attn_c_attn_weight,
             d_h_0_attn_c_attn_bias, d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight,
-            d_wte_weight_p1) = rt.backward({'truediv.1': (d_loss,)}, ('truediv.1',
-            'lm_head:linear.1', 'ln_f:layer_norm.1', 'h.3.mlp.c_proj:linear.1',
-            'h.3.mlp.c_fc:linear.1', 'h.3.ln_2:layer_norm.1', 'h.3.attn.c_proj:linear.1',
-            'h.3.attn.c_attn:linear.1', 'h.3.ln_1:layer_norm.1', 'h.2.mlp.c_proj:linear.1',
-            'h.2.mlp.c_fc:linear.1', 'h.2.ln_2:layer_norm.1', 'h.2.attn.c_proj:linear.1',
-            'h.2.attn.c_attn:linear.1', 'h.2.ln_1:layer_norm.1', 'h.1.mlp.c_proj:linear.1',
-            'h.1.mlp.c_fc:linear.1', 'h.1.ln_2:layer_norm.1', 'h.1.attn.c_proj:linear.1',
-            'h.1.attn.c_attn:linear.1', 'h.1.ln_1:layer_norm.1', 'h.0.mlp.c_proj:linear.1',
-            'h.0.mlp.c_fc:linear.1', 'h.0.ln_2:layer_norm.1', 'h.0.attn.c_proj:linear.1',
-            'h.0.attn.c_attn:linear.1', 'h.0.ln_1:layer_norm.1', 'wpe:embedding.1',
-            'wte:embedding.1'))
+            d_wte_weight_p1) = rt.backward({'cross_entropy:1': (d_loss,)}, ('cross_entropy:1',
+            'lm_head:1', 'ln_f:1', 'h.3.mlp.c_proj:1', 'h.3.mlp.c_fc:1', 'h.3.ln_2:1',
+            'h.3.attn.c_proj:1', 'h.3.attn.c_attn:1', 'h.3.ln_1:1', 'h.2.mlp.c_proj:1',
+            'h.2.mlp.c_fc:1', 'h.2.ln_2:1', 'h.2.attn.c_proj:1', 'h.2.attn.c_attn:1', 'h.2.ln_1:1',
+            'h.1.mlp.c_proj:1', 'h.1.mlp.c_fc:1', 'h.1.ln_2:1', 'h.1.attn.c_proj:1',
+            'h.1.attn.c_attn:1', 'h.1.ln_1:1', 'h.0.mlp.c_proj:1', 'h.0.mlp.c_fc:1', 'h.0.ln_2:1',
+            'h.0.attn.c_proj:1', 'h.0.attn.c_attn:1', 'h.0.ln_1:1', 'wpe:1', 'wte:1'))
     del d_loss
     (grad_ln_f_weight, grad_ln_f_bias, grad_h_3_mlp_c_proj_weight, grad_h_3_mlp_c_proj_bias,
             grad_h_3_mlp_c_fc_weight, grad_h_3_mlp_c_fc_bias, grad_h_3_ln_2_weight,
@@ -199,7 +194,7 @@ def h_forward(rt, at, add):
     # layer_norm.1: layer_norm  (gpt.py:100, h.0.ln_1)
     h_0_ln_1_weight = rt.param(f'{at}.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param(f'{at}.ln_1.bias', ((0, 64),))
-    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(f'{at}.ln_1:layer_norm.1', (h_0_ln_1_weight,
+    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(f'{at}.ln_1:1', (h_0_ln_1_weight,
             h_0_ln_1_bias), (True, True))
     layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
             bias=h_0_ln_1_bias_in, eps=1e-05)
@@ -207,7 +202,7 @@ def h_forward(rt, at, add):
     # linear.1: linear  (gpt.py:60, h.0.attn.c_attn)
     h_0_attn_c_attn_weight = rt.param(f'{at}.attn.c_attn.weight', ((0, 192), (0, 64)))
     h_0_attn_c_attn_bias = rt.param(f'{at}.attn.c_attn.bias', ((0, 192),))
-    (h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter(f'{at}.attn.c_attn:linear.1',
+    (h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter(f'{at}.attn.c_attn:1',
             (h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True))
     linear = torch.nn.functional.linear(layer_norm, h_0_attn_c_attn_weight_in,
             h_0_attn_c_attn_bias_in)
@@ -258,7 +253,7 @@ def h_forward(rt, at, add):
     # linear_1.1: linear  (gpt.py:73, h.0.attn.c_proj)
     h_0_attn_c_proj_weight = rt.param(f'{at}.attn.c_proj.weight', ((0, 64), (0, 64)))
     h_0_attn_c_proj_bias = rt.param(f'{at}.attn.c_proj.bias', ((0, 64),))
-    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in) = rt.enter(f'{at}.attn.c_proj:linear.1',
+    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in) = rt.enter(f'{at}.attn.c_proj:1',
             (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
     linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
             h_0_attn_c_proj_bias_in)
@@ -270,7 +265,7 @@ def h_forward(rt, at, add):
     # layer_norm_1.1: layer_norm  (gpt.py:101, h.0.ln_2)
     h_0_ln_2_weight = rt.param(f'{at}.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param(f'{at}.ln_2.bias', ((0, 64),))
-    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(f'{at}.ln_2:layer_norm.1', (h_0_ln_2_weight,
+    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(f'{at}.ln_2:1', (h_0_ln_2_weight,
             h_0_ln_2_bias), (True, True))
     layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
             bias=h_0_ln_2_bias_in, eps=1e-05)
@@ -278,7 +273,7 @@ def h_forward(rt, at, add):
     # linear_2.1: linear  (gpt.py:86, h.0.mlp.c_fc)
     h_0_mlp_c_fc_weight = rt.param(f'{at}.mlp.c_fc.weight', ((0, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param(f'{at}.mlp.c_fc.bias', ((0, 256),))
-    (h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(f'{at}.mlp.c_fc:linear.1',
+    (h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(f'{at}.mlp.c_fc:1',
             (h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True))
     linear_2 = torch.nn.functional.linear(layer_norm_1, h_0_mlp_c_fc_weight_in,
             h_0_mlp_c_fc_bias_in)
@@ -290,7 +285,7 @@ def h_forward(rt, at, add):
     # linear_3.1: linear  (gpt.py:86, h.0.mlp.c_proj)
     h_0_mlp_c_proj_weight = rt.param(f'{at}.mlp.c_proj.weight', ((0, 64), (0, 256)))
     h_0_mlp_c_proj_bias = rt.param(f'{at}.mlp.c_proj.bias', ((0, 64),))
-    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in) = rt.enter(f'{at}.mlp.c_proj:linear.1',
+    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in) = rt.enter(f'{at}.mlp.c_proj:1',
             (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
     linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
     del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in

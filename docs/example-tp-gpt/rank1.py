@@ -15,21 +15,21 @@ def step(rt):
     idx = rt.input('idx')
     # embedding.1: embedding  (gpt.py:128, wte)
     wte_weight = rt.param('wte.weight', ((0, 512), (0, 64)))
-    idx, wte_weight_in = rt.enter('wte:embedding.1', (idx, wte_weight), (False, True))
+    idx, wte_weight_in = rt.enter('wte:1', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     del wte_weight_in
     del idx
     # embedding_1.1: embedding  (gpt.py:128, wpe)
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
-    arange, wpe_weight_in = rt.enter('wpe:embedding.1', (arange, wpe_weight), (False, True))
+    arange, wpe_weight_in = rt.enter('wpe:1', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
     del wpe_weight_in
     del arange
     # add.1: add  (gpt.py:128)
     add = operator.add(embedding, embedding_1)
-    rt.leave('add.1', (add,))
+    rt.leave('add:1', (add,))
     del embedding, embedding_1
     add_2 = h_forward(rt, 'h.0', add)
     del add
@@ -40,18 +40,18 @@ def step(rt):
     # layer_norm_6.1: layer_norm  (gpt.py:100, h.3.ln_1)
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
-    (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('h.3.ln_1:layer_norm.1', (h_3_ln_1_weight,
+    (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('h.3.ln_1:1', (h_3_ln_1_weight,
             h_3_ln_1_bias), (True, True))
     layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in,
             bias=h_3_ln_1_bias_in, eps=1e-05)
-    rt.leave('h.3.ln_1:layer_norm.1', (layer_norm_6,))
+    rt.leave('h.3.ln_1:1', (layer_norm_6,))
     del h_3_ln_1_weight_in, h_3_ln_1_bias_in
     # linear_12.0.1: linear  (gpt.py:60, h.3.attn.c_attn)
     h_3_attn_c_attn_weight = rt.param('h.3.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_3_attn_c_attn_bias = rt.param('h.3.attn.c_attn.bias', ((32, 64),))
     (layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in) = rt.enter(
-            'h.3.attn.c_attn:linear.0.1', (layer_norm_6, h_3_attn_c_attn_weight,
-            h_3_attn_c_attn_bias), (True, True, True))
+            'h.3.attn.c_attn:0.1', (layer_norm_6, h_3_attn_c_attn_weight, h_3_attn_c_attn_bias),
+            (True, True, True))
     linear_12 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_in,
             h_3_attn_c_attn_bias_in)
     del layer_norm_6_in, h_3_attn_c_attn_weight_in, h_3_attn_c_attn_bias_in
@@ -59,7 +59,7 @@ def step(rt):
     h_3_attn_c_attn_weight_p1 = rt.param('h.3.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_3_attn_c_attn_bias_p1 = rt.param('h.3.attn.c_attn.bias', ((96, 128),))
     (layer_norm_6_in, h_3_attn_c_attn_weight_p1_in, h_3_attn_c_attn_bias_p1_in) = rt.enter(
-            'h.3.attn.c_attn:linear.1.1', (layer_norm_6, h_3_attn_c_attn_weight_p1,
+            'h.3.attn.c_attn:1.1', (layer_norm_6, h_3_attn_c_attn_weight_p1,
             h_3_attn_c_attn_bias_p1), (True, True, True))
     linear_12_p1 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_p1_in,
             h_3_attn_c_attn_bias_p1_in)
@@ -68,7 +68,7 @@ def step(rt):
     h_3_attn_c_attn_weight_p2 = rt.param('h.3.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_3_attn_c_attn_bias_p2 = rt.param('h.3.attn.c_attn.bias', ((160, 192),))
     (layer_norm_6_in, h_3_attn_c_attn_weight_p2_in, h_3_attn_c_attn_bias_p2_in) = rt.enter(
-            'h.3.attn.c_attn:linear.2.1', (layer_norm_6, h_3_attn_c_attn_weight_p2,
+            'h.3.attn.c_attn:2.1', (layer_norm_6, h_3_attn_c_attn_weight_p2,
             h_3_attn_c_attn_bias_p2), (True, True, True))
     linear_12_p2 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_p2_in,
             h_3_attn_c_attn_bias_p2_in)
@@ -118,37 +118,35 @@ def step(rt):
     h_3_attn_c_proj_bias = rt.param('h.3.attn.c_proj.bias', ((0, 64),))
     h_3_attn_c_proj_bias_share = h_3_attn_c_proj_bias * 0.5
     h_3_attn_c_proj_weight = rt.param('h.3.attn.c_proj.weight', ((0, 64), (32, 64)))
-    (h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in) = rt.enter(
-            'h.3.attn.c_proj:linear.1', (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True,
-            True))
+    (h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in) = rt.enter('h.3.attn.c_proj:1',
+            (h_3_attn_c_proj_weight, h_3_attn_c_proj_bias_share), (True, True))
     linear_13 = torch.nn.functional.linear(view_15, h_3_attn_c_proj_weight_in,
             h_3_attn_c_proj_bias_share_in)
-    rt.leave('h.3.attn.c_proj:linear.1', (linear_13,))
+    rt.leave('h.3.attn.c_proj:1', (linear_13,))
     del h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in
     del view_15
     linear_13_p1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
     # add_7.1: add  (gpt.py:100, h.3)
-    add_6_in, linear_13_p1_in = rt.enter('h.3:add.1', (add_6, linear_13_p1), (True, True))
+    add_6_in, linear_13_p1_in = rt.enter('h.3#0:1', (add_6, linear_13_p1), (True, True))
     add_7 = operator.add(add_6_in, linear_13_p1_in)
-    rt.leave('h.3:add.1', (add_7,))
+    rt.leave('h.3#0:1', (add_7,))
     del add_6_in, linear_13_p1_in
     del add_6, linear_13_p1
     # layer_norm_7.1: layer_norm  (gpt.py:101, h.3.ln_2)
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
-    (h_3_ln_2_weight_in, h_3_ln_2_bias_in) = rt.enter('h.3.ln_2:layer_norm.1', (h_3_ln_2_weight,
+    (h_3_ln_2_weight_in, h_3_ln_2_bias_in) = rt.enter('h.3.ln_2:1', (h_3_ln_2_weight,
             h_3_ln_2_bias), (True, True))
     layer_norm_7 = torch.nn.functional.layer_norm(add_7, (64,), weight=h_3_ln_2_weight_in,
             bias=h_3_ln_2_bias_in, eps=1e-05)
-    rt.leave('h.3.ln_2:layer_norm.1', (layer_norm_7,))
+    rt.leave('h.3.ln_2:1', (layer_norm_7,))
     del h_3_ln_2_weight_in, h_3_ln_2_bias_in
     # linear_14.1: linear  (gpt.py:86, h.3.mlp.c_fc)
     h_3_mlp_c_fc_weight = rt.param('h.3.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_3_mlp_c_fc_bias = rt.param('h.3.mlp.c_fc.bias', ((128, 256),))
-    (layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in) = rt.enter(
-            'h.3.mlp.c_fc:linear.1', (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True,
-            True, True))
+    (layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in) = rt.enter('h.3.mlp.c_fc:1',
+            (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
     linear_14 = torch.nn.functional.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in,
             h_3_mlp_c_fc_bias_in)
     del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
@@ -160,40 +158,39 @@ def step(rt):
     h_3_mlp_c_proj_bias = rt.param('h.3.mlp.c_proj.bias', ((0, 64),))
     h_3_mlp_c_proj_bias_share = h_3_mlp_c_proj_bias * 0.5
     h_3_mlp_c_proj_weight = rt.param('h.3.mlp.c_proj.weight', ((0, 64), (128, 256)))
-    (h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in) = rt.enter('h.3.mlp.c_proj:linear.1',
+    (h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in) = rt.enter('h.3.mlp.c_proj:1',
             (h_3_mlp_c_proj_weight, h_3_mlp_c_proj_bias_share), (True, True))
     linear_15 = torch.nn.functional.linear(gelu_3, h_3_mlp_c_proj_weight_in,
             h_3_mlp_c_proj_bias_share_in)
-    rt.leave('h.3.mlp.c_proj:linear.1', (linear_15,))
+    rt.leave('h.3.mlp.c_proj:1', (linear_15,))
     del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in
     del gelu_3
     linear_15_p1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
     # add_8.1: add  (gpt.py:101, h.3)
-    add_7_in, linear_15_p1_in = rt.enter('h.3:add#1.1', (add_7, linear_15_p1), (True, True))
+    add_7_in, linear_15_p1_in = rt.enter('h.3#1:1', (add_7, linear_15_p1), (True, True))
     add_8 = operator.add(add_7_in, linear_15_p1_in)
     del add_7_in, linear_15_p1_in
     del add_7, linear_15_p1
     # layer_norm_8.1: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
-    (ln_f_weight_in, ln_f_bias_in) = rt.enter('ln_f:layer_norm.1', (ln_f_weight, ln_f_bias), (True,
-            True))
+    ln_f_weight_in, ln_f_bias_in = rt.enter('ln_f:1', (ln_f_weight, ln_f_bias), (True, True))
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
-    rt.leave('ln_f:layer_norm.1', (layer_norm_8,))
+    rt.leave('ln_f:1', (layer_norm_8,))
     del ln_f_weight_in, ln_f_bias_in
     del add_8
     # linear_16.1: linear  (gpt.py:131, lm_head)
     wte_weight_p1 = rt.param('wte.weight', ((0, 512), (0, 64)))[256:512, 0:64]
-    (layer_norm_8_in, wte_weight_p1_in) = rt.enter('lm_head:linear.1', (layer_norm_8,
-            wte_weight_p1), (True, True))
+    (layer_norm_8_in, wte_weight_p1_in) = rt.enter('lm_head:1', (layer_norm_8, wte_weight_p1),
+            (True, True))
     linear_16 = torch.nn.functional.linear(layer_norm_8_in, wte_weight_p1_in, None)
     del layer_norm_8_in, wte_weight_p1_in
     del layer_norm_8
     # view_16.1: reshape  (gpt.py:132)
     view_16 = linear_16.reshape((128, 256))
-    rt.leave('reshape.1', (view_16,))
+    rt.leave('view_16:1', (view_16,))
     del linear_16
     targets = rt.input('targets')
     # view_17.1: reshape  (gpt.py:132)
@@ -202,7 +199,7 @@ def step(rt):
     view_16_p1, = rt.all_gather([view_16], ranks=(0, 1), dims=(1,))
     del view_16
     # cross_entropy_sum.1: cross_entropy  (gpt.py:132)
-    view_16_p1_in, view_17 = rt.enter('cross_entropy.1', (view_16_p1, view_17), (True, False))
+    view_16_p1_in, view_17 = rt.enter('cross_entropy_sum:1', (view_16_p1, view_17), (True, False))
     cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_p1_in, target=view_17,
             weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum',
             label_smoothing=0.0)
@@ -213,93 +210,93 @@ def step(rt):
     del view_17
     # cross_entropy.1: truediv  (gpt.py:132)
     cross_entropy = operator.truediv(cross_entropy_sum, cross_entropy_count)
-    rt.leave('truediv.1', (cross_entropy,))
+    rt.leave('cross_entropy:1', (cross_entropy,))
     del cross_entropy_sum, cross_entropy_count
     d_loss = rt.seed((), torch.float32)
     # backward of 2 pieces in one call
-    d_view_16, = rt.backward({'truediv.1': (d_loss,)}, ('truediv.1', 'cross_entropy.1'))
+    (d_view_16,) = rt.backward({'cross_entropy:1': (d_loss,)}, ('cross_entropy:1',
+            'cross_entropy_sum:1'))
     del d_loss
     grad_view_16 = d_view_16[0:128, 256:512]
     del d_view_16
     # backward of 2 pieces in one call
-    (d_layer_norm_8, d_wte_weight) = rt.backward({'reshape.1': (grad_view_16,)}, ('reshape.1',
-            'lm_head:linear.1'))
+    (d_layer_norm_8, d_wte_weight) = rt.backward({'view_16:1': (grad_view_16,)}, ('view_16:1',
+            'lm_head:1'))
     del grad_view_16
     grad_layer_norm_8_pending = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True,
             async_op=True)
     del d_layer_norm_8
     grad_wte_weight__from0_pending = rt.recv((256, 64), torch.float32, src=0, tag=54, async_op=True)
-    rt.send(d_wte_weight[0:256, 0:64], to=0, tag=53)
+    rt.send(d_wte_weight, to=0, tag=53)
     grad_layer_norm_8, = grad_layer_norm_8_pending.wait()
     del grad_layer_norm_8_pending
     # backward of 2 pieces in one call
-    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward(
-            {'ln_f:layer_norm.1': (grad_layer_norm_8,)}, ('ln_f:layer_norm.1', 'h.3:add#1.1'))
+    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward({'ln_f:1': (grad_layer_norm_8,
+            )}, ('ln_f:1', 'h.3#1:1'))
     del grad_layer_norm_8
     (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias,
             d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias,
             d_h_3_attn_c_attn_weight, d_h_3_attn_c_attn_bias, d_h_3_attn_c_attn_weight_p1,
             d_h_3_attn_c_attn_bias_p1, d_h_3_attn_c_attn_weight_p2, d_h_3_attn_c_attn_bias_p2,
             d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = h_backward(rt, 'h.3',
-            'h.2:add#1.1', d_linear_15, d_add_7)
+            'h.2#1:1', d_linear_15, d_add_7)
     del d_linear_15, d_add_7
     (d_h_2_mlp_c_proj_weight, d_h_2_mlp_c_proj_bias, d_h_2_mlp_c_fc_weight, d_h_2_mlp_c_fc_bias,
             d_h_2_ln_2_weight, d_h_2_ln_2_bias, d_h_2_attn_c_proj_weight, d_h_2_attn_c_proj_bias,
             d_h_2_attn_c_attn_weight, d_h_2_attn_c_attn_bias, d_h_2_attn_c_attn_weight_p1,
             d_h_2_attn_c_attn_bias_p1, d_h_2_attn_c_attn_weight_p2, d_h_2_attn_c_attn_bias_p2,
             d_h_2_ln_1_weight, d_h_2_ln_1_bias, d_add_3, d_linear_7) = h_backward(rt, 'h.2',
-            'h.1:add#1.1', d_linear_11, d_add_5)
+            'h.1#1:1', d_linear_11, d_add_5)
     del d_linear_11, d_add_5
     (d_h_1_mlp_c_proj_weight, d_h_1_mlp_c_proj_bias, d_h_1_mlp_c_fc_weight, d_h_1_mlp_c_fc_bias,
             d_h_1_ln_2_weight, d_h_1_ln_2_bias, d_h_1_attn_c_proj_weight, d_h_1_attn_c_proj_bias,
             d_h_1_attn_c_attn_weight, d_h_1_attn_c_attn_bias, d_h_1_attn_c_attn_weight_p1,
             d_h_1_attn_c_attn_bias_p1, d_h_1_attn_c_attn_weight_p2, d_h_1_attn_c_attn_bias_p2,
             d_h_1_ln_1_weight, d_h_1_ln_1_bias, d_add_1, d_linear_3) = h_backward(rt, 'h.1',
-            'h.0:add#1.1', d_linear_7, d_add_3)
+            'h.0#1:1', d_linear_7, d_add_3)
     del d_linear_7, d_add_3
     # backward of 3 pieces in one call
     (d_h_0_mlp_c_proj_weight, d_h_0_mlp_c_proj_bias, d_layer_norm_1, d_h_0_mlp_c_fc_weight,
-            d_h_0_mlp_c_fc_bias) = rt.backward({'h.0.mlp.c_proj:linear.1': (d_linear_3,)},
-            ('h.0.mlp.c_proj:linear.1', 'h.0.mlp.c_fc:linear.1'))
+            d_h_0_mlp_c_fc_bias) = rt.backward({'h.0.mlp.c_proj:1': (d_linear_3,)},
+            ('h.0.mlp.c_proj:1', 'h.0.mlp.c_fc:1'))
     del d_linear_3
     grad_layer_norm_1_pending = rt.all_reduce([(d_layer_norm_1,)], ranks=(0, 1), grads=True,
             async_op=True)
     del d_layer_norm_1
-    grad_add_1 = d_add_1[0:4, 0:32, 0:64]
+    grad_add_1 = d_add_1
     del d_add_1
     grad_layer_norm_1, = grad_layer_norm_1_pending.wait()
     del grad_layer_norm_1_pending
     # backward of 2 pieces in one call
     (d_h_0_ln_2_weight, d_h_0_ln_2_bias, d_add, d_linear_1) = rt.backward(
-            {'h.0.ln_2:layer_norm.1': (grad_layer_norm_1,), 'h.0:add.1': (grad_add_1,)},
-            ('h.0.ln_2:layer_norm.1', 'h.0:add.1'))
+            {'h.0.ln_2:1': (grad_layer_norm_1,), 'h.0#0:1': (grad_add_1,)}, ('h.0.ln_2:1',
+            'h.0#0:1'))
     del grad_layer_norm_1, grad_add_1
     # backward of 17 pieces in one call
     (d_h_0_attn_c_proj_weight, d_h_0_attn_c_proj_bias, d_layer_norm, d_h_0_attn_c_attn_weight,
             d_h_0_attn_c_attn_bias, d_layer_norm_p1, d_h_0_attn_c_attn_weight_p1,
             d_h_0_attn_c_attn_bias_p1, d_layer_norm_p2, d_h_0_attn_c_attn_weight_p2,
-            d_h_0_attn_c_attn_bias_p2) = rt.backward({'h.0.attn.c_proj:linear.1': (d_linear_1,)},
-            ('h.0.attn.c_proj:linear.1', 'h.0.attn.c_attn:linear.0.1', 'h.0.attn.c_attn:linear.1.1',
-            'h.0.attn.c_attn:linear.2.1'))
+            d_h_0_attn_c_attn_bias_p2) = rt.backward({'h.0.attn.c_proj:1': (d_linear_1,)},
+            ('h.0.attn.c_proj:1', 'h.0.attn.c_attn:0.1', 'h.0.attn.c_attn:1.1',
+            'h.0.attn.c_attn:2.1'))
     del d_linear_1
     grad_layer_norm_pending = rt.all_reduce([(d_layer_norm, d_layer_norm_p1, d_layer_norm_p2)],
             ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm, d_layer_norm_p1, d_layer_norm_p2
-    grad_add = d_add[0:4, 0:32, 0:64]
+    grad_add = d_add
     del d_add
     grad_layer_norm, = grad_layer_norm_pending.wait()
     del grad_layer_norm_pending
     # backward of 4 pieces in one call
     (d_h_0_ln_1_weight, d_h_0_ln_1_bias, d_wpe_weight, d_wte_weight_p1) = rt.backward(
-            {'h.0.ln_1:layer_norm.1': (grad_layer_norm,), 'add.1': (grad_add,)},
-            ('h.0.ln_1:layer_norm.1', 'add.1', 'wpe:embedding.1', 'wte:embedding.1'))
+            {'h.0.ln_1:1': (grad_layer_norm,), 'add:1': (grad_add,)}, ('h.0.ln_1:1', 'add:1',
+            'wpe:1', 'wte:1'))
     del grad_layer_norm, grad_add
     grad_wte_weight__from0 = grad_wte_weight__from0_pending.wait()
     del grad_wte_weight__from0_pending
-    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_p1[0:512, 0:64],
-            (slice(0, 512), slice(0, 64)), 1.0), (d_wte_weight[0:256, 0:64], (slice(256, 512),
-            slice(0, 64)), 1.0), (grad_wte_weight__from0[0:256, 0:64], (slice(0, 256), slice(0,
-            64)), 1.0)])
+    grad_wte_weight = rt.assemble((512, 64), torch.float32, [(d_wte_weight_p1, (slice(0, 512),
+            slice(0, 64)), 1.0), (d_wte_weight, (slice(256, 512), slice(0, 64)), 1.0),
+            (grad_wte_weight__from0, (slice(0, 256), slice(0, 64)), 1.0)])
     del d_wte_weight, d_wte_weight_p1, grad_wte_weight__from0
     rt.grad('wte.weight', ((0, 512), (0, 64)), grad_wte_weight)
     del grad_wte_weight
@@ -355,18 +352,18 @@ def h_forward(rt, at, add):
     # layer_norm.1: layer_norm  (gpt.py:100, h.0.ln_1)
     h_0_ln_1_weight = rt.param(f'{at}.ln_1.weight', ((0, 64),))
     h_0_ln_1_bias = rt.param(f'{at}.ln_1.bias', ((0, 64),))
-    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(f'{at}.ln_1:layer_norm.1', (h_0_ln_1_weight,
+    (h_0_ln_1_weight_in, h_0_ln_1_bias_in) = rt.enter(f'{at}.ln_1:1', (h_0_ln_1_weight,
             h_0_ln_1_bias), (True, True))
     layer_norm = torch.nn.functional.layer_norm(add, (64,), weight=h_0_ln_1_weight_in,
             bias=h_0_ln_1_bias_in, eps=1e-05)
-    rt.leave(f'{at}.ln_1:layer_norm.1', (layer_norm,))
+    rt.leave(f'{at}.ln_1:1', (layer_norm,))
     del h_0_ln_1_weight_in, h_0_ln_1_bias_in
     # linear.0.1: linear  (gpt.py:60, h.0.attn.c_attn)
     h_0_attn_c_attn_weight = rt.param(f'{at}.attn.c_attn.weight', ((32, 64), (0, 64)))
     h_0_attn_c_attn_bias = rt.param(f'{at}.attn.c_attn.bias', ((32, 64),))
     (layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in) = rt.enter(
-            f'{at}.attn.c_attn:linear.0.1', (layer_norm, h_0_attn_c_attn_weight,
-            h_0_attn_c_attn_bias), (True, True, True))
+            f'{at}.attn.c_attn:0.1', (layer_norm, h_0_attn_c_attn_weight, h_0_attn_c_attn_bias),
+            (True, True, True))
     linear = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_in,
             h_0_attn_c_attn_bias_in)
     del layer_norm_in, h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
@@ -374,7 +371,7 @@ def h_forward(rt, at, add):
     h_0_attn_c_attn_weight_p1 = rt.param(f'{at}.attn.c_attn.weight', ((96, 128), (0, 64)))
     h_0_attn_c_attn_bias_p1 = rt.param(f'{at}.attn.c_attn.bias', ((96, 128),))
     (layer_norm_in, h_0_attn_c_attn_weight_p1_in, h_0_attn_c_attn_bias_p1_in) = rt.enter(
-            f'{at}.attn.c_attn:linear.1.1', (layer_norm, h_0_attn_c_attn_weight_p1,
+            f'{at}.attn.c_attn:1.1', (layer_norm, h_0_attn_c_attn_weight_p1,
             h_0_attn_c_attn_bias_p1), (True, True, True))
     linear_p1 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p1_in,
             h_0_attn_c_attn_bias_p1_in)
@@ -383,7 +380,7 @@ def h_forward(rt, at, add):
     h_0_attn_c_attn_weight_p2 = rt.param(f'{at}.attn.c_attn.weight', ((160, 192), (0, 64)))
     h_0_attn_c_attn_bias_p2 = rt.param(f'{at}.attn.c_attn.bias', ((160, 192),))
     (layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in) = rt.enter(
-            f'{at}.attn.c_attn:linear.2.1', (layer_norm, h_0_attn_c_attn_weight_p2,
+            f'{at}.attn.c_attn:2.1', (layer_norm, h_0_attn_c_attn_weight_p2,
             h_0_attn_c_attn_bias_p2), (True, True, True))
     linear_p2 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p2_in,
             h_0_attn_c_attn_bias_p2_in)
@@ -433,37 +430,35 @@ def h_forward(rt, at, add):
     h_0_attn_c_proj_bias = rt.param(f'{at}.attn.c_proj.bias', ((0, 64),))
     h_0_attn_c_proj_bias_share = h_0_attn_c_proj_bias * 0.5
     h_0_attn_c_proj_weight = rt.param(f'{at}.attn.c_proj.weight', ((0, 64), (32, 64)))
-    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in) = rt.enter(
-            f'{at}.attn.c_proj:linear.1', (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share),
-            (True, True))
+    (h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in) = rt.enter(f'{at}.attn.c_proj:1',
+            (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias_share), (True, True))
     linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
             h_0_attn_c_proj_bias_share_in)
-    rt.leave(f'{at}.attn.c_proj:linear.1', (linear_1,))
+    rt.leave(f'{at}.attn.c_proj:1', (linear_1,))
     del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
     del view_3
     linear_1_p1, = rt.all_reduce([(linear_1,)], ranks=(0, 1))
     del linear_1
     # add_1.1: add  (gpt.py:100, h.0)
-    add_in, linear_1_p1_in = rt.enter(f'{at}:add.1', (add, linear_1_p1), (True, True))
+    add_in, linear_1_p1_in = rt.enter(f'{at}#0:1', (add, linear_1_p1), (True, True))
     add_1 = operator.add(add_in, linear_1_p1_in)
-    rt.leave(f'{at}:add.1', (add_1,))
+    rt.leave(f'{at}#0:1', (add_1,))
     del add_in, linear_1_p1_in
     del linear_1_p1
     # layer_norm_1.1: layer_norm  (gpt.py:101, h.0.ln_2)
     h_0_ln_2_weight = rt.param(f'{at}.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param(f'{at}.ln_2.bias', ((0, 64),))
-    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(f'{at}.ln_2:layer_norm.1', (h_0_ln_2_weight,
+    (h_0_ln_2_weight_in, h_0_ln_2_bias_in) = rt.enter(f'{at}.ln_2:1', (h_0_ln_2_weight,
             h_0_ln_2_bias), (True, True))
     layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight=h_0_ln_2_weight_in,
             bias=h_0_ln_2_bias_in, eps=1e-05)
-    rt.leave(f'{at}.ln_2:layer_norm.1', (layer_norm_1,))
+    rt.leave(f'{at}.ln_2:1', (layer_norm_1,))
     del h_0_ln_2_weight_in, h_0_ln_2_bias_in
     # linear_2.1: linear  (gpt.py:86, h.0.mlp.c_fc)
     h_0_mlp_c_fc_weight = rt.param(f'{at}.mlp.c_fc.weight', ((128, 256), (0, 64)))
     h_0_mlp_c_fc_bias = rt.param(f'{at}.mlp.c_fc.bias', ((128, 256),))
-    (layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(
-            f'{at}.mlp.c_fc:linear.1', (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias),
-            (True, True, True))
+    (layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in) = rt.enter(f'{at}.mlp.c_fc:1',
+            (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
     linear_2 = torch.nn.functional.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in,
             h_0_mlp_c_fc_bias_in)
     del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
@@ -475,19 +470,19 @@ def h_forward(rt, at, add):
     h_0_mlp_c_proj_bias = rt.param(f'{at}.mlp.c_proj.bias', ((0, 64),))
     h_0_mlp_c_proj_bias_share = h_0_mlp_c_proj_bias * 0.5
     h_0_mlp_c_proj_weight = rt.param(f'{at}.mlp.c_proj.weight', ((0, 64), (128, 256)))
-    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in) = rt.enter(f'{at}.mlp.c_proj:linear.1',
+    (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in) = rt.enter(f'{at}.mlp.c_proj:1',
             (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias_share), (True, True))
     linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in,
             h_0_mlp_c_proj_bias_share_in)
-    rt.leave(f'{at}.mlp.c_proj:linear.1', (linear_3,))
+    rt.leave(f'{at}.mlp.c_proj:1', (linear_3,))
     del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
     del gelu
     linear_3_p1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
     del linear_3
     # add_2.1: add  (gpt.py:101, h.0)
-    add_1_in, linear_3_p1_in = rt.enter(f'{at}:add#1.1', (add_1, linear_3_p1), (True, True))
+    add_1_in, linear_3_p1_in = rt.enter(f'{at}#1:1', (add_1, linear_3_p1), (True, True))
     add_2 = operator.add(add_1_in, linear_3_p1_in)
-    rt.leave(f'{at}:add#1.1', (add_2,))
+    rt.leave(f'{at}#1:1', (add_2,))
     del add_1_in, linear_3_p1_in
     del add_1, linear_3_p1
     return add_2
@@ -496,38 +491,37 @@ def h_forward(rt, at, add):
 def h_backward(rt, at, a0, d_linear_15, d_add_7):
     # backward of 3 pieces in one call
     (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_layer_norm_7, d_h_3_mlp_c_fc_weight,
-            d_h_3_mlp_c_fc_bias) = rt.backward({f'{at}.mlp.c_proj:linear.1': (d_linear_15,)},
-            (f'{at}.mlp.c_proj:linear.1', f'{at}.mlp.c_fc:linear.1'))
+            d_h_3_mlp_c_fc_bias) = rt.backward({f'{at}.mlp.c_proj:1': (d_linear_15,)},
+            (f'{at}.mlp.c_proj:1', f'{at}.mlp.c_fc:1'))
     grad_layer_norm_7_pending = rt.all_reduce([(d_layer_norm_7,)], ranks=(0, 1), grads=True,
             async_op=True)
     del d_layer_norm_7
-    grad_add_7 = d_add_7[0:4, 0:32, 0:64]
+    grad_add_7 = d_add_7
     grad_layer_norm_7, = grad_layer_norm_7_pending.wait()
     del grad_layer_norm_7_pending
     # backward of 2 pieces in one call
     (d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_add_6, d_linear_13) = rt.backward(
-            {f'{at}.ln_2:layer_norm.1': (grad_layer_norm_7,), f'{at}:add.1': (grad_add_7,)},
-            (f'{at}.ln_2:layer_norm.1', f'{at}:add.1'))
+            {f'{at}.ln_2:1': (grad_layer_norm_7,), f'{at}#0:1': (grad_add_7,)}, (f'{at}.ln_2:1',
+            f'{at}#0:1'))
     del grad_layer_norm_7, grad_add_7
     # backward of 17 pieces in one call
     (d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias, d_layer_norm_6, d_h_3_attn_c_attn_weight,
             d_h_3_attn_c_attn_bias, d_layer_norm_6_p1, d_h_3_attn_c_attn_weight_p1,
             d_h_3_attn_c_attn_bias_p1, d_layer_norm_6_p2, d_h_3_attn_c_attn_weight_p2,
-            d_h_3_attn_c_attn_bias_p2) = rt.backward({f'{at}.attn.c_proj:linear.1': (d_linear_13,)},
-            (f'{at}.attn.c_proj:linear.1', f'{at}.attn.c_attn:linear.0.1',
-            f'{at}.attn.c_attn:linear.1.1', f'{at}.attn.c_attn:linear.2.1'))
+            d_h_3_attn_c_attn_bias_p2) = rt.backward({f'{at}.attn.c_proj:1': (d_linear_13,)},
+            (f'{at}.attn.c_proj:1', f'{at}.attn.c_attn:0.1', f'{at}.attn.c_attn:1.1',
+            f'{at}.attn.c_attn:2.1'))
     del d_linear_13
     grad_layer_norm_6_pending = rt.all_reduce([(d_layer_norm_6, d_layer_norm_6_p1,
             d_layer_norm_6_p2)], ranks=(0, 1), grads=True, async_op=True)
     del d_layer_norm_6, d_layer_norm_6_p1, d_layer_norm_6_p2
-    grad_add_6 = d_add_6[0:4, 0:32, 0:64]
+    grad_add_6 = d_add_6
     del d_add_6
     grad_layer_norm_6, = grad_layer_norm_6_pending.wait()
     del grad_layer_norm_6_pending
     # backward of 2 pieces in one call
     (d_h_3_ln_1_weight, d_h_3_ln_1_bias, d_add_5, d_linear_11) = rt.backward(
-            {f'{at}.ln_1:layer_norm.1': (grad_layer_norm_6,), a0: (grad_add_6,)},
-            (f'{at}.ln_1:layer_norm.1', a0))
+            {f'{at}.ln_1:1': (grad_layer_norm_6,), a0: (grad_add_6,)}, (f'{at}.ln_1:1', a0))
     del grad_layer_norm_6, grad_add_6
     return (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight,
             d_h_3_mlp_c_fc_bias, d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight,

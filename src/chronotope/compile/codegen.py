@@ -11,7 +11,7 @@ import builtins
 import importlib
 import math
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -96,6 +96,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     items: list[Instruction | Region] = \
         compiled_regions(code, rest=regions) if regions or fused else list(code)
     autograd = _Autograd.of(code, program.plan.graph)
+    shapes = _shapes(code)
     if any(isinstance(ins, Region) for ins in items):
         later = _read_after(items)
     # ticks time each instruction: views stay one line each there
@@ -123,7 +124,8 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
             body += call
             functions.append(function)
             continue
-        body += splits[id(ins)] if id(ins) in splits else render_instruction(ins, autograd)
+        body += splits[id(ins)] if id(ins) in splits else \
+            render_instruction(ins, autograd, shapes)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
     # the layers first, then the steps that call them
@@ -282,7 +284,8 @@ class _Autograd:
         base = self.keys.get(piece.op)
         if base is None or not piece.name.startswith(piece.op.name):
             return piece.name
-        return base + piece.name[len(piece.op.name):]
+        part = piece.name[len(piece.op.name) + 1:]  # which piece of the op: '0.1'
+        return f"{base}:{part}" if part else base
 
     @staticmethod
     def of(code: list[Instruction], graph: Graph) -> _Autograd:
@@ -301,17 +304,19 @@ class _Autograd:
 
 def piece_keys(graph: Graph) -> dict[Op, str]:
     """What the generated code calls each op's pieces when it asks ``rt`` for their
-    autograd state: the op's module and kind, and its count among that module's ops of
-    that kind (``h.3.attn:view#2``; ``add#1`` at the top level). A repeated layer's keys
-    differ only by the layer's path, which its outlined function is given: no piece
-    names as arguments."""
-    seen: Counter[tuple[str, str]] = Counter()
-    out = {}
+    autograd state: an op in a module is named by the module (``h.3.attn.c_attn``) or,
+    where the module runs several ops, by the module and the op's count among them
+    (``h.3.attn#2``); an op at the top level keeps its graph name. A piece adds its
+    place in the op's split (``h.3.attn.c_attn:0.1``). A repeated layer's
+    keys differ only by the layer's path, which its outlined function is given: no
+    piece names as arguments."""
+    ops_of: dict[str, list[Op]] = defaultdict(list)
     for op in graph.ops:
-        module = op.source.module if op.source else ""
-        n = seen[(module, op.kind)]
-        seen[(module, op.kind)] += 1
-        out[op] = (f"{module}:" if module else "") + op.kind + (f"#{n}" if n else "")
+        ops_of[op.source.module if op.source else ""].append(op)
+    out = {op: op.name if not module else module if len(ops) == 1 else f"{module}#{n}"
+           for module, ops in ops_of.items() for n, op in enumerate(ops)}
+    if len(set(out.values())) < len(out):  # a module's path is a top-level op's name
+        out.update((op, f":{op.name}") for op in ops_of[""])
     return out
 
 
@@ -362,10 +367,18 @@ def _tiling(shape: tuple[int, ...] | None, boxes: list[tuple[slice, ...]]
     return dim, order
 
 
-def render_instruction(ins: Instruction, autograd: _Autograd | None = None) -> list[str]:
+def render_instruction(ins: Instruction, autograd: _Autograd | None = None,
+                       shapes: Mapping[str, tuple[int, ...] | None] = {}) -> list[str]:
     """The lines of Python that run ``ins`` (``rt`` is the rank's ``StepContext``);
     ``autograd`` (the rank's, see ``_Autograd``) cuts the per-piece calls to those its
-    backward calls read."""
+    backward calls read; with the ``shapes`` of its names (``_shapes``), a slice that
+    takes all of a tensor is not written."""
+
+    def at(var: str, slices: tuple[slice, ...]) -> str:
+        shape = shapes.get(var)
+        whole = shape is not None and len(shape) == len(slices) and covers(slices, shape)
+        return var if whole else var + _index(slices)
+
     if isinstance(ins, STARTED):
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
@@ -388,24 +401,24 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None) -> l
         return [f"# {ins.op.name}: weight gradients of {ins.op.forward_op.name}",
                 f"{_targets(ins.outs)} = rt.weight({_key(ins.op.forward_op, autograd)!r})"]
     if isinstance(ins, Send):
-        return [f"rt.send({ins.var}{_index(ins.slices)}, to={ins.dst}, tag={ins.tag})"]
+        return [f"rt.send({at(ins.var, ins.slices)}, to={ins.dst}, tag={ins.tag})"]
     if isinstance(ins, Assemble):
         if ins.is_view:
             p = ins.parts[0]
-            return [f"{ins.var} = {p.src}{_index(p.src_slices)}"]
+            return [f"{ins.var} = {at(p.src, p.src_slices)}"]
         if ins.accumulate:
             total, part = ins.parts
             return [f"{ins.var} = rt.add_into({total.src}, {part.src})"]
         if len(ins.parts) > 1 and all(p.scale == 1 and covers(p.dst_slices, ins.shape)
                                       for p in ins.parts):  # a sum of whole values
             return [f"{ins.var} = rt.add({ins.dtype}, "
-                    f"{', '.join(p.src + _index(p.src_slices) for p in ins.parts)})"]
-        parts = ", ".join(f"({p.src}{_index(p.src_slices)}, {_slices(p.dst_slices)}, "
+                    f"{', '.join(at(p.src, p.src_slices) for p in ins.parts)})"]
+        parts = ", ".join(f"({at(p.src, p.src_slices)}, {_slices(p.dst_slices)}, "
                           f"{_number(p.scale)})" for p in ins.parts)
         return [f"{ins.var} = rt.assemble({tuple(ins.shape)}, {ins.dtype}, [{parts}])"]
     if isinstance(ins, Grad):
         run = "" if ins.run is None else f", run={ins.run}"
-        return [f"rt.grad({ins.param!r}, {ins.region.index}, {ins.var}{_index(ins.slices)}{run})"]
+        return [f"rt.grad({ins.param!r}, {ins.region.index}, {at(ins.var, ins.slices)}{run})"]
     if isinstance(ins, GatherParams):
         lines = [f"rt.gather_params(ranks={ins.ranks}, params=["]
         lines += [f"    ({name!r}, {index}, {dim})," for name, index, dim in ins.params]
@@ -767,6 +780,31 @@ def _literal(x: Any) -> str:
 def _number(f: Fraction) -> str:
     return repr(float(f)) if f.denominator & (f.denominator - 1) == 0 else \
         f"{f.numerator} / {f.denominator}"
+
+
+def _shapes(code: list[Instruction]) -> dict[str, tuple[int, ...] | None]:
+    """The shape of each name a rank's code makes, where the instruction that makes it
+    says (None: made twice, in two shapes)."""
+    out: dict[str, tuple[int, ...] | None] = {}
+
+    def made(var: str | None, shape: tuple[int, ...]) -> None:
+        if var is not None:
+            out[var] = shape if out.get(var, shape) == shape else None
+
+    for ins in code:
+        if isinstance(ins, Forward):
+            for var, v in zip(ins.outs, ins.op.outputs):
+                made(var, v.mask.shape)
+        elif isinstance(ins, Backward):
+            for op, outs in zip(ins.ops, ins.outs):
+                if len(outs) == len(op.outputs):
+                    for grad, v in zip(outs, op.outputs):
+                        made(grad, v.mask.shape)
+        elif isinstance(ins, (Recv, Assemble)):
+            made(ins.var, tuple(ins.shape))
+        elif isinstance(ins, Load):
+            made(ins.var, ins.mask.shape)
+    return out
 
 
 def _index(slices: tuple[slice, ...]) -> str:
