@@ -64,7 +64,7 @@ class Step(NamedTuple):
 
 
 _ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
-Cell = tuple[str, int | str]  # (kind, stage): a template step (plan.cells's stages)
+Cell = tuple[Kind, int | str]  # (kind, stage): a template step (plan.cells's stages)
 
 
 def cells_of(plan: Plan) -> dict[PlanOp, Cell]:
@@ -74,11 +74,11 @@ def cells_of(plan: Plan) -> dict[PlanOp, Cell]:
     for (_, stage, _), pieces in plan.cells.items():
         for piece in pieces:
             for leaf in plan.leaves(piece):
-                out[leaf] = ("F", stage)
+                out[leaf] = (Kind.F, stage)
                 if (b := plan.backward_op(leaf)) is not None:
-                    out[b] = ("B", stage)
+                    out[b] = (Kind.B, stage)
                 if (w := plan.weight_op(leaf)) is not None:
-                    out[w] = ("W", stage)
+                    out[w] = (Kind.W, stage)
     return out
 
 

@@ -40,7 +40,7 @@ from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import Fusion, PlanOp
-from chronotope.plan.steps import cells_of
+from chronotope.plan.steps import Kind, cells_of
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -585,14 +585,14 @@ def _schedule(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: i
                 for m in range(micro):
                     if cells[(i, s, m)]:
                         forward = plan.group(cells[(i, s, m)], f"F{s}.{m}")
-                        steps[("F", s, m)] = forward
+                        steps[Step(Kind.F, s, m)] = forward
                         if plan.leaves(plan.backward(forward)):
-                            steps[("B", s, m)] = plan.backward(forward)
+                            steps[Step(Kind.B, s, m)] = plan.backward(forward)
                         if split and plan.leaves(plan.weight(forward)):
-                            steps[("W", s, m)] = plan.weight(forward)
+                            steps[Step(Kind.W, s, m)] = plan.weight(forward)
             # a stage without parameters has no weight gradients to place, and one that
             # nothing trainable runs before (a frozen stem) no backward at all
-            order = [step for step in orders[r] if step in steps or step[0] == "F"]
+            order = [step for step in orders[r] if step in steps or step.kind is Kind.F]
             unknown = [step for step in order if step not in steps]
             missing = [step for step in steps if step not in order]
             if unknown or missing:
@@ -630,7 +630,7 @@ def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, 
     steps = {}
     for i in range(dp):
         for r in range(pp):
-            mine = [step for step in orders[r] if step[0] == "F" or step[:2] in made]
+            mine = [step for step in orders[r] if step.kind is Kind.F or step[:2] in made]
             for j in range(tp):
                 steps[(i * pp + r) * tp + j] = mine
     plan.micro_batches(micro, steps)
