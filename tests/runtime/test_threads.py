@@ -164,7 +164,8 @@ def test_generated_code_is_readable_python_with_its_messages():
     builtins.compile(code, "rank1.py", "exec")  # valid Python (the name compile is the plan's)
     assert code.startswith('"""Rank 1 of 2: one training step of gpt.')
     assert "rt.send(" in code and "rt.recv(" in code
-    assert re.search(r"rt\.backward\(\s*\{[^}]*\},\s*\([^)]*'linear\.1'", code)
+    # piece 1 of h.0's first linear (op ``linear``), keyed by its module
+    assert re.search(r"rt\.backward\(\s*\{[^}]*\},\s*\([^)]*'h\.0\.attn\.c_attn:1'", code)
     assert "# linear.1: linear  (gpt.py:" in code and "\n    del " in code
 
 
