@@ -79,3 +79,15 @@ def test_bad_layouts_are_named():
         Layout(RVD(1, 1, (5, 1)), tuple(range(5))).pieces(SHAPE)
     assert str(RVD(1, 2, (1, 2))) == "R(1)V(2)D(1,2)"
     assert ValueRange.part(0, 2).width == ValueRange.part(1, 2).width
+
+
+@pytest.mark.parametrize("code", ["Sx", "S(a)", "S(1", "X", ""])
+def test_a_malformed_placement_code_is_refused_by_name(code):
+    from chronotope.compile.rvd import placement, shard_dim
+
+    with pytest.raises(PlanError, match="is no placement"):
+        placement(code)
+    if code.startswith("S"):
+        with pytest.raises(PlanError, match="is no placement"):
+            shard_dim(code)
+    assert shard_dim("S(12)") == 12 and placement("S(12)") == Shard(12)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # torch.distributed.tensor takes half a second to import: on 
 
 
 REPLICATE, PARTIAL = "R", "P"  # one mesh axis's placement (with ``shard(dim)``)
+_NO_PLACEMENT = "{code!r} is no placement: R, P or S(<dim>)"
 
 
 def shard(dim: int) -> str:
@@ -39,12 +40,17 @@ def shard(dim: int) -> str:
 
 
 def is_shard(code: str) -> bool:
-    return code[0] == "S"
+    return code[:1] == "S"
 
 
 def shard_dim(code: str) -> int | None:
-    """The dim a placement cuts (``"S(1)"``: 1); None for Replicate and Partial."""
-    return int(code[2:-1]) if is_shard(code) else None
+    """The dim a placement cuts (``"S(1)"``: 1); None for Replicate and Partial. A
+    malformed shard code (``"Sx"``, ``"S(a)"``) is refused, named."""
+    if not is_shard(code):
+        return None
+    if not (code[1:2] == "(" and code[2:-1].isdigit() and code[-1] == ")"):
+        raise PlanError(_NO_PLACEMENT.format(code=code))
+    return int(code[2:-1])
 
 
 def placement(code: str) -> Placement:
@@ -55,9 +61,10 @@ def placement(code: str) -> Placement:
         return Replicate()
     if code == PARTIAL:
         return Partial()
-    if not (is_shard(code) and code[1:2] == "(" and code[2:-1].isdigit() and code[-1] == ")"):
-        raise PlanError(f"{code!r} is no placement: R, P or S(<dim>)")
-    return Shard(int(code[2:-1]))
+    dim = shard_dim(code)
+    if dim is None:
+        raise PlanError(_NO_PLACEMENT.format(code=code))
+    return Shard(dim)
 
 
 def placement_code(p: Placement) -> str:

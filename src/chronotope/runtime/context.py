@@ -116,7 +116,7 @@ class StepContext:
         self.targets = targets
         self.entries: dict[str, _Entered] = {}
         # what the rank stores: a piece reads these as leaves of its own (``_Entered``)
-        self._stored = {id(t) for t in stored.values()} | {id(t) for t in owned.values()}
+        self._stored = {id(t) for t in stored.values()}
         # each piece's outputs as where their gradients enter its graph (None: no gradient)
         self.outputs: dict[str, tuple[GradientEdge | None, ...]] = {}
         # split backward: leaves whose gradients ``weight`` computes, and what it starts from
