@@ -27,39 +27,29 @@ def step(rt):
     idx, wte_weight_in = rt.enter('wte:0', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    del wte_weight_in
-    del idx
+    del wte_weight_in, idx
     # embedding_1.0: embedding  (gpt.py:128, wpe)
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     arange, wpe_weight_in = rt.enter('wpe:0', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    del wpe_weight_in
-    del arange
+    del wpe_weight_in, arange
     # add.0: add  (gpt.py:128)
     add = operator.add(embedding, embedding_1)
     del embedding, embedding_1
-    add_2 = h_forward(rt, 'h.0', add)
-    del add
-    add_4 = h_forward(rt, 'h.1', add_2)
-    del add_2
-    add_6 = h_forward(rt, 'h.2', add_4)
-    del add_4
-    add_8 = h_forward(rt, 'h.3', add_6)
-    del add_6
+    for i in range(4):
+        add = h_forward(rt, f'h.{i}', add)
     # layer_norm_8.0: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
     ln_f_weight_in, ln_f_bias_in = rt.enter('ln_f:0', (ln_f_weight, ln_f_bias), (True, True))
-    layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
+    layer_norm_8 = torch.nn.functional.layer_norm(add, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
-    del ln_f_weight_in, ln_f_bias_in
-    del add_8
+    del ln_f_weight_in, ln_f_bias_in, add
     # linear_16.0: linear  (gpt.py:131, lm_head)
     wte_weight_in, = rt.enter('lm_head:0', (wte_weight,), (True,))
     linear_16 = torch.nn.functional.linear(layer_norm_8, wte_weight_in, None)
-    del wte_weight_in
-    del layer_norm_8
+    del wte_weight_in, layer_norm_8
     # view_16.0: reshape  (gpt.py:132)
     view_16 = linear_16.reshape((64, 512))
     del linear_16
@@ -208,16 +198,14 @@ def h_forward(rt, at, add):
             (h_0_attn_c_attn_weight, h_0_attn_c_attn_bias), (True, True))
     linear = torch.nn.functional.linear(layer_norm, h_0_attn_c_attn_weight_in,
             h_0_attn_c_attn_bias_in)
-    del h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in
-    del layer_norm
+    del h_0_attn_c_attn_weight_in, h_0_attn_c_attn_bias_in, layer_norm
     linear_p1, linear_p2, linear_p3 = linear.split(64, dim=2)
     # chunk.0: narrow  (gpt.py:60, h.0.attn)
     chunk = linear_p1.reshape((2, 32, 64))
     del linear_p1
     # chunk_v1.0: narrow  (gpt.py:60, h.0.attn)
     chunk_v1 = linear_p2.reshape((2, 32, 64))
-    del linear_p2
-    del linear
+    del linear_p2, linear
     # chunk_v2.0: narrow  (gpt.py:60, h.0.attn)
     chunk_v2 = linear_p3.reshape((2, 32, 64))
     del linear_p3
@@ -259,8 +247,7 @@ def h_forward(rt, at, add):
             (h_0_attn_c_proj_weight, h_0_attn_c_proj_bias), (True, True))
     linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
             h_0_attn_c_proj_bias_in)
-    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in
-    del view_3
+    del h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_in, view_3
     # add_1.0: add  (gpt.py:100, h.0)
     add_1 = operator.add(add, linear_1)
     del linear_1
@@ -279,8 +266,7 @@ def h_forward(rt, at, add):
             (h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True))
     linear_2 = torch.nn.functional.linear(layer_norm_1, h_0_mlp_c_fc_weight_in,
             h_0_mlp_c_fc_bias_in)
-    del h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
-    del layer_norm_1
+    del h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in, layer_norm_1
     # gelu.0: gelu  (gpt.py:86, h.0.mlp)
     gelu = torch.nn.functional.gelu(linear_2)
     del linear_2
@@ -290,8 +276,7 @@ def h_forward(rt, at, add):
     (h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in) = rt.enter(f'{at}.mlp.c_proj:0',
             (h_0_mlp_c_proj_weight, h_0_mlp_c_proj_bias), (True, True))
     linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in)
-    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in
-    del gelu
+    del h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_in, gelu
     # add_2.0: add  (gpt.py:101, h.0)
     add_2 = operator.add(add_1, linear_3)
     del add_1, linear_3

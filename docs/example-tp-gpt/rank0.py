@@ -18,31 +18,25 @@ def step(rt):
     idx, wte_weight_in = rt.enter('wte:0', (idx, wte_weight), (False, True))
     embedding = torch.nn.functional.embedding(idx, wte_weight_in, padding_idx=None, max_norm=None,
             norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    del wte_weight_in
-    del idx
+    del wte_weight_in, idx
     # embedding_1.0: embedding  (gpt.py:128, wpe)
     wpe_weight = rt.param('wpe.weight', ((0, 32), (0, 64)))
     arange, wpe_weight_in = rt.enter('wpe:0', (arange, wpe_weight), (False, True))
     embedding_1 = torch.nn.functional.embedding(arange, wpe_weight_in, padding_idx=None,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
-    del wpe_weight_in
-    del arange
+    del wpe_weight_in, arange
     # add.0: add  (gpt.py:128)
     add = operator.add(embedding, embedding_1)
     rt.leave('add:0', (add,))
     del embedding, embedding_1
-    add_2 = h_forward(rt, 'h.0', add)
-    del add
-    add_4 = h_forward(rt, 'h.1', add_2)
-    del add_2
-    add_6 = h_forward(rt, 'h.2', add_4)
-    del add_4
+    for i in range(3):
+        add = h_forward(rt, f'h.{i}', add)
     # layer_norm_6.0: layer_norm  (gpt.py:100, h.3.ln_1)
     h_3_ln_1_weight = rt.param('h.3.ln_1.weight', ((0, 64),))
     h_3_ln_1_bias = rt.param('h.3.ln_1.bias', ((0, 64),))
     (h_3_ln_1_weight_in, h_3_ln_1_bias_in) = rt.enter('h.3.ln_1:0', (h_3_ln_1_weight,
             h_3_ln_1_bias), (True, True))
-    layer_norm_6 = torch.nn.functional.layer_norm(add_6, (64,), weight=h_3_ln_1_weight_in,
+    layer_norm_6 = torch.nn.functional.layer_norm(add, (64,), weight=h_3_ln_1_weight_in,
             bias=h_3_ln_1_bias_in, eps=1e-05)
     rt.leave('h.3.ln_1:0', (layer_norm_6,))
     del h_3_ln_1_weight_in, h_3_ln_1_bias_in
@@ -72,8 +66,7 @@ def step(rt):
             h_3_attn_c_attn_bias_p2), (True, True, True))
     linear_12_p2 = torch.nn.functional.linear(layer_norm_6_in, h_3_attn_c_attn_weight_p2_in,
             h_3_attn_c_attn_bias_p2_in)
-    del layer_norm_6_in, h_3_attn_c_attn_weight_p2_in, h_3_attn_c_attn_bias_p2_in
-    del layer_norm_6
+    del layer_norm_6_in, h_3_attn_c_attn_weight_p2_in, h_3_attn_c_attn_bias_p2_in, layer_norm_6
     # chunk_3.0: narrow  (gpt.py:60, h.3.attn)
     chunk_3 = linear_12.reshape((4, 32, 32))
     del linear_12
@@ -123,16 +116,15 @@ def step(rt):
     linear_13 = torch.nn.functional.linear(view_15, h_3_attn_c_proj_weight_in,
             h_3_attn_c_proj_bias_share_in)
     rt.leave('h.3.attn.c_proj:0', (linear_13,))
-    del h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in
-    del view_15
+    del (h_3_attn_c_proj_bias_share, h_3_attn_c_proj_weight_in, h_3_attn_c_proj_bias_share_in,
+            view_15)
     linear_13_p1, = rt.all_reduce([(linear_13,)], ranks=(0, 1))
     del linear_13
     # add_7.0: add  (gpt.py:100, h.3)
-    add_6_in, linear_13_p1_in = rt.enter('h.3#0:0', (add_6, linear_13_p1), (True, True))
+    add_6_in, linear_13_p1_in = rt.enter('h.3#0:0', (add, linear_13_p1), (True, True))
     add_7 = operator.add(add_6_in, linear_13_p1_in)
     rt.leave('h.3#0:0', (add_7,))
-    del add_6_in, linear_13_p1_in
-    del add_6, linear_13_p1
+    del add_6_in, linear_13_p1_in, add, linear_13_p1
     # layer_norm_7.0: layer_norm  (gpt.py:101, h.3.ln_2)
     h_3_ln_2_weight = rt.param('h.3.ln_2.weight', ((0, 64),))
     h_3_ln_2_bias = rt.param('h.3.ln_2.bias', ((0, 64),))
@@ -149,8 +141,7 @@ def step(rt):
             (layer_norm_7, h_3_mlp_c_fc_weight, h_3_mlp_c_fc_bias), (True, True, True))
     linear_14 = torch.nn.functional.linear(layer_norm_7_in, h_3_mlp_c_fc_weight_in,
             h_3_mlp_c_fc_bias_in)
-    del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in
-    del layer_norm_7
+    del layer_norm_7_in, h_3_mlp_c_fc_weight_in, h_3_mlp_c_fc_bias_in, layer_norm_7
     # gelu_3.0: gelu  (gpt.py:86, h.3.mlp)
     gelu_3 = torch.nn.functional.gelu(linear_14)
     del linear_14
@@ -163,15 +154,13 @@ def step(rt):
     linear_15 = torch.nn.functional.linear(gelu_3, h_3_mlp_c_proj_weight_in,
             h_3_mlp_c_proj_bias_share_in)
     rt.leave('h.3.mlp.c_proj:0', (linear_15,))
-    del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in
-    del gelu_3
+    del h_3_mlp_c_proj_bias_share, h_3_mlp_c_proj_weight_in, h_3_mlp_c_proj_bias_share_in, gelu_3
     linear_15_p1, = rt.all_reduce([(linear_15,)], ranks=(0, 1))
     del linear_15
     # add_8.0: add  (gpt.py:101, h.3)
     add_7_in, linear_15_p1_in = rt.enter('h.3#1:0', (add_7, linear_15_p1), (True, True))
     add_8 = operator.add(add_7_in, linear_15_p1_in)
-    del add_7_in, linear_15_p1_in
-    del add_7, linear_15_p1
+    del add_7_in, linear_15_p1_in, add_7, linear_15_p1
     # layer_norm_8.0: layer_norm  (gpt.py:131, ln_f)
     ln_f_weight = rt.param('ln_f.weight', ((0, 64),))
     ln_f_bias = rt.param('ln_f.bias', ((0, 64),))
@@ -179,15 +168,13 @@ def step(rt):
     layer_norm_8 = torch.nn.functional.layer_norm(add_8, (64,), weight=ln_f_weight_in,
             bias=ln_f_bias_in, eps=1e-05)
     rt.leave('ln_f:0', (layer_norm_8,))
-    del ln_f_weight_in, ln_f_bias_in
-    del add_8
+    del ln_f_weight_in, ln_f_bias_in, add_8
     # linear_16.0: linear  (gpt.py:131, lm_head)
     wte_weight_p1 = rt.param('wte.weight', ((0, 512), (0, 64)))[0:256, 0:64]
     (layer_norm_8_in, wte_weight_p1_in) = rt.enter('lm_head:0', (layer_norm_8, wte_weight_p1),
             (True, True))
     linear_16 = torch.nn.functional.linear(layer_norm_8_in, wte_weight_p1_in, None)
-    del layer_norm_8_in, wte_weight_p1_in
-    del layer_norm_8
+    del layer_norm_8_in, wte_weight_p1_in, layer_norm_8
     # view_16.0: reshape  (gpt.py:132)
     view_16 = linear_16.reshape((128, 256))
     rt.leave('view_16:0', (view_16,))
@@ -203,8 +190,7 @@ def step(rt):
     cross_entropy_sum = torch.nn.functional.cross_entropy(input=view_16_p1_in, target=view_17,
             weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='sum',
             label_smoothing=0.0)
-    del view_16_p1_in
-    del view_16_p1
+    del view_16_p1_in, view_16_p1
     # cross_entropy_count.0: loss_denominator  (gpt.py:132)
     cross_entropy_count = rt.target('cross_entropy_count')(view_17, None, -100, torch.float32)
     del view_17
@@ -386,8 +372,7 @@ def h_forward(rt, at, add):
             h_0_attn_c_attn_bias_p2), (True, True, True))
     linear_p2 = torch.nn.functional.linear(layer_norm_in, h_0_attn_c_attn_weight_p2_in,
             h_0_attn_c_attn_bias_p2_in)
-    del layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in
-    del layer_norm
+    del layer_norm_in, h_0_attn_c_attn_weight_p2_in, h_0_attn_c_attn_bias_p2_in, layer_norm
     # chunk.0: narrow  (gpt.py:60, h.0.attn)
     chunk = linear.reshape((4, 32, 32))
     del linear
@@ -437,16 +422,14 @@ def h_forward(rt, at, add):
     linear_1 = torch.nn.functional.linear(view_3, h_0_attn_c_proj_weight_in,
             h_0_attn_c_proj_bias_share_in)
     rt.leave(f'{at}.attn.c_proj:0', (linear_1,))
-    del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in
-    del view_3
+    del h_0_attn_c_proj_bias_share, h_0_attn_c_proj_weight_in, h_0_attn_c_proj_bias_share_in, view_3
     linear_1_p1, = rt.all_reduce([(linear_1,)], ranks=(0, 1))
     del linear_1
     # add_1.0: add  (gpt.py:100, h.0)
     add_in, linear_1_p1_in = rt.enter(f'{at}#0:0', (add, linear_1_p1), (True, True))
     add_1 = operator.add(add_in, linear_1_p1_in)
     rt.leave(f'{at}#0:0', (add_1,))
-    del add_in, linear_1_p1_in
-    del linear_1_p1
+    del add_in, linear_1_p1_in, linear_1_p1
     # layer_norm_1.0: layer_norm  (gpt.py:101, h.0.ln_2)
     h_0_ln_2_weight = rt.param(f'{at}.ln_2.weight', ((0, 64),))
     h_0_ln_2_bias = rt.param(f'{at}.ln_2.bias', ((0, 64),))
@@ -463,8 +446,7 @@ def h_forward(rt, at, add):
             (layer_norm_1, h_0_mlp_c_fc_weight, h_0_mlp_c_fc_bias), (True, True, True))
     linear_2 = torch.nn.functional.linear(layer_norm_1_in, h_0_mlp_c_fc_weight_in,
             h_0_mlp_c_fc_bias_in)
-    del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in
-    del layer_norm_1
+    del layer_norm_1_in, h_0_mlp_c_fc_weight_in, h_0_mlp_c_fc_bias_in, layer_norm_1
     # gelu.0: gelu  (gpt.py:86, h.0.mlp)
     gelu = torch.nn.functional.gelu(linear_2)
     del linear_2
@@ -477,16 +459,14 @@ def h_forward(rt, at, add):
     linear_3 = torch.nn.functional.linear(gelu, h_0_mlp_c_proj_weight_in,
             h_0_mlp_c_proj_bias_share_in)
     rt.leave(f'{at}.mlp.c_proj:0', (linear_3,))
-    del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in
-    del gelu
+    del h_0_mlp_c_proj_bias_share, h_0_mlp_c_proj_weight_in, h_0_mlp_c_proj_bias_share_in, gelu
     linear_3_p1, = rt.all_reduce([(linear_3,)], ranks=(0, 1))
     del linear_3
     # add_2.0: add  (gpt.py:101, h.0)
     add_1_in, linear_3_p1_in = rt.enter(f'{at}#1:0', (add_1, linear_3_p1), (True, True))
     add_2 = operator.add(add_1_in, linear_3_p1_in)
     rt.leave(f'{at}#1:0', (add_2,))
-    del add_1_in, linear_3_p1_in
-    del add_1, linear_3_p1
+    del add_1_in, linear_3_p1_in, add_1, linear_3_p1
     return add_2
 
 

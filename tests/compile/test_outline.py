@@ -1,11 +1,12 @@
 """Outlining: repeated stretches of generated code become one function, and run the same."""
 
+import re
 import warnings
 
 import pytest
 
 import chronotope as ct
-from chronotope.compile.outline import Stretch, outline, with_cheap
+from chronotope.compile.outline import Stretch, outline, roll, with_cheap
 from chronotope.models import get_workload
 from chronotope.policies import ParallelConfig, make
 
@@ -42,6 +43,10 @@ class Recorder:
 
     def loss(self, value):
         self.calls.append(("loss", value))
+
+    def step(self, *args):
+        self.calls.append(("step", args))
+        return len(self.calls)
 
 
 def steps(count: int, last_extra: bool = False) -> list[Stretch]:
@@ -101,7 +106,8 @@ def test_a_cheap_load_is_made_by_the_function_not_passed():
 @pytest.mark.slow
 def test_a_folded_pipeline_writes_each_step_once():
     """gpt, 1F1B over 2 stages and 8 micro-batches, folded: each rank's code has one
-    function per kind of step, called once per micro-batch (it was written out 8 times)."""
+    function per kind of step (it was written out 8 times), and its steady state is a
+    loop over micro-batches that calls both, labelled with the steps it runs."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(get_workload("gpt", batch_size=8))
@@ -110,9 +116,11 @@ def test_a_folded_pipeline_writes_each_step_once():
         code = program.code(rank)
         assert f"def stage{rank}_forward(rt, m" in code
         assert f"def stage{rank}_backward(rt, m" in code
-        calls = sum(f"stage{rank}_forward(rt, " in line and "def " not in line
-                    for line in code.splitlines())
-        assert calls >= 6
+        loop = re.search(r"\n    for m in range\((?:\d+, )?\d+\):  # steps .+\n((?:        .*\n)+)",
+                         code)
+        assert loop is not None
+        assert f"stage{rank}_forward(rt, m" in loop.group(1)
+        assert f"stage{rank}_backward(rt, m" in loop.group(1)
         assert code.count("rt.micro(") < 8  # of 16 steps: most are calls
 
 
@@ -120,17 +128,65 @@ def test_a_folded_pipeline_writes_each_step_once():
 def test_repeated_layers_become_one_function_called_per_layer(model, container, layers):
     """Each layer of the model's stack: one call of one function, its parameters named
     from the layer it is called for (``f'{at}.attn...'``); the forward and the gradients'
-    hand-over each."""
+    hand-over each. The forward's calls, each handing the next layer its input, are one
+    loop over the layers."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = ct.capture(get_workload(model))
     code = ct.compile(make(graph, ParallelConfig("dp", 2))).code(0)
     for kind in ("forward", "grads"):
         assert f"def {container}_{kind}(rt, at" in code
+        loop = re.search(rf"\n    for i in range\({layers}\):\n        .* = {container}_{kind}"
+                         rf"\(rt, f'{container}.{{i}}'", code)
+        assert loop is not None or kind != "forward"
         for layer in range(layers):
-            assert f"{container}_{kind}(rt, '{container}.{layer}'" in code
+            assert loop or f"{container}_{kind}(rt, '{container}.{layer}'" in code
     assert "rt.param(f'{at}." in code
     assert len(code.splitlines()) < 450
+
+
+def chain(passes: int, last_frees: str = "") -> list[str]:
+    """A value handed from pass to pass (micro-batch m + 1, layer 'h.<m>'), read at the
+    end; each pass frees what it read, the last ``last_frees`` too."""
+    lines = ["w = rt.load('w')", "x_m0 = rt.step(0)"]
+    for m in range(passes):
+        lines += [f"x_m{m + 1} = rt.step({m + 1}, x_m{m}, w, 'h.{m}#1:{2 * m + 3}')  # step 0F{m}",
+                  f"del x_m{m}" + (last_frees if m == passes - 1 else "")]
+    return [*lines, f"rt.loss(x_m{passes})"]
+
+
+def unrolled(lines: list[str]) -> list:
+    """What ``lines`` ask of the runtime, and how many names they leave (loop counters
+    aside: a loop's names may differ from the lines it was made of)."""
+    *calls, (_, left) = run(lines, [])
+    return [*calls, ("left", len([n for n in left if n not in ("i", "m")]))]
+
+
+@pytest.mark.parametrize("last_frees", ["", ", w"])
+def test_passes_alike_up_to_what_they_hand_on_and_their_counters_become_a_loop(last_frees):
+    lines = chain(6, last_frees)
+    rolled = roll(lines)
+    loop = [line for line in rolled if line.startswith("for ")]
+    assert loop == ["for m in range(1, 7):  # steps 0F0 to 0F5"]
+    body = rolled[rolled.index(loop[0]) + 1]
+    assert body == "    x_m0 = rt.step(m, x_m0, w, f'h.{m - 1}#1:{2 * m + 1}')"
+    assert rolled[-1] == "rt.loss(x_m0)"  # (what the loop hands on keeps its first name)
+    assert unrolled(rolled) == unrolled(lines)
+    assert len(rolled) < 8
+
+
+def test_passes_that_would_read_another_passes_value_stay_written_out():
+    lines = chain(5)
+    lines[6] = "x_m3 = rt.step(3, x_m1, w, 'h.2#1:7')"  # reads two passes back
+    assert roll(lines) == lines
+    lines = chain(5)
+    lines[-2:] = ["rt.loss(x_m4)"]  # read after: what the pass before the last made
+    rolled = roll(lines)
+    assert "for m in range(1, 5):  # steps 0F0 to 0F3" in rolled  # (the last: written out)
+    assert unrolled(rolled) == unrolled(lines)
+    lines = chain(5)
+    lines[6] = lines[6].replace("'h.2#1:7'", "'h.2#1:8'")  # a number off its step
+    assert not any(line.startswith("for ") for line in roll(lines))
 
 
 STATEMENTS = [  # the forms codegen writes, and forms it does not (read by the ast module)

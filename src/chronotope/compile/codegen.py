@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from chronotope.compile.compiled_regions import FUNCTION, FUSED, Region, compiled_regions
-from chronotope.compile.outline import Stretch, outline, with_cheap
+from chronotope.compile.outline import Stretch, outline, roll, with_cheap
 from chronotope.compile.program import (
     MULTI,
     STARTED,
@@ -134,8 +134,8 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     per_step, by_step = outline([Stretch([line for _ in layers for line in next(made)], s.name,
                                          heading=True) for s, layers in steps], cheap,
                                 reserved=frozenset(f[0][4:f[0].index("(")] for f in by_layer))
-    body = with_cheap([line for lines in per_step for line in lines], cheap)
-    functions = by_step + by_layer + functions
+    body = roll(with_cheap([line for lines in per_step for line in lines], cheap))
+    functions = [_rolled(f) for f in by_step + by_layer] + functions
     if any(re.search(rf"\b{_RNG}", line) for line in body + sum(functions, [])):
         at = lines.index("import torch") + 1
         lines[at:at] = ["", "from chronotope.graph import rng"]
@@ -149,6 +149,14 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     for function in functions:
         lines += ["", "", *(wrapped for line in function for wrapped in _wrap(line))]
     return "\n".join(lines) + "\n"
+
+
+def _rolled(function: list[str]) -> list[str]:
+    """An outlined function with its repeated calls as loops (``outline.roll``)."""
+    params = function[0][function[0].index("(") + 1:function[0].rindex(")")]
+    body = roll([line[4:] for line in function[1:]],
+                frozenset(p.strip() for p in params.split(",")))
+    return [function[0], *("    " + line for line in body)]
 
 
 _CHEAP = ("param", "constant")  # loads a function may run again rather than take

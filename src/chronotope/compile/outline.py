@@ -596,3 +596,326 @@ def _edited(lines: list[str], edits: list[tuple[int, int, int, str]]) -> list[st
     for line, start, end, text in sorted(edits, reverse=True):
         out[line] = out[line][:start] + text.encode() + out[line][end:]
     return [line.decode() for line in out]
+
+
+# ---- runs of repetitions as loops --------------------------------------------------------
+
+_LABEL = re.compile(r"#\s*step (\S+)")
+_DIGITS = re.compile(r"(\d+)")
+
+
+def roll(lines: list[str], given: frozenset[str] = frozenset({LOCALS}), minimum: int = 3,
+         longest: int = 12) -> list[str]:
+    """``lines``, a body's statements, with each run of at least ``minimum`` passes of the
+    same statements as one ``for`` loop: the passes may differ only in names one pass
+    hands the next, and in integers (alone or within strings) that move by the same step
+    each pass. ``given``: the names the body is given (a function's parameters).
+
+    The loop runs the same statements in the same order. A value handed from pass to
+    pass keeps the name it had before the loop, and later code reads what the last pass
+    left under that name; a ``del`` of a name that a pass has already set again is left
+    to that assignment."""
+    # one name per ``del`` (a last pass that frees more is the others and more), merged after
+    statements = [one for st in _statements(lines) for one in (
+        _statements([f"del {f.value}" for f in st.found]) if st.kind == "del" and
+        len(st.lines) == 1 and not st.lines[0].startswith(" ") else [st])]
+    local = set(given) | {n for st in statements for n in st.defs}
+    for at, st in enumerate(statements):
+        st.at = at
+        _analyse(st, local)
+    live_after = _liveness(statements, set())
+    keys = [(st.skeleton, tuple(type(v).__name__ for *_, v in st.literals)) for st in statements]
+    everything = local | {f.value for st in statements for f in st.found if not f.literal}
+    loops: list[_Loop] = []
+    i = 0
+    while i < len(statements):
+        loop = None
+        for p, r in _periods(keys, i, minimum, longest):
+            loop = _Loop.of(statements, i, p, r, live_after, everything)
+            if loop is not None:
+                break
+        if loop is None:
+            i += 1
+            continue
+        loops.append(loop)
+        i += loop.passes * loop.period
+    def names(at: int, slots: list[str]) -> list[str]:
+        for loop in reversed(loops):  # (a later loop's name for what it leaves first)
+            if loop.end <= at < loop.stop:
+                slots = [loop.renames.get(n, n) for n in slots]
+        return slots
+
+    out: list[str] = []
+    starts = {loop.start: loop for loop in loops}
+    i = 0
+    while i < len(statements):
+        if i in starts:
+            loop = starts[i]
+            out.append(loop.header)
+            for st, slots, edits in loop.body:
+                out += ["    " + line for line in _rendered(st, names(i, slots), edits)]
+            i += loop.passes * loop.period
+            continue
+        st = statements[i]
+        slots = [n for *_, n in st.names]
+        renamed = names(i, slots)
+        out += st.lines if renamed == slots else _rendered(st, renamed, {}, comments=True)
+        i += 1
+    return _merged_frees(out)
+
+
+def _merged_frees(lines: list[str]) -> list[str]:
+    """``lines`` with each run of ``del`` statements at one indent as one."""
+    out: list[str] = []
+    for line in lines:
+        if out and line.lstrip().startswith("del ") and out[-1].lstrip().startswith("del ") \
+                and len(line) - len(line.lstrip()) == len(out[-1]) - len(out[-1].lstrip()):
+            out[-1] += ", " + line.lstrip()[4:]
+        else:
+            out.append(line)
+    return out
+
+
+def _periods(keys: list[tuple], i: int, minimum: int, longest: int
+             ) -> list[tuple[int, int]]:
+    """(period, passes) of the runs of repeated statements from ``i``: the longest first.
+    A run starts at a statement that does something (a ``del`` ends what came before)."""
+    found: list[tuple[int, int]] = []
+    if keys[i][0].startswith((b"del ", b"#")):
+        return found
+    for p in range(1, longest + 1):
+        block = keys[i:i + p]
+        if len(block) < p:
+            break
+        r = 1
+        while keys[i + r * p:i + (r + 1) * p] == block:
+            r += 1
+        found += [(p, n) for n in (r, r - 1) if n >= minimum]  # (the last pass may differ)
+    return sorted(found, key=lambda pr: (-pr[0] * pr[1], pr[0]))
+
+
+def _rendered(st: _Statement, names: list[str], literals: dict[int, str],
+              comments: bool = False) -> list[str]:
+    """``st`` with its name slots set to ``names`` and its literals ``literals`` (by
+    index) written anew; without ``comments``, its trailing comment dropped. A ``del``
+    of no names is no statement."""
+    if st.kind == "del":
+        kept = [n for n in names if n]
+        indent = st.lines[0][:len(st.lines[0]) - len(st.lines[0].lstrip())]
+        return [f"{indent}del {', '.join(kept)}"] if kept else []
+    lines = list(st.lines)
+    if not comments:
+        lines = lines[:st.end[0] + 1]
+        lines[-1] = lines[-1][:st.end[1]]
+    edits = [(line, start, start + len(old), new)
+             for (line, start, old), new in zip(st.names, names) if new != old]
+    edits += [(line, start, end, literals[k])
+              for k, (line, start, end, _) in enumerate(st.literals) if k in literals]
+    return _edited(lines, edits)
+
+
+@dataclass
+class _Loop:
+    """A run of ``passes`` repetitions of ``period`` statements from ``start``, as a loop."""
+
+    start: int
+    period: int
+    passes: int
+    header: str
+    body: list[tuple[_Statement, list[str], dict[int, str]]]  # statement, names, literals
+    renames: dict[str, str]  # a name the last pass leaves -> the loop's name for it
+    end: int  # the statement after the run
+    stop: int  # the renames hold for the statements from ``end`` up to this one
+
+    @staticmethod
+    def of(statements: list[_Statement], i: int, p: int, r: int, live_after: list[set[str]],
+           taken: set[str]) -> _Loop | None:
+        """The loop, or None where the passes do not run alike."""
+        passes = [statements[i + k * p:i + (k + 1) * p] for k in range(r)]
+        names = _loop_names(passes, live_after[i + r * p - 1])
+        if names is None:
+            return None
+        canon, renames, kept = names
+        end = i + r * p
+        stop = next((k for k in range(end, len(statements))
+                     if statements[k].defs & (set(renames) | set(renames.values()))),
+                    len(statements))
+        if stop < len(statements) and set(renames) & live_after[stop - 1]:
+            return None  # (what the loop leaves, read after its name is set again)
+        steps = any(f"{LOCALS}.micro(" in line or _LABEL.search(line)
+                    for st in passes[0] for line in st.lines)  # (a loop over micro-batches)
+        literals = _loop_literals(passes, _fresh("m" if steps else "i", taken))
+        if literals is None:
+            return None
+        header, edits = literals
+        labels = [[label for st in run for line in st.lines for label in _LABEL.findall(line)]
+                  for run in (passes[0], passes[-1])]
+        if all(labels):
+            header += f"  # steps {', '.join(labels[0])} to {', '.join(labels[1])}"
+        body = []
+        for j, st in enumerate(passes[0]):
+            if st.kind == "comment":
+                continue
+            slots = [c if keep else "" for c, keep in zip(canon[j], kept[j])]
+            body.append((st, slots, edits[j]))
+        if not any(st.kind != "del" for st, _, _ in body):
+            return None
+        return _Loop(i, p, r, header, body, renames, end, stop)
+
+
+def _loop_names(passes: list[list[_Statement]], after: set[str]
+                ) -> tuple[list[list[str]], dict[str, str], list[list[bool]]] | None:
+    """Each name slot's loop name, the names the last pass leaves that later code must
+    read under the loop's names, and whether each ``del`` slot stays; None where the loop
+    would not read and free what the passes do (``after``: the names read after them).
+
+    A value handed from pass to pass takes the name the first pass reads it by (from
+    before the loop); any other value, the name the last pass gives it."""
+    origins: list[list[list[tuple]]] = []  # per pass, statement, name slot: what it holds
+    for k, run in enumerate(passes):
+        now: dict[str, tuple] = {}
+        before = _assignments(passes[k - 1]) if k else {}
+        rows = []
+        for j, st in enumerate(run):
+            made = _assigned(st)
+            row: list[tuple] = []
+            for s, (*_, n) in enumerate(st.names):
+                if all(other[j].names[s][2] == n for other in passes):
+                    row.append(("same", n))
+                elif s in made:
+                    row.append(("set", j, s))
+                elif n in now:
+                    row.append(("set", *now[n]))
+                elif n in before:
+                    row.append(("carried", *before[n]))
+                elif k == 0:
+                    row.append(("entry",))
+                else:
+                    return None
+            now.update((st.names[s][2], (j, s)) for s in made)
+            rows.append(row)
+        origins.append(rows)
+    named: dict[tuple, str] = {}  # an assignment slot handed on -> the name it came in by
+    for j, row in enumerate(origins[1]):
+        for s, origin in enumerate(row):
+            first = origins[0][j][s]
+            if first != origin and not (first == ("entry",) and origin[0] == "carried"):
+                return None
+            if first == ("entry",) and \
+                    named.setdefault(origin[1:], passes[0][j].names[s][2]) != \
+                    passes[0][j].names[s][2]:
+                return None
+    canon = [[origin[1] if origin[0] == "same" else
+              named.get(origin[1:], passes[-1][origin[1]].names[origin[2]][2])
+              for origin in row] for row in origins[1]]
+    renames = {passes[-1][j].names[s][2]: name for (j, s), name in named.items()}
+    # run the passes as written and as the loop, each name to whichever value it holds
+    was: dict[str, tuple] = {n: ("before", n) for n in named.values()}
+    now_: dict[str, tuple] = dict(was)
+    kept: list[list[bool]] = [[True] * len(st.names) for st in passes[0]]
+    for k, run in enumerate(passes):
+        for j, st in enumerate(run):
+            made = _assigned(st)
+            for s, (*_, n) in enumerate(st.names):
+                c = canon[j][s]
+                if st.kind == "del":
+                    keep = now_.get(c) == was.get(n)
+                    if k and kept[j][s] != keep:
+                        return None
+                    kept[j][s] = keep
+                    was.pop(n, None)
+                    if keep:
+                        now_.pop(c, None)
+                elif s not in made and now_.get(c) != was.get(n):
+                    return None
+            for s in made:
+                was[st.names[s][2]] = now_[canon[j][s]] = (k, j, s)
+    if any(now_.get(renames.get(n, n)) != was.get(n) for n in after) or \
+            set(renames.values()) & after:
+        return None  # (read after the loop: not what the last pass left under that name)
+    return canon, renames, kept
+
+
+def _assigned(st: _Statement) -> set[int]:
+    """The name slots ``st`` assigns (each name's first slot: a target comes first)."""
+    if st.kind == "del":
+        return set()
+    first: dict[str, int] = {}
+    for s, (*_, n) in enumerate(st.names):
+        first.setdefault(n, s)
+    return {first[n] for n in st.defs if n in first}
+
+
+def _assignments(run: list[_Statement]) -> dict[str, tuple[int, int]]:
+    """Where ``run`` last assigns each name: (statement, slot)."""
+    out: dict[str, tuple[int, int]] = {}
+    for j, st in enumerate(run):
+        out.update((st.names[s][2], (j, s)) for s in _assigned(st))
+    return out
+
+
+def _loop_literals(passes: list[list[_Statement]], var: str
+                   ) -> tuple[str, list[dict[int, str]]] | None:
+    """The loop's header and, per statement, its literals written in terms of the
+    counter ``var`` (the first integer that differs between passes); None where one
+    does not move by a fixed step that the counter's divides."""
+    knobs: list[tuple[int, int, int | None, list[int]]] = []  # (j, literal, digit run, values)
+    for j, st in enumerate(passes[0]):
+        for q, (*_, value) in enumerate(st.literals):
+            values = [run[j].literals[q][3] for run in passes]
+            if all(v == value for v in values):
+                continue
+            if all(type(v) is int for v in values):
+                knobs.append((j, q, None, values))
+            elif all(type(v) is str for v in values):
+                line, start, end, _ = st.literals[q]
+                if st.lines[line][start:end] != repr(value):
+                    return None  # (a part of an f-string, a string written otherwise)
+                cut = [_DIGITS.split(v) for v in values]
+                if any(len(c) != len(cut[0]) or c[0::2] != cut[0][0::2] for c in cut):
+                    return None
+                for u in range(1, len(cut[0]), 2):
+                    runs = [c[u] for c in cut]
+                    if len(set(runs)) > 1:
+                        if any(d != str(int(d)) for d in runs):
+                            return None  # (a leading zero)
+                        knobs.append((j, q, u, [int(d) for d in runs]))
+            else:
+                return None
+    edits: list[dict[int, str]] = [{} for _ in passes[0]]
+    if not knobs:
+        return f"for _ in range({len(passes)}):", edits
+    counter = knobs[0][3]
+    step = counter[1] - counter[0]
+    if not step:
+        return None
+    written: dict[tuple[int, int, int | None], str] = {}
+    for j, q, t, values in knobs:
+        move = values[1] - values[0]
+        if any(v != values[0] + move * k for k, v in enumerate(values)) or move % step:
+            return None
+        a = move // step
+        written[(j, q, t)] = _affine(a, values[0] - a * counter[0], var)
+    for (j, q, t), text in written.items():
+        if t is None:
+            edits[j][q] = text
+            continue
+        if q in edits[j]:
+            continue
+        value = passes[0][j].literals[q][3]
+        parts = _DIGITS.split(value)
+        template = "".join(
+            ("{" + written[(j, q, u)] + "}" if (j, q, u) in written else part)
+            if u % 2 else part.replace("{", "{{").replace("}", "}}")
+            for u, part in enumerate(parts))
+        edits[j][q] = "f" + repr(template)
+    end = counter[0] + step * len(passes)
+    bounds = f"{end}" if step == 1 and counter[0] == 0 else \
+        f"{counter[0]}, {end}" if step == 1 else f"{counter[0]}, {end}, {step}"
+    return f"for {var} in range({bounds}):", edits
+
+
+def _affine(a: int, b: int, var: str) -> str:
+    """``a * var + b``, written short."""
+    term = var if a == 1 else f"-{var}" if a == -1 else f"{a} * {var}"
+    return term if b == 0 else f"{term} + {b}" if b > 0 else f"{term} - {-b}"
