@@ -4,6 +4,8 @@ import re
 import warnings
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as hs
 
 import chronotope as ct
 from chronotope.compile.outline import Stretch, outline, roll, with_cheap
@@ -159,7 +161,7 @@ def unrolled(lines: list[str]) -> list:
     """What ``lines`` ask of the runtime, and how many names they leave (loop counters
     aside: a loop's names may differ from the lines it was made of)."""
     *calls, (_, left) = run(lines, [])
-    return [*calls, ("left", len([n for n in left if n not in ("i", "m")]))]
+    return [*calls, ("left", len([n for n in left if n not in ("i", "m", "_")]))]
 
 
 @pytest.mark.parametrize("last_frees", ["", ", w"])
@@ -187,6 +189,42 @@ def test_passes_that_would_read_another_passes_value_stay_written_out():
     lines = chain(5)
     lines[6] = lines[6].replace("'h.2#1:7'", "'h.2#1:8'")  # a number off its step
     assert not any(line.startswith("for ") for line in roll(lines))
+
+
+@settings(max_examples=150, deadline=None)
+@given(hs.data())
+def test_rolled_lines_ask_the_runtime_what_the_lines_did(data):
+    """Random passes that hand values on, read a shared value, count in numbers and in
+    strings and free what they read, some passes changed at random (reading two passes
+    back, a number off its step, a free left out) and some of their values read after:
+    rolled, they ask the runtime the same things in the same order, and keep no more."""
+    passes, width = data.draw(hs.integers(3, 6)), data.draw(hs.integers(1, 3))
+    kinds = ["carried", "crossed", "shared", "made"]
+    template = [(data.draw(hs.sampled_from(kinds if c else kinds[:3])),
+                 data.draw(hs.sampled_from([1, 2, 0])), data.draw(hs.booleans()),
+                 data.draw(hs.booleans())) for c in range(width)]
+    lines = ["w = rt.load('w')", *(f"v{c}_0 = rt.step({c})" for c in range(width))]
+    for m in range(1, passes + 1):
+        for c, (kind, step, text, frees) in enumerate(template):
+            number = step * m + 3
+            if data.draw(hs.integers(0, 9)) == 0:  # a pass unlike the others
+                kind = data.draw(hs.sampled_from([*kinds, "back2"]))
+                number, frees = number + 1, not frees
+            read = {"carried": f"v{c}_{m - 1}", "crossed": f"v{(c + 1) % width}_{m - 1}",
+                    "shared": "w", "made": f"v{c - 1}_{m}", "back2": f"v{c}_{max(m - 2, 0)}"}
+            lines.append(f"v{c}_{m} = rt.step({repr(f'h.{number}#1') if text else number}, "
+                         f"{read[kind]})")
+            if frees and kind in ("carried", "crossed"):
+                lines.append(f"del {read[kind]}")
+    after = data.draw(hs.lists(hs.integers(0, passes), max_size=2))
+    lines += [f"rt.loss(v{c}_{m})" for m in after for c in range(width)]
+    try:
+        expected = unrolled(lines)
+    except NameError:
+        assume(False)
+    *calls, (_, left) = unrolled(roll(lines))
+    assert calls == expected[:-1]
+    assert left <= expected[-1][1]  # (a value nothing reads again may go when its name does)
 
 
 STATEMENTS = [  # the forms codegen writes, and forms it does not (read by the ast module)
