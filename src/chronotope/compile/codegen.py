@@ -135,7 +135,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
                                          heading=True) for s, layers in steps], cheap,
                                 reserved=frozenset(f[0][4:f[0].index("(")] for f in by_layer))
     body = roll(with_cheap([line for lines in per_step for line in lines], cheap))
-    functions = [_rolled(f) for f in by_step + by_layer] + functions
+    functions = by_step + by_layer + functions
     if any(re.search(rf"\b{_RNG}", line) for line in body + sum(functions, [])):
         at = lines.index("import torch") + 1
         lines[at:at] = ["", "from chronotope.graph import rng"]
@@ -149,14 +149,6 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     for function in functions:
         lines += ["", "", *(wrapped for line in function for wrapped in _wrap(line))]
     return "\n".join(lines) + "\n"
-
-
-def _rolled(function: list[str]) -> list[str]:
-    """An outlined function with its repeated calls as loops (``outline.roll``)."""
-    params = function[0][function[0].index("(") + 1:function[0].rindex(")")]
-    body = roll([line[4:] for line in function[1:]],
-                frozenset(p.strip() for p in params.split(",")))
-    return [function[0], *("    " + line for line in body)]
 
 
 _CHEAP = ("param", "constant")  # loads a function may run again rather than take

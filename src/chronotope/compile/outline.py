@@ -12,6 +12,11 @@ statements in the same order.
 
 A tensor that a stretch frees is freed by the caller right after the call (the
 function's own ``del`` only drops its name), so it lives to the end of the call.
+
+Within a body, a run of statements that repeat up to the names one pass hands the
+next and integers that move by one step (a function's calls, layer after layer or
+step after step) becomes a ``for`` loop (``roll``): each function's body as it is
+written, and the step's body by codegen.
 """
 
 from __future__ import annotations
@@ -489,6 +494,8 @@ def _function(name: str, shapes: list[_Shape], labels: list[str | None],
                 edits.append((line, start, end, written[k]))
             k += 1
         lines += ["    " + text for text in _edited(st.lines, edits)]
+    lines[1:] = ["    " + line for line in roll([line[4:] for line in lines[1:]],
+                                                 frozenset(params))]
     if outputs:
         lines.append(f"    return {', '.join(first.names[i] for i in outputs)}")
     calls = []
@@ -580,8 +587,7 @@ def _linear(shapes: list[_Shape], micro: int, k: int) -> str | None:
     b = y0 - a * x0
     if any(y != a * x + b for x, y in pairs):
         return None
-    term = "{m}" if a == 1 else f"{a} * {{m}}"
-    return term if b == 0 else f"{term} + {b}" if b > 0 else f"{term} - {-b}"
+    return _affine(a, b, "{m}")
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -618,7 +624,7 @@ def roll(lines: list[str], given: frozenset[str] = frozenset({LOCALS}), minimum:
     # one name per ``del`` (a last pass that frees more is the others and more), merged after
     statements = [one for st in _statements(lines) for one in (
         _statements([f"del {f.value}" for f in st.found]) if st.kind == "del" and
-        len(st.lines) == 1 and not st.lines[0].startswith(" ") else [st])]
+        len(st.found) > 1 and len(st.lines) == 1 else [st])]
     local = set(given) | {n for st in statements for n in st.defs}
     for at, st in enumerate(statements):
         st.at = at
@@ -638,7 +644,7 @@ def roll(lines: list[str], given: frozenset[str] = frozenset({LOCALS}), minimum:
             i += 1
             continue
         loops.append(loop)
-        i += loop.passes * loop.period
+        i = loop.end
     def names(at: int, slots: list[str]) -> list[str]:
         for loop in reversed(loops):  # (a later loop's name for what it leaves first)
             if loop.end <= at < loop.stop:
@@ -654,7 +660,7 @@ def roll(lines: list[str], given: frozenset[str] = frozenset({LOCALS}), minimum:
             out.append(loop.header)
             for st, slots, edits in loop.body:
                 out += ["    " + line for line in _rendered(st, names(i, slots), edits)]
-            i += loop.passes * loop.period
+            i = loop.end
             continue
         st = statements[i]
         slots = [n for *_, n in st.names]
@@ -716,11 +722,9 @@ def _rendered(st: _Statement, names: list[str], literals: dict[int, str],
 
 @dataclass
 class _Loop:
-    """A run of ``passes`` repetitions of ``period`` statements from ``start``, as a loop."""
+    """The run of repetitions from statement ``start`` up to ``end``, as a loop."""
 
     start: int
-    period: int
-    passes: int
     header: str
     body: list[tuple[_Statement, list[str], dict[int, str]]]  # statement, names, literals
     renames: dict[str, str]  # a name the last pass leaves -> the loop's name for it
@@ -760,7 +764,7 @@ class _Loop:
             body.append((st, slots, edits[j]))
         if not any(st.kind != "del" for st, _, _ in body):
             return None
-        return _Loop(i, p, r, header, body, renames, end, stop)
+        return _Loop(i, header, body, renames, end, stop)
 
 
 def _loop_names(passes: list[list[_Statement]], after: set[str]
@@ -810,8 +814,8 @@ def _loop_names(passes: list[list[_Statement]], after: set[str]
               for origin in row] for row in origins[1]]
     renames = {passes[-1][j].names[s][2]: name for (j, s), name in named.items()}
     # run the passes as written and as the loop, each name to whichever value it holds
-    was: dict[str, tuple] = {n: ("before", n) for n in named.values()}
-    now_: dict[str, tuple] = dict(was)
+    written: dict[str, tuple] = {n: ("before", n) for n in named.values()}
+    looped: dict[str, tuple] = dict(written)
     kept: list[list[bool]] = [[True] * len(st.names) for st in passes[0]]
     for k, run in enumerate(passes):
         for j, st in enumerate(run):
@@ -819,18 +823,18 @@ def _loop_names(passes: list[list[_Statement]], after: set[str]
             for s, (*_, n) in enumerate(st.names):
                 c = canon[j][s]
                 if st.kind == "del":
-                    keep = now_.get(c) == was.get(n)
+                    keep = looped.get(c) == written.get(n)
                     if k and kept[j][s] != keep:
                         return None
                     kept[j][s] = keep
-                    was.pop(n, None)
+                    written.pop(n, None)
                     if keep:
-                        now_.pop(c, None)
-                elif s not in made and now_.get(c) != was.get(n):
+                        looped.pop(c, None)
+                elif s not in made and looped.get(c) != written.get(n):
                     return None
             for s in made:
-                was[st.names[s][2]] = now_[canon[j][s]] = (k, j, s)
-    if any(now_.get(renames.get(n, n)) != was.get(n) for n in after) or \
+                written[st.names[s][2]] = looped[canon[j][s]] = (k, j, s)
+    if any(looped.get(renames.get(n, n)) != written.get(n) for n in after) or \
             set(renames.values()) & after:
         return None  # (read after the loop: not what the last pass left under that name)
     return canon, renames, kept
