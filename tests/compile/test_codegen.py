@@ -98,3 +98,24 @@ def test_a_folded_programs_code_shows_its_schedule():
     program = ct.compile(plan)
     for rank, steps in actions(plan).items():
         assert schedule(program.code(rank)) == steps
+
+
+@pytest.mark.parametrize("schedule_name, fold", [("1f1b", True), ("zb1", True), ("1f1b", False)])
+def test_a_message_is_posted_between_calls_so_each_step_is_one_function(schedule_name, fold):
+    """A receive posted ahead of a step (or, cut, of a layer) is posted before its call,
+    not inside it: a stage's step and a layer run the same code whether or not a message
+    is posted while they run, so every step of a folded schedule is one call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(get_workload("gpt", batch_size=8))
+    plan = ct.policies.pipeline(graph, 2, 8, schedule_name, fold=fold)
+    program = ct.compile(plan)
+    for rank in range(program.ndevices):
+        code = program.code(rank)
+        functions = {text[:text.index("(")]: text for text in code.split("\n\n\ndef ")[1:]}
+        posting = [name for name, body in functions.items()
+                   if re.search(r"_pending = rt\.recv\(", body)]
+        assert posting == ["step"], (rank, posting)  # messages are posted, by the step
+        if fold:
+            assert not re.search(r"^    # step ", code, flags=re.M), (rank, code)  # all calls
+            assert schedule(code) == actions(plan)[rank]

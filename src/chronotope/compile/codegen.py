@@ -90,6 +90,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
     # each step of a template, and within it each layer's stretch (compile/outline.py)
     steps: list[tuple[Stretch, list[Stretch]]] = [(Stretch([], None), [Stretch([], None)])]
     layer: tuple | None = None
+    posted: list[str] = []  # a receive posted here: between two layers' or steps' calls?
     functions: list[list[str]] = []
     code = program.ranks[rank]
     fused = any(isinstance(ins, Forward) and ins.fused for ins in code)
@@ -107,6 +108,9 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
         if isinstance(ins, Micro) or isinstance(ins, Total) and steps[-1][0].name is not None:
             # (sums done after a step: not the step's own code)
             name = _step_function(ins) if isinstance(ins, Micro) else None
+            if posted:  # posted between two steps: written between their calls
+                steps.append((Stretch([], None), [Stretch(posted, None)]))
+                posted = []
             steps.append((Stretch([], name, heading=True), [Stretch([], None)]))
             layer = None
         if isinstance(ins, Free):  # a load of a parameter region frees nothing
@@ -114,11 +118,19 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
             if not ins.vars:
                 continue
         if (found := _layer(ins)) is not None and found != layer:
+            if posted:  # posted between two layers: written between their calls
+                steps[-1][1].append(Stretch(posted, None))
+                posted = []
             layer = found
             label, kind = found
             name = f"{_identifier(label.rsplit('.', 1)[0])}_{kind}" if label else None
             steps[-1][1].append(Stretch([], name, label))
+        if isinstance(ins, Recv) and ins.handle:
+            posted += render_instruction(ins, autograd, shapes) + (["rt.tick()"] if ticks else [])
+            continue
         body = steps[-1][1][-1].lines
+        body += posted
+        posted = []
         if isinstance(ins, Region):
             call, function = _region(ins, len(functions), later[k], autograd)
             body += call
@@ -128,6 +140,7 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
             render_instruction(ins, autograd, shapes)
         if ticks and not isinstance(ins, Free):
             body.append("rt.tick()")
+    steps[-1][1][-1].lines.extend(posted)
     # the layers first, then the steps that call them
     per_layer, by_layer = outline([s for _, layers in steps for s in layers], cheap)
     made = iter(per_layer)

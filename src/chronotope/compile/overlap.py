@@ -17,7 +17,10 @@ them in: whoever sends a message posts it when the replay does, and the receiver
 posts its receive after the pair's earlier messages and before its later ones (a
 receive can always be posted early; a send is where its data is made). The replay
 prices compute by its FLOPs, so the order is roughly the one the messages will be
-sent in, and a receive is posted before the compute it can hide behind.
+sent in, and a receive is posted before the compute it can hide behind: the whole
+micro-batch step or layer that compute belongs to, so that a step's or a layer's code is
+the same whether or not a message is posted while it runs (one function, called between
+posts).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from chronotope.compile.program import (
     Forward,
     Instruction,
     Load,
+    Micro,
     Recv,
     Send,
     Wait,
@@ -54,6 +58,7 @@ from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
 from chronotope.graph.ir import fresh_name
 from chronotope.plan.plan import PlanOp
+from chronotope.plan.storage import unit
 
 _COMPUTE = (Forward, Backward, WeightGrad)
 
@@ -197,11 +202,43 @@ def _first_reads(code: list[Instruction]) -> dict[int, int]:
             if isinstance(ins, STARTED) and any(v in first for v in results(ins))}
 
 
+def _post_before(code: list[Instruction]) -> list[int]:
+    """For each compute, in order, where a receive posted ahead of it goes: before the
+    micro-batch step it belongs to (a template's block), else before the first compute
+    of its unit's run (a layer's forward or backward, ``plan.storage.unit``), else before
+    the compute itself. A step's or a layer's code is then the same whether or not a
+    message is posted while it runs: codegen writes the post between their calls."""
+    starts: list[int] = []
+    last: tuple | None = None
+    block: int | None = None  # where the current micro-batch's step starts
+    for i, ins in enumerate(code):
+        if isinstance(ins, Micro):
+            block = i if ins.index is not None else None
+            last = None  # another micro-batch's
+        elif isinstance(ins, _COMPUTE):
+            found = _unit(ins)
+            starts.append(block if block is not None else
+                          starts[-1] if found is not None and found == last else i)
+            last = found
+    return starts
+
+
+def _unit(ins: Instruction) -> tuple | None:
+    """A compute's unit and direction; None for one of no unit."""
+    ops = ins.ops if isinstance(ins, Backward) else (
+        (ins.op,) if isinstance(ins, (Forward, WeightGrad)) else ())
+    found = {unit(op.op) for op in ops}
+    if len(found) != 1 or None in found:
+        return None
+    return (found.pop(), isinstance(ins, Forward))
+
+
 def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],
                    first_read: dict[int, int]) -> dict[int, int]:
     """Where each receive (by index) is posted: ahead of the compute before its first
     reader, as far as the order of its pair's messages allows."""
     compute = [i for i, ins in enumerate(code) if isinstance(ins, _COMPUTE)]
+    ahead = _post_before(code)
     pairs: dict[int, list[tuple[int, int, bool]]] = defaultdict(list)  # peer -> (when, i, recv)
     for i, ins in enumerate(code):
         if isinstance(ins, Send):
@@ -224,7 +261,7 @@ def _posting_slots(rank: int, code: list[Instruction], order: dict[tuple, int],
                 continue
             use = first_read.get(i, len(code))
             before = bisect_left(compute, use)  # computes ahead of the first reader
-            wanted = 2 * compute[before - 1] if before else 2 * use
+            wanted = 2 * ahead[before - 1] if before else 2 * use
             slot = max(lower, min(wanted, most))
             if slot > most:
                 raise PlanError(f"rank {rank} cannot post message {code[i]} in the order its "
