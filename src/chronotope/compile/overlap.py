@@ -101,11 +101,29 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     ranks = coalesce(ranks, (AllGather,))
     for code in ranks:
         check_shared(code)
-    return [_started(rank, code, order) for rank, code in enumerate(ranks)]
+    started = [_started(rank, code, order, True) for rank, code in enumerate(ranks)]
+    if replay(started).runs_through:
+        return started
+    return [_started(rank, code, order, False) for rank, code in enumerate(ranks)]
 
 
-def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> list[Instruction]:
+def _started(rank: int, code: list[Instruction], order: dict[tuple, int], by_step: bool
+             ) -> list[Instruction]:
+    """``by_step``: what nothing reads (a broadcast's root) is waited on where its
+    micro-batch step ends, so that no step hands a handle on to the next (each step is
+    one function, see codegen); else, and outside steps, where the code ends."""
     first_read = _first_reads(code)
+    unread: dict[int, int] = {}  # what nothing reads, in a step -> where the step ends
+    if by_step:
+        ends = [i for i, ins in enumerate(code) if isinstance(ins, Micro)] + [len(code)]
+        inside = False
+        for i, ins in enumerate(code):
+            if isinstance(ins, Micro):
+                inside = ins.index is not None
+            elif inside and isinstance(ins, STARTED) and not isinstance(ins, Recv) \
+                    and i not in first_read:
+                unread[i] = ends[bisect_left(ends, i)]
+    first_read |= unread
     # Slots: instruction i sits at 2i + 1; a posted receive goes into slot 2i (before i).
     posted = _posting_slots(rank, code, order, first_read)
     handles: set[str] = set()
@@ -121,11 +139,12 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int]) -> lis
             out.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
             continue
         if isinstance(ins, STARTED) and use > i + 1:
-            made = results(ins)  # none on a broadcast's root: waited on at the end
+            made = results(ins)  # none on a broadcast's root: waited on as its step ends
             base = made[0] if made else f"{ins.src}_sent" if isinstance(ins, Broadcast) else ""
             handle = fresh_name(f"{base}_pending", handles)
             ins = replace(ins, handle=handle)
-            out.append(((2 * use, 1), Wait(handle, made, unpack=isinstance(ins, MULTI))))
+            out.append(((2 * use, -1 if i in unread else 1),  # (before the next step's posts)
+                        Wait(handle, made, unpack=isinstance(ins, MULTI))))
         out.append(((2 * i + 1,), ins))
     out.sort(key=lambda x: x[0])
     code = []
