@@ -101,29 +101,38 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     ranks = coalesce(ranks, (AllGather,))
     for code in ranks:
         check_shared(code)
-    started = [_started(rank, code, order, True) for rank, code in enumerate(ranks)]
-    if replay(started).runs_through:
-        return started
-    return [_started(rank, code, order, False) for rank, code in enumerate(ranks)]
+    # What nothing reads (a broadcast's root) is waited on where its micro-batch step
+    # ends, so that no step hands a handle on to the next (each step is one function, see
+    # codegen), where the code then runs through; else, as outside steps, where it ends.
+    unread = [_unread_in_steps(code) for code in ranks]
+    if any(unread):
+        started = [_started(rank, code, order, unread[rank]) for rank, code in enumerate(ranks)]
+        if replay(started).runs_through:
+            return started
+    return [_started(rank, code, order, {}) for rank, code in enumerate(ranks)]
 
 
-def _started(rank: int, code: list[Instruction], order: dict[tuple, int], by_step: bool
-             ) -> list[Instruction]:
-    """``by_step``: what nothing reads (a broadcast's root) is waited on where its
-    micro-batch step ends, so that no step hands a handle on to the next (each step is
-    one function, see codegen); else, and outside steps, where the code ends."""
+def _unread_in_steps(code: list[Instruction]) -> dict[int, int]:
+    """Each communication started in a micro-batch step whose result nothing reads (by
+    index), and where its step ends."""
     first_read = _first_reads(code)
-    unread: dict[int, int] = {}  # what nothing reads, in a step -> where the step ends
-    if by_step:
-        ends = [i for i, ins in enumerate(code) if isinstance(ins, Micro)] + [len(code)]
-        inside = False
-        for i, ins in enumerate(code):
-            if isinstance(ins, Micro):
-                inside = ins.index is not None
-            elif inside and isinstance(ins, STARTED) and not isinstance(ins, Recv) \
-                    and i not in first_read:
-                unread[i] = ends[bisect_left(ends, i)]
-    first_read |= unread
+    ends = [i for i, ins in enumerate(code) if isinstance(ins, Micro)] + [len(code)]
+    unread: dict[int, int] = {}
+    inside = False
+    for i, ins in enumerate(code):
+        if isinstance(ins, Micro):
+            inside = ins.index is not None
+        elif inside and isinstance(ins, STARTED) and not isinstance(ins, Recv) \
+                and i not in first_read:
+            unread[i] = ends[bisect_left(ends, i)]
+    return unread
+
+
+def _started(rank: int, code: list[Instruction], order: dict[tuple, int],
+             unread: dict[int, int]) -> list[Instruction]:
+    """``unread``: communications nothing reads, waited on at the index given (else at
+    the end)."""
+    first_read = _first_reads(code) | unread
     # Slots: instruction i sits at 2i + 1; a posted receive goes into slot 2i (before i).
     posted = _posting_slots(rank, code, order, first_read)
     handles: set[str] = set()
