@@ -107,7 +107,7 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
                                    for m in range(plan.micro)})
         wire = {((a, _micro(x, m)), (b, _micro(y, m))): n for ((a, x), (b, y)), n in wire.items()
                 for m in range(plan.micro)}
-    return Timeline(_play(order, cost, wire, bytes_per_s), sorted(order))
+    return Timeline(_replayed(order, cost, wire, bytes_per_s), sorted(order))
 
 
 def _micro(step: str, m: int) -> str:
@@ -135,7 +135,7 @@ class _StepCosts(Costs):
         return ready + took, took
 
 
-def _play(order: dict[int, list[str]], cost: dict[Key, float],
+def _replayed(order: dict[int, list[str]], cost: dict[Key, float],
           wire: dict[tuple[Key, Key], int], bytes_per_s: float | None) -> list[Bar]:
     """Each rank posts the receives of all its steps, then runs its steps in order, each
     after the messages it reads arrived, and sends what it made to the steps reading it."""

@@ -109,7 +109,7 @@ def check_steps(plan: Plan, edges: list, cells: dict[PlanOp, Cell]) -> dict[int,
         a, b = cells.get(e.src), cells.get(e.dst)
         if a is not None and b is not None and a != b:
             waits.add((e.dst.device, b, e.src.device, a))
-    _play(plan, waits)
+    _refuse_deadlock(plan, waits)
     return {device: kept(plan.steps[device]) for device in held}
 
 
@@ -166,9 +166,11 @@ def _made_from(t: PTensor, ops: set[Op]) -> bool:
     return False
 
 
-def _play(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:
-    """Run every device's steps in order, each when what it waits for has run; a device
-    that cannot move on when none can is named with what it waits for."""
+def _refuse_deadlock(plan: Plan, waits: set[tuple[int, Cell, int, Cell]]) -> None:
+    """A topological sweep of every micro-batch's steps: a device's steps in its order,
+    each after the steps of the same micro-batch it ``waits`` for. A device left with a
+    step when none can move is named with what it waits for. (Whether compiled code runs
+    through is the replay engine's question, ``compile/replay.py``; this is the plan's.)"""
     before: dict[tuple[int, Cell], list[tuple[int, Cell]]] = defaultdict(list)
     for d, cell, src, other in waits:
         before[(d, cell)].append((src, other))

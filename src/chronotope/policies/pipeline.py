@@ -132,7 +132,7 @@ def _greedy(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: 
     before position ``backward_from`` of a chain run without gradients (no backward,
     nothing kept). Forwards are tried latest first, earliest first and oldest
     micro-batch first: the shortest play wins."""
-    played = [_play(ranks, micro, chains, split, limit, first, backward_from)
+    played = [_list_schedule(ranks, micro, chains, split, limit, first, backward_from)
               for first in _FORWARD_FIRST]
     done = [p for p in played if p is not None]
     if not done:
@@ -144,10 +144,11 @@ def _greedy(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: 
 _FORWARD_FIRST = (lambda k, m: -k, lambda k, m: k, lambda k, m: (m, k))  # which ready forward
 
 
-def _play(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
+def _list_schedule(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], split: bool,
           limit: int, first: Callable[[int, int], object], backward_from: int
           ) -> tuple[int, dict[int, list[Step]]] | None:
-    """One play of ``_greedy``: its length and steps, or None when it gets stuck."""
+    """One list schedule of ``_greedy`` (a unit-time simulation that picks each free rank's
+    next step): its length and steps, or None when it gets stuck."""
     rank_of, position, nxt, prev = {}, {}, {}, {}
     for c, chain in enumerate(chains):
         for k, r in enumerate(chain):
