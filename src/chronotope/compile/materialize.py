@@ -8,30 +8,32 @@ backward, each rank sums the gradient of every parameter region it stores,
 and rank 0 assembles the loss (where every rank holds a share of it, as in data
 parallel, the shares are summed in a gradient bucket rather than sent).
 
-This is lowering, the first step of compile: what it writes then goes through
-the passes of ``compile/passes.py``, in order.
+This is lowering, the first step of compile. Its state is two things: a
+``ReadTable`` (what each read resolved to, so a second read of it takes the same
+name) and the code it writes (``compile.arrange.Written``: each piece's reads, call
+and sends, each rank's head and tail). The passes of ``compile/passes.py`` take it
+from there, in order, ``arrange`` first.
 """
 
 from __future__ import annotations
 
-import keyword
-import re
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import torch
 
+from chronotope.compile.arrange import Written
 from chronotope.compile.buckets import BUCKET_MB
 from chronotope.compile.collectives import Stuck
 from chronotope.compile.fold import batch_axes
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
+from chronotope.compile.names import Names
 from chronotope.compile.passes import Lowered, run_passes
 from chronotope.compile.program import (
     AllReduce,
     Assemble,
     Backward,
-    Block,
     Forward,
     GatherParams,
     Grad,
@@ -59,16 +61,10 @@ from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
 from chronotope.plan.plan import PlanOp, placed
-from chronotope.plan.steps import Cell, cells_of
+from chronotope.plan.steps import cells_of
 
-_RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
-_DERIVED = ("_in", "_share")  # suffixes codegen adds to a name
 _SOURCES = {TensorKind.PARAM: "param", TensorKind.BUFFER: "buffer",
             TensorKind.CONSTANT: "constant", TensorKind.INPUT: "input"}
-
-
-def _identifier(hint: str) -> str:
-    return re.sub(r"\W", "_", hint).strip("_") or "t"
 
 
 def _overlap(a: Mask, b: Mask) -> Mask | None:
@@ -77,7 +73,29 @@ def _overlap(a: Mask, b: Mask) -> Mask | None:
     return Mask(index) if all(lo < hi for lo, hi in index) else None
 
 
-class Materializer:
+@dataclass
+class ReadTable:
+    """What each read resolved to, so that every later read of the same thing on the same
+    rank takes the same name and nothing is sent twice."""
+
+    ndevices: int
+    piece: dict[tuple[PlanOp, Mask, PTensor], str] = field(default_factory=dict)  # outputs
+    local: list[dict[tuple[PTensor, Mask], str]] = field(init=False)  # what a rank holds
+    # (producer, piece, region, tensor) a rank received, and under which name
+    received: list[dict[tuple, str]] = field(init=False)
+    params: dict[tuple, str] = field(default_factory=dict)  # (owner, reader, param, region)
+    # a sender's sum of partial pieces it made, by (tensor, pieces): the piece it stands as
+    summed: dict[tuple, tuple[PlanOp, Mask]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.local = [{} for _ in range(self.ndevices)]
+        self.received = [{} for _ in range(self.ndevices)]
+
+
+class Lowering:
+    """Resolves every read of a checked plan into a ``ReadTable`` and writes the code it
+    takes (``Written``); ``run`` then hands the code to the passes."""
+
     def __init__(self, checked: CheckedPlan, cluster: Cluster | None = None,
                  skip: frozenset = frozenset(), bucket_mb: float = BUCKET_MB) -> None:
         self.cluster = cluster  # None: no searched layout changes (plain messages)
@@ -90,20 +108,11 @@ class Materializer:
         self.replicas = checked.replicas  # plan.scale's replicas: what their unit adds
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
         self.position = {op: i for seq in checked.sequences.values() for i, op in enumerate(seq)}
-        self.combined: dict[tuple, tuple[PlanOp, Mask]] = {}  # partial sums made by a sender
         n = self.plan.ndevices
-        self.pre: dict[PlanOp, list[Instruction]] = defaultdict(list)
-        self.post: dict[PlanOp, list[Instruction]] = defaultdict(list)
-        self.main: dict[PlanOp, Instruction] = {}
-        self.tail: list[list[Instruction]] = [[] for _ in range(n)]
-        self.local: list[dict[tuple[PTensor, Mask], str]] = [{} for _ in range(n)]
-        self.received: list[dict[tuple, str]] = [{} for _ in range(n)]
-        self.shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in range(n)]
-        self.piece_var: dict[tuple[PlanOp, Mask, PTensor], str] = {}
+        self.table = ReadTable(n)
+        self.written = Written(n)
+        self.names = Names(n, self.plan.graph)
         self.forward_of = {g: t for t, g in self.plan.grads.items()}
-        # A reader's share of a value it gets whole (a bias under a reduction split): the
-        # reader applies it inside its autograd region, so its gradient carries it too.
-        self.share: list[dict[str, Fraction]] = [{} for _ in range(n)]
         self.tag = 0
         self.stored = [checked.storage.stored[d] for d in range(n)]
         self.owned = [checked.storage.owned[d] for d in range(n)]
@@ -112,57 +121,44 @@ class Materializer:
         for rank, owned in enumerate(self.owned):
             for pname, regions in owned.items():
                 self.owners[pname] += [(rank, o.region) for o in regions]
-        self.head: list[list[Instruction]] = [[] for _ in range(n)]  # owners' sends of params
-        self.sent_params: dict[tuple, str] = {}
-        # A template (``plan.micro``): the step each cell piece belongs to, and the tensor each
-        # local name holds (``fold`` runs the blocks once per micro-batch)
+        # A template (``plan.micro``): the step each cell piece belongs to (``arrange`` and
+        # ``fold`` run the steps once per micro-batch)
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
-        self.tensor_of: list[dict[str, PTensor]] = [{} for _ in range(n)]
-        # the local tensors each micro-batch of a template makes alike, whole (the gradient
-        # of an input a value split reads a share of, as a replica): read once, not summed
-        self.whole: list[set[str]] = [set() for _ in range(n)]
-        self.once = False  # reading for what runs once a step, after every micro-batch
-        # what each rank sends of its micro-batches' sums, first thing once they all ran, and
-        # receives once of what its micro-batches read alike
-        self.sent_once: list[list[Instruction]] = [[] for _ in range(n)]
-        self.received_once: list[list[Instruction]] = [[] for _ in range(n)]
-        self.in_step = False  # emitting a piece of a template's step
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
-        self.graph_names = {_identifier(n) for op in self.plan.graph.ops
-                            for n in (op.name, *(t.name for t in op.outputs))}
 
     def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
-        """A fresh local name on ``rank`` for a tensor of ``shape``."""
-        base = _identifier(hint)
-        if base[0].isdigit():
-            base = "t_" + base
-        if keyword.iskeyword(base) or base in _RESERVED or base.endswith(_DERIVED):
-            base += "_"  # codegen derives ``x_in`` (a leaf) and ``x_share`` from names
-        name, i = base, 1
-        while name in self.shapes[rank] or name != base and name in self.graph_names:
-            name, i = f"{base}_p{i}", i + 1  # another piece or part: never another op's name
-        self.shapes[rank][name] = shape
-        return name
+        return self.names.fresh(rank, hint, shape)
 
     # ---- building ------------------------------------------------------------------------
 
     def run(self) -> Program:
+        """Every piece's reads resolved and written, then the passes (``PASSES``)."""
+        self.lower()
+        ranks = run_passes(Lowered(self.plan, self.written, self.sequences, self.cells,
+                                   self.names, self.bucket_bytes))
+        refresh = self.refresh()
+        return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
+                       refresh, self.changes, self.runs)
+
+    def lower(self) -> None:
+        """Name every piece, then write each piece's reads and call, then each rank's
+        tail: the gradients it hands to the regions it owns, the loss, buffers."""
         for rank, seq in sorted(self.sequences.items()):  # name every piece before any read
             for op in seq:
                 for v in op.outputs:
                     hint = f"d_{self.forward_of[v.ptensor].name}" \
                         if v.ptensor in self.forward_of else v.ptensor.name
-                    var = self.piece_var[(op, v.mask, v.ptensor)] = self.name(rank, hint,
-                                                                             v.mask.shape)
-                    self.tensor_of[rank][var] = v.ptensor
+                    var = self.table.piece[(op, v.mask, v.ptensor)] = self.name(rank, hint,
+                                                                                v.mask.shape)
+                    self.names.tensor_of[rank][var] = v.ptensor
                     if self.alike(op, v.mask):
-                        self.whole[rank].add(var)
+                        self.names.whole[rank].add(var)
         if self.cluster is not None:
             self.layout_changes()
         for rank, seq in sorted(self.sequences.items()):
             for op in seq:
                 self.emit(rank, op)
-        self.once, self.in_step = True, False
+        tail = self.written.tail
         for rank in range(self.plan.ndevices):
             grads = []  # gathered first, handed over after: the sums can then be fused
             for pname in self.plan.graph.params:  # one order on every rank
@@ -170,39 +166,28 @@ class Materializer:
                 if param not in self.plan.requires_grad:  # frozen, or a plan's evaluation
                     continue
                 for owned in self.owned[rank].get(pname, ()):
-                    var = self.read(rank, VTensor(self.plan.grad(param), owned.grad),
-                                    self.tail[rank])
+                    var = self.read(rank, VTensor(self.plan.grad(param), owned.grad), tail[rank])
                     whole = owned.region.index == owned.grad.index  # no slice to take
                     grads.append(Grad(pname, owned.region, var, () if whole else
                                       Mask(owned.region.index).local_slices(owned.grad)))
             if self.replicas is not None:
                 grads = self.over_replicas(rank, grads)
-            self.tail[rank] += grads
+            tail[rank] += grads
         loss = self.plan.graph.loss
         whole_loss = VTensor(loss, Mask.full(loss.shape))
         for rank in self.loss_summers(whole_loss):
-            self.read(rank, whole_loss, self.tail[rank])
-        var = self.read(0, whole_loss, self.tail[0])
+            self.read(rank, whole_loss, tail[rank])
+        var = self.read(0, whole_loss, tail[0])
         if self.replicas is not None:  # the global loss: the replicas' shares summed
             total = self.name(0, f"{var}_total", loss.shape)
-            self.tail[0].append(AllReduce((total,), ((var,),), self.replicas.group(0),
-                                          (loss.shape,), loss.dtype,
-                                          (Key(loss.name, (), Role.LOSS, ("replicas",)),)))
+            tail[0].append(AllReduce((total,), ((var,),), self.replicas.group(0), (loss.shape,),
+                                     loss.dtype, (Key(loss.name, (), Role.LOSS, ("replicas",)),)))
             var = total
-        self.tail[0].append(Loss(var))
+        tail[0].append(Loss(var))
         for bname, t in self.plan.graph.buffer_updates.items():  # every rank keeps whole buffers
             for rank in range(self.plan.ndevices):
-                var = self.read(rank, VTensor(t, Mask.full(t.shape)), self.tail[rank])
-                self.tail[rank].append(SetBuffer(bname, var))
-        ranks = []
-        for rank, seq in sorted(self.sequences.items()):
-            flat = self.in_blocks(rank, seq) if self.cells else self.code_of(seq)
-            ranks.append(self.head[rank] + flat + self.tail[rank])
-        ranks = run_passes(Lowered(ranks, self.plan, self.bucket_bytes, bool(self.cells),
-                                   self.shapes, self.tensor_of, self.whole, self.name))
-        refresh = self.refresh()
-        return Program(self.plan, ranks, self.stored, groups_of(ranks, refresh), self.owned,
-                       refresh, self.changes, self.runs)
+                var = self.read(rank, VTensor(t, Mask.full(t.shape)), tail[rank])
+                tail[rank].append(SetBuffer(bname, var))
 
     def role(self, t: PTensor) -> Role:
         """What a collective of ``t`` sums or moves: a gradient, the loss, or a value."""
@@ -222,26 +207,6 @@ class Materializer:
             return []
         return sorted(holders - {0})
 
-    def code_of(self, ops: list[PlanOp]) -> list[Instruction]:
-        return [x for op in ops for x in (*self.pre[op], self.main[op], *self.post[op])]
-
-    def in_blocks(self, rank: int, seq: list[PlanOp]) -> list[Instruction]:
-        """A template rank's code as folding runs it: first what runs once before the
-        micro-batches (forward pieces of no cell: tables from weights, counts from the
-        labels; what the steps receive once), then each step's pieces after a ``Block``
-        mark, in the order the template runs them, then, after the end mark, what the
-        rank sends of its micro-batches' sums and the backward of what ran once."""
-        steps: dict[Cell, list[PlanOp]] = {}
-        for op in seq:
-            if op in self.cells:
-                steps.setdefault(self.cells[op], []).append(op)
-        out = [*self.code_of([op for op in seq if op not in self.cells and not op.is_backward]),
-               *self.received_once[rank]]
-        for cell, ops in steps.items():
-            out += [Block(cell), *self.code_of(ops)]
-        return [*out, Block(None), *self.sent_once[rank],
-                *self.code_of([op for op in seq if op not in self.cells and op.is_backward])]
-
     def over_replicas(self, rank: int, grads: list[Grad]) -> list[Grad]:
         """The gradients ``rank`` hands to its owned regions, summed over its replicas first
         (one all-reduce per dtype, which ``buckets`` cuts up and moves into the backward)."""
@@ -254,7 +219,7 @@ class Materializer:
         assert self.replicas is not None
         group = self.replicas.group(rank)
         for (dtype, cut), at in by_dtype.items():
-            shapes = [self.shapes[rank][grads[i].var] for i in at]
+            shapes = [self.names.shapes[rank][grads[i].var] for i in at]
             dims = [runs[(grads[i].param, grads[i].region.index)] for i in at] if cut else []
             if cut:  # this replica's run of each
                 shapes = [(*s[:d], s[d] // len(group), *s[d + 1:]) for s, d in zip(shapes, dims)]
@@ -263,7 +228,7 @@ class Materializer:
             keys = tuple(Key(self.plan.grad(self.plan.graph.params[grads[i].param]).name,
                              grads[i].region.index, Role.GRADIENT, ("replicas",)) for i in at)
             srcs = tuple((grads[i].var,) for i in at)
-            self.tail[rank].append(
+            self.written.tail[rank].append(
                 ReduceScatter(tuple(summed), srcs, group, tuple(shapes), dtype, tuple(dims),
                               keys) if cut else
                 AllReduce(tuple(summed), srcs, group, tuple(shapes), dtype, keys))
@@ -280,16 +245,17 @@ class Materializer:
             if where is None:
                 continue
             start = self.tag
-            inputs = {placed(op): self.piece_var[(op, m, change.tensor)]
+            inputs = {placed(op): self.table.piece[(op, m, change.tensor)]
                       for op, m in change.producers}
             t = change.tensor
             code, held = emitter.emit(change.path, t.name, t.dtype, change.box.shape,
                                       Key(t.name, change.box.index, self.role(t), change.key),
                                       inputs)
             for rank, (when, op) in where.items():
-                (self.post if when == "post" else self.pre)[op].extend(code.get(rank, []))
+                at = self.written.post if when == "post" else self.written.pre
+                at[op].extend(code.get(rank, []))
             for rank, mask in change.readers:
-                self.local[rank][(change.tensor, mask)] = held[rank]
+                self.table.local[rank][(change.tensor, mask)] = held[rank]
             for instructions in code.values():
                 for ins in instructions:
                     if isinstance(ins, Recv) and ins.tag > start:
@@ -364,24 +330,22 @@ class Materializer:
         return [(rank, m) for m, rank in found.items()]
 
     def emit(self, rank: int, op: PlanOp) -> None:
-        pre = self.pre[op]
-        self.once = bool(self.cells) and op.is_backward and op not in self.cells
-        self.in_step = op in self.cells
-        outs = [self.piece_var[(op, v.mask, v.ptensor)] for v in op.outputs]
+        pre = self.written.pre[op]
+        outs = [self.table.piece[(op, v.mask, v.ptensor)] for v in op.outputs]
         for v, var, copies in zip(op.outputs, outs, op.output_copies()):
             # a part of a value is read from the copy ``Sources.find`` picks for every reader
             if v.mask.value.is_full or not copies:
-                self.local[rank].setdefault((v.ptensor, v.mask), var)
+                self.table.local[rank].setdefault((v.ptensor, v.mask), var)
         if op.weight:  # reads nothing: its input part's call kept what it needs
-            self.main[op] = WeightGrad(op, tuple(outs))
+            self.written.main[op] = WeightGrad(op, tuple(outs))
             return
-        ins = tuple(self.read(rank, v, pre) for v in op.inputs)
+        ins = tuple(self.read(rank, v, pre, op) for v in op.inputs)
         if op.is_backward:
-            self.main[op] = Backward((op,), (ins,), (tuple(outs),))
+            self.written.main[op] = Backward((op,), (ins,), (tuple(outs),))
             return
         rg = self.plan.requires_grad
         grad = tuple(v.ptensor in rg for v in op.inputs)
-        shares = tuple(self.share[rank].get(var, Fraction(1)) for var in ins)
+        shares = tuple(self.names.share[rank].get(var, Fraction(1)) for var in ins)
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
         opdef = self.plan.registry.of(op.op.target)
         scale = Fraction(1)
@@ -394,7 +358,7 @@ class Materializer:
         if op in self.plan.split and self.plan.weight_op(op) is not None:
             later = tuple(g and v.ptensor.kind is TensorKind.PARAM
                           for v, g in zip(op.inputs, grad))
-        self.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
+        self.written.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
                                 recompute=op in self.plan.recomputed,
                                 swap=op in self.plan.swapped, later=later, input_scales=scales,
                                 fused=self.plan.fused.get(op))
@@ -416,7 +380,7 @@ class Materializer:
         for k, v in enumerate(op.outputs):
             if v.ptensor in rep.summed:
                 mine = self.name(rank, f"{outs[k]}_mine", v.mask.shape)
-                self.post[op].append(AllReduce((outs[k],), ((mine,),), rep.group(rank),
+                self.written.post[op].append(AllReduce((outs[k],), ((mine,),), rep.group(rank),
                                                (v.mask.shape,), v.ptensor.dtype,
                                                (Key(v.ptensor.name, v.mask.index,
                                                     self.role(v.ptensor), ("replicas",)),)))
@@ -431,20 +395,22 @@ class Materializer:
         k = next(k for k, v in enumerate(op.outputs) if v.mask == mask)
         return any(name in self.plan.templated for name, _ in op.output_copies()[k])
 
-    def read(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
-        """The name of a local tensor holding ``v``, adding what it takes to get it."""
+    def read(self, rank: int, v: VTensor, pre: list[Instruction],
+             reader: PlanOp | None = None) -> str:
+        """The name of a local tensor holding ``v``, adding to ``pre`` what it takes to get
+        it; ``reader``: the piece that reads it (None: the tail, after every piece)."""
         key = (v.ptensor, v.mask)
-        if key in self.local[rank]:
-            return self.local[rank][key]
+        if key in self.table.local[rank]:
+            return self.table.local[rank][key]
         found = self.sources.find(v, rank)
         if not found:
             var = self.load(rank, v, pre)
         else:
-            var = self.assemble(rank, v, found, pre)
-        self.local[rank][key] = var
-        self.tensor_of[rank].setdefault(var, v.ptensor)
+            var = self.assemble(rank, v, found, pre, reader)
+        self.table.local[rank][key] = var
+        self.names.tensor_of[rank].setdefault(var, v.ptensor)
         if found and all(self.alike(op, m) for op, m in found):
-            self.whole[rank].add(var)
+            self.names.whole[rank].add(var)
         return var
 
     def load(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
@@ -462,7 +428,7 @@ class Materializer:
         var = self.name(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
         pre.append(Load(var, t, Mask(v.mask.index), source, held))
         if not v.mask.value.is_full:
-            self.share[rank][var] = v.mask.value.width
+            self.names.share[rank][var] = v.mask.value.width
         return var
 
     def fetch_param(self, rank: int, v: VTensor, pre: list[Instruction]) -> str:
@@ -482,24 +448,24 @@ class Materializer:
                 src = self.load(rank, VTensor(t, region), pre)
             else:
                 key = (owner, rank, t.name, region.index)
-                if key not in self.sent_params:
+                if key not in self.table.params:
                     self.tag += 1
-                    local = self.load(owner, VTensor(t, region), self.head[owner])
-                    self.head[owner].append(Send(local, (), rank, self.tag))
+                    local = self.load(owner, VTensor(t, region), self.written.head[owner])
+                    self.written.head[owner].append(Send(local, (), rank, self.tag))
                     src = self.name(rank, f"{t.name}_from{owner}", region.shape)
                     pre.append(Recv(src, region.shape, t.dtype, owner, self.tag))
-                    self.sent_params[key] = src
-                src = self.sent_params[key]
+                    self.table.params[key] = src
+                src = self.table.params[key]
             parts.append(Part(src, (), region.local_slices(want), Fraction(1)))
         var = self.name(rank, t.name, want.shape)
         pre.append(Assemble(var, want.shape, t.dtype, parts, _param_gather(t.name, want, owners,
                                                                            rank, parts)))
         if not v.mask.value.is_full:
-            self.share[rank][var] = v.mask.value.width
+            self.names.share[rank][var] = v.mask.value.width
         return var
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
-                 pre: list[Instruction]) -> str:
+                 pre: list[Instruction], reader: PlanOp | None) -> str:
         pattern = self.pattern(rank, v, found, pre)  # taken, the messages below go unread
         found = self.presum(rank, v, found)
         parts = []
@@ -509,16 +475,16 @@ class Materializer:
             if region is None or value is None:
                 continue
             scale = value.width / m.value.width
-            src, src_region = self.fetch(rank, producer, m, region, v.ptensor, pre)
+            src, src_region = self.fetch(rank, producer, m, region, v.ptensor, pre, reader)
             parts.append(Part(src, region.local_slices(src_region), region.local_slices(v.mask),
                               scale))
         if len(parts) == 1 and parts[0].scale == 1 and covers(parts[0].dst_slices, v.mask.shape) \
-                and covers(parts[0].src_slices, self.shapes[rank][parts[0].src]):
+                and covers(parts[0].src_slices, self.names.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
         var = self.name(rank, v.ptensor.name, v.mask.shape)
         common = {p.scale for p in parts}
         if len(common) == 1 and (share := common.pop()) != 1:
-            self.share[rank][var] = share  # applied by the reader, see ``self.share``
+            self.names.share[rank][var] = share  # applied by the reader, see ``self.names.share``
             parts = [Part(p.src, p.src_slices, p.dst_slices, Fraction(1)) for p in parts]
         pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts, pattern))
         return var
@@ -542,17 +508,18 @@ class Materializer:
                 out += group
                 continue
             key = (t, tuple((p.name, m) for p, m in group))
-            if key not in self.combined:
+            if key not in self.table.summed:
                 last = max((p for p, _ in group), key=lambda p: self.position[p])
                 value = ValueRange(group[0][1].value.lo, group[-1][1].value.hi)
                 mask = Mask(index, value)
                 var = self.name(device, f"{t.name}_sum", mask.shape)
                 whole = tuple(slice(0, n) for n in mask.shape)
-                self.post[last].append(Assemble(var, mask.shape, t.dtype, [
-                    Part(self.piece_var[(p, m, t)], whole, whole, Fraction(1)) for p, m in group]))
-                self.piece_var[(last, mask, t)] = var
-                self.combined[key] = (last, mask)
-            out.append(self.combined[key])
+                self.written.post[last].append(Assemble(var, mask.shape, t.dtype, [
+                    Part(self.table.piece[(p, m, t)], whole, whole, Fraction(1))
+                    for p, m in group]))
+                self.table.piece[(last, mask, t)] = var
+                self.table.summed[key] = (last, mask)
+            out.append(self.table.summed[key])
         return out
 
     def pattern(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
@@ -563,7 +530,7 @@ class Materializer:
             return None
         t = v.ptensor
         sources = tuple(sorted((p.name, placed(p)) for p, _ in found))
-        local = tuple(self.piece_var[(p, m, t)] for p, m in found if p.device == rank)
+        local = tuple(self.table.piece[(p, m, t)] for p, m in found if p.device == rank)
         if all(m.index == v.mask.index for _, m in found):
             return Pattern("all_reduce", Key(t.name, v.mask.index, self.role(t), sources),
                            sorted(set(devices)), local)
@@ -606,37 +573,39 @@ class Materializer:
         pieces summed here and then reduced in one collective."""
         var = self.name(rank, f"{t.name}_local", whole.shape)
         pre.append(Assemble(var, whole.shape, t.dtype, [
-            Part(self.piece_var[(p, m, t)], tuple(slice(0, n) for n in m.shape),
+            Part(self.table.piece[(p, m, t)], tuple(slice(0, n) for n in m.shape),
                  Mask(m.index).local_slices(whole), Fraction(1)) for p, m in pieces]))
         return var
 
     def fetch(self, rank: int, producer: PlanOp, m: Mask, region: Mask, t: PTensor,
-              pre: list[Instruction]) -> tuple[str, Mask]:
-        """A local name for ``region`` of ``producer``'s piece ``m``, and the region it covers."""
-        src_var = self.piece_var[(producer, m, t)]
+              pre: list[Instruction], reader: PlanOp | None) -> tuple[str, Mask]:
+        """A local name for ``region`` of ``producer``'s piece ``m``, and the region it covers
+        (``reader``: as ``read``'s)."""
+        src_var = self.table.piece[(producer, m, t)]
         source = placed(producer)
         if source == rank:
             return src_var, Mask(m.index)
         # what a template's step reads of what another rank makes once a step (a table from
         # weights, a mask from the inputs) is received once, before the micro-batches: all
         # of their rows (each step reads its own)
-        once = self.in_step and producer not in self.cells
+        once = reader in self.cells and producer not in self.cells
         if once and t in self.batched:
             region = self.every_micro_batch(region, t, m)
         key = (producer, m, region.index, t)
-        if key not in self.received[rank]:
+        if key not in self.table.received[rank]:
             self.tag += 1
             var = self.name(rank, f"{t.name}_from{source}", region.shape)
-            self.tensor_of[rank][var] = t
-            # what runs once a step reads the sum of every micro-batch's part: sent after
-            # they all ran
-            at = self.sent_once[source] if self.once and producer in self.cells \
-                else self.post[producer]
+            self.names.tensor_of[rank][var] = t
+            # what runs once a step (the tail, or the backward of a piece of no step) reads
+            # the sum of every micro-batch's part: sent after they all ran
+            after_steps = reader is None or reader.is_backward and reader not in self.cells
+            at = self.written.sent_once[source] if after_steps and producer in self.cells \
+                else self.written.post[producer]
             at.append(Send(src_var, region.local_slices(m), rank, self.tag))
-            (self.received_once[rank] if once else pre).append(
+            (self.written.received_once[rank] if once else pre).append(
                 Recv(var, region.shape, t.dtype, source, self.tag))
-            self.received[rank][key] = var
-        return self.received[rank][key], Mask(region.index)
+            self.table.received[rank][key] = var
+        return self.table.received[rank][key], Mask(region.index)
 
     def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
         """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's
@@ -703,7 +672,7 @@ def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
     buckets of ``bucket_mb`` MiB."""
     skip: frozenset = frozenset()
     while True:
-        m = Materializer(checked, cluster, skip, bucket_mb)
+        m = Lowering(checked, cluster, skip, bucket_mb)
         try:
             return m.run()
         except Stuck as e:

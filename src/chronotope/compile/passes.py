@@ -1,8 +1,9 @@
 """The compiler after lowering: a named list of passes over every rank's code, in order.
 
 Lowering (``compile/materialize.py``) resolves every read of every piece into
-messages, collectives it recognises and local assembly; each pass then takes
-every rank's code and returns it, keeping what its module says it guarantees.
+messages, collectives it recognises and local assembly, and writes each piece's
+code; ``arrange`` lays it out per rank, and each pass after it takes every rank's
+code and returns it, keeping what its module says it guarantees.
 Where a pass reorders code, the replay engine (``compile/replay.py``) checks that
 it still runs through, and the pass keeps the order it had when not.
 """
@@ -10,36 +11,46 @@ it still runs through, and the pass keeps the order it had when not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from chronotope.compile.arrange import Written, arrange
 from chronotope.compile.autograd_regions import autograd_regions
 from chronotope.compile.buckets import buckets
 from chronotope.compile.collectives import collectives
 from chronotope.compile.fold import fold
 from chronotope.compile.frees import with_frees
+from chronotope.compile.names import Names
 from chronotope.compile.overlap import overlap
 from chronotope.compile.program import Instruction
 from chronotope.compile.reshard import reshard
 from chronotope.compile.running_sums import running_sums
 from chronotope.errors import PlanError
-from chronotope.graph.ir import PTensor
-from chronotope.plan.plan import Plan
+from chronotope.plan.plan import Plan, PlanOp
+from chronotope.plan.steps import Cell
 
 Code = list[list[Instruction]]  # every rank's instructions
 
 
 @dataclass
 class Lowered:
-    """Every rank's code as lowering wrote it, and what the passes read besides."""
+    """What lowering wrote, and every rank's code as the passes so far made it."""
 
-    ranks: Code
     plan: Plan
+    written: Written  # each piece's code, each rank's head and tail
+    sequences: dict[int, list[PlanOp]]  # each rank's pieces in the order it runs them
+    cells: dict[PlanOp, Cell]  # a template's (``plan.micro``): the step of each step's piece
+    names: Names  # each rank's local names, their shapes and what they hold
     bucket_bytes: float  # gradient reductions start in buckets of this size
-    template: bool  # a template's code (``plan.micro``): its blocks run per micro-batch
-    shapes: list[dict[str, tuple[int, ...]]]  # each rank's local names, with their shapes
-    tensor_of: list[dict[str, PTensor]]  # the whole tensor each piece's name holds
-    whole: list[set[str]]  # names every micro-batch of a template makes alike
-    name: Callable[[int, str, tuple[int, ...]], str]  # (rank, hint, shape) -> a fresh name
+    ranks: Code = field(default_factory=list)  # laid out by the first pass, ``arrange``
+
+    @property
+    def template(self) -> bool:
+        """A template's code: its blocks run once per micro-batch."""
+        return bool(self.cells)
+
+    def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
+        """A fresh local name on ``rank`` for a tensor of ``shape``."""
+        return self.names.fresh(rank, hint, shape)
 
 
 def _buckets(lowered: Lowered) -> Code:
@@ -62,7 +73,8 @@ def _running_sums(lowered: Lowered) -> Code:
 def _fold(lowered: Lowered) -> Code:
     if not lowered.template:
         return lowered.ranks
-    return fold(lowered.ranks, lowered.plan, lowered.tensor_of, lowered.shapes, lowered.whole)
+    names = lowered.names
+    return fold(lowered.ranks, lowered.plan, names.tensor_of, names.shapes, names.whole)
 
 
 def _overlap(lowered: Lowered) -> Code:
@@ -81,6 +93,7 @@ def _frees(lowered: Lowered) -> Code:
 
 
 PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
+    ("arrange", lambda lowered: arrange(lowered.written, lowered.sequences, lowered.cells)),
     ("collectives", lambda lowered: collectives(lowered.ranks)),  # messages to collectives
     ("buckets", _buckets),  # gradient reductions bucketed, started as the backward makes them
     ("reshard", _reshard),  # ZeRO-3: gathered parameters freed after the forward, again later

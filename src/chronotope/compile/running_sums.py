@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def running_sums(rank: int, code: list[Instruction], lowered: Lowered) -> list[Instruction]:
     """``rank``'s code with its sums of three or more parts (and its reductions' local
     parts made apart) added up as the parts are made."""
-    shapes = lowered.shapes[rank]
+    shapes = lowered.names.shapes[rank]
     made_at = {var: i for i, ins in enumerate(code) if isinstance(ins, (Forward, Backward))
                for var in writes(ins)}
     readers: dict[str, int] = defaultdict(int)
