@@ -212,12 +212,12 @@ def step(rt):
     grad_layer_norm_8_pending = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True,
             async_op=True)
     del d_layer_norm_8
-    rt.send(d_wte_weight, to=1, tag=54)
+    rt.send(d_wte_weight, to=1, tag=2)
     grad_layer_norm_8, = grad_layer_norm_8_pending.wait()
     del grad_layer_norm_8_pending
     # backward of 2 pieces in one call
-    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward({'ln_f:0': (grad_layer_norm_8,
-            )}, ('ln_f:0', 'h.3#1:0'))
+    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward(
+            {'ln_f:0': (grad_layer_norm_8,)}, ('ln_f:0', 'h.3#1:0'))
     del grad_layer_norm_8
     (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias,
             d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias,
@@ -270,7 +270,7 @@ def step(rt):
     del d_layer_norm, d_layer_norm_p1, d_layer_norm_p2
     grad_add = d_add
     del d_add
-    grad_wte_weight__from1_pending = rt.recv((256, 64), torch.float32, src=1, tag=53, async_op=True)
+    grad_wte_weight__from1_pending = rt.recv((256, 64), torch.float32, src=1, tag=1, async_op=True)
     grad_layer_norm, = grad_layer_norm_pending.wait()
     del grad_layer_norm_pending
     # backward of 4 pieces in one call

@@ -212,13 +212,13 @@ def step(rt):
     grad_layer_norm_8_pending = rt.all_reduce([(d_layer_norm_8,)], ranks=(0, 1), grads=True,
             async_op=True)
     del d_layer_norm_8
-    grad_wte_weight__from0_pending = rt.recv((256, 64), torch.float32, src=0, tag=54, async_op=True)
-    rt.send(d_wte_weight, to=0, tag=53)
+    grad_wte_weight__from0_pending = rt.recv((256, 64), torch.float32, src=0, tag=2, async_op=True)
+    rt.send(d_wte_weight, to=0, tag=1)
     grad_layer_norm_8, = grad_layer_norm_8_pending.wait()
     del grad_layer_norm_8_pending
     # backward of 2 pieces in one call
-    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward({'ln_f:1': (grad_layer_norm_8,
-            )}, ('ln_f:1', 'h.3#1:1'))
+    (d_ln_f_weight, d_ln_f_bias, d_add_7, d_linear_15) = rt.backward(
+            {'ln_f:1': (grad_layer_norm_8,)}, ('ln_f:1', 'h.3#1:1'))
     del grad_layer_norm_8
     (d_h_3_mlp_c_proj_weight, d_h_3_mlp_c_proj_bias, d_h_3_mlp_c_fc_weight, d_h_3_mlp_c_fc_bias,
             d_h_3_ln_2_weight, d_h_3_ln_2_bias, d_h_3_attn_c_proj_weight, d_h_3_attn_c_proj_bias,

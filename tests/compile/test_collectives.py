@@ -1,4 +1,6 @@
-"""Layout changes that are all-to-alls and broadcasts become those collectives."""
+"""Reads that are collectives are written as collectives: lowering writes the ones it
+recognises with no messages (a refused one is lowered again as messages), and layout
+changes that are all-to-alls and broadcasts become those collectives."""
 
 import pytest
 import torch
@@ -6,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
+from chronotope.compile.arrange import arrange
+from chronotope.compile.materialize import Lowering
 from chronotope.compile.program import (
     AllReduce,
     AllToAll,
@@ -16,6 +20,8 @@ from chronotope.compile.program import (
     Send,
 )
 from chronotope.graph.axes import batch_dims
+from chronotope.models import get_workload
+from chronotope.policies import ParallelConfig, make
 from chronotope.policies.zero import cut_update
 from chronotope.runtime.launch import run_processes
 from chronotope.runtime.local import Optim, run_in_threads
@@ -162,6 +168,58 @@ def test_readers_of_replicated_partial_sums_each_reduce_among_their_own_replicas
     for rank, code in enumerate(program.ranks):
         assert not any(isinstance(i, Send) and i.var.startswith("d_") for i in code)
         assert {i.ranks for i in code if isinstance(i, AllReduce)} == {(rank % 2, rank % 2 + 2)}
+    assert_trains_like_one_device(program, w, processes=False)
+
+
+def lowered(checked, refused=frozenset()):
+    """What lowering writes for ``checked``, before any pass, and the lowering."""
+    low = Lowering(checked, refused=refused)
+    low.lower()
+    return arrange(low.written, low.sequences, low.cells), low
+
+
+@pytest.mark.parametrize("config", [ParallelConfig("dp", 4), ParallelConfig("tp", 2),
+                                    ParallelConfig("zero-3", 2),
+                                    ParallelConfig("dp-tp", 4, tp=2)],
+                         ids=["dp", "tp", "zero-3", "dp-tp"])
+def test_lowering_writes_the_collectives_it_recognises_without_messages(config):
+    """Data parallel's gradients, tensor parallel's partial sums, ZeRO-3's gathered
+    weights: lowering writes each as the collective, not k(k-1) messages for a pass to
+    regroup; and every member agrees, so nothing is lowered twice (gpt ties its embedding
+    to its head: each rank's own embedding gradient is one replica, not a collective)."""
+    checked = make(ct.capture(get_workload("gpt")), config).check()
+    code, _ = lowered(checked)
+    assert any(isinstance(i, Assemble) and i.pattern is not None for i in code[0])
+    program = Lowering(checked).run()  # raises Refused where it would lower again
+    assert any(isinstance(i, (AllReduce, ReduceScatter)) for i in program.ranks[0])
+
+    def messages(ranks):
+        return sorted((r, i.dst, i.tag) for r, c in enumerate(ranks) for i in c
+                      if isinstance(i, Send))
+    assert messages(code) == messages(program.ranks)  # none written for a pass to drop
+
+
+def test_a_refused_collective_is_lowered_as_messages_and_trains_alike():
+    """Where the passes refuse a collective (its members disagree, or some rank would wait
+    in it forever), lowering writes those reads again as messages."""
+    w = workload(4)
+    graph = ct.capture(w)
+    plan = ct.Plan(graph, 2)
+    batch = batch_dims(graph)
+    for op in graph:
+        for device, piece in enumerate(plan.trans(op, ct.Split(batch[op], 2))):
+            plan.assign(piece, device)
+    checked = plan.check()
+    code, _ = lowered(checked)
+    keys = frozenset(i.pattern.key for rank in code for i in rank
+                     if isinstance(i, Assemble) and i.pattern is not None)
+    assert keys
+    again, _ = lowered(checked, keys)
+    assert not any(isinstance(i, Assemble) and i.pattern is not None for r in again for i in r)
+    assert any(isinstance(i, Send) for r in again for i in r)
+    program = Lowering(checked, refused=keys).run()
+    assert not any(isinstance(i, AllReduce) and set(i.keys) & keys
+                   for r in program.ranks for i in r)
     assert_trains_like_one_device(program, w, processes=False)
 
 

@@ -489,7 +489,9 @@ def _wrap(line: str, width: int = 100) -> list[str]:
     pieces, start = [], 0
     for i, ch, depth in _code_chars(text):
         # a break right after the opening bracket of a call or list, and after a comma in one
-        if (ch in "([{" and depth == 0) or (ch == "," and depth >= 1):
+        # (not a one-element tuple's, which would leave its closing bracket alone)
+        if (ch in "([{" and depth == 0) or (ch == "," and depth >= 1
+                                           and text[i + 1:i + 2] not in (")", "]", "}")):
             pieces.append(text[start:i + 1])
             start = i + 1
     pieces.append(text[start:])

@@ -1,16 +1,18 @@
-"""Rewriting point-to-point patterns into collectives.
+"""The collectives lowering recognised, written once every member is known to agree.
 
-Materialization speaks only in sends and receives, and marks each assembly
-with its ``Pattern``. When every rank of a set sums the same region from one
-piece on each of them, those k·(k-1) messages are one all-reduce; when each
-joins the same region from one piece per member, an all-gather; when each sums
-its own run of a region all of them hold partials of, a reduce-scatter; when
-the members' pieces are runs along one dim and each reads its run along
-another, an all-to-all; and one piece sent to several ranks is a broadcast.
-A collective blocks every member until all arrive, where the messages it
-replaces did not, so the rewritten code is run symbolically: a collective that
-some rank would wait in forever (the members' orders disagree, or a member
-first waits on a message sent after it) stays as messages.
+Lowering sees one reader at a time. Where a read is one rank's share of a collective
+(``Pattern``: each member sums the same region from one piece on each of them, an
+all-reduce; joins it from one piece per member, an all-gather; sums its own run of a
+region all of them hold partials of, a reduce-scatter; reads its run along one dim
+of pieces that are runs along another, an all-to-all), it writes that, with no
+messages: an ``Assemble`` with the pattern and no parts. This pass, which sees every
+rank, writes the collective where exactly the ranks holding the pieces read it alike
+(in one step of a template). A collective blocks every member until all arrive,
+where messages do not, so the code is then run symbolically. A pattern whose members
+disagree, or that some rank would wait in forever (a member first waits on a message
+sent after it), is ``Refused``: lowering writes those reads again as messages. Last,
+one piece sent to several ranks becomes a broadcast, where the code still runs
+through, and back-to-back collectives over one group are coalesced.
 """
 
 from __future__ import annotations
@@ -47,8 +49,17 @@ class Stuck(Exception):
         self.keys = keys
 
 
+class Refused(Exception):
+    """Collectives lowering recognised that cannot be written (the ``Pattern`` keys): their
+    members disagree, or the code would wait in them forever. Lower them as messages."""
+
+    def __init__(self, keys: set[Key]) -> None:
+        super().__init__(f"collectives refused: {sorted(map(str, keys))}")
+        self.keys = keys
+
+
 def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Replace collective patterns."""
+    """Every pattern written as its collective, or ``Refused``."""
     found: dict[tuple[str, Key], list[tuple[int, Assemble, Pattern]]] = defaultdict(list)
     for rank, code in enumerate(ranks):
         for ins in code:
@@ -61,27 +72,28 @@ def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
         if order is not None and len({step.get(id(ins)) for _, ins, _ in members}) == 1:
             for _, ins, _ in members:
                 chosen[id(ins)] = order
-    keys = {id(ins): key for (_, key), members in found.items() for _, ins, _ in members
-            if id(ins) in chosen}
-    while True:
-        out = [[_collective(ins, chosen[id(ins)]) if isinstance(ins, Assemble)
-                and id(ins) in chosen else ins for ins in code] for code in ranks]
-        out = _drop_unread_messages(out)
-        stuck = _stuck(out)
-        if not stuck:
-            break
-        if not any(keys[i] in stuck for i in chosen):
-            raise Stuck(stuck)  # not a collective found here: the caller's to undo
-        # A collective blocks where the messages it replaced did not: keep those as messages.
-        chosen = {i: m for i, m in chosen.items() if keys[i] not in stuck}
-    refused: set[tuple] = set()
+    refused = {key for (_, key), members in found.items()
+               if any(id(ins) not in chosen for _, ins, _ in members)}
+    if refused:
+        raise Refused(refused)
+    out = [[_collective(ins, chosen[id(ins)]) if isinstance(ins, Assemble)
+            and id(ins) in chosen else ins for ins in code] for code in ranks]
+    out = _drop_unread(out)
+    stuck = _stuck(out)
+    if stuck:
+        # a collective blocks where messages would not
+        waited = {key for _, key in found if key in stuck}
+        if waited:
+            raise Refused(waited)
+        raise Stuck(stuck)  # not a collective lowering recognised: the caller's to undo
+    refused_casts: set[tuple] = set()
     for _ in range(_BROADCAST_TRIES):  # on top of code that runs through, as far as it still does
-        cast = _broadcasts(out, refused, _steps(out))
+        cast = _broadcasts(out, refused_casts, _steps(out))
         stuck = _stuck(cast)
         if not stuck:
             out = cast
             break
-        refused |= stuck
+        refused_casts |= stuck
     return coalesce(out)
 
 
@@ -221,9 +233,9 @@ def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
     return out
 
 
-def _drop_unread_messages(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Receives nobody reads any more, their sends, sums nobody reads, and loads only those
-    read."""
+def _drop_unread(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Receives nobody reads, their sends, sums nobody reads (a partial sum made for a
+    collective that was refused), and loads only those read."""
     read = [{var for ins in code for var in reads(ins)} for code in ranks]
     dead = {(r, ins.tag) for r, code in enumerate(ranks) for ins in code
             if isinstance(ins, Recv) and ins.var not in read[r]}

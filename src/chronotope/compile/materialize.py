@@ -17,7 +17,7 @@ from there, in order, ``arrange`` first.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -25,7 +25,7 @@ import torch
 
 from chronotope.compile.arrange import Written
 from chronotope.compile.buckets import BUCKET_MB
-from chronotope.compile.collectives import Stuck
+from chronotope.compile.collectives import Refused, Stuck
 from chronotope.compile.fold import batch_axes
 from chronotope.compile.layout_changes import Change, Emitter, find_changes, placement
 from chronotope.compile.names import Names
@@ -97,8 +97,10 @@ class Lowering:
     takes (``Written``); ``run`` then hands the code to the passes."""
 
     def __init__(self, checked: CheckedPlan, cluster: Cluster | None = None,
-                 skip: frozenset = frozenset(), bucket_mb: float = BUCKET_MB) -> None:
+                 skip: frozenset = frozenset(), bucket_mb: float = BUCKET_MB,
+                 refused: frozenset[Key] = frozenset()) -> None:
         self.cluster = cluster  # None: no searched layout changes (plain messages)
+        self.refused = refused  # collectives the passes refused: these reads are messages
         self.bucket_bytes = bucket_mb * 2**20  # gradient reductions started in buckets
         self.skip = skip  # layout changes that deadlocked: per-reader messages instead
         self.changes: list[Change] = []
@@ -107,6 +109,7 @@ class Lowering:
         self.sequences = checked.sequences
         self.replicas = checked.replicas  # plan.scale's replicas: what their unit adds
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
+        self._replicated: dict[tuple, set[Mask]] = {}  # see ``replicated``
         self.position = {op: i for seq in checked.sequences.values() for i, op in enumerate(seq)}
         n = self.plan.ndevices
         self.table = ReadTable(n)
@@ -439,8 +442,25 @@ class Lowering:
         """
         t = v.ptensor
         want = Mask(v.mask.index)
-        parts = []
         owners = self._owners(t.name, want, rank)
+        var = self.gathered(rank, t, want, owners, pre)
+        if not v.mask.value.is_full:
+            self.names.share[rank][var] = v.mask.value.width
+        return var
+
+    def gathered(self, rank: int, t: PTensor, want: Mask, owners: list[tuple[int, Mask]],
+                 pre: list[Instruction]) -> str:
+        """``want`` of parameter ``t`` from its ``owners``: an all-gather where they hold
+        equal runs of it, this rank among them; else each owner's part as a message."""
+        pattern = _param_gather(t.name, want, owners, rank)
+        if pattern is not None and pattern.key not in self.refused:
+            own = next(owned for owner, owned in owners if owner == rank).intersect(want)
+            assert own is not None  # (owners of the region)
+            local = self.load(rank, VTensor(t, own), pre)
+            var = self.name(rank, t.name, want.shape)
+            pre.append(Assemble(var, want.shape, t.dtype, [], replace(pattern, local=(local,))))
+            return var
+        parts = []
         for owner, owned in owners:
             region = owned.intersect(want)
             assert region is not None  # (owners of the region)
@@ -458,15 +478,16 @@ class Lowering:
                 src = self.table.params[key]
             parts.append(Part(src, (), region.local_slices(want), Fraction(1)))
         var = self.name(rank, t.name, want.shape)
-        pre.append(Assemble(var, want.shape, t.dtype, parts, _param_gather(t.name, want, owners,
-                                                                           rank, parts)))
-        if not v.mask.value.is_full:
-            self.names.share[rank][var] = v.mask.value.width
+        pre.append(Assemble(var, want.shape, t.dtype, parts))
         return var
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                  pre: list[Instruction], reader: PlanOp | None) -> str:
-        pattern = self.pattern(rank, v, found, pre)  # taken, the messages below go unread
+        pattern = self.pattern(rank, v, found, pre)
+        if pattern is not None and pattern.key not in self.refused:
+            var = self.name(rank, v.ptensor.name, v.mask.shape)  # the collective, no messages
+            pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, [], pattern))
+            return var
         found = self.presum(rank, v, found)
         parts = []
         for producer, m in found:
@@ -486,7 +507,7 @@ class Lowering:
         if len(common) == 1 and (share := common.pop()) != 1:
             self.names.share[rank][var] = share  # applied by the reader, see ``self.names.share``
             parts = [Part(p.src, p.src_slices, p.dst_slices, Fraction(1)) for p in parts]
-        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts, pattern))
+        pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, parts))
         return var
 
     def presum(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
@@ -526,7 +547,8 @@ class Lowering:
                 pre: list[Instruction]) -> Pattern | None:
         """What this read does in terms every rank involved can agree on (see ``Pattern``)."""
         devices = [placed(p) for p, _ in found]
-        if len(set(devices)) < 2 or rank not in devices or not v.mask.value.is_full:
+        if len(set(devices)) < 2 or rank not in devices or not v.mask.value.is_full \
+                or not self.found_alike(v, found, rank, devices):
             return None
         t = v.ptensor
         sources = tuple(sorted((p.name, placed(p)) for p, _ in found))
@@ -565,6 +587,28 @@ class Lowering:
                                  pre),)
         return Pattern(kind, Key(t.name, whole.index, self.role(t), sources),
                        sorted(set(devices)) if kind == "all_reduce" else [], local, dim, chunk)
+
+    def found_alike(self, v: VTensor, found: list[tuple[PlanOp, Mask]], rank: int,
+                    devices: list[int]) -> bool:
+        """Whether the other members would find the pieces ``rank`` found for ``v``: where
+        a region has replicas, each reader takes its own, and the members' keys differ (a
+        tied embedding's gradient: each rank's own embedding part, and every rank's
+        head part). Only then are the members asked, so plain reads stay cheap."""
+        t = v.ptensor
+        if not any((p, m, t) in self.sources.copies or m in self.replicated(t, m.index)
+                   for p, m in found):
+            return True
+        ours = sorted((p.name, m.index) for p, m in found)
+        return all(sorted((p.name, m.index) for p, m in self.sources.find(v, d)) == ours
+                   for d in set(devices) - {rank})
+
+    def replicated(self, t: PTensor, index: tuple) -> set[Mask]:
+        """The pieces of ``t`` at ``index`` that more than one piece holds (replicas)."""
+        key = (t, index)
+        if key not in self._replicated:
+            counts = Counter(m for _, m in self.sources.by_tensor[t][index])
+            self._replicated[key] = {m for m, n in counts.items() if n > 1}
+        return self._replicated[key]
 
     def padded(self, rank: int, t: PTensor, whole: Mask, pieces: list[tuple[PlanOp, Mask]],
                pre: list[Instruction]) -> str:
@@ -652,8 +696,9 @@ def _all_to_all(key: Key, want: Mask, masks: list[Mask], devices: list[int],
 
 
 def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: int,
-                  parts: list[Part]) -> Pattern | None:
-    """A parameter read whole from runs its owners (this rank among them) hold: a gather."""
+                  ) -> Pattern | None:
+    """A parameter read whole from runs its owners (this rank among them) hold: a gather
+    (its ``local`` piece left for the caller to name)."""
     ranks = [r for r, _ in owners]
     found = equal_runs(want, [m for _, m in owners])
     if found is None or rank not in ranks or len(set(ranks)) != len(ranks):
@@ -661,8 +706,7 @@ def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: i
     dim, order = found
     sources = tuple(sorted((f"update({name})", r) for r in ranks))
     return Pattern("all_gather", Key(name, want.index, Role.VALUE, sources),
-                   [ranks[i] for i in order],
-                   (parts[ranks.index(rank)].src,), dim)
+                   [ranks[i] for i in order], (), dim)
 
 
 def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
@@ -671,10 +715,13 @@ def materialize(checked: CheckedPlan, cluster: Cluster | None = None,
     priced by its cost model where they beat plain messages; gradient reductions in
     buckets of ``bucket_mb`` MiB."""
     skip: frozenset = frozenset()
+    refused: frozenset[Key] = frozenset()
     while True:
-        m = Lowering(checked, cluster, skip, bucket_mb)
+        m = Lowering(checked, cluster, skip, bucket_mb, refused)
         try:
             return m.run()
+        except Refused as e:  # rare: lowered again, those reads as messages
+            refused |= e.keys
         except Stuck as e:
             undo = {k.via[:3] if isinstance(k, Key) and k.via[:1] == ("rvd",)  # Change.key
                     else m.change_tags.get(k) for k in e.keys} - {None}

@@ -160,7 +160,10 @@ class Part:
 
 @dataclass
 class Pattern:
-    """An Assemble as a collective candidate, in terms every member agrees on.
+    """The collective a read is one member's share of, as lowering recognised it, in terms
+    every member agrees on. The ``Assemble`` that carries it has no parts (lowering writes
+    no messages for it): the collectives pass writes the collective once every member
+    agrees, else it is refused and the read lowered again as messages.
 
     * ``all_reduce``: each member sums the same region from whole pieces on all of them;
     * ``all_gather``: each member joins the same region from one piece per member, side
@@ -186,6 +189,9 @@ class Pattern:
 
 @dataclass
 class Assemble:
+    """``var`` made of ``parts`` of local tensors: regions side by side, partial values
+    summed; with a ``pattern`` (and no parts), a collective to be written."""
+
     var: str
     shape: tuple[int, ...]
     dtype: torch.dtype
