@@ -27,6 +27,7 @@ from chronotope.compile.program import (
     Assemble,
     Block,
     Broadcast,
+    CollectiveKind,
     Instruction,
     Key,
     Load,
@@ -60,7 +61,7 @@ class Refused(Exception):
 
 def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every pattern written as its collective, or ``Refused``."""
-    found: dict[tuple[str, Key], list[tuple[int, Assemble, Pattern]]] = defaultdict(list)
+    found: dict[tuple[CollectiveKind, Key], list[tuple[int, Assemble, Pattern]]] = defaultdict(list)
     for rank, code in enumerate(ranks):
         for ins in code:
             if isinstance(ins, Assemble) and ins.pattern is not None:
@@ -174,18 +175,18 @@ def _stuck(ranks: list[list[Instruction]]) -> set[tuple]:
     return set(replay(ranks).stuck.values())
 
 
-def _members(kind: str, key: Key, members: list[tuple[int, Assemble, Pattern]]
+def _members(kind: CollectiveKind, key: Key, members: list[tuple[int, Assemble, Pattern]]
              ) -> tuple[int, ...] | None:
     """The members in collective order, when exactly the ranks holding the pieces take part."""
     sources = sorted({r for _, r in key.via})
     if len(members) < 2 or sorted(r for r, _, _ in members) != sources:
         return None
-    if kind == "all_reduce":
+    if kind is CollectiveKind.ALL_REDUCE:
         return tuple(sources)
-    if kind == "all_gather":
+    if kind is CollectiveKind.ALL_GATHER:
         orders = {tuple(p.ranks) for _, _, p in members}
         return orders.pop() if len(orders) == 1 else None
-    if kind == "all_to_all" and len({tuple(p.ranks) for _, _, p in members}) != 1:
+    if kind is CollectiveKind.ALL_TO_ALL and len({tuple(p.ranks) for _, _, p in members}) != 1:
         return None
     by_chunk = sorted((p.chunk, r) for r, _, p in members)
     if [c for c, _ in by_chunk] != list(range(len(members))):
@@ -196,12 +197,12 @@ def _members(kind: str, key: Key, members: list[tuple[int, Assemble, Pattern]]
 def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
     p = ins.pattern
     assert p is not None, ins
-    if p.kind == "all_reduce":
+    if p.kind is CollectiveKind.ALL_REDUCE:
         return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
-    if p.kind == "all_gather":
+    if p.kind is CollectiveKind.ALL_GATHER:
         return AllGather((ins.var,), (p.local[0],), members, (ins.shape,), ins.dtype, (p.dim,),
                          (p.key,))
-    if p.kind == "all_to_all":
+    if p.kind is CollectiveKind.ALL_TO_ALL:
         return AllToAll(ins.var, p.local[0], tuple(p.ranks), members, ins.shape, ins.dtype,
                         p.dim, p.split, p.key)
     return ReduceScatter((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.dim,),

@@ -34,6 +34,7 @@ from chronotope.compile.program import (
     AllReduce,
     Assemble,
     Backward,
+    CollectiveKind,
     Forward,
     GatherParams,
     Grad,
@@ -554,7 +555,8 @@ class Lowering:
         sources = tuple(sorted((p.name, placed(p)) for p, _ in found))
         local = tuple(self.table.piece[(p, m, t)] for p, m in found if p.device == rank)
         if all(m.index == v.mask.index for _, m in found):
-            return Pattern("all_reduce", Key(t.name, v.mask.index, self.role(t), sources),
+            return Pattern(CollectiveKind.ALL_REDUCE,
+                           Key(t.name, v.mask.index, self.role(t), sources),
                            sorted(set(devices)), local)
         masks = [m for _, m in found]
         if all(m.value.is_full for m in masks):
@@ -563,7 +565,8 @@ class Lowering:
             chunks = equal_runs(v.mask, masks)
             if chunks is not None:
                 dim, order = chunks
-                return Pattern("all_gather", Key(t.name, v.mask.index, self.role(t), sources),
+                return Pattern(CollectiveKind.ALL_GATHER,
+                               Key(t.name, v.mask.index, self.role(t), sources),
                                [devices[i] for i in order], local, dim)
             return _all_to_all(Key(t.name, v.mask.index, self.role(t), sources), v.mask, masks,
                                devices, local)
@@ -571,7 +574,7 @@ class Lowering:
         if whole is None:
             return None
         if whole.index == v.mask.index:
-            kind, dim, chunk = "all_reduce", 0, 0
+            kind, dim, chunk = CollectiveKind.ALL_REDUCE, 0, 0
         else:
             dims = [d for d, (a, b) in enumerate(zip(v.mask.index, whole.index)) if a != b]
             if len(dims) != 1:
@@ -581,12 +584,13 @@ class Lowering:
             lo, hi = whole.index[dim]
             if (hi - lo) != size * len(set(devices)) or (v.mask.index[dim][0] - lo) % size:
                 return None
-            kind, chunk = "reduce_scatter", (v.mask.index[dim][0] - lo) // size
+            kind, chunk = CollectiveKind.REDUCE_SCATTER, (v.mask.index[dim][0] - lo) // size
         if any(m.index != whole.index for p, m in found if p.device == rank):
             local = (self.padded(rank, t, whole, [(p, m) for p, m in found if p.device == rank],
                                  pre),)
-        return Pattern(kind, Key(t.name, whole.index, self.role(t), sources),
-                       sorted(set(devices)) if kind == "all_reduce" else [], local, dim, chunk)
+        members = sorted(set(devices)) if kind is CollectiveKind.ALL_REDUCE else []
+        return Pattern(kind, Key(t.name, whole.index, self.role(t), sources), members, local,
+                       dim, chunk)
 
     def found_alike(self, v: VTensor, found: list[tuple[PlanOp, Mask]], rank: int,
                     devices: list[int]) -> bool:
@@ -690,7 +694,8 @@ def _all_to_all(key: Key, want: Mask, masks: list[Mask], devices: list[int],
     lo, hi = whole.index[split]
     if hi - lo != size * n or (want.index[split][0] - lo) % size:
         return None
-    return Pattern("all_to_all", replace(key, region=whole.index, marks=(("split", split),)),
+    return Pattern(CollectiveKind.ALL_TO_ALL,
+                   replace(key, region=whole.index, marks=(("split", split),)),
                    [devices[i] for i in order], local, dim, (want.index[split][0] - lo) // size,
                    split)
 
@@ -705,7 +710,7 @@ def _param_gather(name: str, want: Mask, owners: list[tuple[int, Mask]], rank: i
         return None
     dim, order = found
     sources = tuple(sorted((f"update({name})", r) for r in ranks))
-    return Pattern("all_gather", Key(name, want.index, Role.VALUE, sources),
+    return Pattern(CollectiveKind.ALL_GATHER, Key(name, want.index, Role.VALUE, sources),
                    [ranks[i] for i in order], (), dim)
 
 

@@ -38,6 +38,15 @@ class Role(StrEnum):
     VALUE = "value"  # anything else: a forward partial sum, a gather, an exchange, a copy
 
 
+class CollectiveKind(StrEnum):
+    """Which collective a read is one member's share of (``Pattern``)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+
 @dataclass(frozen=True)
 class Key:
     """What one output of a collective is, the same on every member rank: the members'
@@ -178,7 +187,7 @@ class Pattern:
     names this rank's own pieces.
     """
 
-    kind: str
+    kind: CollectiveKind
     key: Key
     ranks: list[int]
     local: tuple[str, ...]
