@@ -13,6 +13,7 @@ results exist from the ``Wait`` on that handle on (see ``compile/overlap.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fractions import Fraction
@@ -477,32 +478,38 @@ def covers(slices: Slices, shape: tuple[int, ...]) -> bool:
 
 def reads(ins: Instruction) -> tuple[str, ...]:
     """The local tensors an instruction reads."""
-    if isinstance(ins, Forward):
-        return ins.ins
-    if isinstance(ins, Backward):
-        return (*(v for vs in ins.grad_outputs for v in vs if v is not None),
-                *ins.remade_inputs())
-    if isinstance(ins, Assemble):
-        return tuple(p.src for p in ins.parts)
-    if isinstance(ins, (AllReduce, ReduceScatter)):
-        return tuple(v for srcs in ins.srcs for v in srcs)
-    if isinstance(ins, AllGather):
-        return ins.srcs
-    if isinstance(ins, AllToAll):
-        return (ins.src,)
-    if isinstance(ins, Broadcast):
-        return (ins.src,) if ins.src is not None else ()
-    if isinstance(ins, (Send, Grad, Loss, SetBuffer)):
-        return (ins.var,)
-    if isinstance(ins, Accumulate):
-        return (ins.part,)
-    if isinstance(ins, Wait):
-        return (ins.handle,)
-    if isinstance(ins, Reshard):
-        return ins.vars
-    if isinstance(ins, Refill):
-        return (*ins.vars, *ins.fresh)
+    return _READS.get(type(ins), _nothing)(ins)
+
+
+def _nothing(ins: Any) -> tuple[str, ...]:
     return ()
+
+
+def _var(ins: Any) -> tuple[str, ...]:
+    return (ins.var,)
+
+
+def _srcs(ins: Any) -> tuple[str, ...]:
+    return tuple(v for srcs in ins.srcs for v in srcs)
+
+
+# by type, not a chain of isinstance: the passes ask this of every instruction many times
+_READS: dict[type, Callable[[Any], tuple[str, ...]]] = {
+    Forward: lambda ins: ins.ins,
+    Backward: lambda ins: (*(v for vs in ins.grad_outputs for v in vs if v is not None),
+                           *ins.remade_inputs()),
+    Assemble: lambda ins: tuple(p.src for p in ins.parts),
+    AllReduce: _srcs,
+    ReduceScatter: _srcs,
+    AllGather: lambda ins: ins.srcs,
+    AllToAll: lambda ins: (ins.src,),
+    Broadcast: lambda ins: (ins.src,) if ins.src is not None else (),
+    Send: _var, Grad: _var, Loss: _var, SetBuffer: _var,
+    Accumulate: lambda ins: (ins.part,),
+    Wait: lambda ins: (ins.handle,),
+    Reshard: lambda ins: ins.vars,
+    Refill: lambda ins: (*ins.vars, *ins.fresh),
+}
 
 
 def loads_param(ins: Instruction) -> bool:
@@ -521,21 +528,21 @@ def first_reads(code: list[Instruction]) -> dict[str, int]:
 
 def writes(ins: Instruction) -> tuple[str, ...]:
     """The local tensors an instruction defines (a started one: its handle)."""
-    if isinstance(ins, STARTED) and ins.handle is not None:
-        return (ins.handle,)
-    if isinstance(ins, Wait):
-        return ins.vars
-    if isinstance(ins, Forward):
-        return ins.outs
-    if isinstance(ins, Backward):
-        return tuple(v for vs in ins.outs for v in vs if v is not None)
-    if isinstance(ins, WeightGrad):
-        return ins.outs
-    if isinstance(ins, STARTED):
-        return results(ins)
-    if isinstance(ins, (Load, Assemble, Total)):
-        return (ins.var,)
-    return ()
+    return _WRITES.get(type(ins), _nothing)(ins)
+
+
+def _started(ins: Any) -> tuple[str, ...]:
+    return (ins.handle,) if ins.handle is not None else results(ins)
+
+
+_WRITES: dict[type, Callable[[Any], tuple[str, ...]]] = {
+    **dict.fromkeys(STARTED, _started),
+    Wait: lambda ins: ins.vars,
+    Forward: lambda ins: ins.outs,
+    Backward: lambda ins: tuple(v for vs in ins.outs for v in vs if v is not None),
+    WeightGrad: lambda ins: ins.outs,
+    Load: _var, Assemble: _var, Total: _var,
+}
 
 
 @dataclass

@@ -35,6 +35,8 @@ from chronotope.compile.program import (
     Wait,
 )
 
+_COMMUNICATES = frozenset({Send, PushParam, Recv, PullParam, Wait, GatherParams, *COLLECTIVES})
+
 
 class Costs:
     """What each step takes: nothing, unless a subclass prices it (``compile.simulate``)."""
@@ -73,7 +75,8 @@ class Replayed:
     stuck: dict[int, tuple] = field(default_factory=dict)  # rank -> what it waits on forever
     # (src, dst, tag) of every message, by when it was sent (ties: in causal order)
     sends: list[tuple[int, int, int]] = field(default_factory=list)
-    # (rank, instruction, start, end) of every local instruction, in the order they ran
+    # with ``spans``: (rank, instruction, start, end) of every local instruction, in the
+    # order they ran
     spans: list[tuple[int, Instruction, float, float]] = field(default_factory=list)
 
     @property
@@ -82,15 +85,20 @@ class Replayed:
 
 
 def replay(ranks: list[list[Instruction]], costs: Costs | None = None,
-           start: list[float] | None = None) -> Replayed:
-    """Play ``ranks`` (one instruction list per rank) from ``start`` (each rank's clock)."""
-    return _Engine(ranks, costs or Costs(), start).run()
+           start: list[float] | None = None, spans: bool = False) -> Replayed:
+    """Play ``ranks`` (one instruction list per rank) from ``start`` (each rank's clock);
+    ``spans``: record when each local instruction ran."""
+    return _Engine(ranks, costs or Costs(), start, spans).run()
 
 
 class _Engine:
     def __init__(self, ranks: list[list[Instruction]], costs: Costs,
-                 start: list[float] | None) -> None:
+                 start: list[float] | None, spans: bool) -> None:
         self.ranks, self.costs = ranks, costs
+        # local steps that take no time and are not recorded are skipped (the compiler's
+        # question whether code runs through asks this of millions of them)
+        self.timed = spans or type(costs).local is not Costs.local
+        self.record = spans
         n = len(ranks)
         self.clock = list(start) if start is not None else [0.0] * n
         self.compute = [0.0] * n
@@ -134,6 +142,8 @@ class _Engine:
 
     def step(self, r: int, ins: Instruction) -> bool:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
+        if type(ins) not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
+            return self.local(r, ins)
         if isinstance(ins, (Send, PushParam)):
             key = (r, ins.dst, ins.tag)
             self.sent[key] = (self.clock[r], self.since[r])
@@ -152,14 +162,7 @@ class _Engine:
             del self.started[r][ins.handle]
             return True
         else:
-            seconds = self.costs.local(r, ins, self.since[r])
-            self.spans.append((r, ins, self.clock[r], self.clock[r] + seconds))
-            if seconds > 0:
-                self.runs[r].append((self.clock[r], self.clock[r] + seconds, self.compute[r]))
-            self.clock[r] += seconds
-            self.compute[r] += seconds
-            self.since[r] += seconds
-            return True
+            return self.local(r, ins)
         if isinstance(ins, STARTED) and ins.handle is not None:
             self.started[r][ins.handle] = awaited
             return True
@@ -168,6 +171,20 @@ class _Engine:
         if awaited[0] == "call":
             self.calling[r] = awaited
         return False
+
+    def local(self, r: int, ins: Instruction) -> bool:
+        """Rank ``r`` runs ``ins``, which waits on no other rank."""
+        if not self.timed:
+            return True
+        seconds = self.costs.local(r, ins, self.since[r])
+        if self.record:
+            self.spans.append((r, ins, self.clock[r], self.clock[r] + seconds))
+        if seconds > 0:
+            self.runs[r].append((self.clock[r], self.clock[r] + seconds, self.compute[r]))
+        self.clock[r] += seconds
+        self.compute[r] += seconds
+        self.since[r] += seconds
+        return True
 
     def call(self, r: int, ins: Collective | GatherParams) -> tuple:
         """Rank ``r`` calls collective ``ins``: its place among its group's calls."""

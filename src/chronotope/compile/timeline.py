@@ -154,7 +154,7 @@ def _replayed(order: dict[int, list[str]], cost: dict[Key, float],
             code[r] += [Wait(f"h{tag[e]}", ()) for e in into[(r, step)]]
             code[r].append(_Run(step))
             code[r] += [Send("", (), e[1][0], tag[e]) for e in out[(r, step)]]
-    played = replay([code[r] for r in sorted(code)], _StepCosts(cost, bytes_per_s))
+    played = replay([code[r] for r in sorted(code)], _StepCosts(cost, bytes_per_s), spans=True)
     ended: dict[Key, float] = {}
     bars = []
     for r, run, start, end in played.spans:
