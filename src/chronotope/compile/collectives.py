@@ -235,20 +235,19 @@ def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
 
 
 def _drop_unread(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Receives nobody reads, their sends, sums nobody reads (a partial sum made for a
-    collective that was refused), and loads only those read."""
-    read = [{var for ins in code for var in reads(ins)} for code in ranks]
-    dead = {(r, ins.tag) for r, code in enumerate(ranks) for ins in code
-            if isinstance(ins, Recv) and ins.var not in read[r]}
-    kept = [
-        [ins for ins in code
-         if not (isinstance(ins, Recv) and (rank, ins.tag) in dead)
-         and not (isinstance(ins, Send) and (ins.dst, ins.tag) in dead)]
-        for rank, code in enumerate(ranks)
-    ]
-    read = [{var for ins in code for var in reads(ins)} for code in kept]
-    kept = [[ins for ins in code if not (isinstance(ins, Assemble) and ins.var not in read[rank])]
-            for rank, code in enumerate(kept)]  # a local sum made for a collective not taken
-    read = [{var for ins in code for var in reads(ins)} for code in kept]
-    return [[ins for ins in code if not (isinstance(ins, Load) and ins.var not in read[rank])]
-            for rank, code in enumerate(kept)]
+    """Sums and loads nobody reads, and receives nobody reads with their sends, until none
+    is left: what a read lowered as messages after its collective was refused made for
+    the collective alone (a partial sum of this rank's pieces, the loss another rank
+    sums with rank 0), and the messages only those read."""
+    while True:
+        read = [{var for ins in code for var in reads(ins)} for code in ranks]
+        dead = {(r, ins.tag) for r, code in enumerate(ranks) for ins in code
+                if isinstance(ins, Recv) and ins.var not in read[r]}
+        kept = [[ins for ins in code
+                 if not (isinstance(ins, (Assemble, Load)) and ins.var not in read[rank])
+                 and not (isinstance(ins, Recv) and (rank, ins.tag) in dead)
+                 and not (isinstance(ins, Send) and (ins.dst, ins.tag) in dead)]
+                for rank, code in enumerate(ranks)]
+        if sum(map(len, kept)) == sum(map(len, ranks)):
+            return ranks
+        ranks = kept

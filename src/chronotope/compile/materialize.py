@@ -17,7 +17,7 @@ from there, in order, ``arrange`` first.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -110,7 +110,6 @@ class Lowering:
         self.sequences = checked.sequences
         self.replicas = checked.replicas  # plan.scale's replicas: what their unit adds
         self.sources = Sources([op for seq in checked.sequences.values() for op in seq])
-        self._replicated: dict[tuple, set[Mask]] = {}  # see ``replicated``
         self.position = {op: i for seq in checked.sequences.values() for i, op in enumerate(seq)}
         n = self.plan.ndevices
         self.table = ReadTable(n)
@@ -129,9 +128,6 @@ class Lowering:
         # ``fold`` run the steps once per micro-batch)
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
-
-    def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
-        return self.names.fresh(rank, hint, shape)
 
     # ---- building ------------------------------------------------------------------------
 
@@ -152,8 +148,8 @@ class Lowering:
                 for v in op.outputs:
                     hint = f"d_{self.forward_of[v.ptensor].name}" \
                         if v.ptensor in self.forward_of else v.ptensor.name
-                    var = self.table.piece[(op, v.mask, v.ptensor)] = self.name(rank, hint,
-                                                                                v.mask.shape)
+                    var = self.names.fresh(rank, hint, v.mask.shape)
+                    self.table.piece[(op, v.mask, v.ptensor)] = var
                     self.names.tensor_of[rank][var] = v.ptensor
                     if self.alike(op, v.mask):
                         self.names.whole[rank].add(var)
@@ -183,7 +179,7 @@ class Lowering:
             self.read(rank, whole_loss, tail[rank])
         var = self.read(0, whole_loss, tail[0])
         if self.replicas is not None:  # the global loss: the replicas' shares summed
-            total = self.name(0, f"{var}_total", loss.shape)
+            total = self.names.fresh(0, f"{var}_total", loss.shape)
             tail[0].append(AllReduce((total,), ((var,),), self.replicas.group(0), (loss.shape,),
                                      loss.dtype, (Key(loss.name, (), Role.LOSS, ("replicas",)),)))
             var = total
@@ -227,7 +223,7 @@ class Lowering:
             dims = [runs[(grads[i].param, grads[i].region.index)] for i in at] if cut else []
             if cut:  # this replica's run of each
                 shapes = [(*s[:d], s[d] // len(group), *s[d + 1:]) for s, d in zip(shapes, dims)]
-            summed = [self.name(rank, f"{grads[i].var}_{'run' if cut else 'total'}", shape)
+            summed = [self.names.fresh(rank, f"{grads[i].var}_{'run' if cut else 'total'}", shape)
                       for i, shape in zip(at, shapes)]
             keys = tuple(Key(self.plan.grad(self.plan.graph.params[grads[i].param]).name,
                              grads[i].region.index, Role.GRADIENT, ("replicas",)) for i in at)
@@ -242,7 +238,7 @@ class Lowering:
 
     def layout_changes(self) -> None:
         """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""
-        emitter = Emitter(self.name, self._next_tag)
+        emitter = Emitter(self.names.fresh, self._next_tag)
         assert self.cluster is not None
         for change in find_changes(self.sequences, self.cluster, self.skip):
             where = placement(change, self.position, self.sequences)
@@ -363,9 +359,9 @@ class Lowering:
             later = tuple(g and v.ptensor.kind is TensorKind.PARAM
                           for v, g in zip(op.inputs, grad))
         self.written.main[op] = Forward(op, ins, tuple(outs), grad, out_grad, scale, shares,
-                                recompute=op in self.plan.recomputed,
-                                swap=op in self.plan.swapped, later=later, input_scales=scales,
-                                fused=self.plan.fused.get(op))
+                                        recompute=op in self.plan.recomputed,
+                                        swap=op in self.plan.swapped, later=later,
+                                        input_scales=scales, fused=self.plan.fused.get(op))
 
     def as_replica(self, rank: int, op: PlanOp, scale: Fraction, outs: list[str]
                    ) -> tuple[Fraction, tuple[Fraction, ...], list[str]]:
@@ -383,11 +379,10 @@ class Lowering:
         outs = list(outs)
         for k, v in enumerate(op.outputs):
             if v.ptensor in rep.summed:
-                mine = self.name(rank, f"{outs[k]}_mine", v.mask.shape)
+                mine = self.names.fresh(rank, f"{outs[k]}_mine", v.mask.shape)
+                key = Key(v.ptensor.name, v.mask.index, self.role(v.ptensor), ("replicas",))
                 self.written.post[op].append(AllReduce((outs[k],), ((mine,),), rep.group(rank),
-                                               (v.mask.shape,), v.ptensor.dtype,
-                                               (Key(v.ptensor.name, v.mask.index,
-                                                    self.role(v.ptensor), ("replicas",)),)))
+                                                       (v.mask.shape,), v.ptensor.dtype, (key,)))
                 outs[k] = mine
         return scale, scales, outs
 
@@ -429,7 +424,7 @@ class Lowering:
                          if r.contains(Mask(v.mask.index))), None)
             if held is None:
                 return self.fetch_param(rank, v, pre)
-        var = self.name(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
+        var = self.names.fresh(rank, t.name if source != "seed" else "d_loss", v.mask.shape)
         pre.append(Load(var, t, Mask(v.mask.index), source, held))
         if not v.mask.value.is_full:
             self.names.share[rank][var] = v.mask.value.width
@@ -458,7 +453,7 @@ class Lowering:
             own = next(owned for owner, owned in owners if owner == rank).intersect(want)
             assert own is not None  # (owners of the region)
             local = self.load(rank, VTensor(t, own), pre)
-            var = self.name(rank, t.name, want.shape)
+            var = self.names.fresh(rank, t.name, want.shape)
             pre.append(Assemble(var, want.shape, t.dtype, [], replace(pattern, local=(local,))))
             return var
         parts = []
@@ -473,12 +468,12 @@ class Lowering:
                     self.tag += 1
                     local = self.load(owner, VTensor(t, region), self.written.head[owner])
                     self.written.head[owner].append(Send(local, (), rank, self.tag))
-                    src = self.name(rank, f"{t.name}_from{owner}", region.shape)
+                    src = self.names.fresh(rank, f"{t.name}_from{owner}", region.shape)
                     pre.append(Recv(src, region.shape, t.dtype, owner, self.tag))
                     self.table.params[key] = src
                 src = self.table.params[key]
             parts.append(Part(src, (), region.local_slices(want), Fraction(1)))
-        var = self.name(rank, t.name, want.shape)
+        var = self.names.fresh(rank, t.name, want.shape)
         pre.append(Assemble(var, want.shape, t.dtype, parts))
         return var
 
@@ -486,7 +481,8 @@ class Lowering:
                  pre: list[Instruction], reader: PlanOp | None) -> str:
         pattern = self.pattern(rank, v, found, pre)
         if pattern is not None and pattern.key not in self.refused:
-            var = self.name(rank, v.ptensor.name, v.mask.shape)  # the collective, no messages
+            # the collective, with no messages
+            var = self.names.fresh(rank, v.ptensor.name, v.mask.shape)
             pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, [], pattern))
             return var
         found = self.presum(rank, v, found)
@@ -503,7 +499,7 @@ class Lowering:
         if len(parts) == 1 and parts[0].scale == 1 and covers(parts[0].dst_slices, v.mask.shape) \
                 and covers(parts[0].src_slices, self.names.shapes[rank][parts[0].src]):
             return parts[0].src  # exactly one whole tensor: no copy
-        var = self.name(rank, v.ptensor.name, v.mask.shape)
+        var = self.names.fresh(rank, v.ptensor.name, v.mask.shape)
         common = {p.scale for p in parts}
         if len(common) == 1 and (share := common.pop()) != 1:
             self.names.share[rank][var] = share  # applied by the reader, see ``self.names.share``
@@ -534,7 +530,7 @@ class Lowering:
                 last = max((p for p, _ in group), key=lambda p: self.position[p])
                 value = ValueRange(group[0][1].value.lo, group[-1][1].value.hi)
                 mask = Mask(index, value)
-                var = self.name(device, f"{t.name}_sum", mask.shape)
+                var = self.names.fresh(device, f"{t.name}_sum", mask.shape)
                 whole = tuple(slice(0, n) for n in mask.shape)
                 self.written.post[last].append(Assemble(var, mask.shape, t.dtype, [
                     Part(self.table.piece[(p, m, t)], whole, whole, Fraction(1))
@@ -598,28 +594,18 @@ class Lowering:
         a region has replicas, each reader takes its own, and the members' keys differ (a
         tied embedding's gradient: each rank's own embedding part, and every rank's
         head part). Only then are the members asked, so plain reads stay cheap."""
-        t = v.ptensor
-        if not any((p, m, t) in self.sources.copies or m in self.replicated(t, m.index)
-                   for p, m in found):
+        if not self.sources.chosen_per_reader(v.ptensor, found):
             return True
         ours = sorted((p.name, m.index) for p, m in found)
         return all(sorted((p.name, m.index) for p, m in self.sources.find(v, d)) == ours
                    for d in set(devices) - {rank})
-
-    def replicated(self, t: PTensor, index: tuple) -> set[Mask]:
-        """The pieces of ``t`` at ``index`` that more than one piece holds (replicas)."""
-        key = (t, index)
-        if key not in self._replicated:
-            counts = Counter(m for _, m in self.sources.by_tensor[t][index])
-            self._replicated[key] = {m for m, n in counts.items() if n > 1}
-        return self._replicated[key]
 
     def padded(self, rank: int, t: PTensor, whole: Mask, pieces: list[tuple[PlanOp, Mask]],
                pre: list[Instruction]) -> str:
         """This rank's pieces of partial sums added into one partial sum of ``whole`` (zeros
         where it holds none): a weight two readers cut differently, say, has its gradient's
         pieces summed here and then reduced in one collective."""
-        var = self.name(rank, f"{t.name}_local", whole.shape)
+        var = self.names.fresh(rank, f"{t.name}_local", whole.shape)
         pre.append(Assemble(var, whole.shape, t.dtype, [
             Part(self.table.piece[(p, m, t)], tuple(slice(0, n) for n in m.shape),
                  Mask(m.index).local_slices(whole), Fraction(1)) for p, m in pieces]))
@@ -642,7 +628,7 @@ class Lowering:
         key = (producer, m, region.index, t)
         if key not in self.table.received[rank]:
             self.tag += 1
-            var = self.name(rank, f"{t.name}_from{source}", region.shape)
+            var = self.names.fresh(rank, f"{t.name}_from{source}", region.shape)
             self.names.tensor_of[rank][var] = t
             # what runs once a step (the tail, or the backward of a piece of no step) reads
             # the sum of every micro-batch's part: sent after they all ran

@@ -48,10 +48,6 @@ class Lowered:
         """A template's code: its blocks run once per micro-batch."""
         return bool(self.cells)
 
-    def name(self, rank: int, hint: str, shape: tuple[int, ...]) -> str:
-        """A fresh local name on ``rank`` for a tensor of ``shape``."""
-        return self.names.fresh(rank, hint, shape)
-
 
 def _buckets(lowered: Lowered) -> Code:
     """Gradient reductions in buckets (a template's after ``fold``, in ``_overlap``)."""
@@ -94,7 +90,7 @@ def _frees(lowered: Lowered) -> Code:
 
 PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
     ("arrange", lambda lowered: arrange(lowered.written, lowered.sequences, lowered.cells)),
-    ("collectives", lambda lowered: collectives(lowered.ranks)),  # messages to collectives
+    ("collectives", lambda lowered: collectives(lowered.ranks)),  # recognised ones written
     ("buckets", _buckets),  # gradient reductions bucketed, started as the backward makes them
     ("reshard", _reshard),  # ZeRO-3: gathered parameters freed after the forward, again later
     ("autograd regions", _autograd_regions),  # backward pieces run back to back: one call

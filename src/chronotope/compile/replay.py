@@ -156,13 +156,12 @@ class _Engine:
             self.posted.setdefault((ins.src, r, ins.tag), self.clock[r])
         elif isinstance(ins, (*COLLECTIVES, GatherParams)):
             awaited = self.calling.pop(r) if r in self.calling else self.call(r, ins)
-        elif isinstance(ins, Wait):
+        else:
+            assert isinstance(ins, Wait), ins  # (the last kind of ``_COMMUNICATES``)
             if not self.finish(r, self.started[r][ins.handle]):
                 return False
             del self.started[r][ins.handle]
             return True
-        else:
-            return self.local(r, ins)
         if isinstance(ins, STARTED) and ins.handle is not None:
             self.started[r][ins.handle] = awaited
             return True

@@ -59,7 +59,7 @@ def running_sums(rank: int, code: list[Instruction], lowered: Lowered) -> list[I
                 made = sorted(local, key=made_at.__getitem__)
                 total = Part(made[0], whole, whole, Fraction(1))
                 for k, v in enumerate(made[1:]):
-                    var = lowered.name(rank, f"{ins.vars[e]}_partial", shape)
+                    var = lowered.names.fresh(rank, f"{ins.vars[e]}_partial", shape)
                     after[made_at[v]].append(Assemble(var, shape, ins.dtype, [
                         total, Part(v, whole, whole, Fraction(1))], accumulate=k > 0))
                     total = replace(total, src=var)
@@ -77,7 +77,7 @@ def running_sums(rank: int, code: list[Instruction], lowered: Lowered) -> list[I
             continue  # made together (one backward region): nothing to gain
         total = parts[0]
         for k, p in enumerate(parts[1:-1]):  # the totals made here are added into
-            var = lowered.name(rank, f"{ins.var}_partial", ins.shape)
+            var = lowered.names.fresh(rank, f"{ins.var}_partial", ins.shape)
             after[made_at[p.src]].append(Assemble(var, ins.shape, ins.dtype, [total, p],
                                                   accumulate=k > 0))
             total = replace(total, src=var)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 import textwrap
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from chronotope.errors import DeadlockError, PlanError, UnassignedOpError
@@ -150,6 +150,7 @@ class Sources:
         self.copies: dict[tuple[PlanOp, Mask, PTensor], Copies] = {}
         self.boxes: dict[PTensor, BoxIndex] = {}
         self.overlaps: dict[tuple[PTensor, Mask], list[tuple[PlanOp, Mask]]] = {}
+        self.replicated: dict[tuple[PTensor, tuple], set[Mask]] = {}  # see chosen_per_reader
         for op in ops:
             for v, copies in zip(op.outputs, op.output_copies()):
                 self.by_tensor[v.ptensor].setdefault(v.mask.index, []).append((op, v.mask))
@@ -194,6 +195,20 @@ class Sources:
             return _one_per_region(self.one_copy(t, overlapping(), None if part else device),
                                    device)
         return chosen
+
+    def chosen_per_reader(self, t: PTensor, found: list[tuple[PlanOp, Mask]]) -> bool:
+        """Whether which of ``found`` a reader gets depends on the reader: a region with
+        replicas (each reader takes its own) or a piece of one of several copies."""
+        for p, m in found:
+            if (p, m, t) in self.copies:
+                return True
+            key = (t, m.index)
+            if key not in self.replicated:
+                counts = Counter(x for _, x in self.by_tensor[t][m.index])
+                self.replicated[key] = {x for x, n in counts.items() if n > 1}
+            if m in self.replicated[key]:
+                return True
+        return False
 
     def one_copy(self, t: PTensor, found: list[tuple[PlanOp, Mask]], device: int | None,
                  ) -> list[tuple[PlanOp, Mask]]:
