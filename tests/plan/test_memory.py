@@ -107,19 +107,22 @@ def test_the_tied_weights_gradients_of_every_micro_batch_are_summed_as_they_come
     assert reductions and not any(re.search(r"\bd_wte_weight_p\d", v) for v in reductions)
 
 
+class _One(torch.nn.Module):
+    """``fn(*inputs, weight)`` with one weight of the shape given."""
+
+    def __init__(self, fn, shape):
+        super().__init__()
+        self.fn, self.w = fn, torch.nn.Parameter(torch.randn(shape))
+
+    def forward(self, *xs):
+        return self.fn(*xs, self.w)
+
+
 def _saves_of(kind, fn, *shapes, dtype="fp32"):
     """What autograd keeps of the op of ``kind`` in ``fn(*inputs, weight)``, captured (the
     last shape is the weight's)."""
-    class One(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(shapes[-1]))
-
-        def forward(self, *xs):
-            return fn(*xs, self.w)
-
     xs = tuple(torch.randn(s) for s in shapes[:-1])
-    graph = capture(Workload(model=One(), inputs=xs, name="one"))
+    graph = capture(Workload(model=_One(fn, shapes[-1]), inputs=xs, name="one"))
     return saves(graph, dtype)[next(op for op in graph.ops if op.kind == kind)]
 
 
@@ -151,3 +154,17 @@ def test_a_losss_backward_makes_its_logits_gradient_on_the_way():
                      (64, 1000), (1000,))
     assert kept.other >= 64 * 1000 * 4  # its log-softmax
     assert kept.backward_temp >= 64 * 1000 * 4
+
+
+def test_a_repeated_call_is_followed_as_its_inputs_layout_says():
+    """Calls alike (a stack's layers) are followed once; a call on another layout (a
+    transposed view, not a fresh tensor) is followed again."""
+    def f(x, w):
+        a = (x * w).transpose(0, 1).reshape(-1)  # a copy of a view
+        b = (x * w).transpose(0, 1).reshape(-1)  # the same calls again
+        return (a + b + (x * w).reshape(-1)).sum()  # on a fresh tensor: a view
+
+    graph = capture(Workload(model=_One(f, (8, 8)), inputs=(torch.randn(8, 8),), name="f"))
+    kept = saves(graph, "fp32")
+    views = [kept[op].views for op in graph.ops if op.kind in ("transpose", "reshape")]
+    assert views == [((0, 0),), (), ((0, 0),), (), ((0, 0),)]
