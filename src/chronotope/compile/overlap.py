@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 
 from chronotope.compile.collectives import coalesce
@@ -86,9 +87,11 @@ class _Flops(Costs):
 def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with its receives posted in the pairs' common order, ahead of
     the compute before their use, and every communication waited on where first read."""
-    for moved in ([_prefetched(_hoisted(code)) for code in ranks],
-                  [_hoisted(code) for code in ranks], ranks):
-        played = replay(moved, _Flops())
+    tried: list[list[Instruction]] | None = None
+    for moved in _candidates(ranks):
+        if tried is not None and all(a is b for a, b in zip(moved, tried)):
+            continue  # nothing moved: refused already
+        played, tried = replay(moved, _Flops()), moved
         if played.runs_through:  # the members of each group still call alike
             ranks = moved
             break
@@ -104,18 +107,27 @@ def overlap(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     # What nothing reads (a broadcast's root) is waited on where its micro-batch step
     # ends, so that no step hands a handle on to the next (each step is one function, see
     # codegen), where the code then runs through; else, as outside steps, where it ends.
-    unread = [_unread_in_steps(code) for code in ranks]
+    first = [_first_reads(code) for code in ranks]
+    unread = [_unread_in_steps(code, first[rank]) for rank, code in enumerate(ranks)]
     if any(unread):
-        started = [_started(rank, code, order, unread[rank]) for rank, code in enumerate(ranks)]
+        started = [_started(rank, code, order, first[rank], unread[rank])
+                   for rank, code in enumerate(ranks)]
         if replay(started).runs_through:
             return started
-    return [_started(rank, code, order, {}) for rank, code in enumerate(ranks)]
+    return [_started(rank, code, order, first[rank], {}) for rank, code in enumerate(ranks)]
 
 
-def _unread_in_steps(code: list[Instruction]) -> dict[int, int]:
+def _candidates(ranks: list[list[Instruction]]) -> Iterator[list[list[Instruction]]]:
+    """The codes to try, most moved first: prefetched and hoisted, hoisted, as it is."""
+    hoisted = [_hoisted(code) for code in ranks]
+    yield [_prefetched(code) for code in hoisted]
+    yield hoisted
+    yield ranks
+
+
+def _unread_in_steps(code: list[Instruction], first_read: dict[int, int]) -> dict[int, int]:
     """Each communication started in a micro-batch step whose result nothing reads (by
     index), and where its step ends."""
-    first_read = _first_reads(code)
     ends = [i for i, ins in enumerate(code) if isinstance(ins, Micro)] + [len(code)]
     unread: dict[int, int] = {}
     inside = False
@@ -129,10 +141,10 @@ def _unread_in_steps(code: list[Instruction]) -> dict[int, int]:
 
 
 def _started(rank: int, code: list[Instruction], order: dict[tuple, int],
-             unread: dict[int, int]) -> list[Instruction]:
-    """``unread``: communications nothing reads, waited on at the index given (else at
-    the end)."""
-    first_read = _first_reads(code) | unread
+             first: dict[int, int], unread: dict[int, int]) -> list[Instruction]:
+    """``first``: where each communication is first read (``_first_reads``); ``unread``:
+    those nothing reads, waited on at the index given (else at the end)."""
+    first_read = first | unread
     # Slots: instruction i sits at 2i + 1; a posted receive goes into slot 2i (before i).
     posted = _posting_slots(rank, code, order, first_read)
     handles: set[str] = set()
@@ -186,12 +198,18 @@ def _hoisted(code: list[Instruction]) -> list[Instruction]:
         else:
             if chain:
                 moved |= {*chain, i}
+    if not moved:
+        return code
     return [code[i] for i in sorted(moved)] + [x for i, x in enumerate(code) if i not in moved]
 
 
 def _prefetched(code: list[Instruction]) -> list[Instruction]:
     """``code`` with each collective of stored parameters alone (and the loads it reads)
     moved to just before the first reader of the previous such collective."""
+    params = {ins.var for ins in code if isinstance(ins, Load) and ins.source == "param"}
+    if not any(isinstance(ins, COLLECTIVES) and (vs := reads(ins)) and params.issuperset(vs)
+               for ins in code):
+        return code  # (most plans: none, and no need to scan further)
     made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
     first = _first_reads(code)
     place: dict[int, int] = {}  # moved instruction -> the instruction it now precedes
@@ -207,6 +225,8 @@ def _prefetched(code: list[Instruction]) -> list[Instruction]:
             unit, reader, ahead = found, first[i], reader
         if ahead is not None and ahead < i:
             place.update(dict.fromkeys([*loads, i], ahead))
+    if not place:
+        return code
     # the loads first, then the gathers back to back: one flat call (``coalesce``)
     order = sorted(range(len(code)), key=lambda i: (place[i], 0, not isinstance(code[i], Load),
                                                     i) if i in place else (i, 1, 0, i))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cache
 
 from chronotope.errors import PlanError, UnassignedOpError
 from chronotope.graph.ir import Op, TensorKind
@@ -35,9 +36,12 @@ def unit(op: Op) -> str | None:
     the path (one layer of a stack, ``h.3``), else its top-level module (``wte``); None
     for an op of no module."""
     source = op.source
-    if source is None or not source.module:
-        return None
-    parts = source.module.split(".")
+    return _unit_of(source.module) if source is not None and source.module else None
+
+
+@cache  # compile asks it of every piece of every rank's code
+def _unit_of(module: str) -> str:
+    parts = module.split(".")
     numbered = next((k for k, p in enumerate(parts) if p.isdigit()), 0)
     return ".".join(parts[:numbered + 1])
 
