@@ -85,6 +85,17 @@ def test_across_nodes_rvd_sends_each_byte_over_the_network_once():
     assert path.seconds * 4 < p2p(src, dst, (2 ** 26,), 4, cluster).seconds
 
 
+def test_a_change_whole_nodes_further_on_is_the_same_path_moved():
+    """The nodes are alike (DGX-1's uneven NVLinks included), so the layout changes between
+    later pipeline stages are found once, on the first nodes, and moved."""
+    cluster = load_cluster("dgx1-v100x4")
+    src = Layout(RVD(1, 2, (1, 4)), (0, 2, 4, 6, 1, 3, 5, 7))
+    dst = Layout(RVD(2, 1, (4, 1)), tuple(range(8, 16)))
+    path = search(src, dst, (1024, 1024), 4, cluster)
+    later = search(src.moved(16), dst.moved(16), (1024, 1024), 4, cluster)
+    assert later == path.moved(16) and len(path.steps) > 1
+
+
 def test_value_parts_that_do_not_nest_are_first_summed():
     src, dst = Layout(RVD(1, 2, (1, 1)), (0, 1)), Layout(RVD(1, 3, (1, 1)), (0, 1, 2))
     with pytest.raises(PlanError, match="do not nest"):

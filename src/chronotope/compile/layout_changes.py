@@ -138,9 +138,19 @@ def _layout(pieces: list[tuple[int, Mask]], box: Mask) -> Layout | None:
     return Layout.of(shifted, box.shape)
 
 
-@lru_cache(maxsize=4096)
 def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
             cluster: Cluster) -> Path | None:
+    """The searched path, when it beats plain messages. The cluster's nodes are alike, so
+    a change between devices whole nodes further on (the next pipeline stages') is the
+    same path moved: each is searched from the first node."""
+    by = cluster.node(min(*src.devices, *dst.devices)) * cluster.per_node
+    path = _searched(src.moved(-by), dst.moved(-by), shape, itemsize, cluster)
+    return path.moved(by) if path is not None and by else path
+
+
+@lru_cache(maxsize=4096)
+def _searched(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+              cluster: Cluster) -> Path | None:
     try:
         path = search(src, dst, shape, itemsize, cluster, max_states=MAX_STATES)
     except PlanError:

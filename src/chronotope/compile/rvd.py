@@ -108,6 +108,10 @@ class Layout:
             raise PlanError(f"{self.rvd} needs {self.rvd.ndevices} devices, got "
                             f"{len(self.devices)}: {list(self.devices)}")
 
+    def moved(self, by: int) -> Layout:
+        """The same layout on devices ``by`` further on."""
+        return Layout(self.rvd, tuple(d + by for d in self.devices))
+
     def pieces(self, shape: tuple[int, ...]) -> list[tuple[int, Mask]]:
         """(device, piece) for every device, as the compiler's masks."""
         if len(self.rvd.d) != len(shape):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from chronotope.compile.rvd import RVD, Layout
@@ -40,6 +40,9 @@ class Message:
     src: int
     dst: int
     box: Index  # the region sent, in the whole tensor's coordinates
+
+    def moved(self, by: int) -> Message:
+        return Message(self.src + by, self.dst + by, self.box)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Step:
         what = f"{len(self.groups)}x{len(self.groups[0])}"
         return f"{self.kind.replace('_', '-')}({', '.join(x for x in (dims, what) if x)})"
 
+    def moved(self, by: int) -> Step:
+        return replace(self, before=self.before.moved(by), after=self.after.moved(by),
+                       groups=tuple(tuple(d + by for d in g) for g in self.groups),
+                       messages=tuple(m.moved(by) for m in self.messages))
+
 
 @dataclass(frozen=True)
 class Path:
@@ -84,6 +92,11 @@ class Path:
     def describe(self) -> str:
         """The steps with the layout after each."""
         return " > ".join([str(self.src.rvd), *(f"{s} {s.after.rvd}" for s in self.steps)])
+
+    def moved(self, by: int) -> Path:
+        """The same path between devices ``by`` further on (on a cluster of nodes alike, by
+        whole nodes, it costs the same)."""
+        return Path(self.src.moved(by), self.dst.moved(by), tuple(s.moved(by) for s in self.steps))
 
 
 def normal(layout: Layout) -> Layout:
