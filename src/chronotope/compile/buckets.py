@@ -25,7 +25,6 @@ from chronotope.compile.program import (
     Key,
     Loss,
     ReduceScatter,
-    first_reads,
     flat,
     reads,
     sums_gradients,
@@ -92,16 +91,25 @@ class _Sum:
 
 def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]:
     """By group, the gradient sums this rank's all-reduces and reduce-scatters make, and
-    the sums it only reports (the loss, which rides in a gradient bucket); not those of
-    anything else: a loss's count, a forward partial sum."""
-    made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
-    needed = first_reads(code)
-    reported = _reported(code)
+    the sums it only reports (the loss, which rides in a gradient bucket: read by nothing
+    but ``Loss``, or unread); not those of anything else: a loss's count, a forward
+    partial sum."""
+    made: dict[str, int] = {}
+    needed: dict[str, int] = {}  # where each is first read
+    read_by_others: set[str] = set()  # read by more than ``Loss``
+    for i, ins in enumerate(code):  # (one scan: the code is long once folded)
+        found = reads(ins)
+        for var in found:
+            needed.setdefault(var, i)
+        if not isinstance(ins, Loss):
+            read_by_others.update(found)
+        for var in writes(ins):
+            made[var] = i
     out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
     for at, ins in enumerate(code):
         if not isinstance(ins, (AllReduce, ReduceScatter)) or not (
-                sums_gradients(ins.keys) or isinstance(ins, AllReduce)
-                and set(ins.vars) <= reported):
+                sums_gradients(ins.keys) or isinstance(ins, AllReduce) and all(
+                    v in made and v not in read_by_others for v in ins.vars)):
             continue
         if any(isinstance(code[made[v]], (AllReduce, ReduceScatter))
                for srcs in ins.srcs for v in srcs if v in made):
@@ -129,12 +137,6 @@ def _ride(placed: list[tuple[int, Instruction]], riders: list[_Sum]
         placed[last] = (at, flat([*((bucket, k) for k in range(len(bucket.vars))),
                                   *((e.instruction, e.index) for e in riders)]))
     return placed, riders
-
-
-def _reported(code: list[Instruction]) -> set[str]:
-    """What the step only reports (the loss): read by nothing but ``Loss``, or unread."""
-    read_by_others = {var for ins in code if not isinstance(ins, Loss) for var in reads(ins)}
-    return {var for ins in code for var in writes(ins)} - read_by_others
 
 
 def _bucketed(found: list[_Sum], group: tuple[int, ...], bucket_bytes: float,

@@ -67,13 +67,15 @@ _COMPUTE = (Forward, Backward, WeightGrad)
 class _Flops(Costs):
     """Compute priced by its FLOPs (and 1 per piece, so that none is free); messages free."""
 
+    priced = frozenset(_COMPUTE)
+
     def __init__(self) -> None:
-        self.priced: dict[PlanOp, float] = {}  # a template's pieces run once per micro-batch
+        self.known: dict[PlanOp, float] = {}  # a template's pieces run once per micro-batch
 
     def flops(self, op: PlanOp) -> float:
-        if op not in self.priced:
-            self.priced[op] = piece_flops(op) + 1.0
-        return self.priced[op]
+        if op not in self.known:
+            self.known[op] = piece_flops(op) + 1.0
+        return self.known[op]
 
     def local(self, rank: int, ins: Instruction, since: float) -> float:
         if isinstance(ins, Backward):
@@ -148,34 +150,48 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int],
     # Slots: instruction i sits at 2i + 1; a posted receive goes into slot 2i (before i).
     posted = _posting_slots(rank, code, order, first_read)
     handles: set[str] = set()
-    out: list[tuple[tuple, Instruction]] = []  # (slot, then receives in the pairs' order)
+    kept: list[tuple[int, Instruction]] = []  # (i, instruction i), at slot 2i + 1
+    moved: list[tuple[tuple, Instruction]] = []  # posted receives and waits: even slots
     for i, ins in enumerate(code):
+        if not isinstance(ins, STARTED):
+            kept.append((i, ins))
+            continue
         use = first_read.get(i, len(code))
         if isinstance(ins, Recv):
             slot = posted[i]
             if slot < 2 * use:
                 handle = fresh_name(f"{ins.var}_pending", handles)
                 ins = replace(ins, handle=handle)
-                out.append(((2 * use, 1), Wait(handle, (ins.var,))))
-            out.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
+                moved.append(((2 * use, 1), Wait(handle, (ins.var,))))
+            moved.append(((slot, 0, order[(ins.src, rank, ins.tag)]), ins))
             continue
-        if isinstance(ins, STARTED) and use > i + 1:
+        if use > i + 1:
             made = results(ins)  # none on a broadcast's root: waited on as its step ends
             base = made[0] if made else f"{ins.src}_sent" if isinstance(ins, Broadcast) else ""
             handle = fresh_name(f"{base}_pending", handles)
             ins = replace(ins, handle=handle)
-            out.append(((2 * use, -1 if i in unread else 1),  # (before the next step's posts)
-                        Wait(handle, made, unpack=isinstance(ins, MULTI))))
-        out.append(((2 * i + 1,), ins))
-    out.sort(key=lambda x: x[0])
-    code = []
-    for _, ins in out:  # started and waited on back to back: a plain blocking call
-        last = code[-1] if code else None
+            moved.append(((2 * use, -1 if i in unread else 1),  # (before the next step's posts)
+                          Wait(handle, made, unpack=isinstance(ins, MULTI))))
+        kept.append((i, ins))
+    moved.sort(key=lambda x: x[0])
+    out: list[Instruction] = []
+
+    def put(ins: Instruction) -> None:  # started and waited on back to back: a blocking call
+        last = out[-1] if out else None
         if isinstance(ins, Wait) and isinstance(last, STARTED) and last.handle == ins.handle:
-            code[-1] = replace(last, handle=None)
+            out[-1] = replace(last, handle=None)
         else:
-            code.append(ins)
-    return code
+            out.append(ins)
+
+    k = 0
+    for i, ins in kept:  # merged by slot
+        while k < len(moved) and moved[k][0][0] < 2 * i + 1:
+            put(moved[k][1])
+            k += 1
+        put(ins)
+    for _, ins in moved[k:]:
+        put(ins)
+    return out
 
 
 def _hoisted(code: list[Instruction]) -> list[Instruction]:

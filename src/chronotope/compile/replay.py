@@ -41,6 +41,10 @@ _COMMUNICATES = frozenset({Send, PushParam, Recv, PullParam, Wait, GatherParams,
 class Costs:
     """What each step takes: nothing, unless a subclass prices it (``compile.simulate``)."""
 
+    # The kinds of local instruction ``local`` may price (None: any); the replay skips the
+    # others (the compiler replays millions of them).
+    priced: frozenset[type] | None = None
+
     def local(self, rank: int, ins: Instruction, since: float) -> float:
         return 0.0
 
@@ -95,9 +99,9 @@ class _Engine:
     def __init__(self, ranks: list[list[Instruction]], costs: Costs,
                  start: list[float] | None, spans: bool) -> None:
         self.ranks, self.costs = ranks, costs
-        # local steps that take no time and are not recorded are skipped (the compiler's
-        # question whether code runs through asks this of millions of them)
-        self.timed = spans or type(costs).local is not Costs.local
+        # local steps that take no time and are not recorded are skipped
+        self.priced = None if spans else frozenset() if type(costs).local is Costs.local \
+            else costs.priced
         self.record = spans
         n = len(ranks)
         self.clock = list(start) if start is not None else [0.0] * n
@@ -142,8 +146,9 @@ class _Engine:
 
     def step(self, r: int, ins: Instruction) -> bool:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
-        if type(ins) not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
-            return self.local(r, ins)
+        kind = type(ins)
+        if kind not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
+            return self.local(r, ins) if self.priced is None or kind in self.priced else True
         if isinstance(ins, (Send, PushParam)):
             key = (r, ins.dst, ins.tag)
             self.sent[key] = (self.clock[r], self.since[r])
@@ -173,8 +178,6 @@ class _Engine:
 
     def local(self, r: int, ins: Instruction) -> bool:
         """Rank ``r`` runs ``ins``, which waits on no other rank."""
-        if not self.timed:
-            return True
         seconds = self.costs.local(r, ins, self.since[r])
         if self.record:
             self.spans.append((r, ins, self.clock[r], self.clock[r] + seconds))
