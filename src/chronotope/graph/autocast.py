@@ -9,12 +9,14 @@ add nothing; a view shares its input's storage. What a plan holds and sends depe
 both, so they are inferred once per graph and dtype by running each op, forward and
 backward, on fake tensors (shapes and dtypes only, no compute), with the torch version
 that runs the step. Each distinct call runs once: GPT-3 175B's 2,100 ops are 30 calls on
-30 layouts, followed in about 3 s.
+30 layouts, followed in about a second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -132,17 +134,17 @@ def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = torch.device("cpu")
-    values: dict[PTensor, Any] = {}
+    values: dict[PTensor, _Value] = {}
+    storages = itertools.count()
     followed = _Followed({}, {})
-    kept: list[torch.Tensor] = []  # what autograd saves of the op being followed
     wants = set(graph.params.values())  # the tensors a gradient flows to: made from weights
     cast = torch.autocast("cpu", dtype=dtype, cache_enabled=False) if dtype else \
         contextlib.nullcontext()
-    # A stack's layers repeat the same calls on the same shapes: each distinct call is
-    # followed once and its outputs made again (as views where they were) for the rest.
+    # A stack's layers repeat the same calls on the same layouts: each distinct call is
+    # run once, and its outputs' layouts (views where they were) stand for the rest's.
     known: dict[tuple, tuple[list[_Made | None], Saves | None] | None] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, cast, \
-            torch.enable_grad(), warnings.catch_warnings():
+    with FakeTensorMode(allow_non_fake_inputs=True), cast, torch.enable_grad(), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for op in graph.ops:
             for t in op.inputs:
@@ -151,18 +153,19 @@ def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
             if all(t in values or _leaf(t, graph) for t in op.inputs):
                 for t in op.inputs:
                     if t not in values:
-                        values[t] = _fake(mode, t, device)
-                # Its own leaves: its backward alone, not its inputs' makers' too.
-                ins = {t: _alone(values[t], t in wants) for t in op.inputs}
-                key = _call(op, [ins[t] for t in op.inputs])
+                        values[t] = _Value.fresh(t.shape, t.dtype, next(storages))
+                given = [values[t] for t in op.inputs]
+                wanted = [t in wants and v.dtype.is_floating_point
+                          for t, v in zip(op.inputs, given)]
+                key = _call(op, given, wanted)
                 if key not in known:
-                    known[key] = _run(op, ins, device, kept)
+                    known[key] = _run(op, given, wanted, device)
                 found = known[key]
             made, kept_by = found if found is not None else ([], None)
             for i, t in enumerate(op.outputs):
                 out = made[i] if i < len(made) else None
-                if out is not None:  # (without its graph: no garbage piles up)
-                    values[t] = out.make([values[x] for x in op.inputs])
+                if out is not None:
+                    values[t] = out.make([values[x] for x in op.inputs], next(storages))
                 followed.dtypes[t] = out.dtype if out is not None else None
             if any(t in wants for t in op.inputs):
                 wants.update(op.outputs)
@@ -172,51 +175,92 @@ def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
 
 
 @dataclass(frozen=True)
+class _Value:
+    """A tensor as an op sees it, without making it: its layout, dtype and storage."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    storage: int  # which (the follower's numbering)
+    nbytes: int  # of the storage
+
+    @staticmethod
+    def fresh(shape: tuple[int, ...], dtype: torch.dtype, storage: int) -> _Value:
+        stride = tuple(math.prod(max(n, 1) for n in shape[k + 1:]) for k in range(len(shape)))
+        return _Value(tuple(shape), stride, 0, dtype, storage, math.prod(shape) * dtype.itemsize)
+
+
+@dataclass(frozen=True)
 class _Made:
-    """An output of a followed call: enough to make it again, alike, for the next call."""
+    """An output of a followed call: enough to stand for it in a call alike."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    nbytes: int  # of its storage
     view_of: int | None  # the input whose storage it shares
 
-    def make(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        """It again (under the fake mode), given the call's inputs."""
+    def make(self, inputs: list[_Value], storage: int) -> _Value:
+        """It, given the call's inputs (``storage``: a fresh one's number)."""
         if self.view_of is not None:
-            return inputs[self.view_of].detach().as_strided(self.shape, self.stride, self.offset)
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+            shared = inputs[self.view_of]
+            storage, nbytes = shared.storage, shared.nbytes
+        else:
+            nbytes = self.nbytes
+        return _Value(self.shape, self.stride, self.offset, self.dtype, storage, nbytes)
 
 
-def _run(op: Op, ins: dict[PTensor, torch.Tensor], device: torch.device,
-         kept: list[torch.Tensor]) -> tuple[list[_Made | None], Saves | None] | None:
-    """Run ``op`` on fake ``ins``: its outputs and what its autograd saves (None when the
-    outputs are not all tensors); None when fake tensors cannot run it."""
+def _fakes(given: list[_Value], wanted: list[bool]) -> list[torch.Tensor]:
+    """Fake tensors of ``given``'s layouts, those of one storage sharing one, each a leaf
+    of its own (same storage) that wants a gradient where ``wanted`` (what an op keeps
+    depends on it: ``x * cos`` keeps ``cos`` alone): the op's backward alone."""
+    bases: dict[int, torch.Tensor] = {}
+    out = []
+    for v, want in zip(given, wanted):
+        shared = sum(u.storage == v.storage for u in given) > 1
+        if not shared and v.offset == 0:
+            x = torch.empty_strided(v.shape, v.stride, dtype=v.dtype)
+        else:
+            base = bases.setdefault(v.storage, torch.empty(v.nbytes, dtype=torch.uint8))
+            x = base.view(v.dtype).as_strided(v.shape, v.stride, v.offset)
+        out.append(x.detach().requires_grad_(want))
+    return out
+
+
+def _run(op: Op, given: list[_Value], wanted: list[bool], device: torch.device,
+         ) -> tuple[list[_Made | None], Saves | None] | None:
+    """Run ``op`` on fake tensors of ``given``'s layouts: its outputs and what its autograd
+    saves (None when the outputs are not all tensors); None when fake tensors cannot run
+    it."""
     from chronotope.graph.execute import run_op
 
-    kept.clear()
+    kept: list[torch.Tensor] = []
     try:
+        fakes = dict(zip(op.inputs, _fakes(given, wanted)))
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda x: kept.append(x) or x, lambda x: x), PeakMemory() as ran:
-            outs = run_op(op, ins, device)
+            outs = run_op(op, fakes, device)
     except Exception:  # noqa: BLE001  (not followable on fake tensors: unknown)
         return None
-    given = [ins[t] for t in op.inputs]
-    storages = [x.untyped_storage()._cdata for x in given]
+    ins = [fakes[t] for t in op.inputs]
+    storages = [x.untyped_storage()._cdata for x in ins]
     made = [_Made(x.dtype, tuple(x.shape), x.stride(), x.storage_offset(),
+                  x.untyped_storage().nbytes(),
                   next((j for j, s in enumerate(storages) if s == x.untyped_storage()._cdata),
                        None)) if isinstance(x, torch.Tensor) else None for x in outs]
     if not outs or len(outs) != len(op.outputs):
         return made, None
-    return made, replace(_saves(given, outs, kept), forward_temp=ran.peak - ran.live,
-                         backward_temp=_backward_temp(given, outs))
+    return made, replace(_saves(ins, outs, kept), forward_temp=ran.peak - ran.live,
+                         backward_temp=_backward_temp(ins, outs))
 
 
 _PLAIN = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype,
           torch.device, torch.layout, torch.memory_format)
 
 
-def _call(op: Op, ins: list[torch.Tensor]) -> tuple:
+def _call(op: Op, given: list[_Value], wanted: list[bool]) -> tuple:
     """What decides a call's outputs and saves: its target and arguments, with each input
     tensor by its position, layout, dtype, whether it wants a gradient and which inputs
     share its storage (other objects by identity)."""
@@ -233,9 +277,9 @@ def _call(op: Op, ins: list[torch.Tensor]) -> tuple:
             return (slice, shape(x.start), shape(x.stop), shape(x.step))
         return (type(x), x) if isinstance(x, _PLAIN) else ("object", id(x))
 
-    storages = [x.untyped_storage()._cdata for x in ins]
-    layouts = tuple((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.requires_grad,
-                     storages.index(s)) for x, s in zip(ins, storages))
+    storages = [v.storage for v in given]
+    layouts = tuple((v.shape, v.stride, v.offset, v.dtype, v.nbytes, want,
+                     storages.index(v.storage)) for v, want in zip(given, wanted))
     return (shape(op.target), shape(op.args), shape(op.kwargs), layouts, len(op.outputs))
 
 
@@ -254,16 +298,6 @@ def _backward_temp(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     temp = ran.peak - ran.live  # ``made``, the gradients, still alive: left at the end
     del made
     return temp
-
-
-def _fake(mode: Any, t: PTensor, device: torch.device) -> torch.Tensor:
-    return mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=device))
-
-
-def _alone(x: torch.Tensor, wanted: bool) -> torch.Tensor:
-    """``x`` as a leaf of its own (same storage) that wants a gradient if a gradient flows
-    to it (what an op keeps depends on it: ``x * cos`` keeps ``cos`` alone)."""
-    return x.detach().requires_grad_(wanted and x.dtype.is_floating_point)
 
 
 def _saves(ins: list[torch.Tensor], outs: list[torch.Tensor], kept: list[torch.Tensor]
