@@ -237,16 +237,20 @@ def _run(op: Op, given: list[_Value], wanted: list[bool], device: torch.device,
     from chronotope.graph.execute import run_op
 
     kept: list[torch.Tensor] = []
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        kept.append(x)
+        return x
+
     try:
         fakes = dict(zip(op.inputs, _fakes(given, wanted)))
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda x: kept.append(x) or x, lambda x: x), PeakMemory() as ran:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x), PeakMemory() as ran:
             outs = run_op(op, fakes, device)
     except Exception:  # noqa: BLE001  (not followable on fake tensors: unknown)
         return None
     ins = [fakes[t] for t in op.inputs]
     storages = [x.untyped_storage()._cdata for x in ins]
-    made = [_Made(x.dtype, tuple(x.shape), x.stride(), x.storage_offset(),
+    made = [_Made(x.dtype, tuple(x.shape), x.stride(), int(x.storage_offset()),
                   x.untyped_storage().nbytes(),
                   next((j for j, s in enumerate(storages) if s == x.untyped_storage()._cdata),
                        None)) if isinstance(x, torch.Tensor) else None for x in outs]
