@@ -41,8 +41,9 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
     ``check``, only if it still runs through (else as it was), without, the caller's to
     check."""
     sums: dict[tuple[int, ...], dict[int, list[_Sum]]] = defaultdict(dict)
+    uses = [_Uses.of(code) for code in ranks]
     for rank, code in enumerate(ranks):
-        for group, found in _gradient_sums(code).items():
+        for group, found in _gradient_sums(code, uses[rank]).items():
             sums[group][rank] = sorted(found, key=lambda e: e.ready)
     moves: list[dict[int, list[Instruction]]] = [defaultdict(list) for _ in ranks]
     moved: list[set[int]] = [set() for _ in ranks]
@@ -61,17 +62,44 @@ def buckets(ranks: list[list[Instruction]], bucket_bytes: float = BUCKET_MB * 2*
             for at, ins in placed:
                 moves[rank][at].append(ins)
             moved[rank] |= {id(e.instruction) for e in summed + riders}
+    if not all(uses[rank].in_order(placed) for rank, placed in enumerate(moves)):
+        return ranks
     out = [[x for i, ins in enumerate(code) if id(ins) not in moved[rank]
             for x in (ins, *moves[rank].get(i, ()))] for rank, code in enumerate(ranks)]
-    if all(_in_order(code) for code in out) and (not check or replay(out).runs_through):
+    if not check or replay(out).runs_through:
         return out
     return ranks
 
 
-def _in_order(code: list[Instruction]) -> bool:
-    """Whether every tensor read is made before (or never made here: a leaf)."""
-    made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
-    return all(made.get(var, -1) < i for i, ins in enumerate(code) for var in reads(ins))
+@dataclass
+class _Uses:
+    """Where a rank's code makes each tensor and first reads it, and what more than
+    ``Loss`` reads: one scan (the code is long once folded)."""
+
+    made: dict[str, int]
+    needed: dict[str, int]
+    read_by_others: set[str]
+
+    @staticmethod
+    def of(code: list[Instruction]) -> _Uses:
+        uses = _Uses({}, {}, set())
+        for i, ins in enumerate(code):
+            found = reads(ins)
+            for var in found:
+                uses.needed.setdefault(var, i)
+            if not isinstance(ins, Loss):
+                uses.read_by_others.update(found)
+            for var in writes(ins):
+                uses.made[var] = i
+        return uses
+
+    def in_order(self, placed: dict[int, list[Instruction]]) -> bool:
+        """Whether reductions ``placed`` after the instructions given read what is made
+        by then and are placed before what reads them (the rest keeps its order)."""
+        return all(self.made.get(var, -1) <= at for at, added in placed.items()
+                   for ins in added for var in reads(ins)) and \
+            all(self.needed.get(var, at + 1) > at for at, added in placed.items()
+                for ins in added for var in writes(ins))
 
 
 @dataclass(frozen=True)
@@ -89,22 +117,13 @@ class _Sum:
         return self.instruction.keys[self.index]
 
 
-def _gradient_sums(code: list[Instruction]) -> dict[tuple[int, ...], list[_Sum]]:
+def _gradient_sums(code: list[Instruction], uses: _Uses
+                   ) -> dict[tuple[int, ...], list[_Sum]]:
     """By group, the gradient sums this rank's all-reduces and reduce-scatters make, and
     the sums it only reports (the loss, which rides in a gradient bucket: read by nothing
     but ``Loss``, or unread); not those of anything else: a loss's count, a forward
     partial sum."""
-    made: dict[str, int] = {}
-    needed: dict[str, int] = {}  # where each is first read
-    read_by_others: set[str] = set()  # read by more than ``Loss``
-    for i, ins in enumerate(code):  # (one scan: the code is long once folded)
-        found = reads(ins)
-        for var in found:
-            needed.setdefault(var, i)
-        if not isinstance(ins, Loss):
-            read_by_others.update(found)
-        for var in writes(ins):
-            made[var] = i
+    made, needed, read_by_others = uses.made, uses.needed, uses.read_by_others
     out: dict[tuple[int, ...], list[_Sum]] = defaultdict(list)
     for at, ins in enumerate(code):
         if not isinstance(ins, (AllReduce, ReduceScatter)) or not (
