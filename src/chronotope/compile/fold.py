@@ -20,6 +20,7 @@ its steps list them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -142,6 +143,11 @@ class _Folder:
         self.taken = set(shapes) | self.made
         self.names: dict[int, dict[str, str]] = {}
         self.drawn: dict[tuple[PlanOp, int], PlanOp] = {}  # random pieces, per micro-batch
+        # what each block's instructions make that a total sums, by position (alike in
+        # every micro-batch)
+        self.sums = {cell: [[v for v in writes(ins) if v in self.summed] for ins in code]
+                     for cell, code in blocks.items()}
+        self.moves: dict[int, bool] = {}  # by id: whether own_rows changes it
 
     def run(self) -> list[Instruction]:
         missing = [cell for cell in self.blocks if not any(s[:2] == cell for s in self.steps)]
@@ -168,10 +174,10 @@ class _Folder:
             block = self.blocks.get((kind, stage), [])
             out.append(Micro(m, step.action(split)))
             names = self.names_of(m) if m else {}
-            for ins in block:  # each part added to its total as soon as it is made
+            for ins, sums in zip(block, self.sums.get((kind, stage), ())):
                 out.append(self.instance(ins, m, names) if m else ins)
                 out += [Accumulate(key[v], self.name(v, m), self.tensor_of[v].dtype)
-                        for v in writes(ins) if v in self.summed]
+                        for v in sums]  # each part added to its total as soon as it is made
             for v in summed.get((kind, stage), []):
                 if last[v] == k:
                     totals[v] = fresh_name(f"{v}_sum", self.taken)
@@ -208,6 +214,12 @@ class _Folder:
     def own_rows(self, ins: Instruction, m: int) -> Instruction:
         """``ins`` reading micro-batch ``m``'s rows of what ran once before the micro-batches
         and drawing its random numbers (what a backward makes again included)."""
+        if id(ins) not in self.moves:  # most read no such rows and draw nothing
+            self.moves[id(ins)] = any(self.piece_rows(x, 1) != x for x in (
+                ins.recompute if isinstance(ins, Backward) else (ins,))
+                if isinstance(x, (Assemble, Forward)))
+        if not self.moves[id(ins)]:
+            return ins
         if isinstance(ins, (Assemble, Forward)):
             return self.piece_rows(ins, m)
         if isinstance(ins, Backward) and ins.recompute:
@@ -275,11 +287,10 @@ def _later(lo: int, hi: int, m: int) -> tuple[int, int]:
 
 def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
     """``ins`` with every local name in ``names`` renamed (others kept)."""
-    def n(v: Any) -> Any:
-        return names.get(v, v) if v is not None else None
+    n: Callable[[Any, Any], Any] = names.get  # n(v, v); None is no name
 
     def ns(vs: tuple) -> tuple:
-        return tuple(map(n, vs))
+        return tuple(map(n, vs, vs))
 
     def changed(**fields) -> Instruction:  # a shallow copy: much cheaper than replace()
         out = object.__new__(type(ins))
@@ -295,20 +306,20 @@ def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
     if isinstance(ins, WeightGrad):
         return changed(outs=ns(ins.outs))
     if isinstance(ins, Assemble):
-        return changed(var=n(ins.var),
-                       parts=[replace(p, src=n(p.src)) for p in ins.parts])
+        return changed(var=n(ins.var, ins.var),
+                       parts=[replace(p, src=n(p.src, p.src)) for p in ins.parts])
     if isinstance(ins, Wait):
-        return changed(handle=n(ins.handle), vars=ns(ins.vars))
+        return changed(handle=n(ins.handle, ins.handle), vars=ns(ins.vars))
     if isinstance(ins, STARTED):
-        handle = n(ins.handle)
+        handle = n(ins.handle, ins.handle)
         if isinstance(ins, Recv):
-            return changed(var=n(ins.var), handle=handle)
+            return changed(var=n(ins.var, ins.var), handle=handle)
         if isinstance(ins, (AllToAll, Broadcast)):
-            return changed(var=n(ins.var), src=n(ins.src), handle=handle)
-        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s) for s in ins.srcs)
+            return changed(var=n(ins.var, ins.var), src=n(ins.src, ins.src), handle=handle)
+        srcs = tuple(ns(s) if isinstance(s, tuple) else n(s, s) for s in ins.srcs)
         return changed(vars=ns(ins.vars), srcs=srcs, handle=handle)
     if hasattr(ins, "var"):
-        return changed(var=n(ins.var))
+        return changed(var=n(ins.var, ins.var))
     if hasattr(ins, "vars"):
         return changed(vars=ns(ins.vars))
     return ins
