@@ -132,13 +132,20 @@ class _Engine:
 
     def run(self) -> Replayed:
         pc = [0] * len(self.ranks)
+        # what takes no time and waits on nobody is stepped over here, without a call
+        skipped = None if self.priced is None else {
+            kind for code in self.ranks for kind in map(type, code)
+            if kind not in _COMMUNICATES and kind not in self.priced}
         moved = True
         while moved:
             moved = False
             for r, code in enumerate(self.ranks):
-                while pc[r] < len(code) and self.step(r, code[pc[r]]):
-                    pc[r] += 1
-                    moved = True
+                at = pc[r]
+                while at < len(code) and (skipped is not None and type(code[at]) in skipped
+                                          or self.step(r, code[at])):
+                    at += 1
+                moved |= at > pc[r]
+                pc[r] = at
         stuck = {r: self.waiting[r] for r, code in enumerate(self.ranks) if pc[r] < len(code)}
         order = sorted(range(len(self.order)), key=lambda i: (self.sent[self.order[i]][0], i))
         return Replayed(self.clock, self.compute, self.comm, stuck,
@@ -148,7 +155,9 @@ class _Engine:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
         kind = type(ins)
         if kind not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
-            return self.local(r, ins) if self.priced is None or kind in self.priced else True
+            if self.priced is None or kind in self.priced:
+                self.local(r, ins)
+            return True
         if isinstance(ins, (Send, PushParam)):
             key = (r, ins.dst, ins.tag)
             self.sent[key] = (self.clock[r], self.since[r])
@@ -176,7 +185,7 @@ class _Engine:
             self.calling[r] = awaited
         return False
 
-    def local(self, r: int, ins: Instruction) -> bool:
+    def local(self, r: int, ins: Instruction) -> None:
         """Rank ``r`` runs ``ins``, which waits on no other rank."""
         seconds = self.costs.local(r, ins, self.since[r])
         if self.record:
@@ -186,7 +195,6 @@ class _Engine:
         self.clock[r] += seconds
         self.compute[r] += seconds
         self.since[r] += seconds
-        return True
 
     def call(self, r: int, ins: Collective | GatherParams) -> tuple:
         """Rank ``r`` calls collective ``ins``: its place among its group's calls."""
