@@ -99,9 +99,13 @@ class _Engine:
     def __init__(self, ranks: list[list[Instruction]], costs: Costs,
                  start: list[float] | None, spans: bool) -> None:
         self.ranks, self.costs = ranks, costs
-        # local steps that take no time and are not recorded are skipped
-        self.priced = None if spans else frozenset() if type(costs).local is Costs.local \
+        # local steps that take no time and are not recorded are stepped over, without a
+        # call: every kind the costs never price, unless spans are recorded
+        priced = None if spans else frozenset() if type(costs).local is Costs.local \
             else costs.priced
+        self.skipped = set() if priced is None else {
+            kind for code in ranks for kind in map(type, code)
+            if kind not in _COMMUNICATES and kind not in priced}
         self.record = spans
         n = len(ranks)
         self.clock = list(start) if start is not None else [0.0] * n
@@ -132,17 +136,13 @@ class _Engine:
 
     def run(self) -> Replayed:
         pc = [0] * len(self.ranks)
-        # what takes no time and waits on nobody is stepped over here, without a call
-        skipped = None if self.priced is None else {
-            kind for code in self.ranks for kind in map(type, code)
-            if kind not in _COMMUNICATES and kind not in self.priced}
+        skipped = self.skipped
         moved = True
         while moved:
             moved = False
             for r, code in enumerate(self.ranks):
                 at = pc[r]
-                while at < len(code) and (skipped is not None and type(code[at]) in skipped
-                                          or self.step(r, code[at])):
+                while at < len(code) and (type(code[at]) in skipped or self.step(r, code[at])):
                     at += 1
                 moved |= at > pc[r]
                 pc[r] = at
@@ -153,10 +153,8 @@ class _Engine:
 
     def step(self, r: int, ins: Instruction) -> bool:
         """Run ``ins`` on rank ``r``; False if it must wait here."""
-        kind = type(ins)
-        if kind not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
-            if self.priced is None or kind in self.priced:
-                self.local(r, ins)
+        if type(ins) not in _COMMUNICATES:  # most are: one lookup, not a chain of isinstance
+            self.local(r, ins)
             return True
         if isinstance(ins, (Send, PushParam)):
             key = (r, ins.dst, ins.tag)
