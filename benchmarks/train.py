@@ -44,17 +44,18 @@ def _ddp(rank: int, steps: int, layout: BatchLayout) -> tuple[list[float], float
     w = workload()
     model = torch.nn.parallel.DistributedDataParallel(w.model)
     opt = OPTIM.build(model.parameters())
+    rates = OPTIM.scheduler(opt, steps)
     batches = Batches(DATA, layout)
     times, loss = [], torch.zeros(())
-    for step in range(steps):
+    for _ in range(steps):
         start = time.perf_counter()
-        OPTIM.set_lr(opt, step, steps)
         opt.zero_grad(set_to_none=True)
         idx, targets = (t.chunk(world)[rank] for t in next(batches).values())
         loss = model(idx, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip)
         opt.step()
+        rates.step()
         times.append(time.perf_counter() - start)
     dist.all_reduce(loss := loss.detach())  # the whole batch's loss: the mean of the halves
     return times, float(loss) / world

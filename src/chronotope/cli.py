@@ -54,7 +54,7 @@ from chronotope.policies.config import FLAGS
 from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
-from chronotope.runtime.optim import LR_SCHEDULES, Optim
+from chronotope.runtime.optim import Optim
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.schedule import apply, schedule, tune
@@ -101,6 +101,19 @@ def non_negative_float(text: str) -> float:
     value = _finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """--optimizer-args and --lr-schedule-args: keyword arguments as a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        example = '{"betas": [0.9, 0.95]}'
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{example}', got "
+                                         f"{text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
     return value
 
 
@@ -293,7 +306,7 @@ def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
         plan.dtype = args.dtype
     args.dtype = plan.dtype  # what run and train compute in
     if getattr(args, "optimizer", None):  # run and train: the memory of the state they keep
-        plan.optimizer = args.optimizer
+        plan.optimizer = _optim(args).states
     return plan, workload
 
 
@@ -426,11 +439,26 @@ def _check_backend(args: argparse.Namespace) -> None:
                               "--backend gloo")
 
 
+def _optim(args: argparse.Namespace) -> Optim:
+    """The optimizer and learning-rate schedule run and train options describe (betas
+    and other sequences come from JSON as lists: torch takes them as tuples)."""
+    def tuples(options: dict[str, Any]) -> dict[str, Any]:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+    schedule = getattr(args, "lr_schedule", "constant")
+    return Optim(args.optimizer, args.lr, clip=args.clip,
+                 weight_decay=getattr(args, "weight_decay", 0.0), schedule=schedule,
+                 warmup=getattr(args, "warmup", 0),
+                 min_lr=getattr(args, "min_lr", 0.0),
+                 schedule_options=tuples(getattr(args, "lr_schedule_args", None) or {}),
+                 **tuples(args.optimizer_args or {}))
+
+
 def cmd_run(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     _check_backend(args)
     workload, program = _compiled(args)
     _warn_unsplit(program.plan, out)
-    optim = Optim(args.optimizer, args.lr, clip=args.clip)
+    optim = _optim(args)
     precision = Precision(args.dtype, args.reduce_dtype)
     with out.status(f"training {args.model} with {args.policy} on {program.plan.world_size} "
                     f"{args.backend} processes for {args.steps} steps"):
@@ -511,8 +539,7 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     with _phase(out, args.json, f"capturing, planning ({args.policy}) and compiling"):
         workload, program = _program(workload, args)
     _warn_unsplit(program.plan, out)
-    optim = Optim(args.optimizer, args.lr, args.weight_decay, args.clip, args.lr_schedule,
-                  args.warmup, args.min_lr)
+    optim = _optim(args)
     sinks: list[Any] = [JsonlLog(args.metrics)] if args.metrics else []
     if args.tensorboard:
         sinks.append(TensorBoardLog(args.tensorboard))
@@ -1011,7 +1038,12 @@ def parser() -> argparse.ArgumentParser:
             if name == "run":
                 cmd.add_argument("--check", action="store_true",
                                  help="also train on one device and compare losses and weights")
-            cmd.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+            cmd.add_argument("--optimizer", default="sgd", metavar="NAME",
+                             help="a torch.optim optimizer (sgd, adamw, Adam, RMSprop, ...) "
+                                  "or an import path (my_pkg.Lion, file.py:Lion)")
+            cmd.add_argument("--optimizer-args", type=json_object, metavar="JSON",
+                             help="its other keyword arguments, e.g. "
+                                  "'{\"betas\": [0.9, 0.95], \"eps\": 1e-8}'")
             cmd.add_argument("--lr", type=non_negative_float, default=0.1)
             cmd.add_argument("--clip", type=positive_float, default=None, metavar="MAX_NORM",
                              help="clip gradients to this global norm across all ranks")
@@ -1149,8 +1181,12 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--weight-decay", type=non_negative_float, default=0.0,
                      help="decoupled weight decay (adamw) or L2 (sgd); never on biases and "
                           "norm scales")
-    cmd.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                     help="learning rate after warmup: constant, or cosine down to --min-lr")
+    cmd.add_argument("--lr-schedule", default="constant", metavar="NAME",
+                     help="learning rate after warmup: constant, cosine down to --min-lr, "
+                          "or a torch.optim.lr_scheduler class (StepLR, OneCycleLR, ...) "
+                          "with --lr-schedule-args")
+    cmd.add_argument("--lr-schedule-args", type=json_object, metavar="JSON",
+                     help="the scheduler's keyword arguments, e.g. '{\"step_size\": 100}'")
     cmd.add_argument("--warmup", type=int, default=0, metavar="STEPS",
                      help="steps of linear warmup to --lr")
     cmd.add_argument("--min-lr", type=non_negative_float, default=0.0)

@@ -51,16 +51,17 @@ def plain_pytorch(steps: int, optim: Optim, seed: int) -> RunResult:
     with data:
         loader = iter(load_function(DATA)())
     opt = optim.build(model.parameters())
+    rates = optim.scheduler(opt, steps)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         with data:
             idx, targets = next(loader)
-        optim.set_lr(opt, step, steps)
         opt.zero_grad(set_to_none=True)
         loss = model(idx, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
+        rates.step()
         losses.append(loss.item())
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 

@@ -46,6 +46,7 @@ def plain_pytorch(w, data, steps, optim, accumulate=1, seed=0):
     tokens = load_function(f"{DATA}:{data}")
     model = copy.deepcopy(w.model)
     opt = optim.build(model.parameters())
+    rates = optim.scheduler(opt, steps)
     rng, it, read, losses = DataRandom(seed), None, 0, []
 
     def next_batch():
@@ -60,8 +61,7 @@ def plain_pytorch(w, data, steps, optim, accumulate=1, seed=0):
                     it = None
         raise AssertionError
 
-    for step in range(steps):
-        optim.set_lr(opt, step, steps)
+    for _ in range(steps):
         opt.zero_grad()
         total = 0.0
         for _ in range(accumulate):
@@ -73,6 +73,7 @@ def plain_pytorch(w, data, steps, optim, accumulate=1, seed=0):
             total += float(loss.detach()) / accumulate
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
+        rates.step()
         losses.append(total)
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
@@ -410,3 +411,20 @@ def test_a_scaled_plan_trains_on_data_like_plain_pytorch_and_resumes_unscaled(tm
                  resume=str(tmp_path / "scaled" / "step-00000002"))
     assert back.losses == pytest.approx(losses[2:], rel=1e-5)
     assert largest_difference(back.params, params) <= 1e-5
+
+
+def test_any_optimizer_and_a_schedule_on_the_loss_resume_as_if_never_stopped(tmp_path):
+    w, graph = gpt()
+    # Adafactor keeps factored state (rows and columns), shaped unlike its parameter;
+    # ReduceLROnPlateau steps on the loss (mode "max": a falling loss halves the rate)
+    optim = ct.Optim("Adafactor", 1e-2, clip=1.0, schedule="ReduceLROnPlateau",
+                     schedule_options={"mode": "max", "patience": 0, "factor": 0.5})
+    program = ct.compile(mesh(graph, dp=2))
+    whole = train(program, w, f"{DATA}:tokens", 4, optim)
+    first = train(program, w, f"{DATA}:tokens", 2, optim, save=str(tmp_path / "ck"))
+    rest = train(program, w, f"{DATA}:tokens", 4, optim, resume=str(tmp_path / "ck"))
+    assert first.losses + rest.losses == whole.losses  # bitwise: fp32 on CPU
+    assert all(torch.equal(rest.params[n], p) for n, p in whole.params.items())
+    rates = [r["lr"] for r in whole.records]
+    assert [r["lr"] for r in first.records + rest.records] == rates
+    assert rates[-1] < rates[0]  # the schedule acted on the losses

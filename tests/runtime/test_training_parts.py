@@ -19,7 +19,7 @@ from chronotope.runtime import checkpoint
 from chronotope.runtime.checkpoint import CheckpointError, load_weights, writers
 from chronotope.runtime.data import Batches, BatchLayout, DataError, DataRandom
 from chronotope.runtime.metrics import JsonlLog, read_jsonl
-from chronotope.runtime.optim import Optim
+from chronotope.runtime.optim import Optim, OptimError, Rates
 from chronotope.viz import plot_losses
 
 SHAPE = (6, 8)
@@ -90,11 +90,18 @@ def test_weight_decay_skips_biases_and_norm_scales_and_the_schedule_warms_up_the
     assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(1, 0.1), (3, 0.0)]
     assert len(Optim(weight_decay=0.1, decay_all=True).build(model.parameters())
                .param_groups) == 1
-    cosine = Optim(lr=1.0, schedule="cosine", warmup=4, min_lr=0.1)
-    assert [cosine.lr_at(s, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert cosine.lr_at(9, 14) == pytest.approx(0.55) and cosine.lr_at(14, 14) == 0.1
-    assert Optim(lr=0.3).lr_at(100, 10) == 0.3
-    with pytest.raises(ValueError, match="unknown learning-rate schedule 'linear'"):
+    rates = Rates(Optim(lr=1.0, schedule="cosine", warmup=4, min_lr=0.1), 14)
+    seen = []
+    for _ in range(15):
+        seen.append(rates.lr)
+        rates.advance()
+    assert seen[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert seen[9] == pytest.approx(0.55) and seen[14] == pytest.approx(0.1)
+    constant = Rates(Optim(lr=0.3), 10)
+    for _ in range(100):
+        constant.advance()
+    assert constant.lr == 0.3
+    with pytest.raises(OptimError, match="unknown learning-rate schedule 'linear'"):
         Optim(schedule="linear")
 
 

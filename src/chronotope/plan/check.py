@@ -29,6 +29,19 @@ from chronotope.plan.storage import ALLOCATING, Storage, storage, unit
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 
 
+def optimizer_states(optimizer: str | float) -> float:
+    """Weight-sized tensors of optimizer state per weight: ``Plan.optimizer``'s count
+    (measured from the optimizer a run uses), or that of a name in ``OPTIMIZER_STATES``."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) \
+            and optimizer >= 0:
+        return optimizer
+    states = OPTIMIZER_STATES.get(optimizer) if isinstance(optimizer, str) else None
+    if states is None:
+        raise PlanError(f"unknown optimizer {optimizer!r}: one of {sorted(OPTIMIZER_STATES)}, "
+                        "or how many weight-sized tensors of state it keeps per weight")
+    return states
+
+
 @dataclass(eq=False)
 class Barrier:
     """Joins the two sides of one ``order()`` call on one device (keeps edges linear)."""
@@ -608,9 +621,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
     if plan.reshard:
         alive = [x for key, x in zip(first, alive) if key not in gathered] + \
             _resharded(gathered, size)
-    states = OPTIMIZER_STATES.get(plan.optimizer)
-    if states is None:
-        raise PlanError(f"unknown optimizer {plan.optimizer!r}; one of {sorted(OPTIMIZER_STATES)}")
+    states = optimizer_states(plan.optimizer)
     # The step's peak counts the gradients made by then; those kept are counted apart.
     kept_grads = sum(size[k] for k in first if k[0] == "grad" and last[k] == end)
     peak = _peak(len(seq), alive)
@@ -633,7 +644,7 @@ def estimate_memory(plan: Plan, seq: list[PlanOp], stored: Storage, device: int,
             others if plan.micro > micro_batches_kept(steps) else 0))
     peak = max(0, peak - kept_grads)
     return Memory(stored.bytes_stored(plan, device), stored.bytes_owned(plan, device, grads=True),
-                  states * stored.bytes_updated(plan, device), peak)
+                  round(states * stored.bytes_updated(plan, device)), peak)
 
 
 def _peak(n: int, alive: list[tuple[int, int, int]]) -> int:

@@ -144,7 +144,7 @@ def _label(ref: Ref) -> str:
 class Plan:
     """A plan for ``ndevices`` devices over ``graph``; see the module docstring."""
 
-    def __init__(self, graph: Graph, ndevices: int, *, optimizer: str = "adam",
+    def __init__(self, graph: Graph, ndevices: int, *, optimizer: str | float = "adam",
                  dtype: str = "fp32", registry: OpRegistry | None = None) -> None:
         if ndevices < 1:
             raise PlanError(f"a plan needs at least one device, got ndevices={ndevices}")

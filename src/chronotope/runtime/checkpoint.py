@@ -350,8 +350,11 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
                     local = Mask(box).local_slices(Mask(key[1]))
                     pieces.append(_piece(f"{OPTIM}{name}.{k}", shapes[name], box,
                                          v[local].detach()))
-                elif v.ndim == 0 and all(lo == 0 for lo, _ in box):  # once, with the origin
-                    pieces.append(Piece(f"{OPTIM}{name}.{k}", (), (), v.detach()))
+                elif (v.ndim == 0 or tuple(param.shape) == tuple(shapes[name])) and \
+                        all(lo == 0 for lo, _ in box):  # a step count, or the state of a
+                    # whole parameter shaped otherwise (Adafactor's factors): once, whole
+                    pieces.append(Piece(f"{OPTIM}{name}.{k}", tuple(v.shape), (0,) * v.ndim,
+                                        v.detach()))
     objects: dict[str, Any] = {}
     if writes.lead:
         pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t.detach())

@@ -30,7 +30,6 @@ import torch.multiprocessing as mp
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.runtime.local import (
-    Optim,
     Rank,
     RankSpec,
     RunResult,
@@ -38,6 +37,7 @@ from chronotope.runtime.local import (
     model_buffers,
     rank_specs,
 )
+from chronotope.runtime.optim import Optim, Rates
 from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
@@ -136,10 +136,13 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: 
     device = rank_device(backend, spec.rank)
     rank = Rank(spec, DistTransport(timeout, spec.groups), optim, device,
                 precision=precision)
+    rates = Rates(optim, steps)
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
+        rates.apply(rank.optimizer)
         losses += rank.step()
+        rates.advance()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -328,6 +331,8 @@ def run_processes(program: Program, workload: Workload, steps: int, optim: Optim
     ``torch.compile`` backend for the forward regions (see ``rank_specs``)."""
     precision = precision or plan_precision(program.plan)
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
+    optim = optim or Optim()
+    optim.check_plan(program)
     results = launch(rank_specs(program, workload, compile), steps, optim, backend, timeout,
                      precision)
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),

@@ -23,7 +23,7 @@ from chronotope.graph.memory import PeakMemory
 from chronotope.graph.rng import Stream
 from chronotope.plan.replicas import same_but_batch
 from chronotope.runtime.context import StepContext
-from chronotope.runtime.optim import Optim
+from chronotope.runtime.optim import Optim, Rates
 from chronotope.runtime.precision import (
     Precision,
     check_precision,
@@ -351,16 +351,21 @@ def run_in_threads(program: Program, workload: Workload, steps: int,
     precision (default: the plan's dtype; refused first if an op cannot run in it)."""
     precision = precision or plan_precision(program.plan)
     check_precision(program.plan.graph, precision, "cpu")
+    optim = optim or Optim()
+    optim.check_plan(program)
     transport = OrderedTransport(timeout)
-    ranks = [Rank(spec, transport, optim or Optim(), precision=precision)
+    ranks = [Rank(spec, transport, optim, precision=precision)
              for spec in rank_specs(program, workload)]
     losses: list[float] = []
     errors: dict[int, BaseException] = {}
 
     def work(rank: Rank) -> None:
         try:
+            rates = Rates(optim, steps)
             for _ in range(steps):
+                rates.apply(rank.optimizer)
                 out = rank.step(measure_memory)
+                rates.advance()
                 if rank.rank == 0:
                     losses.extend(out)
         except BaseException as e:  # noqa: BLE001  (re-raised below, once every thread ended)

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.optim import lr_scheduler
 
 from chronotope.graph.batch import model_loss
 from chronotope.graph.rng import CounterRandom, Stream
@@ -27,6 +28,7 @@ def train_reference(workload: Workload, steps: int, optim: Optim,
     (the same ``LossScale`` as the ranks', so both skip the same steps)."""
     model = copy.deepcopy(workload.model)
     opt = optim.build(list(model.parameters()))
+    rates = optim.scheduler(opt, steps)
     losses: list[float] = []
     unreplayed: list[str] = []
     low = precision is not None and precision.low
@@ -47,13 +49,23 @@ def train_reference(workload: Workload, steps: int, optim: Optim,
             loss.backward(torch.full_like(loss, scaler.scale))
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if not scaler.update(bool(scaler.unscale_(grads, 1.0, device).item() > 0)):
+                _advance(rates, losses[-1])
                 continue  # an inf or NaN: the step is skipped, the scale backs off
         if optim.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
+        _advance(rates, losses[-1])
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()},
                      buffers={n: b.detach().clone() for n, b in model.named_buffers()},
                      unreplayed=unreplayed)
+
+
+def _advance(scheduler: lr_scheduler.LRScheduler, loss: float) -> None:
+    """A step done: the schedule moves on (one that steps on a metric, on the loss)."""
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
 
 
 @dataclass(frozen=True)

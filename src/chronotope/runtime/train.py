@@ -58,7 +58,7 @@ from chronotope.runtime.local import (
     replica_rows,
 )
 from chronotope.runtime.metrics import JsonlLog
-from chronotope.runtime.optim import Optim
+from chronotope.runtime.optim import Optim, Rates
 from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
 from chronotope.runtime.transport import DistTransport
@@ -176,10 +176,12 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
     the loss on ``eval_data`` (``eval_loss``) after the steps ``config`` evaluates after."""
     rank = Rank(spec, DistTransport(config.timeout, spec.groups), config.optim, device,
                 seed=config.seed, precision=config.precision)
+    rates = Rates(config.optim, config.steps)
     start = 0
     if resume is not None:
         info = checkpoint.load(resume, rank, job.shapes, config.optim.name)
         start, rank.steps = int(info["step"]), int(info["batches"])
+        rates.load(info.get("lr_schedule"), start)
         if rank.scaler is not None and "loss_scale" in info:
             rank.scaler.scale, rank.scaler.good = info["loss_scale"], info["good_steps"]
     batches = Batches(data, job.layout, config.seed, start=rank.steps)
@@ -189,9 +191,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
     with Stop(device) as stop:
         for step in range(start, config.steps):
             begin = time.perf_counter()
-            lr = config.optim.lr_at(step, config.steps)
-            if rank.optimizer:
-                config.optim.set_lr(rank.optimizer, step, config.steps)
+            lr = rates.lr
+            rates.apply(rank.optimizer)
             rank.zero_grad()
             step_losses, tokens, samples, read = [], 0, 0, batches.read
             for _ in range(config.accumulate):
@@ -215,6 +216,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if bad:
                 rank.zero_grad()
             taken = not bad and rank.update(1 / config.accumulate, norm)
+            rates.advance(_loss_everywhere(rank, step_losses) if rates.on_metric else None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - begin
@@ -239,7 +241,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                     report(record)
             if config.saves_after(step + 1) or (stopped and config.save):
                 assert config.save is not None
-                info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name}
+                info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name,
+                        "lr_schedule": rates.state_dict()}
                 if rank.scaler is not None:
                     info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
                 checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
@@ -248,6 +251,15 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if stopped:
                 break
     return losses, rank.regions(), times, {n: t.detach().cpu() for n, t in rank.state.items()}
+
+
+def _loss_everywhere(rank: Rank, losses: list[float]) -> float:
+    """Rank 0's loss of the step (the one reported), on every rank: one all-reduce."""
+    mine = sum(losses) / len(losses) if rank.rank == 0 else 0.0
+    total = torch.tensor([mine], dtype=torch.float64, device=rank.device)
+    if len(rank.world) > 1:
+        total = rank.transport.all_reduce(total, rank.world, rank.unit_rank)
+    return float(total[0])
 
 
 def evaluate(rank: Rank, data: DataSource, layout: BatchLayout, config: TrainConfig) -> float:
@@ -388,6 +400,7 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
         resolve(eval_data)
     evaluation = compile_plan(program.plan.evaluation()) if eval_data is not None else None
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
+    config.optim.check_plan(program)
     job = Job.of(program, workload)
     resume_path, _ = start_of(config, job)
     check_save_folder(config)
@@ -449,6 +462,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
     trains from those files and writes its checkpoints into ``DIR/checkpoints``.
     """
     os.makedirs(directory, exist_ok=True)
+    (optim or Optim()).check_plan(program)
     specs = rank_specs(program, workload, compile)
     check_sendable(specs[0].targets if specs else {})
     paths = []

@@ -22,7 +22,7 @@ from chronotope.compile.rvd import PARTIAL, REPLICATE
 from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
-from chronotope.plan.check import OPTIMIZER_STATES
+from chronotope.plan.check import optimizer_states
 from chronotope.plan.plan import differentiable
 from chronotope.search.space import (
     Mesh,
@@ -55,7 +55,7 @@ class NoFit(Exception):
 
 
 def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, cluster: Cluster,
-          memory: float | None, optimizer: str = "adam", time_limit: float = 60.0,
+          memory: float | None, optimizer: str | float = "adam", time_limit: float = 60.0,
           groups: dict[Op, Hashable] | None = None, ops: Sequence[Op] | None = None,
           micro: int = 1, in_flight: int = 1, gap: float = 0.01) -> Solution:
     """The cheapest choice within ``memory``; ops in one of ``groups`` (repeated layers'
@@ -80,7 +80,7 @@ def solve(graph: Graph, space: dict[Op, list[Strategy]], mesh: Mesh | int, clust
         count += sizes[k]
     needs_grad = differentiable(graph)
     costs, mem, passing = np.zeros(count), np.zeros(count), np.zeros(count)
-    states = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, its state
+    states = 2 + optimizer_states(optimizer)  # the weight, its gradient, its state
     first = first_reads(ops)
     terms: dict[tuple, np.ndarray] = {}  # a repeated op's, once
     for op in ops:
@@ -280,7 +280,7 @@ def _op_sync(op: Op, s: Strategy, first: list[int], pricer: Pricer) -> float:
     return total
 
 
-def _weight_bytes(op: Op, s: Strategy, first: list[int], states: int, mesh: Mesh) -> float:
+def _weight_bytes(op: Op, s: Strategy, first: list[int], states: float, mesh: Mesh) -> float:
     """Per device: the weights the op reads first, each with its gradient and optimizer
     state (those cut over every device under ZeRO)."""
     total = 0.0

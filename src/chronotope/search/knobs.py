@@ -49,7 +49,7 @@ from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, 
 from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
-from chronotope.plan.check import OPTIMIZER_STATES
+from chronotope.plan.check import optimizer_states
 from chronotope.plan.plan import Plan, differentiable
 from chronotope.plan.steps import live_counts
 from chronotope.plan.storage import unit
@@ -153,9 +153,9 @@ class Model:
     """What pricing any point of one graph on one cluster needs, made once."""
 
     def __init__(self, graph: Graph, cluster: Cluster, dtype: str = "fp32",
-                 optimizer: str = "adam") -> None:
+                 optimizer: str | float = "adam") -> None:
         self.graph, self.cluster, self.dtype = graph, cluster, dtype
-        self.states = 2 + OPTIMIZER_STATES[optimizer]  # the weight, its gradient, its state
+        self.states = 2 + optimizer_states(optimizer)  # the weight, its gradient, its state
         self.ops = graph.ops
         self.whole = Plan(graph, 1)
         self.batch = graph.batch_size or 1
