@@ -90,7 +90,7 @@ def main() -> None:
     program = ct.compile(ct.policies.mesh(graph, dp=args.devices))
     # AdamW as nanoGPT trains it: decay on matrices only, clipped gradients, warmup then
     # cosine down to a tenth of the peak rate.
-    optim = Optim(name="adamw", lr=args.lr, weight_decay=0.1, clip=1.0, schedule="cosine",
+    optim = Optim("adamw", lr=args.lr, weight_decay=0.1, clip=1.0, schedule="cosine",
                   warmup=args.warmup, min_lr=args.lr / 10)
 
     with open(args.metrics, "w") as metrics:

@@ -29,7 +29,7 @@ DATA = f"{EXAMPLE / 'data.py'}:batches"
 VALIDATION = f"{EXAMPLE / 'data.py'}:validation"
 STEPS = 8
 SEED = 3
-OPTIM = Optim(name="adamw", lr=1e-3, weight_decay=0.1, clip=1.0, schedule="cosine", warmup=3,
+OPTIM = Optim("adamw", lr=1e-3, weight_decay=0.1, clip=1.0, schedule="cosine", warmup=3,
               min_lr=1e-4)
 TOLERANCE = 1e-5
 

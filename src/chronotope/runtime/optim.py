@@ -111,7 +111,6 @@ class Optim:
         self._elementwise = elementwise
         if warmup < 0:
             raise OptimError(f"warmup must be at least 0 steps, not {warmup}")
-        self.cls  # noqa: B018 -- an unknown class is named now, not in a worker
         if self.cls.__name__ in UNSTEPPABLE and self.cls.__module__.startswith("torch.optim"):
             raise OptimError(f"{self.name} cannot train a plan: "
                              f"{UNSTEPPABLE[self.cls.__name__]}")
@@ -120,7 +119,8 @@ class Optim:
         elif self.schedule_options:
             raise OptimError(f"schedule options {sorted(self.schedule_options)} are for a "
                              f"torch.optim.lr_scheduler class, not the {schedule!r} schedule")
-        if weight_decay and "weight_decay" not in self._defaults():
+        probe = self.build([nn.Parameter(torch.zeros(0))])  # bad options are named now
+        if weight_decay and "weight_decay" not in probe.defaults:
             raise OptimError(f"{self.name} has no weight_decay: leave weight decay at 0")
 
     def __repr__(self) -> str:
@@ -157,10 +157,6 @@ class Optim:
             return self._elementwise
         return self.cls.__module__.startswith("torch.optim") and \
             self.cls.__name__ in ELEMENTWISE
-
-    def _defaults(self) -> dict[str, Any]:
-        probe = self.cls([nn.Parameter(torch.zeros(1))], **self._kwargs())
-        return probe.defaults
 
     def _kwargs(self) -> dict[str, Any]:
         return {"lr": self.lr, **self.options}
