@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import io
 import json
 import math
 import os
@@ -525,9 +526,18 @@ def _phase(out: Console, quiet: bool, what: str) -> Iterator[None]:
 def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     from chronotope.runtime import checkpoint  # torch.distributed.checkpoint: on demand
     from chronotope.runtime.checkpoint import load_weights
-    from chronotope.runtime.train import mean_step_time, train
+    from chronotope.runtime.train import launched, mean_step_time, train
 
-    _check_backend(args)
+    here = launched()  # one rank of a torchrun job: this process trains its rank
+    if here:
+        args.devices = args.devices or int(os.environ["WORLD_SIZE"])
+        if int(os.environ["RANK"]) != 0:  # rank 0 reports; the others say only what fails
+            out = Console(file=io.StringIO())
+            args.json = False
+            args.metrics = args.tensorboard = None
+    else:
+        args.devices = args.devices or 4
+        _check_backend(args)
     if (args.eval_every or args.eval_batches) and not args.eval_data:
         raise ChronotopeError("--eval-every and --eval-batches say how to evaluate on "
                               "--eval-data FILE.py:fn: give it too")
@@ -569,8 +579,12 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
             out.print(f"step {record['step']}/{args.steps}: loss {record['loss']:.4f}"
                       f"{evaluated}, {speed}")
 
+    continued = _continued_from(args.resume or args.save)
+    if continued and not args.json:
+        out.print(f"continuing from {continued}")
     if not args.json and not out.is_terminal:
-        out.print(f"starting {program.plan.world_size} workers ...")
+        out.print(f"starting {program.plan.world_size} " +
+                  ("ranks ..." if here else "workers ..."))
     try:
         with progress:
             result = train(program, workload, args.data or example_batches(workload),
@@ -585,8 +599,16 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     finally:
         for sink in sinks:
             sink.close()
-    step_time = mean_step_time(result)
     saved = str(checkpoint.latest(args.save, verify=False)) if args.save else None
+    if here and int(os.environ["RANK"]) != 0:
+        return 0
+    if not result.losses:  # started again after its last step
+        if args.json:
+            emit({"final_loss": None, "steps": 0, "checkpoint": saved})
+        else:
+            out.print(f"nothing left to do: {saved} is the run's step {args.steps}")
+        return 0
+    step_time = mean_step_time(result)
     eval_loss = result.records[-1].get("eval_loss") if result.records else None
     if args.json:
         emit({"final_loss": result.losses[-1] if result.losses else None,
@@ -597,9 +619,20 @@ def cmd_train(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     out.print(f"{len(result.losses)} steps: final loss {result.losses[-1]:.4f}{evaluated}, "
               f"{step_time * 1e3:.1f} ms per step (rank 0, after the first)")
     if saved:
-        out.print(f"checkpoint {saved}: continue with --resume {args.save}, or write the "
-                  f"weights with chronotope export {args.save} weights.safetensors")
+        out.print(f"checkpoint {saved}: the same command with more --steps continues it; "
+                  f"chronotope export {args.save} weights.safetensors writes the weights")
     return 0
+
+
+def _continued_from(folder: str | None) -> str | None:
+    """The checkpoint (and its step) a run given --resume or --save continues from."""
+    from chronotope.runtime import checkpoint
+
+    try:
+        path = checkpoint.latest(folder, verify=False) if folder else None
+    except checkpoint.CheckpointError:
+        return None
+    return f"{path} (step {checkpoint.run_info(path)['step']})" if path else None
 
 
 def cmd_export(args: argparse.Namespace, out: Console, emit: Emit) -> int:
@@ -1055,6 +1088,7 @@ def parser() -> argparse.ArgumentParser:
                              help="gloo: processes on CPUs; nccl: one process per GPU here")
             if name == "train":
                 _train_args(cmd)
+                cmd.set_defaults(devices=None)  # 4, or under torchrun its world size
 
     bench_ = sub.add_parser("bench", help="benchmarks: rvd (layout changes, SuperScaler "
                                           "Table 3)")

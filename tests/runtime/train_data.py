@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,4 +41,11 @@ def killing() -> object:
         if i == 4 and dist.get_rank() == 1 and os.path.exists(marker):
             os.remove(marker)
             os.kill(os.getpid(), signal.SIGKILL)
+        yield batch
+
+
+def paced() -> object:
+    """``tokens()``, a quarter of a second per batch: a run slow enough to stop midway."""
+    for batch in tokens():
+        time.sleep(0.25)
         yield batch

@@ -67,6 +67,7 @@ INCOMPLETE = ".incomplete"
 LATEST = "latest"
 LEASE = ".lease"  # the run saving into a folder: {"host", "pid"}
 CHECKSUMS = "checksums"  # of one rank's files: {name: [bytes, crc32]}
+SHARED = ".shared-"  # rank 0's marker that every rank sees the folder (``check_shared``)
 
 
 class CheckpointError(ChronotopeError):
@@ -427,6 +428,31 @@ def lease(directory: str | os.PathLike) -> Iterator[None]:
     finally:
         if _holder(path) == mine:
             path.unlink(missing_ok=True)
+
+
+def check_shared(directory: str | os.PathLike) -> None:
+    """Every rank sees the folder checkpoints go into: all ranks write into one folder, so
+    it must be on storage every node mounts, or a checkpoint splits silently between them.
+    Rank 0 leaves a marker there and every rank looks for it; a rank that cannot see it is
+    named, with its host, before any step runs."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    root = Path(directory)
+    name = [f"{SHARED}{socket.gethostname()}-{os.getpid()}" if dist.get_rank() == 0 else ""]
+    if dist.get_rank() == 0:
+        (root / name[0]).write_text("rank 0 writes checkpoints here\n")
+    dist.broadcast_object_list(name, src=0)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, ((root / name[0]).is_file(), socket.gethostname()))
+    if dist.get_rank() == 0:
+        (root / name[0]).unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (found, host) in enumerate(seen) if not found]
+    if blind:
+        raise CheckpointError(
+            f"--save {str(root)!r} is not on storage every node sees: rank {blind[0][0]} on "
+            f"{blind[0][1]} (and {len(blind) - 1} more) does not find what rank 0 on "
+            f"{seen[0][1]} wrote there. Save onto a shared file system (NFS, Lustre, a "
+            "mounted bucket) that every node mounts at the same path")
 
 
 def _holder(path: Path) -> dict[str, Any] | None:

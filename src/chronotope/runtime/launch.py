@@ -84,6 +84,7 @@ class Stop:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.signum = device, 0
+        self.stopped = 0  # the signal the ranks agreed to stop on (0: none yet)
         self.handling = _on_stop_signals(self._note)
 
     def __enter__(self) -> Stop:
@@ -100,9 +101,11 @@ class Stop:
         """The signal any rank got (0: none), then for each of ``bad`` (a loss that is not
         finite, say) whether any rank found it: the same on every rank."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
+            self.stopped = self.signum
             return (self.signum, *map(int, bad))
         flags = torch.tensor([self.signum, *map(int, bad)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.stopped = int(flags[0])
         return tuple(int(f) for f in flags)
 
 

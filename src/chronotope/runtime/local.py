@@ -66,10 +66,11 @@ def check_compile(backend: str | None) -> None:
 
 
 def rank_specs(program: Program, workload: Workload, compile: str | None = None,
-               evaluation: Program | None = None) -> list[RankSpec]:
-    """What each rank runs; with ``compile`` (a ``torch.compile`` backend), each run of
-    forward pieces between communications is a function the rank compiles with it. A
-    scaled plan's replicas each run the unit's code on their rows of ``workload``'s batch.
+               evaluation: Program | None = None, only: int | None = None) -> list[RankSpec]:
+    """What each rank runs (``only``: just that global rank's, for a process that runs one
+    rank); with ``compile`` (a ``torch.compile`` backend), each run of forward pieces
+    between communications is a function the rank compiles with it. A scaled plan's
+    replicas each run the unit's code on their rows of ``workload``'s batch.
     ``evaluation``: the compiled ``program.plan.evaluation()``, which each rank runs on
     the parameter regions it trains."""
     check_compile(compile)
@@ -92,20 +93,22 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None,
     for regions in updated:
         for key in regions:
             owners[key] += 1
-    codes = [program.code(rank, regions=compile is not None) for rank in range(unit)]
-    evals = [evaluation.code(rank, regions=compile is not None) if evaluation else None
-             for rank in range(unit)]
+    ranks = range(unit * replicas) if only is None else [only]
+    codes = {rank % unit: program.code(rank % unit, regions=compile is not None)
+             for rank in ranks}
+    evals = {rank % unit: evaluation.code(rank % unit, regions=compile is not None)
+             if evaluation else None for rank in ranks}
     groups = world_groups(program.groups, unit, replicas)
     return [
         RankSpec(
-            r * unit + rank, codes[rank],
+            g, codes[g % unit],
             {(name, region.index): full[name][region.to_slices()].clone()
-             for name, regions in program.stored[rank].items() for region in regions},
-            updated[r * unit + rank], state, batches[r], targets, groups,
-            {key: 1 / owners[key] for key in updated[r * unit + rank]},
-            unit * replicas, compile, unit if replicas > 1 else None, evals[rank],
+             for name, regions in program.stored[g % unit].items() for region in regions},
+            updated[g], state, batches[g // unit], targets, groups,
+            {key: 1 / owners[key] for key in updated[g]},
+            unit * replicas, compile, unit if replicas > 1 else None, evals[g % unit],
         )
-        for r in range(replicas) for rank in range(unit)
+        for g in ranks
     ]
 
 

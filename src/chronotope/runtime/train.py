@@ -10,6 +10,7 @@ run saves DCP checkpoints every so many steps and resumes from one under any pla
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from chronotope.compile import compile as compile_plan
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph
+from chronotope.plan.files import plan_to_dict
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import (
     Batches,
@@ -126,10 +128,15 @@ class Job:
 
 
 def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
-    """The checkpoint a run resumes from (checked against the model) and its step."""
-    if config.resume is None:
+    """The checkpoint a run continues from (checked against the model) and its step: the
+    one ``resume`` names, else the newest complete one in the ``save`` folder, so that one
+    command both starts a run and restarts it after a failure (as torchtitan does)."""
+    source = config.resume
+    if source is None and config.save is not None and _holds_checkpoints(config.save):
+        source = config.save
+    if source is None:
         return None, 0
-    path = checkpoint.latest(config.resume)
+    path = checkpoint.latest(source)
     checkpoint.check_fits(path, job.shapes)
     info = checkpoint.run_info(path)
     step = int(info["step"])
@@ -137,10 +144,17 @@ def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
         warnings.warn(f"checkpoint {str(path)!r} was trained with {info['optimizer']}, this run "
                       f"uses {config.optim.name}: the optimizer starts without its state",
                       stacklevel=3)
-    if step >= config.steps:
+    if step >= config.steps and config.resume is not None:
         raise ChronotopeError(f"checkpoint {str(path)!r} is at step {step}: a run of "
                               f"{config.steps} steps has nothing left to do (raise --steps)")
     return path, step
+
+
+def _holds_checkpoints(folder: str) -> bool:
+    """Whether ``folder`` has a complete checkpoint (one only begun when a run was stopped
+    leaves nothing to continue from; a damaged one is named by ``checkpoint.latest``)."""
+    return Path(folder).is_dir() and any(
+        (p / ".metadata").is_file() for p in Path(folder).glob("step-*"))
 
 
 def check_trainable(graph: Graph) -> None:
@@ -150,26 +164,13 @@ def check_trainable(graph: Graph) -> None:
                               f"{len(graph.params)} parameters is frozen (requires_grad=False)")
 
 
-def check_save_folder(config: TrainConfig) -> None:
-    """A folder of someone else's checkpoints is not overwritten: continue it or pick another."""
-    if config.save is None or not Path(config.save).is_dir():
-        return
-    found = sorted(p.name for p in Path(config.save).glob("step-*"))
-    resuming_here = config.resume is not None and Path(config.resume).resolve() in (
-        Path(config.save).resolve(), *(p.resolve() for p in Path(config.save).glob("step-*")))
-    if found and not resuming_here:
-        raise ChronotopeError(f"{config.save!r} already holds checkpoints ({found[-1]}): "
-                              f"continue that run with --resume {config.save}, or save into "
-                              "another folder")
-
-
 # ---- one rank ------------------------------------------------------------------------------
 
 
 def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSource,
                config: TrainConfig, resume: Path | None, device: torch.device,
                report: Callable[[dict[str, Any]], None] | None = None,
-               eval_data: DataSource | None = None
+               eval_data: DataSource | None = None, stop: Stop | None = None
                ) -> tuple[list[float], dict, list[float], dict]:
     """One rank's run inside an initialized process group: its losses (rank 0), parameter
     regions, step times and buffers; ``report`` gets rank 0's record of each step, with
@@ -188,7 +189,7 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
     losses: list[float] = []
     times: list[float] = []
     # a signal to any rank stops every rank after the same step, with a checkpoint
-    with Stop(device) as stop:
+    with stop or Stop(device) as stop:
         for step in range(start, config.steps):
             begin = time.perf_counter()
             lr = rates.lr
@@ -402,8 +403,12 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     check_precision(program.plan.graph, precision, "cuda" if backend == "nccl" else "cpu")
     config.optim.check_plan(program)
     job = Job.of(program, workload)
-    resume_path, _ = start_of(config, job)
-    check_save_folder(config)
+    resume_path, start = start_of(config, job)
+    if start >= config.steps:  # a finished run started again (a restart after its end)
+        return RunResult([], {}, [])
+    if launched():
+        return _train_here(program, workload, job, data, config, resume_path, backend,
+                           compile, evaluation, on_step, eval_data)
     specs = rank_specs(program, workload, compile, evaluation)
     check_sendable(specs[0].targets if specs else {})
     writes = checkpoint.plan_writes(program)
@@ -429,6 +434,97 @@ def train(program: Program, workload: Workload, data: DataSource, steps: int,
     return RunResult(results[0][0], gather_params([r[1] for r in results], workload),
                      results[0][2], buffers=model_buffers(results[0][3], workload),
                      records=records)
+
+
+# ---- one rank in this process (torchrun) -----------------------------------------------------
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, or one that sets torch's ``env://`` variables) started
+    this process as one rank of a job: then ``train`` runs that rank here, spawning none."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _train_here(program: Program, workload: Workload, job: Job, data: DataSource,
+                config: TrainConfig, resume: Path | None, backend: str, compile: str | None,
+                evaluation: Program | None,
+                on_step: Callable[[dict[str, Any]], None] | None,
+                eval_data: DataSource | None) -> RunResult:
+    """This process's rank of ``train``, under a launcher. Every rank planned the same
+    program (checked), rank 0 holds the ``save`` folder's lease and reports each step;
+    the weights are in the checkpoints (``RunResult.params`` is empty), and the losses
+    are rank 0's (empty on the others)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world != program.plan.world_size:
+        raise ChronotopeError(
+            f"the plan has {program.plan.world_size} ranks but the launcher started {world} "
+            f"processes: start {program.plan.world_size} (torchrun --nnodes N "
+            f"--nproc-per-node K with N x K = {program.plan.world_size})")
+    threading.Thread(target=die_with, args=(os.getppid(),), daemon=True).start()
+    joined = not dist.is_initialized()
+    if joined:
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout),
+                                device_id=group_device(backend, local))
+    held = contextlib.ExitStack()
+    try:
+        device = rank_device(backend, local)
+        _check_same_program(program, rank)
+        if config.save:
+            _take_lease(config.save, rank, device, held)
+            checkpoint.check_shared(config.save)
+        spec = rank_specs(program, workload, compile, evaluation, only=rank)[0]
+        writes = checkpoint.plan_writes(program)[rank]
+        records: list[dict[str, Any]] = []
+
+        def report(record: dict[str, Any]) -> None:
+            records.append(record)
+            if on_step:
+                on_step(record)
+
+        stop = Stop(device)
+        losses, _, times, _ = train_loop(spec, job, writes, data, config, resume, device,
+                                         report, eval_data, stop)
+        dist.barrier()  # every rank done communicating before any tears its group down
+    finally:
+        held.close()
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
+    if stop.stopped:
+        raise Interrupted(_interrupted(records, config.save), stop.stopped)
+    return RunResult(losses, {}, times, records=records)
+
+
+def _check_same_program(program: Program, rank: int) -> None:
+    """Every rank made the same plan: a search or a random choice that differs between
+    processes would pair the wrong messages, so it is refused here, by a digest."""
+    mine = hashlib.sha256(json.dumps(plan_to_dict(program.plan), sort_keys=True,
+                                     default=str).encode()).hexdigest()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    if differ:
+        raise ChronotopeError(
+            f"rank {differ[0]} planned another program than rank 0 (plans differ between "
+            "processes, as a search with a time limit may): make the plan once with "
+            "`chronotope plan --save-plan FILE` and give every rank --plan FILE")
+
+
+def _take_lease(save: str, rank: int, device: torch.device, held: contextlib.ExitStack
+                ) -> None:
+    """Rank 0 takes the ``save`` folder's lease; every rank stops if it could not."""
+    refused = None
+    if rank == 0:
+        try:
+            held.enter_context(checkpoint.lease(save))
+        except checkpoint.CheckpointError as e:
+            refused = e
+    flag = torch.tensor([int(refused is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if refused is not None:
+        raise refused
+    if flag.item():
+        raise ChronotopeError(f"rank 0 could not take the lease of {save!r}")
 
 
 def _interrupted(records: list[dict[str, Any]], save: str | None) -> str:
@@ -530,20 +626,10 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
     log = JsonlLog(metrics) if metrics and rank == 0 else None
     held = contextlib.ExitStack()
     try:
-        if save:  # rank 0 takes the lease; every rank stops if it could not
-            refused = None
-            if rank == 0:
-                try:
-                    held.enter_context(checkpoint.lease(save))
-                except checkpoint.CheckpointError as e:
-                    refused = e
-            flag = torch.tensor([int(refused is not None)],
-                                device=rank_device(backend, int(os.environ.get("LOCAL_RANK", 0))))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if refused is not None:
-                raise refused
-            if flag.item():
-                raise ChronotopeError(f"rank 0 could not take the lease of {save!r}")
+        if save:
+            _take_lease(save, rank, rank_device(backend, int(os.environ.get("LOCAL_RANK", 0))),
+                        held)
+            checkpoint.check_shared(save)
         if len(specs) != dist.get_world_size():
             raise ChronotopeError(f"the program has {len(specs)} ranks but torchrun started "
                                   f"{dist.get_world_size()}; use --nproc-per-node {len(specs)}")
@@ -552,8 +638,9 @@ def worker_main(directory: str, steps: int | None = None, data: str | None = Non
             spec.code = f.read()
         config = TrainConfig(steps or saved["steps"], saved["optim"], accumulate, seed, save,
                              save_every, resume, timeout, Precision(dtype))
-        path, _ = start_of(config, saved["job"])
-        check_save_folder(config)
+        path, start = start_of(config, saved["job"])
+        if start >= config.steps:
+            return
 
         def report(record: dict[str, Any]) -> None:
             print(f"step {record['step']}: loss {record['loss']:.6f}", flush=True)
