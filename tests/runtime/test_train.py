@@ -428,3 +428,15 @@ def test_any_optimizer_and_a_schedule_on_the_loss_resume_as_if_never_stopped(tmp
     rates = [r["lr"] for r in whole.records]
     assert [r["lr"] for r in first.records + rest.records] == rates
     assert rates[-1] < rates[0]  # the schedule acted on the losses
+
+
+def test_data_loader_workers_start_as_in_a_plain_script(tmp_path, monkeypatch):
+    """Not by spawn, which the rank's own process was started by: spawn imports torch
+    again in every loader worker, seconds before the first batch."""
+    import multiprocessing
+
+    monkeypatch.setenv("START_METHOD_AT", str(tmp_path / "method"))
+    w, graph = gpt()
+    run = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:with_workers", 2, OPTIM)
+    assert (tmp_path / "method").read_text() == multiprocessing.get_all_start_methods()[0]
+    assert run.losses == pytest.approx(plain_pytorch(w, "tokens", 2, OPTIM)[0], rel=1e-5)

@@ -11,6 +11,7 @@ save (``Stop``); others are stopped; either way ``Interrupted`` says so.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -155,6 +156,10 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: 
 def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
             out_dir: str, launcher: int) -> None:
     threading.Thread(target=die_with, args=(launcher,), daemon=True).start()
+    # A worker's own processes (DataLoader workers) start as in a plain script on this
+    # platform (fork on Linux), not by spawn, which this worker inherited: spawn imports
+    # torch again in each, seconds per loader.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     try:
         # Loaded here, not by multiprocessing: what fails to load is reported like any error.
         fn, args = torch.load(payload, weights_only=False)
