@@ -86,7 +86,7 @@ def test_plan_with_compile_writes_forward_regions_for_torch_compile(tmp_path, ca
              "--compile", "aot_eager")
     code = (tmp_path / "rank0.py").read_text()
     assert "\ndef forward_0(" in code and "= forward_0(" in code
-    specs = torch.load(tmp_path / "state.pt", weights_only=False)["specs"]
+    specs = torch.load(tmp_path / "program.pt", weights_only=False)["specs"]
     assert {spec.compile for spec in specs} == {"aot_eager"}  # what torchrun's ranks run
     assert main(["run", "gpt", "--devices", "2", "--compile", "nope"]) == 2
     assert "torch.compile has no backend 'nope'" in capsys.readouterr().err

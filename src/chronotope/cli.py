@@ -1071,21 +1071,7 @@ def parser() -> argparse.ArgumentParser:
             if name == "run":
                 cmd.add_argument("--check", action="store_true",
                                  help="also train on one device and compare losses and weights")
-            cmd.add_argument("--optimizer", default="sgd", metavar="NAME",
-                             help="a torch.optim optimizer (sgd, adamw, Adam, RMSprop, ...) "
-                                  "or an import path (my_pkg.Lion, file.py:Lion)")
-            cmd.add_argument("--optimizer-args", type=json_object, metavar="JSON",
-                             help="its other keyword arguments, e.g. "
-                                  "'{\"betas\": [0.9, 0.95], \"eps\": 1e-8}'")
-            cmd.add_argument("--lr", type=non_negative_float, default=0.1)
-            cmd.add_argument("--clip", type=positive_float, default=None, metavar="MAX_NORM",
-                             help="clip gradients to this global norm across all ranks")
-            cmd.add_argument("--timeout", type=positive_float, default=60.0,
-                             help="seconds a rank waits on another before giving up")
-            cmd.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
-                             help="what gradients are summed in across ranks")
-            cmd.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                             help="gloo: processes on CPUs; nccl: one process per GPU here")
+            _running_args(cmd)
             if name == "train":
                 _train_args(cmd)
                 cmd.set_defaults(devices=None)  # 4, or under torchrun its world size
@@ -1194,6 +1180,26 @@ def parser() -> argparse.ArgumentParser:
                     action.default not in (None, False, argparse.SUPPRESS):
                 action.help = "(default: %(default)s)"
     return p
+
+
+def _running_args(cmd: argparse.ArgumentParser, backend: str | None = "gloo") -> None:
+    """What run and train (and a saved program's launcher) take to run ranks."""
+    cmd.add_argument("--optimizer", default="sgd", metavar="NAME",
+                     help="a torch.optim optimizer (sgd, adamw, Adam, RMSprop, ...) "
+                          "or an import path (my_pkg.Lion, file.py:Lion)")
+    cmd.add_argument("--optimizer-args", type=json_object, metavar="JSON",
+                     help="its other keyword arguments, e.g. "
+                          "'{\"betas\": [0.9, 0.95], \"eps\": 1e-8}'")
+    cmd.add_argument("--lr", type=non_negative_float, default=0.1)
+    cmd.add_argument("--clip", type=positive_float, default=None, metavar="MAX_NORM",
+                     help="clip gradients to this global norm across all ranks")
+    cmd.add_argument("--timeout", type=positive_float, default=60.0,
+                     help="seconds a rank waits on another before giving up")
+    cmd.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
+                     help="what gradients are summed in across ranks")
+    cmd.add_argument("--backend", choices=("gloo", "nccl"), default=backend,
+                     help="gloo: processes on CPUs; nccl: one process per GPU"
+                          + ("" if backend else " (default: nccl where there are GPUs)"))
 
 
 def _train_args(cmd: argparse.ArgumentParser) -> None:
@@ -1306,6 +1312,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _failed(args, str(e), "error", EXIT_USAGE)
     finally:
         warnings.showwarning = shown
+
+
+def launch_main(directory: str, argv: Sequence[str] | None = None) -> int:
+    """A saved program's ``launch.py`` (``plan --out``, ``ct.save``), one rank per process
+    under torchrun: the options of ``chronotope train`` but the model and the plan, which
+    the program is."""
+    from chronotope.runtime.train import PROGRAM, TrainConfig, train_saved
+
+    p = argparse.ArgumentParser(prog="launch.py", description=f"train the program in "
+                                f"{directory} (torchrun --nproc-per-node N launch.py ...)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="optimizer steps (default: the program's own)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _running_args(p, backend=None)
+    _train_args(p)
+    p.set_defaults(save=os.path.join(directory, "checkpoints"))
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    args.json = False
+    lead = int(os.environ.get("RANK", 0)) == 0
+    sinks: list[Any] = []
+    try:
+        if args.eval_data:
+            raise ChronotopeError("a saved program has no evaluation: train with chronotope "
+                                  "train --eval-data, or evaluate an exported checkpoint")
+        steps = args.steps or torch.load(os.path.join(directory, PROGRAM),
+                                         weights_only=False)["steps"]
+        config = TrainConfig(steps, _optim(args), args.accumulate, args.seed, args.save,
+                             args.save_every or 0, args.resume, args.timeout,
+                             Precision(args.dtype, args.reduce_dtype), args.keep or 0,
+                             args.skip_nonfinite)
+        if lead:
+            sinks = [JsonlLog(args.metrics)] if args.metrics else []
+            if args.tensorboard:
+                sinks.append(TensorBoardLog(args.tensorboard))
+
+        def on_step(record: dict[str, Any]) -> None:
+            print(f"step {record['step']}: loss {record['loss']:.6f}", flush=True)
+            for sink in sinks:
+                sink(record)
+
+        result = train_saved(directory, args.data, config, args.backend, args.init, on_step)
+    except Interrupted as e:
+        return _failed(args, str(e), "interrupted", 128 + e.signum)
+    except ChronotopeError as e:
+        if args.debug:
+            traceback.print_exc()
+        return _failed(args, str(e), "error", EXIT_USAGE)
+    finally:
+        for sink in sinks:
+            sink.close()
+    if lead and args.save and result.losses:
+        from chronotope.runtime import checkpoint
+
+        print(f"checkpoint {checkpoint.latest(args.save, verify=False)}", flush=True)
+    return 0
 
 
 def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,

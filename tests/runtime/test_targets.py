@@ -90,7 +90,7 @@ def test_an_argument_that_cannot_be_sent_is_named_before_workers_start():
 def test_a_saved_exported_program_loads_its_ops_by_name(tmp_path):
     w, graph = exported()
     save(ct.compile(ct.policies.data_parallel(graph, 2)), w, str(tmp_path), steps=1)
-    specs = torch.load(tmp_path / "state.pt", weights_only=False)["specs"]
+    specs = torch.load(tmp_path / "program.pt", weights_only=False)["specs"]
     targets = specs[1].targets
     assert targets and all(isinstance(t, Target) for t in targets.values())
     assert {t.resolve(op) for op, t in targets.items()} == {op.target for op in graph.ops}

@@ -1,6 +1,7 @@
 """Training for real on gloo processes: data, checkpoints, resume under other plans, faults."""
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -293,24 +294,47 @@ def test_a_run_killed_while_saving_leaves_the_last_checkpoint_in_use(tmp_path):
     assert first.losses + after.losses == whole.losses
 
 
-def test_the_torchrun_launcher_trains_on_the_data_and_keeps_the_weights(tmp_path):
+OPTIM_ARGS = ("--optimizer", "adamw", "--lr", "1e-3", "--weight-decay", "0.1", "--clip", "1.0",
+              "--lr-schedule", "cosine", "--warmup", "2")  # OPTIM, as options
+
+
+def test_the_torchrun_launcher_trains_with_trains_options_from_its_weights_or_given_ones(
+        tmp_path):
     w, graph = gpt(dropout=0.0)
-    program = ct.compile(mesh(graph, dp=2))
+    program = ct.compile(mesh(graph, tp=2))
     ct.save(program, w, str(tmp_path), steps=2)
+    # what the ranks need besides their code holds no weights: those are a checkpoint
+    saved = torch.load(tmp_path / "program.pt", weights_only=False)
+    assert {t.device.type for spec in saved["specs"] for t in spec.params.values()} == {"meta"}
+    assert checkpoint.latest(tmp_path / "init").name == "step-00000000"
     src = os.path.dirname(os.path.dirname(ct.__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(tmp_path / "launch.py"), "--data", f"{DATA}:tokens", "--steps", "3", "--metrics",
-         str(tmp_path / "m.jsonl")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+    def launch(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(tmp_path / "launch.py"), "--data", f"{DATA}:tokens", *argv],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+    done = launch("--steps", "3", "--metrics", str(tmp_path / "m.jsonl"), *OPTIM_ARGS)
     assert done.returncode == 0, done.stderr[-2000:]
-    here = train(program, w, f"{DATA}:tokens", 3)
+    here = train(program, w, f"{DATA}:tokens", 3, OPTIM)
     logged = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").open()]
     assert logged == pytest.approx(here.losses, rel=1e-6)
     weights = checkpoint.consolidate(tmp_path / "checkpoints")
     assert largest_difference({n: weights[n] for n in here.params}, here.params) <= 1e-6
+    # from another run's weights: a checkpoint, or a state-dict file
+    assert main(["export", str(tmp_path / "checkpoints"), str(tmp_path / "w.pt")]) == 0
+    started = copy.deepcopy(w.model)
+    started.load_state_dict(torch.load(tmp_path / "w.pt"))
+    there = train(program, dataclasses.replace(w, model=started), f"{DATA}:tokens", 2)
+    for init in ("checkpoints", "w.pt"):
+        done = launch("--steps", "2", "--init", init, "--save", f"from-{init}")
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses = [float(line.split()[-1]) for line in done.stdout.splitlines()
+                  if line.startswith("step ")]
+        assert losses == pytest.approx(there.losses, rel=1e-6), init
     # a folder another live run holds is refused on every rank, naming that run
     lease = {"host": socket.gethostname(), "pid": os.getpid()}
     (tmp_path / "checkpoints" / checkpoint.LEASE).write_text(json.dumps(lease))

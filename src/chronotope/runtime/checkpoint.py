@@ -28,7 +28,7 @@ import socket
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +381,27 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
     return final
 
 
+@dataclass
+class _Whole:
+    """What ``save`` reads of a rank, for one process holding every tensor whole."""
+
+    stored: dict[tuple[str, Index], torch.Tensor]
+    state: dict[str, torch.Tensor]
+    params: dict = field(default_factory=dict)
+    optimizer: None = None
+
+
+def save_whole(directory: str | os.PathLike, params: Mapping[str, torch.Tensor],
+               buffers: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> Path:
+    """A checkpoint of whole tensors written by this one process (a saved program's
+    starting weights): the same layout as a run's, so ``load`` reads it under any plan."""
+    boxes = {n: tuple((0, s) for s in t.shape) for n, t in params.items()}
+    whole = _Whole({(n, boxes[n]): t for n, t in params.items()}, dict(buffers))
+    with _one_process():
+        return save(directory, 0, whole, Writes({n: [b] for n, b in boxes.items()}, {}, True),
+                    {n: tuple(t.shape) for n, t in params.items()}, info)
+
+
 def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` complete checkpoints of ``directory``; the ones
     removed."""
@@ -521,9 +542,11 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
 
 @contextlib.contextmanager
 def _one_process() -> Iterator[None]:
-    """Reading a checkpoint in one process, as meant (DCP warns that it assumes so)."""
+    """Reading or writing a checkpoint in one process, as meant (DCP warns that it assumes
+    so)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a "
+                                                  "single")
         yield
 
 
@@ -582,7 +605,7 @@ def load_weights(model: nn.Module, source: str | os.PathLike) -> None:
     ``.safetensors``), a Hugging Face ``save_pretrained`` folder, or a chronotope
     checkpoint. Every tensor must fit; a tied weight may be saved under one of its names."""
     path = Path(source)
-    state = _read_weights(path)
+    state = read_weights(path)
     own = model.state_dict(keep_vars=True)
     present = {id(own[k]) for k in state if k in own}
     missing = [k for k in own if k not in state and id(own[k]) not in present]
@@ -604,7 +627,7 @@ def load_weights(model: nn.Module, source: str | os.PathLike) -> None:
     model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.is_dir():
         if (path / ".metadata").is_file() or (path / LATEST).is_file() or \
                 any(path.glob("step-*")):
@@ -612,10 +635,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if (path / index).is_file():
                 files = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-                return {k: v for f in files for k, v in _read_weights(path / f).items()}
+                return {k: v for f in files for k, v in read_weights(path / f).items()}
         for name in ("model.safetensors", "pytorch_model.bin"):
             if (path / name).is_file():
-                return _read_weights(path / name)
+                return read_weights(path / name)
         raise CheckpointError(f"no weights in folder {str(path)!r}: expected model.safetensors, "
                               "pytorch_model.bin (Hugging Face) or a chronotope checkpoint")
     if not path.is_file():

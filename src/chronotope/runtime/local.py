@@ -66,13 +66,15 @@ def check_compile(backend: str | None) -> None:
 
 
 def rank_specs(program: Program, workload: Workload, compile: str | None = None,
-               evaluation: Program | None = None, only: int | None = None) -> list[RankSpec]:
+               evaluation: Program | None = None, only: int | None = None,
+               weights: bool = True) -> list[RankSpec]:
     """What each rank runs (``only``: just that global rank's, for a process that runs one
     rank); with ``compile`` (a ``torch.compile`` backend), each run of forward pieces
     between communications is a function the rank compiles with it. A scaled plan's
     replicas each run the unit's code on their rows of ``workload``'s batch.
     ``evaluation``: the compiled ``program.plan.evaluation()``, which each rank runs on
-    the parameter regions it trains."""
+    the parameter regions it trains. Without ``weights``, each region is a meta tensor
+    of its shape (a program saved to start from a checkpoint)."""
     check_compile(compile)
     if evaluation is not None and evaluation.stored != program.stored:
         raise ChronotopeError("the evaluation program stores other parameter regions than "
@@ -102,7 +104,7 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None,
     return [
         RankSpec(
             g, codes[g % unit],
-            {(name, region.index): full[name][region.to_slices()].clone()
+            {(name, region.index): _region(full[name], region.to_slices(), weights)
              for name, regions in program.stored[g % unit].items() for region in regions},
             updated[g], state, batches[g // unit], targets, groups,
             {key: 1 / owners[key] for key in updated[g]},
@@ -110,6 +112,12 @@ def rank_specs(program: Program, workload: Workload, compile: str | None = None,
         )
         for g in ranks
     ]
+
+
+def _region(whole: torch.Tensor, slices: tuple[slice, ...], weights: bool) -> torch.Tensor:
+    part = whole[slices]
+    return part.clone() if weights else torch.empty(part.shape, dtype=part.dtype,
+                                                    device="meta")
 
 
 def replica_batches(graph: Graph, tensors: list[torch.Tensor], replicas: int

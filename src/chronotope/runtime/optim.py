@@ -271,14 +271,15 @@ class Rates:
                 "group": group}
 
     def load(self, state: Mapping[str, Any] | None, step: int) -> None:
-        """Continue from a checkpoint's rates at ``step``: its saved state when it was
-        made under this schedule, else this schedule replayed to ``step``."""
-        if state is not None and state.get("schedule") == self.name:
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.stand_in.param_groups[0].update(state["group"])
+        """Continue at ``step`` (from 0): a schedule of the step alone is replayed, so it
+        follows this run's length (a run given more steps stretches its cosine); one that
+        steps on the loss takes the checkpoint's state of it."""
+        if not isinstance(self.scheduler, lr_scheduler.ReduceLROnPlateau):
+            for _ in range(step):
+                self.advance()
             return
-        if self.on_metric:
-            raise OptimError(f"{self.name} steps on the loss, which this checkpoint does not "
-                             "record: resume under the schedule it was trained with")
-        for _ in range(step):
-            self.advance()
+        if state is None or state.get("schedule") != self.name:
+            raise OptimError(f"{self.name} steps on the loss, and this checkpoint does not "
+                             "record its state: resume under the schedule it was trained with")
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stand_in.param_groups[0].update(state["group"])

@@ -4,7 +4,8 @@ Each rank's optimizer state lives as long as the run; the learning rate follows 
 optimizer's schedule; a step may accumulate the gradients of several batches; and the
 run saves DCP checkpoints every so many steps and resumes from one under any plan.
 ``train`` starts the workers on this machine and reports each step as it ends;
-``worker_main`` (the ``torchrun`` launcher) runs the same loop, one rank per process.
+under torchrun, ``train`` and a saved program (``save``, ``train_saved``) run the same loop,
+one rank per process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -31,6 +33,7 @@ from chronotope.compile import compile as compile_plan
 from chronotope.compile.program import Program
 from chronotope.errors import ChronotopeError
 from chronotope.graph.ir import Graph
+from chronotope.graph.mask import Mask
 from chronotope.plan.files import plan_to_dict
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import (
@@ -59,7 +62,6 @@ from chronotope.runtime.local import (
     rank_specs,
     replica_rows,
 )
-from chronotope.runtime.metrics import JsonlLog
 from chronotope.runtime.optim import Optim, Rates
 from chronotope.runtime.precision import Precision, check_precision, plan_precision
 from chronotope.runtime.targets import check_sendable
@@ -170,7 +172,8 @@ def check_trainable(graph: Graph) -> None:
 def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSource,
                config: TrainConfig, resume: Path | None, device: torch.device,
                report: Callable[[dict[str, Any]], None] | None = None,
-               eval_data: DataSource | None = None, stop: Stop | None = None
+               eval_data: DataSource | None = None, stop: Stop | None = None,
+               init: Path | None = None
                ) -> tuple[list[float], dict, list[float], dict]:
     """One rank's run inside an initialized process group: its losses (rank 0), parameter
     regions, step times and buffers; ``report`` gets rank 0's record of each step, with
@@ -179,6 +182,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
                 seed=config.seed, precision=config.precision)
     rates = Rates(config.optim, config.steps)
     start = 0
+    if init is not None and resume is None:  # the weights (and buffers) to start from
+        checkpoint.load(init, rank, job.shapes)
     if resume is not None:
         info = checkpoint.load(resume, rank, job.shapes, config.optim.name)
         start, rank.steps = int(info["step"]), int(info["batches"])
@@ -450,17 +455,34 @@ def _train_here(program: Program, workload: Workload, job: Job, data: DataSource
                 evaluation: Program | None,
                 on_step: Callable[[dict[str, Any]], None] | None,
                 eval_data: DataSource | None) -> RunResult:
-    """This process's rank of ``train``, under a launcher. Every rank planned the same
-    program (checked), rank 0 holds the ``save`` folder's lease and reports each step;
-    the weights are in the checkpoints (``RunResult.params`` is empty), and the losses
-    are rank 0's (empty on the others)."""
+    """This process's rank of ``train``, under a launcher; every rank planned the same
+    program (checked by a digest of the plan)."""
+    plan = json.dumps(plan_to_dict(program.plan), sort_keys=True, default=str)
+
+    def made(rank: int) -> tuple[RankSpec, checkpoint.Writes]:
+        return (rank_specs(program, workload, compile, evaluation, only=rank)[0],
+                checkpoint.plan_writes(program)[rank])
+
+    return run_rank(program.plan.world_size, plan.encode(), made, job, data, config, resume,
+                    backend, on_step, eval_data)
+
+
+def run_rank(ranks: int, program: bytes,
+             made: Callable[[int], tuple[RankSpec, checkpoint.Writes]],
+             job: Job, data: DataSource, config: TrainConfig, resume: Path | None,
+             backend: str, on_step: Callable[[dict[str, Any]], None] | None = None,
+             eval_data: DataSource | None = None, init: Path | None = None) -> RunResult:
+    """The rank a launcher gave this process, of a program of ``ranks`` ranks (``made``:
+    its spec and writes). ``program`` identifies the program: every rank must have the
+    same. Rank 0 holds the ``save`` folder's lease and reports each step; the weights are
+    in the checkpoints (``RunResult.params`` is empty), and the losses are rank 0's
+    (empty on the others). ``init``: a checkpoint the weights start from."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if world != program.plan.world_size:
+    if world != ranks:
         raise ChronotopeError(
-            f"the plan has {program.plan.world_size} ranks but the launcher started {world} "
-            f"processes: start {program.plan.world_size} (torchrun --nnodes N "
-            f"--nproc-per-node K with N x K = {program.plan.world_size})")
+            f"the plan has {ranks} ranks but the launcher started {world} processes: start "
+            f"{ranks} (torchrun --nnodes N --nproc-per-node K with N x K = {ranks})")
     threading.Thread(target=die_with, args=(os.getppid(),), daemon=True).start()
     joined = not dist.is_initialized()
     if joined:
@@ -469,12 +491,11 @@ def _train_here(program: Program, workload: Workload, job: Job, data: DataSource
     held = contextlib.ExitStack()
     try:
         device = rank_device(backend, local)
-        _check_same_program(program, rank)
+        _check_same_program(hashlib.sha256(program).hexdigest())
         if config.save:
             _take_lease(config.save, rank, device, held)
             checkpoint.check_shared(config.save)
-        spec = rank_specs(program, workload, compile, evaluation, only=rank)[0]
-        writes = checkpoint.plan_writes(program)[rank]
+        spec, writes = made(rank)
         records: list[dict[str, Any]] = []
 
         def report(record: dict[str, Any]) -> None:
@@ -484,7 +505,7 @@ def _train_here(program: Program, workload: Workload, job: Job, data: DataSource
 
         stop = Stop(device)
         losses, _, times, _ = train_loop(spec, job, writes, data, config, resume, device,
-                                         report, eval_data, stop)
+                                         report, eval_data, stop, init)
         dist.barrier()  # every rank done communicating before any tears its group down
     finally:
         held.close()
@@ -495,19 +516,19 @@ def _train_here(program: Program, workload: Workload, job: Job, data: DataSource
     return RunResult(losses, {}, times, records=records)
 
 
-def _check_same_program(program: Program, rank: int) -> None:
-    """Every rank made the same plan: a search or a random choice that differs between
-    processes would pair the wrong messages, so it is refused here, by a digest."""
-    mine = hashlib.sha256(json.dumps(plan_to_dict(program.plan), sort_keys=True,
-                                     default=str).encode()).hexdigest()
+def _check_same_program(digest: str) -> None:
+    """Every rank runs the same program: a search or a random choice that differs between
+    processes, or a saved program that differs between nodes, would pair the wrong
+    messages, so it is refused here."""
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, digest)
     differ = [r for r, d in enumerate(every) if d != every[0]]
     if differ:
         raise ChronotopeError(
-            f"rank {differ[0]} planned another program than rank 0 (plans differ between "
-            "processes, as a search with a time limit may): make the plan once with "
-            "`chronotope plan --save-plan FILE` and give every rank --plan FILE")
+            f"rank {differ[0]} has another program than rank 0 (plans differ between "
+            "processes, as a search with a time limit may, or a saved program differs between "
+            "nodes): make the plan once with `chronotope plan --save-plan FILE` and give every "
+            "rank --plan FILE")
 
 
 def _take_lease(save: str, rank: int, device: torch.device, held: contextlib.ExitStack
@@ -546,20 +567,25 @@ def mean_step_time(result: RunResult) -> float:
     return sum(times) / len(times) if times else math.nan
 
 
-# ---- torchrun --------------------------------------------------------------------------------
+# ---- a saved program, under torchrun ----------------------------------------------------------
+
+PROGRAM = "program.pt"  # what the ranks need besides their code and weights
+INIT = "init"  # the weights a saved program starts from: a checkpoint
 
 
 def save(program: Program, workload: Workload, directory: str, steps: int = 10,
-         optim: Optim | None = None, compile: str | None = None) -> list[str]:
-    """Write each rank's module, the weights it starts from, and a ``torchrun`` launcher
+         compile: str | None = None) -> list[str]:
+    """Write each rank's module, what the ranks need besides it (``program.pt``: which
+    regions each holds and updates, its groups, the example batch; no weights), the
+    weights they start from as a checkpoint (``init``), and a ``torchrun`` launcher
     (``compile``: a ``torch.compile`` backend the ranks run their forward regions through).
 
-    ``torchrun --nproc-per-node N DIR/launch.py [--data FILE.py:fn] [--steps S]`` then
-    trains from those files and writes its checkpoints into ``DIR/checkpoints``.
+    ``torchrun --nproc-per-node N DIR/launch.py [--data FILE.py:fn] [--steps S] ...``
+    then trains with any option ``chronotope train`` takes, into ``DIR/checkpoints``
+    unless ``--save`` says otherwise, from ``init`` unless ``--init`` says otherwise.
     """
     os.makedirs(directory, exist_ok=True)
-    (optim or Optim()).check_plan(program)
-    specs = rank_specs(program, workload, compile)
+    specs = rank_specs(program, workload, compile, weights=False)
     check_sendable(specs[0].targets if specs else {})
     paths = []
     for spec in specs:
@@ -568,93 +594,101 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
             f.write(spec.code)
         paths.append(path)
         spec.code = ""  # the launcher runs the file, so what a reader sees is what runs
-    torch.save({"specs": specs, "optim": optim or Optim(), "steps": steps,
-                "job": Job.of(program, workload),
+    job = Job.of(program, workload)
+    torch.save({"specs": specs, "steps": steps, "job": job,
                 "writes": checkpoint.plan_writes(program),
                 "example": example_batches(workload)},
-               os.path.join(directory, "state.pt"))
+               os.path.join(directory, PROGRAM))
+    init = os.path.join(directory, INIT)
+    shutil.rmtree(init, ignore_errors=True)
+    checkpoint.save_whole(init, {n: p.detach() for n, p in workload.model.named_parameters()},
+                          {n: b.detach() for n, b in workload.model.named_buffers()},
+                          job.info(0, 0))
     launcher = os.path.join(directory, "launch.py")
     with open(launcher, "w") as f:
         f.write(LAUNCHER.format(n=len(specs), name=program.plan.graph.name))
-    return [*paths, launcher]
+    return [*paths, init, launcher]
 
 
-LAUNCHER = '''"""Train {name} on {n} ranks: torchrun --nproc-per-node {n} launch.py [--data F.py:fn]
+LAUNCHER = '''"""Train {name} on {n} ranks: torchrun --nproc-per-node {n} launch.py [OPTIONS]
 
-Generated by chronotope: rank<r>.py is what rank r runs each step; state.pt holds
-the parameter regions each rank starts from and the example batch (the data when
---data is not given). Checkpoints go into checkpoints/ (chronotope export turns one
-into a state dict).
+Generated by chronotope: rank<r>.py is what rank r runs each step; program.pt what the
+ranks need besides it (no weights); init/ the weights they start from (a checkpoint;
+--init gives others). Takes the options of `chronotope train` (--help lists them);
+checkpoints go into checkpoints/ unless --save says otherwise, and the same command
+continues from the newest (chronotope export turns one into a state dict).
 """
 
-import argparse
 import os
+import sys
 
-from chronotope.runtime.train import worker_main
+from chronotope.cli import launch_main
 
 if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--data", default=None, help="FILE.py:fn returning batches")
-    parser.add_argument("--save", default=os.path.join(here, "checkpoints"))
-    parser.add_argument("--save-every", type=int, default=0)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--metrics", default=None, help="FILE.jsonl, one line per step")
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="fp32", help="bf16, fp16 or fp32")
-    parser.add_argument("--timeout", type=float, default=60.0)
-    worker_main(here, **vars(parser.parse_args()))
+    sys.exit(launch_main(os.path.dirname(os.path.abspath(__file__))))
 '''
 
 
-def worker_main(directory: str, steps: int | None = None, data: str | None = None,
-                save: str | None = None, save_every: int = 0, resume: str | None = None,
-                metrics: str | None = None, accumulate: int = 1, seed: int = 0,
-                dtype: str = "fp32", timeout: float = 60.0) -> None:
-    """One rank under torchrun (rank and world size from its environment): the run of
-    ``train``, with rank 0 printing each step and writing the metrics file and holding
-    the ``save`` folder's lease. It exits when its torchrun agent is gone."""
-    threading.Thread(target=die_with, args=(os.getppid(),), daemon=True).start()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
-                            device_id=group_device(backend, int(os.environ.get("LOCAL_RANK", 0))))
-    rank = dist.get_rank()
-    saved = torch.load(os.path.join(directory, "state.pt"), weights_only=False)
+def train_saved(directory: str, data: DataSource | None, config: TrainConfig,
+                backend: str | None = None, init: str | None = None,
+                on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """The rank torchrun gave this process, of the program ``save`` wrote into
+    ``directory``: on ``data`` (default: the example batch, every step), from the weights
+    of ``init`` (a checkpoint, a state-dict file or a Hugging Face folder; default: the
+    program's own ``init``) unless it continues from a checkpoint. The process exits when
+    its torchrun agent is gone."""
+    if not launched():
+        raise ChronotopeError(f"{directory}/launch.py runs under torchrun: torchrun "
+                              f"--nproc-per-node N {directory}/launch.py ...")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    path = Path(directory) / PROGRAM
+    saved = torch.load(path, weights_only=False)
     specs: list[RankSpec] = saved["specs"]
-    log = JsonlLog(metrics) if metrics and rank == 0 else None
-    held = contextlib.ExitStack()
-    try:
-        if save:
-            _take_lease(save, rank, rank_device(backend, int(os.environ.get("LOCAL_RANK", 0))),
-                        held)
-            checkpoint.check_shared(save)
-        if len(specs) != dist.get_world_size():
-            raise ChronotopeError(f"the program has {len(specs)} ranks but torchrun started "
-                                  f"{dist.get_world_size()}; use --nproc-per-node {len(specs)}")
+    job: Job = saved["job"]
+    resume, start = start_of(config, job)
+    if start >= config.steps:
+        return RunResult([], {}, [])
+    weights = Path(init) if init else Path(directory) / INIT
+    start_from = None if resume else _initial_weights(weights, job)
+
+    def made(rank: int) -> tuple[RankSpec, checkpoint.Writes]:
         spec = specs[rank]
-        with open(os.path.join(directory, f"rank{rank}.py")) as f:
-            spec.code = f.read()
-        config = TrainConfig(steps or saved["steps"], saved["optim"], accumulate, seed, save,
-                             save_every, resume, timeout, Precision(dtype))
-        path, start = start_of(config, saved["job"])
-        if start >= config.steps:
-            return
+        spec.code = (Path(directory) / f"rank{rank}.py").read_text()
+        if isinstance(start_from, dict):  # whole tensors: each region a slice of them
+            spec.params = {(name, index): start_from[name][Mask(index).to_slices()].clone()
+                           for name, index in spec.params}
+            spec.state = {**spec.state, **{n: t for n, t in start_from.items()
+                                           if n in spec.state}}
+        else:  # filled from the checkpoint by train_loop
+            spec.params = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in spec.params.items()}
+        return spec, saved["writes"][rank]
 
-        def report(record: dict[str, Any]) -> None:
-            print(f"step {record['step']}: loss {record['loss']:.6f}", flush=True)
-            if log:
-                log(record)
+    return run_rank(len(specs), path.read_bytes(), made, job, data or saved["example"], config,
+                    resume, backend, on_step,
+                    init=start_from if isinstance(start_from, Path) else None)
 
-        device = rank_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
-        train_loop(spec, saved["job"], saved["writes"][rank], data or saved["example"], config,
-                   path, device, report)
-        if rank == 0 and save:
-            print(f"checkpoint {checkpoint.latest(save, verify=False)}", flush=True)
-        dist.barrier()  # every rank done communicating before any tears its group down
-    finally:
-        held.close()
-        if log:
-            log.close()
-        dist.destroy_process_group()
+
+def _initial_weights(source: Path, job: Job) -> Path | dict[str, torch.Tensor]:
+    """A checkpoint (read by each rank for its regions), or whole tensors by parameter
+    and buffer name from a state-dict file or a Hugging Face folder."""
+    try:
+        return checkpoint.latest(source)
+    except checkpoint.CheckpointError:
+        if source.is_dir() and not (source / ".metadata").exists() and \
+                any(source.glob("step-*")):
+            raise
+    state = checkpoint.read_weights(source)
+    whole: dict[str, torch.Tensor] = {}
+    for name, saved_as in job.names.items():
+        if name in state:
+            whole.setdefault(saved_as, state[name])
+    missing = sorted(set(job.shapes) - whole.keys())
+    if missing:
+        raise checkpoint.CheckpointError(f"{str(source)!r} has no weights for {missing[0]} "
+                                         f"(and {len(missing) - 1} more)")
+    for name, shape in job.shapes.items():
+        if tuple(whole[name].shape) != shape:
+            raise checkpoint.CheckpointError(
+                f"{str(source)!r} holds {name} as {list(whole[name].shape)}, the model as "
+                f"{list(shape)}")
+    return whole
