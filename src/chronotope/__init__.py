@@ -27,7 +27,7 @@ from chronotope.graph import (
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.files import load_plan
 from chronotope.runtime.launch import run_processes as run
-from chronotope.runtime.optim import Optim
+from chronotope.runtime.optim import Optim, Rates
 from chronotope.schedule import Schedule, schedule, schedule_primitive, tune
 from chronotope.search import SearchResult, search
 from chronotope.workload import Workload
@@ -53,7 +53,7 @@ __all__ = [
     "PTensor", "Plan", "PlanError", "Replicate", "Schedule", "ScheduleError", "Signature",
     "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
-    "register_op", "Optim", "Program", "ValueSplit", "compile", "consolidate", "load_plan",
+    "register_op", "Optim", "Program", "Rates", "ValueSplit", "compile", "consolidate", "load_plan",
     "load_weights", "policies", "run", "save", "schedule", "schedule_primitive", "search",
     "SearchResult", "train", "tune",
 ]

@@ -164,6 +164,38 @@ class ConvNet(nn.Module):
         return nn.functional.cross_entropy(self.head(h), y)
 
 
+def test_a_checkpoint_loads_through_torchs_state_dict_api_with_tied_weights_and_optimizer(
+        tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    w, graph = gpt()
+    run = train(ct.compile(mesh(graph, tp=2)), w, f"{DATA}:tokens", 2, OPTIM,
+                save=str(tmp_path / "ck"))
+    model = copy.deepcopy(w.model)  # a plain model and optimizer, as a user's script has
+    opt = OPTIM.build(model.parameters())
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming ... a single process"
+        dcp.load(state, checkpoint_id=str(checkpoint.latest(tmp_path / "ck")))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    assert all(torch.equal(p.detach(), run.params[n]) for n, p in model.named_parameters())
+    assert model.lm_head.weight is model.wte.weight  # tied, under both names
+    adam = opt.state[model.wte.weight]
+    assert int(adam["step"]) == 2 and float(adam["exp_avg_sq"].sum()) > 0
+    rates = ct.Rates(OPTIM, 2)
+    rates.advance()
+    rates.advance()
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(rates.lr, 0.1),
+                                                                        (rates.lr, 0.0)]
+
+
 def test_batch_norm_statistics_are_checkpointed_and_exported(tmp_path):
     torch.manual_seed(0)
     w = ct.Workload(ConvNet(), (torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))))

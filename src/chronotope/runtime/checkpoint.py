@@ -61,6 +61,7 @@ from chronotope.graph.mask import Index, Mask
 
 MODEL = "model."
 OPTIM = "optim.state."
+GROUPS = "optim.param_groups."  # the optimizer's groups, as one device has them
 STATE = "chronotope"  # the run's position and what the checkpoint is of
 FORMAT = 1
 INCOMPLETE = ".incomplete"
@@ -278,7 +279,8 @@ def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
                                   f"{name!r} is {tuple(saved[name].size)} there, "
                                   f"{tuple(shape)} here")
     info = run_info(path, metadata)
-    extra = sorted(set(saved) - set(shapes) - set(info.get("buffers", ())))
+    extra = sorted(set(saved) - set(shapes) - set(info.get("buffers", ()))
+                   - set(info.get("state_dict", ())))
     if extra:
         raise CheckpointError(f"checkpoint {str(path)!r} is of another model: it has "
                               f"parameters this one lacks: {', '.join(extra[:5])}"
@@ -338,8 +340,15 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         partial.mkdir(parents=True)
     _barrier()
     # Views, not copies: DCP copies a view that is not its whole storage, as it writes it.
-    pieces = [_piece(MODEL + name, shapes[name], box, _within(rank.stored, name, box)[1].detach())
-              for name, boxes in writes.params.items() for box in boxes]
+    # each tensor under every name the module has for it (a tied weight's too), as
+    # torch.distributed.checkpoint.state_dict names them
+    names = info.get("state_dict", {})
+    aliases = {name: [a for a, saved in names.items() if saved == name and a != name]
+               for name in writes.params}
+    pieces = [_piece(MODEL + fqn, shapes[name], box,
+                     _within(rank.stored, name, box)[1].detach())
+              for name, boxes in writes.params.items() for box in boxes
+              for fqn in (name, *aliases[name])]
     for name, boxes in writes.optim.items():
         for box in boxes:
             key, region = _within(rank.params, name, box)
@@ -361,6 +370,9 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
         pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t.detach())
                    for name, t in rank.state.items() if name in info.get("buffers", ())]
         objects[STATE] = dict(info)
+        objects.update({f"{GROUPS}{g}.{key}": value
+                        for g, group in enumerate(info.get("param_groups", ()))
+                        for key, value in group.items()})
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)),
              planner=_SavePieces(pieces, objects), no_dist=not dist.is_initialized())
     # each rank's checksums of the files it wrote (the lead's with the metadata), so that a

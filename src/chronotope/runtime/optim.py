@@ -15,6 +15,7 @@ plan that splits one of its parameters.
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 from collections.abc import Iterable, Mapping
 from functools import cache
@@ -119,9 +120,9 @@ class Optim:
         elif self.schedule_options:
             raise OptimError(f"schedule options {sorted(self.schedule_options)} are for a "
                              f"torch.optim.lr_scheduler class, not the {schedule!r} schedule")
-        probe = self.build([nn.Parameter(torch.zeros(0))])  # bad options are named now
-        if weight_decay and "weight_decay" not in probe.defaults:
+        if weight_decay and not self.decays:
             raise OptimError(f"{self.name} has no weight_decay: leave weight decay at 0")
+        self.build([nn.Parameter(torch.zeros(0))])  # bad options are named now
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.options.items())
@@ -151,6 +152,22 @@ class Optim:
         return _name(resolve_class(self.schedule, lr_scheduler, "learning-rate schedule"))
 
     @property
+    def decays(self) -> bool:
+        """Whether the optimizer takes a weight decay (it is ``weight_decay`` then, 0 by
+        default: torch's own defaults, AdamW's 0.01, are not silently applied)."""
+        return "weight_decay" in inspect.signature(self.cls).parameters
+
+    def param_groups(self, shapes: Mapping[str, tuple[int, ...]], hyper: Mapping[str, Any]
+                     ) -> list[dict[str, Any]]:
+        """The groups ``build`` makes of parameters of these names and shapes, each with
+        ``hyper`` (a group's other settings) and its decay: what torch's
+        ``get_optimizer_state_dict`` records of one device's optimizer."""
+        decayed = [n for n, shape in shapes.items() if self.decay_all or len(shape) >= 2]
+        plain = [n for n in shapes if n not in set(decayed)]
+        return [{**hyper, **({"weight_decay": wd} if self.decays else {}), "params": names}
+                for names, wd in ((decayed, self.weight_decay), (plain, 0.0)) if names]
+
+    @property
     def elementwise(self) -> bool:
         """Whether a region of a parameter is updated as the whole parameter would be."""
         if self._elementwise is not None:
@@ -166,7 +183,7 @@ class Optim:
         params = list(params)
         decayed = [p for p in params if self.decay_all or p.ndim >= 2]
         plain = [p for p in params if not (self.decay_all or p.ndim >= 2)]
-        groups = [{"params": ps, "weight_decay": wd} if self.weight_decay else {"params": ps}
+        groups = [{"params": ps, "weight_decay": wd} if self.decays else {"params": ps}
                   for ps, wd in ((decayed, self.weight_decay), (plain, 0.0)) if ps]
         try:
             return self.cls(groups, **self._kwargs())
@@ -243,10 +260,8 @@ class Rates:
         """Give ``optimizer``'s groups this step's hyper-parameters (not their decay)."""
         if optimizer is None:
             return
-        values = {k: v for k, v in self.stand_in.param_groups[0].items()
-                  if k not in ("params", "weight_decay")}
         for group in optimizer.param_groups:
-            group.update(values)
+            group.update(self.hyper)
 
     def advance(self, metric: float | None = None) -> None:
         """One optimizer step done; ``metric`` for a schedule that steps on one
@@ -264,6 +279,12 @@ class Rates:
     @property
     def on_metric(self) -> bool:
         return isinstance(self.scheduler, lr_scheduler.ReduceLROnPlateau)
+
+    @property
+    def hyper(self) -> dict[str, Any]:
+        """This step's group settings but the parameters and their decay."""
+        return {k: v for k, v in self.stand_in.param_groups[0].items()
+                if k not in ("params", "weight_decay")}
 
     def state_dict(self) -> dict[str, Any]:
         group = {k: v for k, v in self.stand_in.param_groups[0].items() if k != "params"}

@@ -248,7 +248,8 @@ def train_loop(spec: RankSpec, job: Job, writes: checkpoint.Writes, data: DataSo
             if config.saves_after(step + 1) or (stopped and config.save):
                 assert config.save is not None
                 info = {**job.info(step + 1, rank.steps), "optimizer": config.optim.name,
-                        "lr_schedule": rates.state_dict()}
+                        "lr_schedule": rates.state_dict(),
+                        "param_groups": config.optim.param_groups(job.shapes, rates.hyper)}
                 if rank.scaler is not None:
                     info.update(loss_scale=rank.scaler.scale, good_steps=rank.scaler.good)
                 checkpoint.save(config.save, step + 1, rank, writes, job.shapes, info)
