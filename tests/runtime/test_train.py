@@ -196,6 +196,54 @@ def test_a_checkpoint_loads_through_torchs_state_dict_api_with_tied_weights_and_
                                                                         (rates.lr, 0.0)]
 
 
+def test_checkpoints_other_programs_write_start_and_continue_a_run(tmp_path):
+    """Written here with plain torch: torch's state-dict API under "model." and "optim."
+    (FSDP2's layout), torchtitan's (its optimizer flattened under "optimizer.", its step
+    in "train_state.step", in step-N folders) and a weights-only export (bare names)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    w, graph = gpt()
+    program = ct.compile(mesh(graph, tp=2))
+    train(program, w, f"{DATA}:tokens", 2, OPTIM, save=str(tmp_path / "ours"))
+    model = copy.deepcopy(w.model)  # the run so far, in a user's model and optimizer
+    opt = OPTIM.build(model.parameters())
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming ... a single process"
+        dcp.load(state, checkpoint_id=str(checkpoint.latest(tmp_path / "ours")))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        dcp.save({"model": get_model_state_dict(model),
+                  "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=str(tmp_path / "torch"))
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        dcp.save({"model": get_model_state_dict(model),
+                  "optimizer": get_optimizer_state_dict(model, opt, options=flat),
+                  "train_state": {"step": torch.tensor(2, dtype=torch.int32)}},
+                 checkpoint_id=str(tmp_path / "titan" / "step-2"))
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp_path / "weights"))
+    # torchtitan's continues the run as chronotope's own does: its weights, optimizer
+    # state and step
+    mine = train(program, w, f"{DATA}:tokens", 4, OPTIM, resume=str(tmp_path / "ours"))
+    theirs = train(program, w, f"{DATA}:tokens", 4, OPTIM, resume=str(tmp_path / "titan"))
+    assert len(theirs.losses) == 2 and theirs.losses == pytest.approx(mine.losses, rel=1e-6)
+    # and each starts a run from its weights (step 0, a fresh optimizer)
+    for source in ("torch", "titan", "weights"):
+        started = copy.deepcopy(w.model)
+        ct.load_weights(started, tmp_path / source)
+        assert all(torch.equal(p, q) for p, q in zip(started.state_dict().values(),
+                                                     model.state_dict().values())), source
+    assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--init",
+                 str(tmp_path / "weights")]) == 0
+
+
 def test_batch_norm_statistics_are_checkpointed_and_exported(tmp_path):
     torch.manual_seed(0)
     w = ct.Workload(ConvNet(), (torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))))

@@ -62,6 +62,13 @@ from chronotope.graph.mask import Index, Mask
 MODEL = "model."
 OPTIM = "optim.state."
 GROUPS = "optim.param_groups."  # the optimizer's groups, as one device has them
+# Checkpoints others write (torch's get_state_dict, FSDP2, torchtitan): the model under
+# "model." or (a weights-only export) at the top, the optimizer's state under "optim.state."
+# or "optimizer.state.", and torchtitan's step in "train_state.step".
+OPTIMS = (OPTIM, "optimizer.state.")
+NOT_MODEL = ("optim.", "optimizer.", "lr_scheduler.", "lr_schedulers.", "dataloader.",
+             "train_state.", "chronotope")
+STEP = "train_state.step"
 STATE = "chronotope"  # the run's position and what the checkpoint is of
 FORMAT = 1
 INCOMPLETE = ".incomplete"
@@ -203,12 +210,12 @@ def latest(directory: str | os.PathLike, verify: bool = True) -> Path:
         return root
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint at {str(root)!r}: no such folder")
-    complete = sorted(p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
-                      and (p / ".metadata").is_file())
+    complete = sorted((p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+                       and (p / ".metadata").is_file()), key=lambda p: int(p.name[5:]))
     pointer = root / LATEST  # the one saved last (a run resumed from an earlier step)
     named = root / pointer.read_text().strip() if pointer.is_file() else None
     first = None
-    for path in sorted(complete, key=lambda p: (p == named, p.name), reverse=True):
+    for path in sorted(complete, key=lambda p: (p == named, int(p.name[5:])), reverse=True):
         damage = damaged(path) if verify else None
         if damage is None:
             if first is not None:
@@ -265,11 +272,26 @@ def read_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
-    """The metadata of checkpoint ``path``, which must hold exactly these parameters."""
+def model_prefix(metadata: Metadata) -> str:
+    """What the model's tensors are named under: ``model.``, or nothing (a weights-only
+    export)."""
+    return MODEL if any(k.startswith(MODEL) for k in metadata.state_dict_metadata) else ""
+
+
+def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors a checkpoint holds, by their names in the model."""
+    prefix = model_prefix(metadata)
+    return {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and k.startswith(prefix)
+            and (prefix or not k.startswith(NOT_MODEL))}
+
+
+def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]],
+               names: Sequence[str] = ()) -> Metadata:
+    """The metadata of checkpoint ``path``, which must hold exactly these parameters
+    (``names``: every name of the model's state dict, tied weights' and buffers' too)."""
     metadata = read_metadata(path)
-    saved = {k.removeprefix(MODEL): md for k, md in metadata.state_dict_metadata.items()
-             if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+    saved = model_tensors(metadata)
     for name, shape in shapes.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint {str(path)!r} is of another model: it has no "
@@ -279,7 +301,7 @@ def check_fits(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Metadata:
                                   f"{name!r} is {tuple(saved[name].size)} there, "
                                   f"{tuple(shape)} here")
     info = run_info(path, metadata)
-    extra = sorted(set(saved) - set(shapes) - set(info.get("buffers", ()))
+    extra = sorted(set(saved) - set(shapes) - set(names) - set(info.get("buffers", ()))
                    - set(info.get("state_dict", ())))
     if extra:
         raise CheckpointError(f"checkpoint {str(path)!r} is of another model: it has "
@@ -292,13 +314,27 @@ def run_info(path: Path, metadata: Metadata | None = None) -> dict[str, Any]:
     """The ``chronotope`` entry: the run's position and what the checkpoint is of."""
     metadata = metadata or read_metadata(path)
     if not isinstance(metadata.state_dict_metadata.get(STATE), BytesStorageMetadata):
-        raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one chronotope "
-                              f"wrote (no {STATE!r} entry)")
+        return _others_info(path, metadata)
     planner = _LoadPieces([], [STATE])
     with _one_process():
         dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
                  no_dist=True)
     return planner.objects[STATE]
+
+
+def _others_info(path: Path, metadata: Metadata) -> dict[str, Any]:
+    """What a checkpoint another program wrote says of itself: its model's tensor names,
+    and its step where it records one (torchtitan's ``train_state.step``; else 0)."""
+    step = 0
+    if isinstance(metadata.state_dict_metadata.get(STEP), TensorStorageMetadata):
+        t = torch.zeros((), dtype=metadata.state_dict_metadata[STEP].properties.dtype)
+        with _one_process():
+            dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+                     planner=_LoadPieces([Piece(STEP, (), (), t)], []), no_dist=True)
+        step = int(t)
+    names = list(model_tensors(metadata))
+    return {"format": None, "model": None, "step": step, "batches": step,
+            "state_dict": {n: n for n in names}, "buffers": [], "optimizer": None}
 
 
 # ---- save and load one rank --------------------------------------------------------------
@@ -513,13 +549,15 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
     returns the run's entry."""
     metadata = read_metadata(path)
     saved = metadata.state_dict_metadata
-    pieces = [_piece(MODEL + name, shapes[name], index, t) for (name, index), t in
+    model = model_prefix(metadata)
+    optim = next((o for o in OPTIMS if any(k.startswith(o) for k in saved)), OPTIM)
+    pieces = [_piece(model + name, shapes[name], index, t) for (name, index), t in
               rank.stored.items()]
-    pieces += [Piece(MODEL + name, tuple(t.shape), (0,) * t.ndim, t)
-               for name, t in rank.state.items() if MODEL + name in saved]
+    pieces += [Piece(model + name, tuple(t.shape), (0,) * t.ndim, t)
+               for name, t in rank.state.items() if model + name in saved]
     optim_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     for (name, index), param in rank.params.items():
-        prefix = f"{OPTIM}{name}."
+        prefix = f"{optim}{name}."
         for key, md in saved.items():
             if not key.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
                 continue
@@ -540,13 +578,16 @@ def load(path: Path, rank: Any, shapes: Mapping[str, tuple[int, ...]],
             copies.append((unique[key], p))
         else:
             unique[key] = p
-    planner = _LoadPieces(list(unique.values()), [STATE])
+    ours = isinstance(saved.get(STATE), BytesStorageMetadata)
+    planner = _LoadPieces(list(unique.values()), [STATE] if ours else [])
     dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
              no_dist=not dist.is_initialized())
     for src, dst in copies:
         dst.tensor.copy_(src.tensor)
-    info = planner.objects[STATE]
-    if rank.optimizer and info.get("optimizer") == optimizer:  # another's state means nothing
+    info = planner.objects[STATE] if ours else _others_info(path, metadata)
+    # another optimizer's state means nothing; another program's is taken where it names
+    # the same states
+    if rank.optimizer and (info.get("optimizer") == optimizer or not ours):
         for param, state in optim_state.items():
             rank.optimizer.state[param] = state
     return info
@@ -576,12 +617,12 @@ def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = latest(path)
     metadata = read_metadata(path)
     info = run_info(path, metadata)
-    whole = {k: torch.empty(md.size, dtype=md.properties.dtype)
-             for k, md in metadata.state_dict_metadata.items()
-             if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+    prefix = model_prefix(metadata)
+    whole = {prefix + k: torch.empty(md.size, dtype=md.properties.dtype)
+             for k, md in model_tensors(metadata).items()}
     with _one_process():
         dcp.load(whole, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return {name: whole[MODEL + canonical].clone()
+    return {name: whole[prefix + canonical].clone()
             for name, canonical in info["state_dict"].items()}
 
 

@@ -139,10 +139,10 @@ def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
     if source is None:
         return None, 0
     path = checkpoint.latest(source)
-    checkpoint.check_fits(path, job.shapes)
+    checkpoint.check_fits(path, job.shapes, list(job.names))
     info = checkpoint.run_info(path)
     step = int(info["step"])
-    if info.get("optimizer", config.optim.name) != config.optim.name:
+    if info.get("optimizer") not in (None, config.optim.name):
         warnings.warn(f"checkpoint {str(path)!r} was trained with {info['optimizer']}, this run "
                       f"uses {config.optim.name}: the optimizer starts without its state",
                       stacklevel=3)
