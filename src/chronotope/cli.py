@@ -55,7 +55,7 @@ from chronotope.policies.config import FLAGS
 from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
-from chronotope.runtime.optim import Optim
+from chronotope.runtime.optim import LR_SCHEDULES, Optim, resolve_class
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.schedule import apply, schedule, tune
@@ -103,6 +103,25 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
     return value
+
+
+def optimizer_name(text: str) -> str:
+    """--optimizer: a torch.optim class's name, or an import path to one."""
+    try:
+        resolve_class(text, torch.optim, "optimizer")
+    except ChronotopeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def schedule_name(text: str) -> str:
+    """--lr-schedule: constant, cosine, or a torch.optim.lr_scheduler class."""
+    if text not in LR_SCHEDULES:
+        try:
+            resolve_class(text, torch.optim.lr_scheduler, "learning-rate schedule")
+        except ChronotopeError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -971,7 +990,11 @@ def parser() -> argparse.ArgumentParser:
                               "with --coshard pieces of each attention and MLP per device, "
                               "run one at a time; interlaced: 1F1B with the shared embedding "
                               "(lookups and output head) on every device")
-        cmd.add_argument("--devices", type=positive_int, default=4)
+        if name == "train":
+            cmd.add_argument("--devices", type=positive_int, default=None,
+                             help="(default: 4, or under torchrun its world size)")
+        else:
+            cmd.add_argument("--devices", type=positive_int, default=4)
         cmd.add_argument("--tp", type=positive_int, default=None,
                          help="tensor-parallel group size of the dp-tp and dp-sp meshes "
                               "(default 2) and inside each zero-* replica (default 1)")
@@ -1074,7 +1097,6 @@ def parser() -> argparse.ArgumentParser:
             _running_args(cmd)
             if name == "train":
                 _train_args(cmd)
-                cmd.set_defaults(devices=None)  # 4, or under torchrun its world size
 
     bench_ = sub.add_parser("bench", help="benchmarks: rvd (layout changes, SuperScaler "
                                           "Table 3)")
@@ -1184,7 +1206,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _running_args(cmd: argparse.ArgumentParser, backend: str | None = "gloo") -> None:
     """What run and train (and a saved program's launcher) take to run ranks."""
-    cmd.add_argument("--optimizer", default="sgd", metavar="NAME",
+    cmd.add_argument("--optimizer", type=optimizer_name, default="sgd", metavar="NAME",
                      help="a torch.optim optimizer (sgd, adamw, Adam, RMSprop, ...) "
                           "or an import path (my_pkg.Lion, file.py:Lion)")
     cmd.add_argument("--optimizer-args", type=json_object, metavar="JSON",
@@ -1221,7 +1243,7 @@ def _train_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--weight-decay", type=non_negative_float, default=0.0,
                      help="decoupled weight decay (adamw) or L2 (sgd); never on biases and "
                           "norm scales")
-    cmd.add_argument("--lr-schedule", default="constant", metavar="NAME",
+    cmd.add_argument("--lr-schedule", type=schedule_name, default="constant", metavar="NAME",
                      help="learning rate after warmup: constant, cosine down to --min-lr, "
                           "or a torch.optim.lr_scheduler class (StepLR, OneCycleLR, ...) "
                           "with --lr-schedule-args")

@@ -158,13 +158,6 @@ def test_the_memory_estimate_counts_the_state_the_optimizer_keeps():
     assert adamw.check().memory_of(0).optimizer == 2 * adagrad.check().memory_of(0).optimizer > 0
 
 
-def test_cli_names_a_bad_optimizer_or_its_arguments(capsys):
-    assert main(["run", "gpt", "--devices", "2", "--optimizer", "nope"]) == 2
-    assert "unknown optimizer 'nope'" in capsys.readouterr().err
-    assert main(["run", "gpt", "--devices", "2", "--optimizer-args", "[1]"]) == 2
-    assert "expected a JSON object" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_cli_run_checks_an_optimizer_given_by_name_and_arguments(capsys):
     assert main(["run", "llama", "--policy", "tp", "--devices", "2", "--steps", "2", "--check",

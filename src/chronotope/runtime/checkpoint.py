@@ -325,9 +325,9 @@ def run_info(path: Path, metadata: Metadata | None = None) -> dict[str, Any]:
 def _others_info(path: Path, metadata: Metadata) -> dict[str, Any]:
     """What a checkpoint another program wrote says of itself: its model's tensor names,
     and its step where it records one (torchtitan's ``train_state.step``; else 0)."""
-    step = 0
-    if isinstance(metadata.state_dict_metadata.get(STEP), TensorStorageMetadata):
-        t = torch.zeros((), dtype=metadata.state_dict_metadata[STEP].properties.dtype)
+    step, md = 0, metadata.state_dict_metadata.get(STEP)
+    if isinstance(md, TensorStorageMetadata):
+        t = torch.zeros((), dtype=md.properties.dtype)
         with _one_process():
             dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
                      planner=_LoadPieces([Piece(STEP, (), (), t)], []), no_dist=True)
