@@ -658,6 +658,21 @@ def cmd_export(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     from chronotope.runtime import checkpoint  # torch.distributed.checkpoint: on demand
     from chronotope.runtime.checkpoint import export
 
+    if args.hf:
+        from chronotope.runtime.checkpoint import export_hugging_face
+
+        state = export_hugging_face(args.checkpoint, args.out, args.max_shard_size)
+        if args.json:
+            emit({"checkpoint": str(checkpoint.latest(args.checkpoint, verify=False)),
+                  "out": args.out, "tensors": len(state)})
+            return 0
+        out.print(f"wrote {args.out}: config.json and safetensors weights; load them with "
+                  f"from_pretrained({args.out!r})")
+        return 0
+    try:
+        weights_file(args.out)
+    except argparse.ArgumentTypeError as e:
+        raise ChronotopeError(f"{e} (or a folder with --hf)") from None
     target = Path(args.out)
     partial = target.with_name(target.name + ".partial" + target.suffix)
     state = export(args.checkpoint, partial)  # the old file stays until the new one is whole
@@ -1188,7 +1203,12 @@ def parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="one state dict out of a checkpoint, for "
                                         "model.load_state_dict")
     exp.add_argument("checkpoint", help="a checkpoint folder, or a --save folder (its newest)")
-    exp.add_argument("out", type=weights_file, metavar="OUT.pt|OUT.safetensors")
+    exp.add_argument("out", metavar="OUT.pt|OUT.safetensors|DIR")
+    exp.add_argument("--hf", action="store_true",
+                     help="write a Hugging Face folder (config.json, safetensors shards and "
+                          "their index) that from_pretrained loads, into DIR")
+    exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                     help="with --hf: the largest weights file")
     _common_args(exp, model=False)
 
     plot = sub.add_parser("plot", help="draw the loss curve of a --metrics file")

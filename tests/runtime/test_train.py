@@ -544,3 +544,26 @@ def test_data_loader_workers_start_as_in_a_plain_script(tmp_path, monkeypatch):
     run = train(ct.compile(mesh(graph, dp=2)), w, f"{DATA}:with_workers", 2, OPTIM)
     assert (tmp_path / "method").read_text() == multiprocessing.get_all_start_methods()[0]
     assert run.losses == pytest.approx(plain_pytorch(w, "tokens", 2, OPTIM)[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
+def test_a_hugging_face_folder_trains_and_exports_as_one_from_pretrained_loads(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    get_workload(name).model.save_pretrained(tmp_path / "in")
+    assert main(["train", str(tmp_path / "in"), "--devices", "2", "--steps", "2", "--save",
+                 str(tmp_path / "ck")]) == 0
+    out = tmp_path / "exported" / name  # folders made as needed
+    assert main(["export", str(tmp_path / "ck"), str(out), "--hf",
+                 "--max-shard-size", "100KB"]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    weights = checkpoint.consolidate(tmp_path / "ck")
+    assert all(torch.equal(t, weights[n]) for n, t in trained.state_dict().items())
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "in")
+    assert not all(torch.equal(a, b) for a, b in zip(start.state_dict().values(),
+                                                      trained.state_dict().values()))
+    # a checkpoint of a model transformers does not know is refused, saying what to do
+    assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--save",
+                 str(tmp_path / "gpt")]) == 0
+    assert main(["export", str(tmp_path / "gpt"), str(tmp_path / "gpt-hf"), "--hf"]) == 2

@@ -96,7 +96,8 @@ def load_workload(
     batch_size: int | None = None,
     seed: int = 0,
 ) -> Workload:
-    """A built-in name, or ``path/to/file.py:factory`` calling ``factory`` from that file.
+    """A built-in name, a Hugging Face ``save_pretrained`` folder of a causal language
+    model, or ``path/to/file.py:factory`` calling ``factory`` from that file.
 
     The factory receives whichever of ``device``, ``batch_size`` and ``seed`` it
     accepts (``batch_size`` only when given); one without ``device`` runs under
@@ -106,6 +107,11 @@ def load_workload(
     """
     if spec in BUILTINS:
         return get_workload(spec, device=device, batch_size=batch_size, seed=seed)
+    if (Path(spec).expanduser() / "config.json").is_file():  # a Hugging Face folder
+        from chronotope.models.hf import hf_folder
+
+        return hf_folder(Path(spec).expanduser(), device=device, batch_size=batch_size,
+                         seed=seed)
     path_text, colon, func = spec.rpartition(":")
     if not colon or not func.isidentifier():
         if spec.endswith(".py"):

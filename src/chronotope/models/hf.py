@@ -7,10 +7,12 @@ code. Dropout is zeroed so that eager runs repeat exactly.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from chronotope.errors import ModelLoadError
 from chronotope.workload import Workload
 
 ATTN = "sdpa"  # torch's fused attention: one op per attention in a captured graph
@@ -148,3 +150,24 @@ def hf_t5(
     tgt = _tokens(cfg.vocab_size, (B, tgt_len), seed + 1, low=1)
     return Workload(model, (), {"input_ids": src.to(device), "labels": tgt.to(device)},
                     name="hf-t5")
+
+
+def hf_folder(path: str | Path, *, device: str | torch.device = "cpu",
+              batch_size: int | None = None, seed: int = 0, seq_len: int = 32) -> Workload:
+    """A causal language model's ``save_pretrained`` folder: its config and weights, and
+    an example batch of ``input_ids`` and ``labels`` (the model shifts the labels)."""
+    tf = _transformers()
+    config = tf.AutoConfig.from_pretrained(path)
+    torch.manual_seed(seed)
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN,
+                                                        dtype=torch.float32)
+    except ValueError as e:  # a config of no causal language model
+        raise ModelLoadError(f"{str(path)!r} holds a {config.model_type} model, not a causal "
+                             "language model (AutoModelForCausalLM); wrap it in a "
+                             f"file.py:factory that returns its workload ({e})") from e
+    model = model.to(device).train()
+    longest = getattr(config, "max_position_embeddings", None) or \
+        getattr(config, "n_positions", None) or seq_len
+    ids = _tokens(config.vocab_size, (batch_size or 4, min(seq_len, longest)), seed).to(device)
+    return Workload(model, (), {"input_ids": ids, "labels": ids}, name=Path(path).name)

@@ -639,6 +639,39 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.T
     return state
 
 
+def hugging_face(model: nn.Module) -> dict[str, Any] | None:
+    """A transformers model's class and config, for a checkpoint to be written back as a
+    folder ``from_pretrained`` loads; None for any other model."""
+    config = getattr(model, "config", None)
+    if not (hasattr(model, "save_pretrained") and hasattr(config, "to_dict")):
+        return None
+    return {"class": type(model).__name__, "config": config.to_dict()}
+
+
+def export_hugging_face(path: str | os.PathLike, out: str | os.PathLike,
+                        max_shard_size: str = "5GB") -> dict[str, torch.Tensor]:
+    """Write checkpoint ``path`` of a transformers model as a folder its
+    ``from_pretrained`` loads: ``config.json`` and the weights in safetensors shards of at
+    most ``max_shard_size`` (with their index when there are several)."""
+    import transformers
+
+    path = latest(path)
+    described = run_info(path).get("hugging_face")
+    if described is None:
+        raise CheckpointError(f"{str(path)!r} is not of a Hugging Face transformers model: "
+                              "export a state dict (OUT.safetensors or OUT.pt) instead")
+    state = consolidate(path)
+    config = transformers.AutoConfig.for_model(**described["config"])
+    config.architectures = [described["class"]]
+    with torch.device("meta"):
+        model = getattr(transformers, described["class"])(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=max_shard_size)
+    return state
+
+
 def state_dict_names(model: nn.Module, params: Sequence[str]) -> dict[str, str]:
     """Each name in ``model.state_dict()``, mapped to the name its tensor is saved under
     (a tied weight to the one name the graph keeps)."""

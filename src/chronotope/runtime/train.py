@@ -114,6 +114,7 @@ class Job:
     names: dict[str, str]  # every state-dict name -> the name its tensor is saved under
     buffers: tuple[str, ...]
     model: str
+    hugging_face: dict[str, Any] | None = None  # a transformers model's class and config
 
     @classmethod
     def of(cls, program: Program, workload: Workload) -> Job:
@@ -122,11 +123,15 @@ class Job:
         buffer_names = {n for n, _ in workload.model.named_buffers()}
         return cls(BatchLayout.of(workload, graph, program.plan.replicas),
                    {n: tuple(p.shape) for n, p in graph.params.items()}, names,
-                   tuple(sorted({c for c in names.values() if c in buffer_names})), graph.name)
+                   tuple(sorted({c for c in names.values() if c in buffer_names})), graph.name,
+                   checkpoint.hugging_face(workload.model))
 
     def info(self, step: int, batches: int) -> dict[str, Any]:
-        return {"format": checkpoint.FORMAT, "model": self.model, "step": step,
+        info = {"format": checkpoint.FORMAT, "model": self.model, "step": step,
                 "batches": batches, "state_dict": self.names, "buffers": list(self.buffers)}
+        if self.hugging_face:  # what export --hf writes config.json from
+            info["hugging_face"] = self.hugging_face
+        return info
 
 
 def start_of(config: TrainConfig, job: Job) -> tuple[Path | None, int]:
