@@ -642,10 +642,10 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.T
 def hugging_face(model: nn.Module) -> dict[str, Any] | None:
     """A transformers model's class and config, for a checkpoint to be written back as a
     folder ``from_pretrained`` loads; None for any other model."""
-    config = getattr(model, "config", None)
-    if not (hasattr(model, "save_pretrained") and hasattr(config, "to_dict")):
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if not (hasattr(model, "save_pretrained") and callable(to_dict)):
         return None
-    return {"class": type(model).__name__, "config": config.to_dict()}
+    return {"class": type(model).__name__, "config": to_dict()}
 
 
 def export_hugging_face(path: str | os.PathLike, out: str | os.PathLike,
