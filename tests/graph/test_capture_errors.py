@@ -59,3 +59,20 @@ def test_a_successful_export_still_prints_what_it_prints(capfd):
 
     ct.capture(Loud(), torch.randn(2, 3), frontend="export")
     assert "said on stderr" in capfd.readouterr().err
+
+
+def test_a_model_already_parallelized_is_refused_in_one_line_saying_to_pass_it_unwrapped():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from chronotope.runtime.launch import free_port
+
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "wrapped_models.py"),
+                           str(free_port())], capture_output=True, text=True, timeout=120)
+    said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert done.returncode == 0 and said.keys() == {"parallelize_module", "fully_shard", "DDP"}, \
+        done.stderr[-2000:]
+    for how in ("parallelize_module", "fully_shard"):
+        assert f"as {how} makes it): pass the model as written for one device" in said[how]
+    assert "pass the model inside it (its .module)" in said["DDP"]

@@ -101,6 +101,7 @@ def capture(
         model, example_inputs, kwargs = w.model, w.inputs, {**w.kwargs, **(kwargs or {})}
         targets, loss_fn, name = targets or w.targets, loss_fn or w.loss_fn, name or w.name
     name = name or type(model).__name__
+    _refuse_wrapped(model, name)
     step = Step(model, Batch.of(example_inputs, kwargs, targets), loss_fn)
     registry = registry or DEFAULT_REGISTRY
 
@@ -148,6 +149,24 @@ def _verify(graph: Graph, step: Step) -> None:
     leaves.update(step.model.named_parameters())
     leaves.update(step.model.named_buffers())
     verify(graph, step.model, step.step, step.tensors, leaves)
+
+
+def _refuse_wrapped(model: nn.Module, name: str) -> None:
+    """A model another parallelism already wrapped (its weights DTensors, or inside a
+    DDP or FSDP module) is refused in one line: chronotope plans from the model as
+    written on one device."""
+    if hasattr(model, "module") and type(model).__name__ in (
+            "DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+        raise CaptureError(f"{name} is wrapped by {type(model).__name__}: pass the model "
+                           "inside it (its .module), as written for one device")
+    for pname, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            by = "fully_shard" if any(type(m).__name__.startswith("FSDP") for m in
+                                      model.modules()) else "parallelize_module"
+            raise CaptureError(f"{name} is already parallelized (its parameter {pname} is a "
+                               f"DTensor, as {by} makes it): pass the model as written for "
+                               "one device, before any fully_shard or parallelize_module; "
+                               "chronotope plans the parallelism itself")
 
 
 def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
