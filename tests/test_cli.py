@@ -350,3 +350,43 @@ def test_run_check_names_random_ops_left_on_torchs_generator(capsys, monkeypatch
         assert in_model == "alpha_dropout (in the model, one device)"
     else:
         assert "draw from torch's generator" in out and "alpha_dropout" in out
+
+
+def test_a_config_file_gives_every_option_and_the_command_line_overrides_it(tmp_path, capsys):
+    from chronotope.cli import _with_config
+
+    config = tmp_path / "run.toml"
+    config.write_text('model = "llama"\npolicy = "tp"\ndevices = 4\nsteps = 7\n'
+                      '[optimizer]\noptimizer = "adamw"\nlr = 1e-3\n'
+                      'optimizer-args = {betas = [0.8, 0.9]}\nlr_schedule = "StepLR"\n'
+                      '[checkpoints]\nsave = "ck"\nskip-nonfinite = true\n')
+    argv = ["train", "--config", str(config), "--devices", "2"]
+    args = _with_config(argv, "train", str(config))
+    assert (args.model, args.policy, args.devices, args.steps) == ("llama", "tp", 2, 7)
+    assert (args.optimizer, args.lr, args.optimizer_args) == ("adamw", 1e-3,
+                                                             {"betas": [0.8, 0.9]})
+    assert (args.lr_schedule, args.save, args.skip_nonfinite) == ("StepLR", "ck", True)
+    report = run_json(capsys, "plan", "--config", str(config), "--devices", "2")
+    assert report["model"] == "llama" and report["policy"] == "tp" and report["devices"] == 2
+    for text, why in (("stepz = 3", "stepz is no option of chronotope"),
+                      ("steps = -3", "steps: expected a whole number of at least 1"),
+                      ("[x]\npolicy = 'nope'", "x.policy: 'nope' is not one of dp"),
+                      ("skip-nonfinite = 1", "expected true or false"),
+                      ("steps = [", "cannot read it as TOML")):
+        config.write_text(text + "\n")
+        assert main(["train", "--config", str(config)]) == 2
+        assert why in capsys.readouterr().err, text
+
+
+@pytest.mark.slow
+def test_plan_writes_a_pipelines_actions_that_run_back_as_a_csv_schedule(tmp_path, capsys):
+    path = tmp_path / "zb1.csv"
+    run_json(capsys, "plan", "gpt", "--policy", "zb1", "--devices", "2", "--micro", "4",
+             "--actions", str(path))
+    rows = path.read_text().splitlines()
+    assert len(rows) == 2 and rows[0].startswith("0F0,0F1") and "1W3" in rows[1]
+    report = run_json(capsys, "run", "gpt", "--policy", "csv", "--schedule", str(path),
+                      "--devices", "2", "--steps", "1", "--check")
+    assert report["match"], report
+    assert main(["plan", "gpt", "--devices", "2", "--actions", str(tmp_path / "dp.csv")]) == 2
+    assert "has no pipeline steps" in capsys.readouterr().err

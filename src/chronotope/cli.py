@@ -400,6 +400,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     files = save(program, workload, args.out, compile=args.compile) if args.out else []
     if args.save_plan:
         program.plan.save(args.save_plan)
+    if args.actions:
+        _write_actions(program.plan, args.actions)
     checked = program.plan.check()
     ranks = [
         {"rank": r, "ops": len(checked.sequence(r)), "memory_bytes": asdict(checked.memory[r]),
@@ -441,6 +443,20 @@ def cmd_plan(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         out.print(f"wrote {len(files)} files to {args.out}; run them with "
                   f"torchrun --nproc-per-node {args.devices} {args.out}/launch.py")
     return 0
+
+
+def _write_actions(plan: Plan, path: str) -> None:
+    """The plan's pipeline order as torch pipelining's CSV: one row per rank."""
+    import csv
+
+    from chronotope.policies import actions
+
+    rows = actions(plan)
+    if not rows:
+        raise ChronotopeError(f"--actions {path}: the plan has no pipeline steps to write; "
+                              "give a pipeline policy (1f1b, gpipe, interleaved, zb1, ...)")
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows.get(rank, []) for rank in range(max(rows) + 1))
 
 
 def _warn_unsplit(plan: Plan, out: Console) -> None:
@@ -1048,6 +1064,10 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--knob", type=knob_value, action="append", metavar="NAME=VALUE",
                          help="the value a module schedule's sch.knob(NAME, ...) takes "
                               "(chronotope tune finds them); repeatable")
+        cmd.add_argument("--config", metavar="FILE.toml", type=existing_file,
+                         help="options from a TOML file (model = \"gpt\", policy = \"tp\", "
+                              "lr = 1e-3, ...; tables only group them); the command line's "
+                              "override it")
         if name != "timeline":
             cmd.add_argument("--comm", choices=COMMS, default="rvd",
                              help="rvd: layout changes no single collective does take the "
@@ -1086,6 +1106,10 @@ def parser() -> argparse.ArgumentParser:
                              help="directory for rank<r>.py files and launch.py")
             cmd.add_argument("--save-plan", type=new_file, metavar="PLAN.json",
                              help="write the plan's decisions to a plan file (--plan reads it)")
+            cmd.add_argument("--actions", type=new_file, metavar="FILE.csv",
+                             help="write a pipeline plan's order in torch pipelining's CSV "
+                                  "format: a row of actions (0F1, 1B0; I and W for split "
+                                  "backwards) per rank, as --policy csv --schedule reads it")
         elif name == "simulate":
             cmd.add_argument("--measure", action="store_true",
                              help="compute from each op's time measured here, and the "
@@ -1334,10 +1358,15 @@ def _printer(stream: TextIO) -> Emit:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser().parse_args(argv)
+        if getattr(args, "config", None):
+            args = _with_config(argv, args.command, args.config)
     except SystemExit as e:  # argparse has printed the usage and the reason, or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except ChronotopeError as e:  # a config file's option that is not one, or not valid
+        return _failed(argparse.Namespace(json="--json" in argv), str(e), "error", EXIT_USAGE)
     out = Console(stderr=args.json)
     shown = warnings.showwarning
     warnings.showwarning = _warning_line
@@ -1413,6 +1442,63 @@ def launch_main(directory: str, argv: Sequence[str] | None = None) -> int:
 
         print(f"checkpoint {checkpoint.latest(args.save, verify=False)}", flush=True)
     return 0
+
+
+def _with_config(argv: list[str], command: str, path: str) -> argparse.Namespace:
+    """The options of TOML file ``path`` (keys spelt as the options are, ``-`` or ``_``;
+    a table groups keys, but for a JSON option's value), under those the command line
+    gives."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ChronotopeError(f"--config {path}: cannot read it as TOML: {e}") from None
+    p = parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    cmd = sub.choices[command]
+    actions = {a.dest: a for a in cmd._actions if a.dest not in ("help", "config")}
+    # one file may serve plan, run and train: another command's option is left to it
+    anywhere = {a.dest: a for c in sub.choices.values() for a in c._actions}
+    values: dict[str, Any] = {}
+
+    def take(table: dict[str, Any], where: str) -> None:
+        for key, value in table.items():
+            dest = key.replace("-", "_")
+            option = actions.get(dest, anywhere.get(dest))
+            if isinstance(value, dict) and (option is None or option.type is not json_object):
+                take(value, f"{where}{key}.")
+            elif option is None:
+                raise ChronotopeError(f"{path}: {where}{key} is no option of chronotope "
+                                      f"(chronotope {command} --help lists {command}'s)")
+            elif dest in actions:
+                values[dest] = _option_value(option, value, f"{path}: {where}{key}")
+
+    take(data, "")
+    cmd.set_defaults(**values)
+    return p.parse_args(argv)
+
+
+def _option_value(action: argparse.Action, value: Any, where: str) -> Any:
+    """A config file's value of an option, checked as the command line's would be."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ChronotopeError(f"{where}: expected true or false, got {value!r}")
+        return value
+    many = action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction)
+    items = value if many and isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if action.type is not None and not isinstance(item, dict):
+            try:
+                item = action.type(str(item))  # type: ignore[operator]
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise ChronotopeError(f"{where}: {e}") from None
+        if action.choices is not None and item not in action.choices:
+            raise ChronotopeError(f"{where}: {item!r} is not one of "
+                                  f"{', '.join(map(str, action.choices))}")
+        out.append(item)
+    return out if many else out[0]
 
 
 def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
