@@ -24,7 +24,7 @@ from chronotope.models import get_workload, load_function
 from chronotope.policies import mesh, pipeline
 from chronotope.runtime import checkpoint
 from chronotope.runtime.data import DataRandom
-from chronotope.runtime.launch import WorkerError
+from chronotope.runtime.launch import WorkerError, free_port
 from chronotope.runtime.precision import BF16_TOLERANCE, Precision
 from chronotope.runtime.train import train
 
@@ -242,6 +242,17 @@ def test_checkpoints_other_programs_write_start_and_continue_a_run(tmp_path):
                                                      model.state_dict().values())), source
     assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--init",
                  str(tmp_path / "weights")]) == 0
+    # FSDP2's own: fully_shard, a step, dcp.save (in a process of its own: a gloo group)
+    done = subprocess.run([sys.executable, str(HERE / "fsdp2_checkpoint.py"), str(tmp_path),
+                           str(free_port())],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    started = get_workload("gpt").model
+    ct.load_weights(started, tmp_path / "fsdp2")
+    whole = torch.load(tmp_path / "whole.pt")
+    assert all(torch.equal(whole[n], t) for n, t in started.state_dict().items() if n in whole)
+    assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--optimizer", "AdamW",
+                 "--lr", "1e-3", "--resume", str(tmp_path / "fsdp2")]) == 0
 
 
 def test_batch_norm_statistics_are_checkpointed_and_exported(tmp_path):
