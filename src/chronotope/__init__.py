@@ -38,7 +38,9 @@ __version__ = "0.1.0"
 # takes about a second to import, which planning and ``--help`` need not pay.
 _ON_DEMAND = {"consolidate": "chronotope.runtime.checkpoint",
               "load_weights": "chronotope.runtime.checkpoint",
-              "save": "chronotope.runtime.train", "train": "chronotope.runtime.train"}
+              "save": "chronotope.runtime.train", "train": "chronotope.runtime.train",
+              "placements": "chronotope.runtime.dtensors",
+              "to_dtensors": "chronotope.runtime.dtensors"}
 
 
 def __getattr__(name: str) -> object:
@@ -54,6 +56,7 @@ __all__ = [
     "SignatureError", "Split",
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "Rates", "ValueSplit", "compile", "consolidate", "load_plan",
-    "load_weights", "policies", "run", "save", "schedule", "schedule_primitive", "search",
+    "load_weights", "placements", "policies", "run", "save", "to_dtensors", "schedule",
+    "schedule_primitive", "search",
     "SearchResult", "train", "tune",
 ]

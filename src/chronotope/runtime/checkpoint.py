@@ -430,8 +430,9 @@ def save(directory: str | os.PathLike, step: int, rank: Any, writes: Writes,
 
 
 @dataclass
-class _Whole:
-    """What ``save`` reads of a rank, for one process holding every tensor whole."""
+class Whole:
+    """What ``save`` and ``load`` read of a rank, for a process holding only regions of
+    weights (no optimizer): ``stored`` by (name, index), buffers by name."""
 
     stored: dict[tuple[str, Index], torch.Tensor]
     state: dict[str, torch.Tensor]
@@ -444,7 +445,7 @@ def save_whole(directory: str | os.PathLike, params: Mapping[str, torch.Tensor],
     """A checkpoint of whole tensors written by this one process (a saved program's
     starting weights): the same layout as a run's, so ``load`` reads it under any plan."""
     boxes = {n: tuple((0, s) for s in t.shape) for n, t in params.items()}
-    whole = _Whole({(n, boxes[n]): t for n, t in params.items()}, dict(buffers))
+    whole = Whole({(n, boxes[n]): t for n, t in params.items()}, dict(buffers))
     with _one_process():
         return save(directory, 0, whole, Writes({n: [b] for n, b in boxes.items()}, {}, True),
                     {n: tuple(t.shape) for n, t in params.items()}, info)

@@ -350,6 +350,8 @@ class RunResult:
     # calls that drew from torch's generator, which no plan replays (the reference run's)
     unreplayed: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)  # per step, from ct.train
+    # under torchrun: the regions this rank stores (``ct.to_dtensors`` wraps them)
+    regions: dict[tuple[str, tuple], torch.Tensor] = field(default_factory=dict)
 
 
 def run_in_threads(program: Program, workload: Workload, steps: int,

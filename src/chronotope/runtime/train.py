@@ -510,8 +510,8 @@ def run_rank(ranks: int, program: bytes,
                 on_step(record)
 
         stop = Stop(device)
-        losses, _, times, _ = train_loop(spec, job, writes, data, config, resume, device,
-                                         report, eval_data, stop, init)
+        losses, regions, times, _ = train_loop(spec, job, writes, data, config, resume,
+                                               device, report, eval_data, stop, init)
         dist.barrier()  # every rank done communicating before any tears its group down
     finally:
         held.close()
@@ -519,7 +519,7 @@ def run_rank(ranks: int, program: bytes,
             dist.destroy_process_group()
     if stop.stopped:
         raise Interrupted(_interrupted(records, config.save), stop.stopped)
-    return RunResult(losses, {}, times, records=records)
+    return RunResult(losses, {}, times, records=records, regions=regions)
 
 
 def _check_same_program(digest: str) -> None:
