@@ -181,14 +181,32 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
 
 
 class LossScale:
-    """fp16's dynamic loss scale on one rank (every rank keeps the same one: they update
-    it from the same all-reduced flag)."""
+    """fp16's dynamic loss scale on one rank, updated as ``torch.amp.GradScaler`` updates
+    its own (by the same kernels); every rank keeps the same one, as they update it from
+    the same all-reduced flag."""
 
     def __init__(self, precision: Precision) -> None:
         self.precision = precision
-        self.scale = float(precision.init_scale)
-        self.good = 0  # steps without inf/NaN since the scale last changed
+        self._scale = torch.full((), float(precision.init_scale), dtype=torch.float32)
+        self._good = torch.zeros((), dtype=torch.int32)  # GradScaler's growth tracker
         self.skipped = 0  # steps skipped so far
+
+    @property
+    def scale(self) -> float:
+        return float(self._scale)
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale.fill_(value)
+
+    @property
+    def good(self) -> int:
+        """Steps without an inf or NaN since the scale last changed."""
+        return int(self._good)
+
+    @good.setter
+    def good(self, value: int) -> None:
+        self._good.fill_(value)
 
     def unscale_(self, grads: Sequence[torch.Tensor], factor: float = 1.0,
                  device: torch.device | str = "cpu") -> torch.Tensor:
@@ -207,18 +225,14 @@ class LossScale:
         return found
 
     def update(self, found_inf: bool) -> bool:
-        """The next scale after a step; True when the step is to be taken."""
+        """The next scale after a step (GradScaler's update); True when the step is to be
+        taken."""
         p = self.precision
-        if found_inf:
-            self.scale *= p.backoff_factor
-            self.good = 0
-            self.skipped += 1
-            return False
-        self.good += 1
-        if self.good == p.growth_interval:
-            self.scale *= p.growth_factor
-            self.good = 0
-        return True
+        torch._amp_update_scale_(self._scale, self._good,
+                                 torch.full((), float(found_inf), dtype=torch.float32),
+                                 p.growth_factor, p.backoff_factor, p.growth_interval)
+        self.skipped += int(found_inf)
+        return not found_inf
 
 
 # ---- ops that cannot run in a low precision -----------------------------------------------
