@@ -574,6 +574,11 @@ def test_a_hugging_face_folder_trains_and_exports_as_one_from_pretrained_loads(t
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "in")
     assert not all(torch.equal(a, b) for a, b in zip(start.state_dict().values(),
                                                       trained.state_dict().values()))
+    # a config alone: the weights drawn at the seed; a model type's default config, planned
+    assert main(["train", str(tmp_path / "in" / "config.json"), "--devices", "2", "--steps",
+                 "1"]) == 0
+    if name == "hf-gpt2":  # built on the meta device: no weights drawn
+        assert main(["plan", "hf:gpt2", "--policy", "tp", "--devices", "4"]) == 0
     # a checkpoint of a model transformers does not know is refused, saying what to do
     assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--save",
                  str(tmp_path / "gpt")]) == 0

@@ -61,7 +61,9 @@ LARGE = frozenset({"gpt3-1.3b", "gpt3-13b", "gpt3-39b", "gpt3-175b", "llama-70b"
 
 
 def default_device(spec: str) -> str:
-    return "meta" if spec in LARGE else "cpu"
+    """Where a model is built unless said: the large presets and transformers' default
+    configs (``hf:llama`` is 6.7B parameters) without weights, on the meta device."""
+    return "meta" if spec in LARGE or spec.startswith("hf:") else "cpu"
 
 
 def _unknown(name: str) -> UnknownModelError:
@@ -96,8 +98,9 @@ def load_workload(
     batch_size: int | None = None,
     seed: int = 0,
 ) -> Workload:
-    """A built-in name, a Hugging Face ``save_pretrained`` folder of a causal language
-    model, or ``path/to/file.py:factory`` calling ``factory`` from that file.
+    """A built-in name, a Hugging Face causal language model (a ``save_pretrained``
+    folder, a ``config.json``, or ``hf:TYPE`` for a model type's default config), or
+    ``path/to/file.py:factory`` calling ``factory`` from that file.
 
     The factory receives whichever of ``device``, ``batch_size`` and ``seed`` it
     accepts (``batch_size`` only when given); one without ``device`` runs under
@@ -107,11 +110,12 @@ def load_workload(
     """
     if spec in BUILTINS:
         return get_workload(spec, device=device, batch_size=batch_size, seed=seed)
-    if (Path(spec).expanduser() / "config.json").is_file():  # a Hugging Face folder
-        from chronotope.models.hf import hf_folder
+    path = Path(spec).expanduser()
+    if spec.startswith("hf:") or (path / "config.json").is_file() or \
+            (path.suffix == ".json" and path.is_file()):  # a Hugging Face model
+        from chronotope.models.hf import hf_causal_lm
 
-        return hf_folder(Path(spec).expanduser(), device=device, batch_size=batch_size,
-                         seed=seed)
+        return hf_causal_lm(spec, device=device, batch_size=batch_size, seed=seed)
     path_text, colon, func = spec.rpartition(":")
     if not colon or not func.isidentifier():
         if spec.endswith(".py"):

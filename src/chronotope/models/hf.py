@@ -152,22 +152,33 @@ def hf_t5(
                     name="hf-t5")
 
 
-def hf_folder(path: str | Path, *, device: str | torch.device = "cpu",
-              batch_size: int | None = None, seed: int = 0, seq_len: int = 32) -> Workload:
-    """A causal language model's ``save_pretrained`` folder: its config and weights, and
-    an example batch of ``input_ids`` and ``labels`` (the model shifts the labels)."""
+def hf_causal_lm(source: str | Path, *, device: str | torch.device = "cpu",
+                 batch_size: int | None = None, seed: int = 0, seq_len: int = 32) -> Workload:
+    """A Hugging Face causal language model: a ``save_pretrained`` folder (its config and
+    weights), a ``config.json`` (weights drawn at ``seed``), or ``hf:TYPE`` (transformers'
+    default config of that model type, such as ``hf:gpt2``); with an example batch of
+    ``input_ids`` and ``labels`` (the model shifts the labels)."""
     tf = _transformers()
-    config = tf.AutoConfig.from_pretrained(path)
-    torch.manual_seed(seed)
+    text = str(source)
+    path = Path(text).expanduser()
+    weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN,
-                                                        dtype=torch.float32)
-    except ValueError as e:  # a config of no causal language model
-        raise ModelLoadError(f"{str(path)!r} holds a {config.model_type} model, not a causal "
-                             "language model (AutoModelForCausalLM); wrap it in a "
-                             f"file.py:factory that returns its workload ({e})") from e
-    model = model.to(device).train()
+        if text.startswith("hf:"):
+            config = tf.AutoConfig.for_model(text[3:])
+        else:
+            config = tf.AutoConfig.from_pretrained(path)
+        config._attn_implementation = ATTN
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = tf.AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation=ATTN, dtype=torch.float32) if weights else \
+                tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:  # no such model type, or a config of no causal language model
+        raise ModelLoadError(f"{text!r}: not a causal language model transformers knows "
+                             "(AutoModelForCausalLM); wrap it in a file.py:factory that "
+                             f"returns its workload ({e})") from e
     longest = getattr(config, "max_position_embeddings", None) or \
         getattr(config, "n_positions", None) or seq_len
     ids = _tokens(config.vocab_size, (batch_size or 4, min(seq_len, longest)), seed).to(device)
-    return Workload(model, (), {"input_ids": ids, "labels": ids}, name=Path(path).name)
+    name = text[3:] if text.startswith("hf:") else (path.name if path.is_dir() else path.stem)
+    return Workload(model.train(), (), {"input_ids": ids, "labels": ids}, name=name)
