@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -61,11 +62,14 @@ def train_reference(workload: Workload, steps: int, optim: Optim,
 
 
 def _advance(scheduler: lr_scheduler.LRScheduler, loss: float) -> None:
-    """A step done: the schedule moves on (one that steps on a metric, on the loss)."""
-    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(loss)
-    else:
-        scheduler.step()
+    """A step done, or skipped by fp16's loss scaling as the ranks skip it: the schedule
+    moves on (one that steps on a metric, on the loss)."""
+    with warnings.catch_warnings():  # a skipped first step took no optimizer step
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+        if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(loss)
+        else:
+            scheduler.step()
 
 
 @dataclass(frozen=True)
