@@ -14,8 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import chronotope as ct
 from chronotope.cli import main
@@ -164,27 +172,26 @@ class ConvNet(nn.Module):
         return nn.functional.cross_entropy(self.head(h), y)
 
 
-def test_a_checkpoint_loads_through_torchs_state_dict_api_with_tied_weights_and_optimizer(
-        tmp_path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    w, graph = gpt()
-    run = train(ct.compile(mesh(graph, tp=2)), w, f"{DATA}:tokens", 2, OPTIM,
-                save=str(tmp_path / "ck"))
-    model = copy.deepcopy(w.model)  # a plain model and optimizer, as a user's script has
+def torch_loaded(w, path):
+    """A checkpoint in a plain model and optimizer, loaded as a user's script loads one:
+    torch's state-dict API and ``dcp.load``."""
+    model = copy.deepcopy(w.model)
     opt = OPTIM.build(model.parameters())
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming ... a single process"
-        dcp.load(state, checkpoint_id=str(checkpoint.latest(tmp_path / "ck")))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+        dcp.load(state, checkpoint_id=str(checkpoint.latest(path)))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    return model, opt
+
+
+def test_a_checkpoint_loads_through_torchs_state_dict_api_with_tied_weights_and_optimizer(
+        tmp_path):
+    w, graph = gpt()
+    run = train(ct.compile(mesh(graph, tp=2)), w, f"{DATA}:tokens", 2, OPTIM,
+                save=str(tmp_path / "ck"))
+    model, opt = torch_loaded(w, tmp_path / "ck")
     assert all(torch.equal(p.detach(), run.params[n]) for n, p in model.named_parameters())
     assert model.lm_head.weight is model.wte.weight  # tied, under both names
     adam = opt.state[model.wte.weight]
@@ -200,26 +207,12 @@ def test_checkpoints_other_programs_write_start_and_continue_a_run(tmp_path):
     """Written here with plain torch: torch's state-dict API under "model." and "optim."
     (FSDP2's layout), torchtitan's (its optimizer flattened under "optimizer.", its step
     in "train_state.step", in step-N folders) and a weights-only export (bare names)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     w, graph = gpt()
     program = ct.compile(mesh(graph, tp=2))
     train(program, w, f"{DATA}:tokens", 2, OPTIM, save=str(tmp_path / "ours"))
-    model = copy.deepcopy(w.model)  # the run so far, in a user's model and optimizer
-    opt = OPTIM.build(model.parameters())
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    model, opt = torch_loaded(w, tmp_path / "ours")  # the run so far, as a user's script has it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming ... a single process"
-        dcp.load(state, checkpoint_id=str(checkpoint.latest(tmp_path / "ours")))
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
         dcp.save({"model": get_model_state_dict(model),
                   "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=str(tmp_path / "torch"))
