@@ -210,8 +210,8 @@ def latest(directory: str | os.PathLike, verify: bool = True) -> Path:
         return root
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint at {str(root)!r}: no such folder")
-    complete = sorted((p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
-                       and (p / ".metadata").is_file()), key=lambda p: int(p.name[5:]))
+    complete = [p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+                and (p / ".metadata").is_file()]
     pointer = root / LATEST  # the one saved last (a run resumed from an earlier step)
     named = root / pointer.read_text().strip() if pointer.is_file() else None
     first = None

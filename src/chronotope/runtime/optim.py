@@ -74,11 +74,29 @@ def _resolved(spec: str, namespace: str, what: str) -> type:
     return found
 
 
+def _torchs(cls: type) -> bool:
+    """Whether torch ships the class (``torch.optim`` or its ``lr_scheduler``)."""
+    return cls.__module__.startswith("torch.optim")
+
+
 def _name(cls: type) -> str:
     """How a class is written down: torch's by their short name, others by import path."""
-    if cls.__module__.startswith(("torch.optim", "torch.optim.lr_scheduler")):
-        return cls.__name__
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return cls.__name__ if _torchs(cls) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def step_schedule(scheduler: lr_scheduler.LRScheduler, metric: float | None) -> None:
+    """One optimizer step done (or skipped, as fp16's loss scaling skips one on every
+    rank): ``scheduler`` moves on, a ``ReduceLROnPlateau`` on ``metric``, without torch's
+    warning that no optimizer step came first."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+        if not isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+            scheduler.step()
+        elif metric is None:
+            raise OptimError("ReduceLROnPlateau steps on the loss: train with ct.train "
+                             "(chronotope train), which gives it each step's loss")
+        else:
+            scheduler.step(metric)
 
 
 class Optim:
@@ -112,7 +130,7 @@ class Optim:
         self._elementwise = elementwise
         if warmup < 0:
             raise OptimError(f"warmup must be at least 0 steps, not {warmup}")
-        if self.cls.__name__ in UNSTEPPABLE and self.cls.__module__.startswith("torch.optim"):
+        if self.cls.__name__ in UNSTEPPABLE and _torchs(self.cls):
             raise OptimError(f"{self.name} cannot train a plan: "
                              f"{UNSTEPPABLE[self.cls.__name__]}")
         if not (isinstance(schedule, str) and schedule in LR_SCHEDULES):
@@ -162,33 +180,33 @@ class Optim:
         """The groups ``build`` makes of parameters of these names and shapes, each with
         ``hyper`` (a group's other settings) and its decay: what torch's
         ``get_optimizer_state_dict`` records of one device's optimizer."""
-        decayed = [n for n, shape in shapes.items() if self.decay_all or len(shape) >= 2]
-        plain = [n for n in shapes if n not in set(decayed)]
-        return [{**hyper, **({"weight_decay": wd} if self.decays else {}), "params": names}
-                for names, wd in ((decayed, self.weight_decay), (plain, 0.0)) if names]
+        return [{**hyper, **group, "params": [n for n, _ in group["params"]]}
+                for group in self._groups([(n, len(shape)) for n, shape in shapes.items()])]
+
+    def _groups(self, params: list[tuple[Any, int]]) -> list[dict[str, Any]]:
+        """Decayed and plain groups of (parameter, its number of dims): weight decay skips
+        1-D ones unless ``decay_all``; an optimizer without weight decay gets none."""
+        decayed = [(p, n) for p, n in params if self.decay_all or n >= 2]
+        plain = [(p, n) for p, n in params if not (self.decay_all or n >= 2)]
+        return [{"params": ps, **({"weight_decay": wd} if self.decays else {})}
+                for ps, wd in ((decayed, self.weight_decay), (plain, 0.0)) if ps]
 
     @property
     def elementwise(self) -> bool:
         """Whether a region of a parameter is updated as the whole parameter would be."""
         if self._elementwise is not None:
             return self._elementwise
-        return self.cls.__module__.startswith("torch.optim") and \
-            self.cls.__name__ in ELEMENTWISE
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {"lr": self.lr, **self.options}
+        return _torchs(self.cls) and self.cls.__name__ in ELEMENTWISE
 
     def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer over ``params``: decayed and plain groups."""
-        params = list(params)
-        decayed = [p for p in params if self.decay_all or p.ndim >= 2]
-        plain = [p for p in params if not (self.decay_all or p.ndim >= 2)]
-        groups = [{"params": ps, "weight_decay": wd} if self.decays else {"params": ps}
-                  for ps, wd in ((decayed, self.weight_decay), (plain, 0.0)) if ps]
+        groups = [{**g, "params": [p for p, _ in g["params"]]}
+                  for g in self._groups([(p, p.ndim) for p in params])]
+        kwargs = {"lr": self.lr, **self.options}
         try:
-            return self.cls(groups, **self._kwargs())
+            return self.cls(groups, **kwargs)
         except (TypeError, ValueError) as e:
-            raise OptimError(f"cannot build {self.name} with {self._kwargs()}: {e}") from e
+            raise OptimError(f"cannot build {self.name} with {kwargs}: {e}") from e
 
     def scheduler(self, optimizer: torch.optim.Optimizer, steps: int
                   ) -> lr_scheduler.LRScheduler:
@@ -229,7 +247,7 @@ class Optim:
         if self.elementwise:
             return
         shapes = {n: tuple(p.shape) for n, p in program.plan.graph.params.items()}
-        world = program.ndevices * program.plan.replicas
+        world = program.plan.world_size
         for name, index in (r for rank in range(world) for r in program.updated(rank)):
             if tuple(index) != tuple((0, s) for s in shapes[name]):
                 raise OptimError(
@@ -248,7 +266,7 @@ class Rates:
     parameters (or none) it holds. One small state to checkpoint."""
 
     def __init__(self, optim: Optim, steps: int) -> None:
-        self.stand_in = optim.cls([nn.Parameter(torch.zeros(0))], **optim._kwargs())
+        self.stand_in = optim.build([nn.Parameter(torch.zeros(0))])
         self.scheduler = optim.scheduler(self.stand_in, steps)
         self.name = optim.schedule_name
 
@@ -266,15 +284,7 @@ class Rates:
     def advance(self, metric: float | None = None) -> None:
         """One optimizer step done; ``metric`` for a schedule that steps on one
         (``ReduceLROnPlateau``: the step's loss)."""
-        with warnings.catch_warnings():  # the stand-in takes no steps of its own
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-            if isinstance(self.scheduler, lr_scheduler.ReduceLROnPlateau):
-                if metric is None:
-                    raise OptimError(f"{self.name} steps on the loss: train with ct.train "
-                                     "(chronotope train), which gives it each step's loss")
-                self.scheduler.step(metric)
-            else:
-                self.scheduler.step()
+        step_schedule(self.scheduler, metric)  # the stand-in takes no steps of its own
 
     @property
     def on_metric(self) -> bool:
@@ -295,7 +305,7 @@ class Rates:
         """Continue at ``step`` (from 0): a schedule of the step alone is replayed, so it
         follows this run's length (a run given more steps stretches its cosine); one that
         steps on the loss takes the checkpoint's state of it."""
-        if not isinstance(self.scheduler, lr_scheduler.ReduceLROnPlateau):
+        if not self.on_metric:
             for _ in range(step):
                 self.advance()
             return

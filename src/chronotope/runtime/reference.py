@@ -5,16 +5,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.optim import lr_scheduler
 
 from chronotope.graph.batch import model_loss
 from chronotope.graph.rng import CounterRandom, Stream
 from chronotope.runtime.local import Optim, RunResult
+from chronotope.runtime.optim import step_schedule
 from chronotope.runtime.precision import Precision
 from chronotope.workload import Workload
 
@@ -50,26 +49,15 @@ def train_reference(workload: Workload, steps: int, optim: Optim,
             loss.backward(torch.full_like(loss, scaler.scale))
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if not scaler.update(bool(scaler.unscale_(grads, 1.0, device).item() > 0)):
-                _advance(rates, losses[-1])
+                step_schedule(rates, losses[-1])
                 continue  # an inf or NaN: the step is skipped, the scale backs off
         if optim.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
         opt.step()
-        _advance(rates, losses[-1])
+        step_schedule(rates, losses[-1])
     return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()},
                      buffers={n: b.detach().clone() for n, b in model.named_buffers()},
                      unreplayed=unreplayed)
-
-
-def _advance(scheduler: lr_scheduler.LRScheduler, loss: float) -> None:
-    """A step done, or skipped by fp16's loss scaling as the ranks skip it: the schedule
-    moves on (one that steps on a metric, on the loss)."""
-    with warnings.catch_warnings():  # a skipped first step took no optimizer step
-        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
-            scheduler.step(loss)
-        else:
-            scheduler.step()
 
 
 @dataclass(frozen=True)
