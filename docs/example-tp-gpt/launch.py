@@ -13,4 +13,4 @@ import sys
 from chronotope.cli import launch_main
 
 if __name__ == "__main__":
-    sys.exit(launch_main(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(launch_main(os.path.dirname(os.path.abspath(__file__)), steps=10))

@@ -1385,16 +1385,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = shown
 
 
-def launch_main(directory: str, argv: Sequence[str] | None = None) -> int:
+def launch_main(directory: str, steps: int, argv: Sequence[str] | None = None) -> int:
     """A saved program's ``launch.py`` (``plan --out``, ``ct.save``), one rank per process
     under torchrun: the options of ``chronotope train`` but the model and the plan, which
-    the program is."""
-    from chronotope.runtime.train import PROGRAM, TrainConfig, train_saved
+    the program is; ``steps`` unless --steps says otherwise."""
+    from chronotope.runtime.train import TrainConfig, train_saved
 
     p = argparse.ArgumentParser(prog="launch.py", description=f"train the program in "
                                 f"{directory} (torchrun --nproc-per-node N launch.py ...)")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="optimizer steps (default: the program's own)")
+    p.add_argument("--steps", type=positive_int, default=steps)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     _running_args(p, backend=None)
@@ -1411,9 +1410,7 @@ def launch_main(directory: str, argv: Sequence[str] | None = None) -> int:
         if args.eval_data:
             raise ChronotopeError("a saved program has no evaluation: train with chronotope "
                                   "train --eval-data, or evaluate an exported checkpoint")
-        steps = args.steps or torch.load(os.path.join(directory, PROGRAM),
-                                         weights_only=False)["steps"]
-        config = TrainConfig(steps, _optim(args), args.accumulate, args.seed, args.save,
+        config = TrainConfig(args.steps, _optim(args), args.accumulate, args.seed, args.save,
                              args.save_every or 0, args.resume, args.timeout,
                              Precision(args.dtype, args.reduce_dtype), args.keep or 0,
                              args.skip_nonfinite)

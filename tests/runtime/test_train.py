@@ -576,3 +576,16 @@ def test_a_hugging_face_folder_trains_and_exports_as_one_from_pretrained_loads(t
     assert main(["train", "gpt", "--devices", "2", "--steps", "1", "--save",
                  str(tmp_path / "gpt")]) == 0
     assert main(["export", str(tmp_path / "gpt"), str(tmp_path / "gpt-hf"), "--hf"]) == 2
+
+
+def test_a_saved_programs_starting_weights_of_another_model_are_refused_naming_it(tmp_path):
+    from chronotope.runtime.train import Job, _initial_weights
+
+    w, graph = gpt()
+    ct.save(ct.compile(mesh(graph, dp=2)), w, str(tmp_path))
+    other = get_workload("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        job = Job.of(ct.compile(mesh(ct.capture(other), dp=2)), other)
+    with pytest.raises(checkpoint.CheckpointError, match="is of another model"):
+        _initial_weights(tmp_path / "init", job)

@@ -601,7 +601,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
         paths.append(path)
         spec.code = ""  # the launcher runs the file, so what a reader sees is what runs
     job = Job.of(program, workload)
-    torch.save({"specs": specs, "steps": steps, "job": job,
+    torch.save({"specs": specs, "job": job,
                 "writes": checkpoint.plan_writes(program),
                 "example": example_batches(workload)},
                os.path.join(directory, PROGRAM))
@@ -612,7 +612,7 @@ def save(program: Program, workload: Workload, directory: str, steps: int = 10,
                           job.info(0, 0))
     launcher = os.path.join(directory, "launch.py")
     with open(launcher, "w") as f:
-        f.write(LAUNCHER.format(n=len(specs), name=program.plan.graph.name))
+        f.write(LAUNCHER.format(n=len(specs), name=program.plan.graph.name, steps=steps))
     return [*paths, init, launcher]
 
 
@@ -631,7 +631,7 @@ import sys
 from chronotope.cli import launch_main
 
 if __name__ == "__main__":
-    sys.exit(launch_main(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(launch_main(os.path.dirname(os.path.abspath(__file__)), steps={steps}))
 '''
 
 
@@ -678,11 +678,15 @@ def _initial_weights(source: Path, job: Job) -> Path | dict[str, torch.Tensor]:
     """A checkpoint (read by each rank for its regions), or whole tensors by parameter
     and buffer name from a state-dict file or a Hugging Face folder."""
     try:
-        return checkpoint.latest(source)
+        found: Path | None = checkpoint.latest(source)
     except checkpoint.CheckpointError:
         if source.is_dir() and not (source / ".metadata").exists() and \
                 any(source.glob("step-*")):
             raise
+        found = None
+    if found is not None:
+        checkpoint.check_fits(found, job.shapes, list(job.names))  # of this model, or named
+        return found
     state = checkpoint.read_weights(source)
     whole: dict[str, torch.Tensor] = {}
     for name, saved_as in job.names.items():
