@@ -94,10 +94,10 @@ def test_reshape_splits_only_dims_it_does_not_merge():
     assert tangled.splittable() == []  # 6x4 -> 4x6 shares no factor boundary
 
 
-def test_attention_freezes_keys_and_causal_queries():
+def test_attention_freezes_keys_and_splits_queries_causal_or_not():
     q = torch.randn(2, 4, 8, 16)
     sig = signature_of(F.scaled_dot_product_attention, (q, q, q), {"is_causal": True})
-    assert str(sig) == "b0 b1 L^ E^, b0 b1 S^ E^, b0 b1 S^ Ev -> b0 b1 L^ Ev"
+    assert str(sig) == "b0 b1 L E^, b0 b1 S^ E^, b0 b1 S^ Ev -> b0 b1 L Ev"
     free = signature_of(F.scaled_dot_product_attention, (q, q, q))
     assert "L" in free.splittable() and "S" not in free.splittable()
     mask = torch.ones(8, 8, dtype=torch.bool)

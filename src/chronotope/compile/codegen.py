@@ -58,12 +58,15 @@ from chronotope.compile.program import (
     writes,
 )
 from chronotope.graph import rng
+from chronotope.graph.attention import is_causal, sliced_attention
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
 from chronotope.plan.plan import PlanOp
 
-_RNG = r"rng\."  # the counter-based random ops, as generated code calls them
+# what generated code calls from chronotope's own ops, and the import it then needs
+_IMPORTS = {"from chronotope.graph import rng": r"\brng\.",  # counter-based random ops
+            "from chronotope.graph.attention import sliced_attention": r"\bsliced_attention\("}
 
 
 def render(program: Program, rank: int, ticks: bool = False, regions: bool = False) -> str:
@@ -149,9 +152,11 @@ def render(program: Program, rank: int, ticks: bool = False, regions: bool = Fal
                                 reserved=frozenset(f[0][4:f[0].index("(")] for f in by_layer))
     body = roll(with_cheap([line for lines in per_step for line in lines], cheap))
     functions = by_step + by_layer + functions
-    if any(re.search(rf"\b{_RNG}", line) for line in body + sum(functions, [])):
+    imports = [line for line, used in _IMPORTS.items()
+               if any(re.search(used, text) for text in body + sum(functions, []))]
+    if imports:
         at = lines.index("import torch") + 1
-        lines[at:at] = ["", "from chronotope.graph import rng"]
+        lines[at:at] = ["", *imports]
     lines += [wrapped for line in body for wrapped in _wrap("    " + line)] or ["    pass"]
     if program.refresh and program.refresh[rank]:
         lines += ["", "", "def refresh(rt):",
@@ -682,12 +687,16 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
     if op.op.region is not None:  # the input already is the box this piece reads
         call = f"{ins_names[0]}.reshape({tuple(op.outputs[0].mask.shape)})"
     else:
-        if rng.drawn(op.op.target):  # it draws its own slice of the whole op's numbers
+        target = op.op.target
+        box = op.outputs[0].mask.index
+        whole = op.op.outputs[0].shape
+        if rng.drawn(target):  # it draws its own slice of the whole op's numbers
             kwargs = {**kwargs, "stream": _Name("rt.stream")}
-            box = op.outputs[0].mask.index
-            if box != tuple((0, n) for n in op.op.outputs[0].shape):
+            if box != tuple((0, n) for n in whole):
                 kwargs["region"] = box
-        call = _local_shape_call(ins, args) or _call(op.op.target, op.op.name, args, kwargs)
+        elif op.op.kind == "attention" and is_causal(args, kwargs) and box[-2] != (0, whole[-2]):
+            target, kwargs = sliced_attention, {**kwargs, "region": box}  # some query rows
+        call = _local_shape_call(ins, args) or _call(target, op.op.name, args, kwargs)
     assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
         f"{_targets(ins.outs)} = rt.tensors({call})"
     if ins.swap:  # saved tensors go to CPU memory now and come back for the backward
@@ -753,6 +762,8 @@ def _qualified(fn: Any, op_name: str) -> str:
         return "torch.ops." + fn._qualified_op_name.replace("::", ".")
     if rng.drawn(fn):
         return f"rng.{fn.__name__}"
+    if fn is sliced_attention:
+        return "sliced_attention"
     module = (getattr(fn, "__module__", None) or "").replace("_operator", "operator")
     names = [n for n in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)) if n]
     if module == "builtins" and names and getattr(builtins, names[-1], None) is fn:

@@ -14,7 +14,8 @@ from fractions import Fraction
 
 from chronotope.graph.ir import Graph, PTensor
 
-_RESERVED = frozenset({"rt", "torch", "operator", "step"})  # names the generated code uses
+# names the generated code uses
+_RESERVED = frozenset({"rt", "torch", "operator", "step", "rng", "sliced_attention"})
 _DERIVED = ("_in", "_share")  # suffixes codegen adds to a name
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from chronotope.graph.attention import causal_mask
+
 Region = Sequence[tuple[int, int]] | None  # a piece's box in the whole output, None: whole
 
 _MASK32 = 0xFFFFFFFF
@@ -173,7 +175,8 @@ def attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
               *, key: int, stream: Stream = Stream(), region: Region = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with dropout on the attention weights, written
     out so that a piece (some batch rows, heads or queries) drops exactly its slice of
-    the weights. ``region`` is the piece's box of the output; keys are always whole."""
+    the weights. ``region`` is the piece's box of the output (its rows of a causal mask);
+    keys are always whole."""
     if dropout_p == 0 or not stream.training:
         return F.scaled_dot_product_attention(query, key_, value, attn_mask, 0.0, is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
@@ -184,9 +187,9 @@ def attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
         value = value.repeat_interleave(repeat, dim=-3)
     scores = query @ key_.transpose(-2, -1) * (scale if scale is not None
                                                else 1 / math.sqrt(query.shape[-1]))
-    if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+    if is_causal:  # a piece's rows sit at region[-2] of the whole op's
+        rows = (0, L) if region is None else tuple(region[-2])
+        scores = scores.masked_fill(~causal_mask(rows, S, query.device), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask

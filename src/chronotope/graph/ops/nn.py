@@ -127,30 +127,28 @@ def attention(call: OpCall) -> str | None:
     """Scaled dot-product attention ``q (*, L, E), k (*, S, E), v (*, S, Ev) -> (*, L, Ev)``.
 
     The softmax runs over ``S`` and ``E`` sits under it, so neither splits; query
-    rows split unless a causal mask ties each row to its position.
+    rows split, a causal piece masking by where its rows sit (``graph/attention.py``).
     """
     q, k, v = call.tensors[:3]
     out = call.out.shape
     gqa = bool(call.arg(7, "enable_gqa", False))
-    causal = bool(call.arg(5, "is_causal", False))
     nb = len(out) - 2
     qb, kb, vb = _batch_dims([q.shape[:-2], k.shape[:-2], v.shape[:-2]], out[:-2])
     if gqa and nb >= 1 and k.shape[-3] != q.shape[-3]:
         qb[-1], kb[-1], vb[-1] = qb[-1] + "^", "hk^", "hk^"
-    L = "L^" if causal else "L"
-    ins = [[*qb, L, "E^"], [*kb, "S^", "E^"], [*vb, "S^", "Ev"]]
+    ins = [[*qb, "L", "E^"], [*kb, "S^", "E^"], [*vb, "S^", "Ev"]]
     if len(call.tensors) > 3:  # attn_mask broadcasts to (*, L, S)
         mask = call.tensors[3]
         full = (*out[:-2], out[-2], k.shape[-2])
-        onames = [*[n.rstrip("^") for n in qb], L, "S^"]
-        onames = [*names(nb, "b"), L, "S^"] if len(onames) != len(full) else onames
+        onames = [*[n.rstrip("^") for n in qb], "L", "S^"]
+        onames = [*names(nb, "b"), "L", "S^"] if len(onames) != len(full) else onames
         offset = len(full) - len(mask.shape)
         ins.append(["1" if s == 1 and full[offset + j] != 1 else onames[offset + j]
                     for j, s in enumerate(mask.shape)])
     ob = [n.rstrip("^") if n != "1" else f"b{i}" for i, n in enumerate(qb)]
     if gqa and qb and qb[-1].endswith("^"):
         ob[-1] = qb[-1]
-    return f"{join(*ins)} -> {' '.join([*ob, L, 'Ev'])}"
+    return f"{join(*ins)} -> {' '.join([*ob, 'L', 'Ev'])}"
 
 
 def factory(frozen: bool):
