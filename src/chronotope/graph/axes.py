@@ -10,6 +10,8 @@ that reads the axis but cannot split it (no signature, or a frozen dim).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.graph.registry import OpRegistry
 
@@ -98,3 +100,101 @@ def loss_tails(graph: Graph, batch_dim: dict[Op, str | None], registry: OpRegist
         if sets:  # what it is linear in, all of the sums where it can be
             tails[op] = next((s for s in sets if summed <= set(s)), sets[0])
     return tails
+
+
+@dataclass(frozen=True)
+class SeqCut:
+    """How an op's pieces follow the sequence (context parallelism): along its dim ``dim``,
+    which holds sequences of ``length`` elements back to back (``runs`` of them, one per
+    sample after a flatten of ``(b t)``), each element ``inner`` entries long; ``lead``:
+    the factors before ``dim`` in a group the op makes or reads, cut to one element first
+    (a flatten's sample), so that a slice of ``dim`` is a slice of the group."""
+
+    dim: str
+    length: int
+    runs: int = 1
+    inner: int = 1
+    lead: tuple[str, ...] = ()
+
+
+def sequence_cuts(graph: Graph) -> tuple[dict[Op, SeqCut | None], dict[Op, str]]:
+    """For each op, how it follows the sequence (axis 1 of the batch inputs) through the
+    graph, past flattens of ``(b t)``; and the ops that read the sequence but cannot cut
+    it, with why (``trail``'s)."""
+    mark: dict[PTensor, tuple[int, int, int]] = {  # axis, sequence length, inner
+        t: (1, t.shape[1], 1) for t in graph.batched_inputs() if len(t.shape) >= 2}
+    cuts: dict[Op, SeqCut | None] = {}
+    lost: dict[Op, str] = {}
+    for op in graph.ops:
+        cuts[op] = cut = _seq_cut(op, mark)
+        if cut is None:
+            if op.kind not in SHAPE_ONLY and any(t in mark and t.shape[mark[t][0]] > 1
+                                                  for t in op.inputs):
+                lost[op] = "no signature" if op.signature is None else \
+                    "its signature cannot split that dim"
+            continue
+        sizes = _sizes(op)
+        for t, tdims in zip(op.outputs, op.signature.outputs):
+            for a, axis in enumerate(tdims):
+                names_ = [f.name for f in axis.factors]
+                if cut.dim in names_:
+                    after = axis.factors[names_.index(cut.dim) + 1:]
+                    mark[t] = (a, cut.length, cut.inner * _product(after, sizes))
+                    break
+    return cuts, lost
+
+
+def _sizes(op: Op) -> dict[str, int]:
+    return op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
+
+
+def _product(factors: tuple, sizes: dict[str, int]) -> int:
+    n = 1
+    for f in factors:
+        n *= f.size if f.size is not None else sizes[f.name]
+    return n
+
+
+def _before(sig, dim: str) -> list:
+    """The factors before ``dim`` in each group of the signature that holds it."""
+    found = []
+    for tensor in (*sig.inputs, *sig.outputs):
+        for axis in tensor:
+            names_ = [f.name for f in axis.factors]
+            if dim in names_:
+                found += axis.factors[:names_.index(dim)]
+    return found
+
+
+def _seq_cut(op: Op, mark: dict[PTensor, tuple[int, int, int]]) -> SeqCut | None:
+    """The cut of ``op`` along the sequence one of its marked inputs carries, if its
+    signature can make it."""
+    sig = op.signature
+    if sig is None or op.kind in SHAPE_ONLY:
+        return None
+    sizes = _sizes(op)
+    for t, tdims in zip(op.inputs, sig.inputs):
+        if t not in mark or mark[t][0] >= len(tdims):
+            continue
+        a, length, inner = mark[t]
+        factors = tdims[a].factors
+        # the factor the sequence's elements run along: the only one, or in a group that
+        # unflattens rows, the one ``length`` long with ``inner`` after it
+        k = next((k for k, f in enumerate(factors) if f.size is None
+                  and sizes[f.name] % length == 0
+                  and _product(factors[k + 1:], sizes) == inner), None) \
+            if len(factors) > 1 else 0
+        if k is None or factors[k].size is not None:
+            continue
+        dim = factors[k].name
+        if len(factors) > 1:
+            inner = 1
+        lead = tuple(dict.fromkeys(f.name for f in _before(sig, dim)
+                                   if f.size is None and sizes[f.name] > 1))
+        if dim not in sig.splittable({**sizes, **{name: 1 for name in lead}}):
+            continue
+        runs = sizes[dim] // (length * inner)
+        if runs * length * inner != sizes[dim]:
+            continue
+        return SeqCut(dim, length, runs, inner, lead)
+    return None

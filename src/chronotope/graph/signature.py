@@ -9,7 +9,8 @@ the legal partitions:
   the output (a value split);
 * ``d^``: a frozen dim that is never split (softmax axis, normalized dims);
 * ``(h d)``: one tensor dim made of several named factors (reshapes); only the
-  leading factor may be split, since a slice of any other is not contiguous;
+  leading factor may be split, since a slice of any other is not contiguous, unless
+  the factors before it are cut to one element;
 * ``1`` or any integer: a dim of that fixed size, never split.
 
 An empty item between commas, or ``()``, is a 0-dim tensor; nothing after ``->``
@@ -117,14 +118,16 @@ class Signature:
                 out.setdefault(d.name)
         return list(out)
 
-    def splittable(self) -> list[str]:
-        """Names of the dims a partition may split (see the module docstring)."""
+    def splittable(self, sizes: dict[str, int] | None = None) -> list[str]:
+        """Names of the dims a partition may split (see the module docstring). Given the
+        dims' ``sizes`` in a piece, a trailing factor of a group splits too where every
+        factor before it has one element there: ``(b t)`` of one sample is its ``t``."""
         blocked = {
             f.name
             for t in (*self.inputs, *self.outputs)
             for a in t
             for i, f in enumerate(a.factors)
-            if a.grouped and i > 0
+            if i > 0 and not (sizes is not None and _ones(a.factors[:i], sizes))
         }
         return [n for n in self.names() if self.dim(n).splittable and n not in blocked]
 
@@ -201,6 +204,11 @@ class Signature:
 
         lhs = "()" if self.inputs == ((),) else side(self.inputs)  # one 0-dim input
         return f"{lhs} -> {side(self.outputs)}".strip()
+
+
+def _ones(factors: Sequence[Dim], sizes: dict[str, int]) -> bool:
+    """Whether each of ``factors`` has one element (by ``sizes``, or its fixed size)."""
+    return all((f.size if f.size is not None else sizes.get(f.name)) == 1 for f in factors)
 
 
 def _set_size(sizes: dict[str, int], dim: Dim, size: int, sig: Signature, where: str) -> None:

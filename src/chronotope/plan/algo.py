@@ -60,11 +60,14 @@ class Piece:
     sizes: dict[str, int]
 
 
-def _axis_of(sig_tensor: tuple, dim: str) -> int | None:
-    """The tensor axis that carries ``dim`` (as a plain axis or a group's leading factor)."""
+def _axis_of(sig_tensor: tuple, dim: str, sizes: dict[str, int]) -> int | None:
+    """The tensor axis that carries ``dim``: as a plain axis, a group's leading factor, or
+    a factor after ones (``sizes``), where a slice of it is a slice of the axis."""
     for a, axis in enumerate(sig_tensor):
-        if axis.factors[0].name == dim and axis.factors[0].size is None:
-            return a
+        for i, f in enumerate(axis.factors):
+            if f.name == dim and f.size is None:
+                return a if all(sizes.get(g.name, g.size) == 1 for g in axis.factors[:i]) \
+                    else None
     return None
 
 
@@ -94,10 +97,12 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
     if algo.dim not in sig.names():
         raise PlanError(f"{name}: its signature '{sig}' has no dim {algo.dim!r}; "
                         f"dims: {', '.join(sig.names())}")
-    if algo.dim not in sig.splittable():
-        why = "frozen (^)" if sig.dim(algo.dim).frozen else "a trailing factor of a merged dim"
+    splittable = sig.splittable(piece.sizes)
+    if algo.dim not in splittable:
+        why = "frozen (^)" if sig.dim(algo.dim).frozen else \
+            "a trailing factor of a merged dim (split the factors before it to one element first)"
         raise PlanError(f"{name}: dim {algo.dim!r} of '{sig}' is {why} and cannot be split; "
-                        f"splittable dims: {', '.join(sig.splittable()) or 'none'}")
+                        f"splittable dims: {', '.join(splittable) or 'none'}")
     size = piece.sizes[algo.dim]
     if algo.parts < 1 or size % algo.parts:
         raise PlanError(f"{name}: dim {algo.dim!r} has size {size} here, which does not split "
@@ -108,7 +113,7 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
     k = n if count is None else min(count, n)  # the pieces made
     ins, shares = [], []  # per input: its pieces' reads and gradient shares (cut once)
     for j, (v, s, dims) in enumerate(zip(piece.inputs, piece.grad_shares, sig.inputs)):
-        a = _axis_of(dims, algo.dim)
+        a = _axis_of(dims, algo.dim, piece.sizes)
         if a is not None:
             ins.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n, k)])
             shares.append([s] * k)
@@ -120,7 +125,7 @@ def partition(name: str, sig: Signature | None, piece: Piece, algo: Algorithm,
             shares.append(s.split(n)[:k])
     outs = []
     for v, dims in zip(piece.outputs, sig.outputs):
-        a = _axis_of(dims, algo.dim)
+        a = _axis_of(dims, algo.dim, piece.sizes)
         if a is not None:
             outs.append([VTensor(v.ptensor, m) for m in v.mask.split(a, n, k)])
         elif reduce:
