@@ -67,7 +67,7 @@ def fold(ranks: list[list[Instruction]], plan: Plan, tensor_of: list[dict[str, P
     stride = 1 + max((ins.tag for code in ranks for ins in code
                       if isinstance(ins, (Send, Recv))), default=0)
     axes = batch_axes(plan.graph)
-    return [_Folder(rank, plan.steps.get(rank, []), *parts[rank], stride, axes,
+    return [_Folder(rank, plan.steps.get(rank, []), *parts[rank], stride, axes, plan.micro_runs,
                     tensor_of[rank], shapes[rank], whole[rank]).run()
             for rank in range(len(ranks))]
 
@@ -123,9 +123,11 @@ def _refuse_once_to_block(parts) -> None:
 
 class _Folder:
     def __init__(self, rank: int, steps: list[Step], before, blocks, after, stride: int,
-                 axes: dict[PTensor, int], tensor_of: dict[str, PTensor],
+                 axes: dict[PTensor, int], runs: dict[PTensor, int],
+                 tensor_of: dict[str, PTensor],
                  shapes: dict[str, tuple[int, ...]], whole: set[str]) -> None:
         self.rank, self.steps, self.stride, self.axes = rank, steps, stride, axes
+        self.runs = runs
         # what every micro-batch loads alike (weights, constants) is loaded once, before
         loads = [ins for code in blocks.values() for ins in code
                  if isinstance(ins, Load) and ins.source in _ONCE]
@@ -265,9 +267,11 @@ class _Folder:
                             "chronotope, please report it with the plan")
         if not self.batched(p.src):
             return p
-        a = self.axes[self.tensor_of[p.src]]
+        t = self.tensor_of[p.src]
+        a = self.axes[t]
         moved = list(p.src_slices)
-        moved[a] = slice(*_later(p.src_slices[a].start, p.src_slices[a].stop, m))
+        lo, hi = p.src_slices[a].start, p.src_slices[a].stop
+        moved[a] = slice(*self.later(t, lo, hi, m))
         return replace(p, src_slices=tuple(moved))
 
     def rows(self, t: PTensor, mask: Mask, m: int) -> Mask:
@@ -276,13 +280,15 @@ class _Folder:
         if a is None:
             return mask
         moved = list(mask.index)
-        moved[a] = _later(*mask.index[a], m)
+        moved[a] = self.later(t, *mask.index[a], m)
         return Mask(tuple(moved), mask.value)
 
-
-def _later(lo: int, hi: int, m: int) -> tuple[int, int]:
-    """Micro-batch ``m``'s run along the batch axis, where micro-batch 0's is ``lo:hi``."""
-    return lo + m * (hi - lo), hi + m * (hi - lo)
+    def later(self, t: PTensor, lo: int, hi: int, m: int) -> tuple[int, int]:
+        """Micro-batch ``m``'s run of ``t`` along its batch axis, where micro-batch 0's is
+        ``lo:hi``: a micro-batch's run further (the template's, ``Plan.micro_runs``, which a
+        piece of a flattened ``(b t)`` axis holds only a part of)."""
+        step = self.runs.get(t, hi - lo)
+        return lo + m * step, hi + m * step
 
 
 def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:

@@ -531,6 +531,7 @@ class Lowering:
                 value = ValueRange(group[0][1].value.lo, group[-1][1].value.hi)
                 mask = Mask(index, value)
                 var = self.names.fresh(device, f"{t.name}_sum", mask.shape)
+                self.names.tensor_of[device][var] = t
                 whole = tuple(slice(0, n) for n in mask.shape)
                 self.written.post[last].append(Assemble(var, mask.shape, t.dtype, [
                     Part(self.table.piece[(p, m, t)], whole, whole, Fraction(1))

@@ -168,6 +168,10 @@ class Plan:
         self.micro = 1
         self.steps: dict[int, list[Step]] = {}
         self.templated: set[str] = set()  # the ops ``template`` cut: into micro-batches
+        # each tensor a template piece holds a micro-batch's run of: that run's length along
+        # the axis the cut shortened (a flattened (b t) axis's is samples x tokens, longer
+        # than a piece of it the sequence was cut into after)
+        self.micro_runs: dict[PTensor, int] = {}
         # Ops a policy was to split along the batch but could not, with why (no signature,
         # or a dim it cannot split): each runs on the whole batch (``policies.mesh``).
         self.unsplit: dict[Op, str] = {}
@@ -219,6 +223,10 @@ class Plan:
         target = self._one(op, "template")
         first = self._cut(target, algo, self._pieces(target, algo, count=1))[0]
         self.templated.add(target.name)
+        for whole, part in zip((*target.inputs, *target.outputs), (*first.inputs, *first.outputs)):
+            for (lo, hi), (a, b) in zip(whole.mask.index, part.mask.index):
+                if (a, b) != (lo, hi):
+                    self.micro_runs.setdefault(whole.ptensor, b - a)
         return first
 
     def _pieces(self, target: PlanOp, algo: Algorithm, count: int | None = None
