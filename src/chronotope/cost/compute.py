@@ -16,8 +16,10 @@ import math
 from collections.abc import Sequence
 
 from chronotope.errors import SignatureError
+from chronotope.graph.attention import is_causal, visible
 from chronotope.graph.autocast import itemsizes, saves
 from chronotope.graph.ir import Graph, Op, TensorKind
+from chronotope.graph.mask import Index, Mask
 from chronotope.graph.signature import Signature
 from chronotope.plan.plan import PlanOp
 
@@ -28,7 +30,16 @@ def piece_flops(op: PlanOp) -> float:
     sig = fwd.op.signature
     flops = _flops(sig, fwd.piece.sizes, fwd.op.kind) if sig is not None else \
         float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
+    flops *= _kept(fwd.op, fwd.outputs[0].mask.index)
     return 2 * flops if op.is_backward and not op.split else flops
+
+
+def _kept(op: Op, box: Index) -> float:
+    """The share of an attention's query-key pairs its causal mask keeps, for a piece
+    holding ``box`` of its output: a causal kernel skips the others (1 for any other op)."""
+    if op.kind != "attention" or not is_causal(op.args, op.kwargs):
+        return 1.0
+    return visible(box[-2], op.inputs[1].shape[-2])
 
 
 class Traffic:
@@ -67,7 +78,7 @@ def op_flops(op: Op) -> float:
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
     except SignatureError:
         return outputs
-    return _flops(op.signature, sizes, op.kind)
+    return _flops(op.signature, sizes, op.kind) * _kept(op, Mask.full(op.outputs[0].shape).index)
 
 
 def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
