@@ -52,6 +52,7 @@ from chronotope.plan.check import format_bytes
 from chronotope.plan.files import load_plan, replicas_of
 from chronotope.policies import POLICIES, ParallelConfig, make, timeline
 from chronotope.policies.config import FLAGS
+from chronotope.policies.context import VARIANTS
 from chronotope.runtime.data import example_batches
 from chronotope.runtime.launch import Interrupted, run_processes
 from chronotope.runtime.metrics import JsonlLog, TensorBoardLog, read_jsonl
@@ -313,7 +314,8 @@ def _summary(graph: Graph, seconds: float, out: Console) -> None:
 def _config(args: argparse.Namespace) -> ParallelConfig:
     """--policy and the options that shape it (``policies.make`` checks them)."""
     return ParallelConfig(args.policy, args.devices, args.tp, args.pp, args.micro, args.chunks,
-                          args.coshard, args.recompute, args.swap, args.fold, args.schedule)
+                          args.coshard, args.recompute, args.swap, args.fold, args.schedule,
+                          args.cp, args.cp_attention)
 
 
 def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
@@ -1017,7 +1019,9 @@ def parser() -> argparse.ArgumentParser:
                               "into input and weight gradients; chimera: a down and an up "
                               "pipeline, each with half the micro-batches; 3f1b: a model "
                               "that runs itself again, recycling passes without gradients); "
-                              "csv: a pipeline in the order of --schedule; coshard: dp-tp "
+                              "csv: a pipeline in the order of --schedule; cp: context "
+                              "parallel, every op cut along the sequence over --cp devices; "
+                              "coshard: dp-tp "
                               "with --coshard pieces of each attention and MLP per device, "
                               "run one at a time; interlaced: 1F1B with the shared embedding "
                               "(lookups and output head) on every device")
@@ -1045,6 +1049,14 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--coshard", type=positive_int, default=None,
                          help="pieces per device of each attention and MLP (coshard; "
                               "default 2)")
+        cmd.add_argument("--cp", type=positive_int, default=None,
+                         help="context-parallel group: every op cut along the sequence over "
+                              "it (cp: default all devices over tp x pp; dp-tp, dp-sp and the "
+                              "pipelines: default 1)")
+        cmd.add_argument("--cp-attention", choices=VARIANTS, default=None,
+                         help="how attention meets the sequence chunks under --cp: allgather "
+                              "(keys and values gathered, causal chunks in a zigzag; default) "
+                              "or ulysses (heads cut over the group, all-to-all)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "

@@ -16,6 +16,7 @@ from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph
 from chronotope.plan.pause import collector_paused
 from chronotope.plan.plan import Plan
+from chronotope.policies.context import VARIANTS
 from chronotope.policies.interlaced import interlaced
 from chronotope.policies.mesh import mesh
 from chronotope.policies.pipeline import (
@@ -43,7 +44,10 @@ class ParallelConfig:
     and ``swap``: "full" or "selective"; ``fold``: plan one micro-batch and run every
     one from it (default: pipelines fold, a mesh's with pp > 1 among them, but for
     co-shard and the schedules that run the model twice a step, chimera and 3f1b);
-    ``schedule``: csv's pipeline order, a torch pipelining CSV file."""
+    ``schedule``: csv's pipeline order, a torch pipelining CSV file; ``cp``: the
+    context-parallel group of every op along the sequence (the cp policy: default all
+    devices over tp x pp; the meshes and pipelines: default 1), ``cp_attention`` how its
+    attention meets ("allgather" or "ulysses", see ``policies/context.py``)."""
 
     policy: str = "dp"
     devices: int = 1
@@ -56,6 +60,8 @@ class ParallelConfig:
     swap: str | None = None
     fold: bool | None = None
     schedule: str | None = None
+    cp: int | None = None
+    cp_attention: str | None = None
 
     def given(self) -> dict[str, object]:
         """The options set away from their default (policy and devices aside)."""
@@ -87,17 +93,20 @@ Builder = Callable[[Graph, ParallelConfig, Spelling], Plan]
 _ACTIVATION_OPTIONS = frozenset({"recompute", "swap"})
 
 
-def _mesh(sequence: bool = False, coshard: bool = False) -> Builder:
+def _mesh(sequence: bool = False, coshard: bool = False, context: bool = False) -> Builder:
     def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
-        tp, pp = c.tp or 2, c.pp or 1
-        if c.devices % (tp * pp):
-            raise PlanError(f"{say.said('tp', tp)} x {say.said('pp', pp)} does not divide "
-                            f"{say.said('devices', c.devices)}: a mesh needs devices = "
-                            "dp * pp * tp")
-        return mesh(graph, c.devices // (tp * pp), tp, pp=pp, micro=c.micro or 1,
+        tp, pp = c.tp or (1 if context else 2), c.pp or 1
+        cp = c.cp or (c.devices // (tp * pp) if context else 1)
+        if c.devices % (tp * pp * cp) or not cp:
+            given = " x ".join(say.said(k, v) for k, v in (("tp", tp), ("pp", pp), ("cp", cp))
+                               if k != "cp" or c.cp)
+            raise PlanError(f"{given} does not divide {say.said('devices', c.devices)}: a "
+                            "mesh needs devices = dp * pp * cp * tp")
+        return mesh(graph, c.devices // (tp * pp * cp), tp, pp=pp, micro=c.micro or 1,
                     sequence=sequence, coshard=(c.coshard or 2) if coshard else 1,
                     fold=c.fold if c.fold is not None else pp > 1 and not coshard,
-                    recompute=c.recompute, swap=c.swap)
+                    recompute=c.recompute, swap=c.swap, cp=cp,
+                    cp_attention=c.cp_attention or "allgather")
     return build
 
 
@@ -113,16 +122,19 @@ def _flat(**kinds: bool) -> Builder:
 
 def _pipeline(schedule: str) -> Builder:
     def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
-        stages = c.pp if c.pp and c.pp > 1 else c.devices
-        if c.devices % stages:
-            raise PlanError(f"{say.said('pp', stages)} stages do not divide "
+        cp = c.cp or 1
+        stages = c.pp if c.pp and c.pp > 1 else c.devices // cp
+        if c.devices % (stages * cp) or not stages:
+            raise PlanError(f"{say.said('pp', stages)} stages"
+                            f"{' x ' + say.said('cp', cp) if cp > 1 else ''} do not divide "
                             f"{say.said('devices', c.devices)}: a pipeline needs devices = "
-                            "dp * stages")
-        dp = c.devices // stages
+                            "dp * stages * cp")
+        dp = c.devices // (stages * cp)
         chunks = (c.chunks or 2) if schedule in MULTI_STAGE else 1
         fold = c.fold if c.fold is not None else schedule not in UNFOLDED
         return pipeline(graph, stages, _micro(graph, c, stages, dp), schedule, dp=dp,
-                        chunks=chunks, fold=fold, recompute=c.recompute, swap=c.swap)
+                        chunks=chunks, fold=fold, recompute=c.recompute, swap=c.swap, cp=cp,
+                        cp_attention=c.cp_attention or "allgather")
     return build
 
 
@@ -175,8 +187,9 @@ class Policy:
     about: str
 
 
-_MESH = frozenset({"tp", "pp", "micro", "fold"}) | _ACTIVATION_OPTIONS
-_PIPELINE = frozenset({"pp", "micro", "fold"}) | _ACTIVATION_OPTIONS
+_CONTEXT = frozenset({"cp", "cp_attention"})
+_MESH = frozenset({"tp", "pp", "micro", "fold"}) | _ACTIVATION_OPTIONS | _CONTEXT
+_PIPELINE = frozenset({"pp", "micro", "fold"}) | _ACTIVATION_OPTIONS | _CONTEXT
 
 POLICIES: dict[str, Policy] = {
     "dp": Policy(_flat(dp=True), _ACTIVATION_OPTIONS, "data parallel"),
@@ -184,7 +197,9 @@ POLICIES: dict[str, Policy] = {
     "sp": Policy(_flat(sequence=True), _ACTIVATION_OPTIONS, "tensor + sequence parallel"),
     "dp-tp": Policy(_mesh(), _MESH, "a dp x pp x tp mesh"),
     "dp-sp": Policy(_mesh(sequence=True), _MESH, "a dp x pp x tp mesh, sequence parallel"),
-    "coshard": Policy(_mesh(coshard=True), _MESH | {"coshard"},
+    "cp": Policy(_mesh(context=True), _MESH,
+                 "context parallel: every op along the sequence, over a dp x pp x cp x tp mesh"),
+    "coshard": Policy(_mesh(coshard=True), _MESH - _CONTEXT | {"coshard"},
                       "dp-tp with several pieces of each attention and MLP per device"),
     "interlaced": Policy(_interlaced, frozenset({"micro"}),
                          "1F1B with the shared embedding on every device"),
@@ -210,9 +225,10 @@ def make(graph: Graph, config: ParallelConfig, say: Spelling = KEYWORDS) -> Plan
         reads = ", ".join(map(say.name, sorted(policy.reads))) or "no options"
         raise PlanError(f"policy {config.policy} does not read {', '.join(unread)} (it "
                         f"reads {reads}): leave them out, or choose a policy that uses them")
-    for name in ("recompute", "swap"):
+    for name, allowed in (("recompute", ACTIVATIONS), ("swap", ACTIVATIONS),
+                          ("cp_attention", VARIANTS)):
         value = getattr(config, name)
-        if value is not None and value not in ACTIVATIONS:
-            raise PlanError(f"{say.said(name, value)}: use one of {', '.join(ACTIVATIONS)}")
+        if value is not None and value not in allowed:
+            raise PlanError(f"{say.said(name, value)}: use one of {', '.join(allowed)}")
     with collector_paused():  # (a large plan's pieces: see plan/pause.py)
         return policy.build(graph, config, say)

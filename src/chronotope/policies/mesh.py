@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chronotope.cost import op_flops
@@ -41,6 +41,8 @@ from chronotope.graph.mask import Mask, equal_runs
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import Fusion, PlanOp
 from chronotope.plan.steps import Kind, cells_of
+from chronotope.policies.context import context
+from chronotope.policies.context import cut as context_cut
 from chronotope.policies.pipeline import (
     DIRECTIONS,
     MULTI_STAGE,
@@ -263,9 +265,14 @@ def _crossing(ops: Sequence[Op], counted: set[PTensor] | None = None) -> list[in
 def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
          recompute: str | None = None, swap: str | None = None, coshard: int = 1,
-         choices: Choices | None = None, fold: bool = False) -> Plan:
-    """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``tp`` tensor-parallel
-    devices: rank = (i * pp + s) * tp + j.
+         choices: Choices | None = None, fold: bool = False, cp: int = 1,
+         cp_attention: str = "allgather", zigzag: bool | None = None) -> Plan:
+    """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``cp`` context-parallel
+    groups of ``tp`` tensor-parallel devices: rank = ((i * pp + s) * cp + c) * tp + j.
+
+    ``cp`` > 1 cuts every op along the sequence over the ``cp`` groups of a stage, and
+    attention by ``cp_attention`` ("allgather" or "ulysses"), the sequence dealt out in a
+    ``zigzag`` where attention is causal (see ``policies/context.py``).
 
     ``micro`` cuts each group's batch into micro-batches whose gradients the
     compiler sums (gradient accumulation); without stages each micro-batch's backward
@@ -292,9 +299,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     the compiler runs every micro-batch from it in the schedule's order: plan, check and
     compile cost what one micro-batch costs, however many there are.
     """
-    if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1:
-        raise PlanError(f"a mesh needs dp, tp, pp, micro, coshard >= 1, got dp={dp}, tp={tp}, "
-                        f"pp={pp}, micro={micro}, coshard={coshard}")
+    if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1 or cp < 1:
+        raise PlanError(f"a mesh needs dp, tp, pp, cp, micro, coshard >= 1, got dp={dp}, "
+                        f"tp={tp}, pp={pp}, cp={cp}, micro={micro}, coshard={coshard}")
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
@@ -305,7 +312,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if (dp > 1 or micro > 1) and batch % (dp * micro):
         raise PlanError(f"{dp} data-parallel groups x {micro} micro-batches need a batch "
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
-    plan = Plan(graph, dp * pp * tp)
+    ctx = context(graph, cp, cp_attention, zigzag)
+    plan = Plan(graph, dp * pp * cp * tp)
     if choices is None:
         choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
                           sequence_dims(graph) if sequence and tp > 1 else {})
@@ -357,20 +365,25 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             groups = [plan.op(op.name)]
         for g, piece in enumerate(groups):
             i, v = g // ways, g % ways * pp * chunks + stage[op]  # group, (virtual) stage
-            first = (i * pp + rank_of[v]) * tp
-            placed = choices.devices.get(op)
-            devices = [first + d for d in placed] if placed else range(first, first + tp)
+            first = (i * pp + rank_of[v]) * cp * tp
+            placed = choices.devices.get(op) or range(tp)
             micros = [piece]
             batched = op not in data and (batch_dim[op] is not None or op in tails)
             if micro > ways and batched:
                 cut = batch_cut(op, batch_dim, tails, micro // ways)
                 micros = [plan.template(piece, cut)] if fold else plan.trans(piece, cut)
+            # what a template runs once for every micro-batch, from the inputs alone (a
+            # count of the labels), each device of a context-parallel group makes whole:
+            # a micro-batch's step then reads its rows of it
+            cps = ctx if not (fold and op in data) else replace(ctx, cuts={}, tails={})
             for m, sub in enumerate(micros):
-                parts = _tensor_parallel(plan, sub, splits.get(op), seq.get(op), devices,
-                                         coshard if op in spans else 1)
-                if op in spans:
-                    for c, pieces in enumerate(parts):
-                        sharded[(spans[op], g, m)][c] += pieces
+                for c, part in context_cut(plan, sub, cps):
+                    parts = _tensor_parallel(plan, part, splits.get(op), seq.get(op),
+                                             [first + c * tp + d for d in placed],
+                                             coshard if op in spans else 1)
+                    if op in spans:
+                        for k, pieces in enumerate(parts):
+                            sharded[(spans[op], g, m)][k] += pieces
                 if orders and batched:
                     cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
@@ -384,7 +397,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     for name, fusion in choices.fused.items():
         plan.fuse(name, fusion.group, fusion.backend)
     if fold:
-        _fold(plan, cells, dp, tp, micro, orders, rank_of)
+        _fold(plan, cells, dp, cp * tp, micro, orders, rank_of)
     elif orders:
         _schedule(plan, cells, dp, micro // ways, orders, rank_of)
     for key, parts in sharded.items():
@@ -618,10 +631,10 @@ def _split_for(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]],
     return split
 
 
-def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, tp: int,
+def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, width: int,
           micro: int, orders: dict[int, list[Step]], rank_of: list[int]) -> None:
-    """A template's steps: each device of stage rank ``r`` runs its schedule; a schedule
-    with weight-gradient steps (W) splits every backward first."""
+    """A template's steps: each of the ``width`` devices of stage rank ``r`` runs its
+    schedule; a schedule with weight-gradient steps (W) splits every backward first."""
     pp = len(orders)
     _split_for(plan, cells, orders)
     # a stage without parameters has no weight-gradient step, and one that nothing
@@ -631,8 +644,8 @@ def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, 
     for i in range(dp):
         for r in range(pp):
             mine = [step for step in orders[r] if step.kind is Kind.F or step[:2] in made]
-            for j in range(tp):
-                steps[(i * pp + r) * tp + j] = mine
+            for j in range(width):
+                steps[(i * pp + r) * width + j] = mine
     plan.micro_batches(micro, steps)
 
 

@@ -263,12 +263,16 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
 
 def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *,
              dp: int = 1, tp: int = 1, chunks: int = 1, recompute: str | None = None,
-             swap: str | None = None, fold: bool = False) -> Plan:
-    """``stages`` pipeline ranks (times ``tp`` tensor-parallel devices each, times ``dp``
-    data-parallel groups) running ``microbatches`` micro-batches in ``schedule`` order;
-    with ``chunks`` > 1 (interleaved), each rank holds that many stages; ``recompute``,
-    ``swap`` and ``fold`` (one micro-batch planned and compiled, all run) as in ``mesh``."""
+             swap: str | None = None, fold: bool = False, cp: int = 1,
+             cp_attention: str = "allgather") -> Plan:
+    """``stages`` pipeline ranks (times ``cp`` context-parallel groups of ``tp``
+    tensor-parallel devices each, times ``dp`` data-parallel groups) running
+    ``microbatches`` micro-batches in ``schedule`` order; with ``chunks`` > 1
+    (interleaved), each rank holds that many stages; ``recompute``, ``swap``, ``fold``
+    (one micro-batch planned and compiled, all run), ``cp`` and ``cp_attention`` as in
+    ``mesh``."""
     from chronotope.policies.mesh import mesh
 
     return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
-                chunks=chunks, recompute=recompute, swap=swap, fold=fold)
+                chunks=chunks, recompute=recompute, swap=swap, fold=fold, cp=cp,
+                cp_attention=cp_attention)

@@ -1,0 +1,87 @@
+"""Context parallelism: every op cut along the sequence, equal to one device."""
+
+import pytest
+from plan_testing import captured, trains_like_one_device
+
+import chronotope as ct
+from chronotope.cost.compute import piece_flops
+from chronotope.errors import PlanError
+from chronotope.policies import ParallelConfig, make, mesh
+from chronotope.policies.context import context
+
+
+def _attention_flops(plan: ct.Plan) -> list[float]:
+    """Each device's forward attention FLOPs."""
+    per = [0.0] * plan.ndevices
+    for piece in plan.check().sequences.values():
+        for op in piece:
+            if op.op.kind == "attention" and not op.is_backward:
+                per[op.device] += piece_flops(op)
+    return per
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert", "hf-llama"])
+@pytest.mark.parametrize("attention", ["allgather", "ulysses"])
+def test_each_attention_variant_trains_like_one_device(model, attention):
+    w, graph = captured(model)
+    trains_like_one_device(w, ct.compile(mesh(graph, cp=4, cp_attention=attention)))
+
+
+@pytest.mark.parametrize("shape", [
+    dict(dp=2, cp=2), dict(cp=2, tp=2), dict(cp=2, tp=2, sequence=True),
+    dict(cp=2, pp=2, micro=2, schedule="1f1b", fold=True),
+    dict(cp=2, tp=2, pp=2, micro=4, schedule="zb1", fold=True),
+    dict(cp=2, recompute="full"), dict(cp=2, micro=2, fold=True)])
+def test_context_parallel_combines_with_the_other_axes(shape):
+    w, graph = captured("gpt")
+    trains_like_one_device(w, ct.compile(mesh(graph, **shape)))
+
+
+def test_every_activation_along_the_sequence_is_cut():
+    """Embeddings, norms, MLPs, attention and the token loss: each is cut along the
+    sequence, past the flatten of (b t) before the loss."""
+    _, graph = captured("llama")
+    ctx = context(graph, 2)
+    cut = {op.name for op, c in ctx.cuts.items() if c is not None}
+    assert {"embedding", "mean", "linear", "scaled_dot_product_attention", "silu",
+            "cross_entropy_sum"} <= cut
+    # what never sees the batch's sequence: the rotary tables, the loss's last division
+    assert {op.name for op in graph.ops} - cut == {"getitem", "getitem_1", "cross_entropy"}
+
+
+def test_zigzag_gives_every_device_the_same_causal_work():
+    _, graph = captured("gpt", block_size=64)
+    balanced = _attention_flops(mesh(graph, cp=4))
+    plain = _attention_flops(mesh(graph, cp=4, zigzag=False))
+    assert max(balanced) / min(balanced) <= 1.05
+    assert max(plain) / min(plain) >= 4  # the last chunk sees four times the first's keys
+
+
+def test_activations_per_device_fall_with_the_group():
+    _, graph = captured("gpt", block_size=64, d_model=128, vocab_size=128)
+    peak = [mesh(graph, cp=cp).check().memory[0].activations for cp in (1, 2, 4)]
+    assert peak[1] < 0.62 * peak[0] and peak[2] < 0.62 * peak[1], peak
+
+
+def test_what_context_parallelism_cannot_cut_is_refused_by_name():
+    _, graph = captured("gpt", block_size=24)
+    with pytest.raises(PlanError, match="sequence length divisible by 16"):
+        mesh(graph, cp=8)  # a zigzag of 16 chunks
+    _, graph = captured("gpt")
+    with pytest.raises(PlanError, match="heads"):
+        mesh(graph, cp=8, cp_attention="ulysses")  # 4 heads
+    _, swin = captured("swin")
+    with pytest.raises(PlanError, match="no scaled_dot_product_attention"):
+        mesh(swin, cp=2)
+    with pytest.raises(PlanError, match="cp_attention='ring'"):
+        make(graph, ParallelConfig("cp", 4, cp_attention="ring"))
+
+
+def test_the_cp_policy_reads_its_options():
+    _, graph = captured("gpt")
+    plan = make(graph, ParallelConfig("cp", 4, tp=2))
+    assert plan.ndevices == 4
+    with pytest.raises(PlanError, match="does not read cp"):
+        make(graph, ParallelConfig("tp", 4, cp=2))
+    with pytest.raises(PlanError, match="does not divide"):
+        make(graph, ParallelConfig("dp-tp", 4, tp=2, cp=4))
