@@ -66,3 +66,35 @@ def test_a_tensor_made_in_the_shape_of_a_batch_keeps_the_batch():
     plan = data_parallel(graph, 2)
     assert not plan.unsplit
     trains_like_one_device(w, ct.compile(plan))
+
+
+class Tagger(nn.Module):
+    """A token classifier with a mean cross entropy (or nll) that ignores some labels."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+        self.loss = loss
+
+    def forward(self, x, labels):
+        logits = self.fc(x).flatten(0, 1)
+        if self.loss == "nll":
+            return F.nll_loss(logits.log_softmax(-1), labels.flatten())
+        return F.cross_entropy(logits, labels.flatten(), label_smoothing=0.0)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll"])
+def test_a_mean_over_counted_labels_splits_where_pieces_ignore_unequal_counts(loss, frontend):
+    """The first half of the batch ignores most of its labels, the second none: a piece's
+    mean scaled by its share of the rows is not its share of the loss, so the loss is a sum
+    over a count (also in the exported form, whose reduction is an enum)."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 5, (4, 6))
+    labels[:2, 1:] = -100
+    w = ct.Workload(Tagger(loss), (torch.randn(4, 6, 8), labels), name=loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w, frontend=frontend)
+    assert {"loss_denominator"} <= {op.kind for op in graph.ops}
+    trains_like_one_device(w, ct.compile(data_parallel(graph, 2)))

@@ -349,7 +349,7 @@ class Lowering:
         out_grad = tuple(v.ptensor in rg for v in op.outputs)
         opdef = self.plan.registry.of(op.op.target)
         scale = Fraction(1)
-        if opdef is not None and opdef.averages(op.op.kwargs) and op.outputs:
+        if opdef is not None and opdef.averages(op.op.args, op.op.kwargs) and op.outputs:
             scale = op.outputs[0].mask.value.width
         scales: tuple[Fraction, ...] = ()
         if self.replicas is not None:

@@ -43,12 +43,24 @@ from chronotope.graph.signature import Signature
 from chronotope.graph.trace import call_on_meta, device_args, to_meta
 
 _MEAN_LOSSES = frozenset({F.cross_entropy, F.nll_loss})
+# their exported forms, where the reduction is an enum: 0 none, 1 mean, 2 sum
+_ATEN_MEAN_LOSSES = frozenset({torch.ops.aten.cross_entropy_loss.default,
+                               torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default})
+_MEAN, _SUM = 1, 2
 _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 _NOT_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 _IDENTITY_METHODS = frozenset({"cpu", "cuda", "requires_grad_", "retain_grad"})
 _RANDOM = re.compile(
     r"rand|dropout|bernoulli|normal(?!ize)|uniform|multinomial|exponential|geometric|cauchy")
+
+
+def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An aten op's arguments by name, defaults filled in from its schema."""
+    out = {}
+    for k, arg in enumerate(op._schema.arguments):
+        out[arg.name] = args[k] if k < len(args) else kwargs.get(arg.name, arg.default_value)
+    return out
 
 
 class OpFailed(CaptureError):
@@ -213,7 +225,7 @@ class Converter:
         if rng.rewritable(target, args, kwargs):  # a piece of it then draws exactly its slice
             target, kwargs = rng.rewrite(target, kwargs, self.draws)
             self.draws += 1
-        if mutated is None and target in _MEAN_LOSSES:
+        if mutated is None and (target in _MEAN_LOSSES or target in _ATEN_MEAN_LOSSES):
             loss = self.mean_as_sum(node.name, target, args, kwargs, source)
             if loss is not None:
                 return loss
@@ -372,15 +384,24 @@ class Converter:
         Its denominator depends on the labels, so a piece of the batch cannot
         scale its own mean correctly; a sum and a count both split exactly.
         """
-        bound = inspect.signature(target).bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        if target in _ATEN_MEAN_LOSSES:  # (self, target, weight, reduction, ignore_index, ...)
+            a = _bound(target, args, kwargs)
+            if a["reduction"] != _MEAN:
+                return None
+            summed_args = tuple(_SUM if k == "reduction" else v for k, v in a.items())
+            a = {**a, "reduction": "mean", "size_average": None, "reduce": None}
+            summed_kwargs: dict[str, Any] = {}
+        else:
+            bound = inspect.signature(target).bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            summed_args, summed_kwargs = (), {**a, "reduction": "sum"}
         labels = a["target"]
         if (a["reduction"] != "mean" or a["size_average"] is not None or a["reduce"] is not None
                 or labels.dtype.is_floating_point
                 or (a["weight"] is not None and a.get("label_smoothing", 0.0))):
             return None
-        total = self.op_result(f"{name}_sum", target, (), {**a, "reduction": "sum"}, source)
+        total = self.op_result(f"{name}_sum", target, summed_args, summed_kwargs, source)
         count = self.op_result(f"{name}_count", functional.loss_denominator,
                                (labels, a["weight"], a["ignore_index"], total.dtype), {}, source)
         return self.op_result(name, operator.truediv, (total, count), {}, source)

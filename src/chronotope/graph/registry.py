@@ -80,11 +80,19 @@ class OpDef:
     user: bool = False
     region: RegionRule | None = None
     decompose: Decomposition | None = None
+    # where a loss takes its ``reduction`` by position (None: by keyword alone)
+    reduction_index: int | None = None
 
-    def averages(self, kwargs: dict[str, Any]) -> bool:
-        """Whether a call with these keyword arguments takes a mean over what it reduces
-        (a loss without ``reduction="sum"``): a part of it is scaled by its share."""
-        return self.mean_reduction and kwargs.get("reduction", "mean") == "mean"
+    def averages(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether a call with these arguments takes a mean over what it reduces (a loss
+        without ``reduction="sum"``, or an exported one's enum 1): a part of it is scaled
+        by its share."""
+        if not self.mean_reduction:
+            return False
+        at = self.reduction_index
+        reduction = kwargs.get("reduction", args[at] if at is not None and at < len(args)
+                               else "mean")
+        return _REDUCTIONS.get(reduction, reduction) == "mean"
 
     def value_splits(self, ninputs: int) -> list[tuple[int, ...]]:
         """The sets of inputs a call with ``ninputs`` tensor inputs may take value shares of
@@ -117,6 +125,8 @@ class OpDef:
         outs = tuple(torch.empty(s, dtype=dtype, device="meta") for s in shapes)
         return outs[0] if len(outs) == 1 else outs
 
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # an exported loss's reduction enum
 
 OP_DEF = "__chronotope_op__"  # the attribute of a registered user op that holds its entry
 

@@ -83,7 +83,7 @@ def replicas(graph: Graph, registry: OpRegistry, requires_grad: set[PTensor], co
             carry(op, dim, axis)
             if op.signature.dim(dim).reduce:
                 partial.update(op.outputs)
-                if opdef is not None and opdef.averages(op.kwargs):
+                if opdef is not None and opdef.averages(op.args, op.kwargs):
                     means.add(op)
             elif any(t not in axis for t in op.outputs):
                 _refuse(op, "it makes a tensor without the batch axis from batched inputs")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -198,18 +199,19 @@ def register(reg: OpRegistry) -> None:
     reg.add([F.layer_norm, torch.layer_norm, aten.layer_norm], "layer_norm", normalized(1, 2))
     reg.add([F.rms_norm, torch.rms_norm, aten.rms_norm], "rms_norm", normalized(1, 1))
 
-    reg.add([F.cross_entropy], "cross_entropy", lambda c: loss(c, reduction_index=7),
-            mean_reduction=True)
-    reg.add([torch._C._nn.cross_entropy_loss, aten.cross_entropy_loss], "cross_entropy",
-            lambda c: loss(c, reduction_index=3), mean_reduction=True)
-    reg.add([F.nll_loss], "nll_loss", lambda c: loss(c, reduction_index=6), mean_reduction=True)
-    reg.add([aten.nll_loss, aten.nll_loss_nd], "nll_loss",
-            lambda c: loss(c, reduction_index=3), mean_reduction=True)
+    for targets, kind, at in (([F.cross_entropy], "cross_entropy", 7),
+                              ([torch._C._nn.cross_entropy_loss, aten.cross_entropy_loss],
+                               "cross_entropy", 3),
+                              ([F.nll_loss], "nll_loss", 6),
+                              ([aten.nll_loss, aten.nll_loss_nd], "nll_loss", 3)):
+        reg.add(targets, kind, functools.partial(loss, reduction_index=at), mean_reduction=True,
+                reduction_index=at)
     reg.add([functional.loss_denominator], "loss_denominator", _denominator)
     reg.add([F.mse_loss, F.l1_loss, F.smooth_l1_loss], "pointwise_loss", _pointwise_loss,
-            mean_reduction=True)
+            mean_reduction=True, reduction_index=4)
     reg.add([F.binary_cross_entropy_with_logits, F.binary_cross_entropy], "pointwise_loss",
-            lambda c: _pointwise_loss(c, reduction_index=5), mean_reduction=True)
+            functools.partial(_pointwise_loss, reduction_index=5), mean_reduction=True,
+            reduction_index=5)
 
 
 def _denominator(call: OpCall) -> str:
