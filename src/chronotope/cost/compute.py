@@ -19,7 +19,7 @@ from chronotope.errors import SignatureError
 from chronotope.graph.attention import is_causal, visible
 from chronotope.graph.autocast import itemsizes, saves
 from chronotope.graph.ir import Graph, Op, TensorKind
-from chronotope.graph.mask import Index, Mask
+from chronotope.graph.mask import Index
 from chronotope.graph.signature import Signature
 from chronotope.plan.plan import PlanOp
 
@@ -35,11 +35,13 @@ def piece_flops(op: PlanOp) -> float:
 
 
 def _kept(op: Op, box: Index) -> float:
-    """The share of an attention's query-key pairs its causal mask keeps, for a piece
-    holding ``box`` of its output: a causal kernel skips the others (1 for any other op)."""
+    """A piece of a causal attention holding ``box`` of its output: how much more of its
+    query-key pairs the mask keeps than the whole op's share (rows late in the sequence see
+    more keys), so its pieces' FLOPs add up to the op's (1 for any other op)."""
     if op.kind != "attention" or not is_causal(op.args, op.kwargs):
         return 1.0
-    return visible(box[-2], op.inputs[1].shape[-2])
+    keys, rows = op.inputs[1].shape[-2], op.outputs[0].shape[-2]
+    return visible(box[-2], keys) / visible((0, rows), keys)
 
 
 class Traffic:
@@ -78,7 +80,7 @@ def op_flops(op: Op) -> float:
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
     except SignatureError:
         return outputs
-    return _flops(op.signature, sizes, op.kind) * _kept(op, Mask.full(op.outputs[0].shape).index)
+    return _flops(op.signature, sizes, op.kind)
 
 
 def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
