@@ -19,40 +19,41 @@ from tests.zoo.models import FAMILIES
 SPLIT = ("dp", "tp", "zero-3")
 ALL = (*SPLIT, "1f1b", "1f1b-fold")
 NO_TP = tuple(p for p in ALL if p != "tp")
+CP = ("cp", "cp-4", "ulysses-4")  # context parallel: the families that call sdpa on tokens
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
-    "opt": ALL,
-    "opt-dropout": ALL,
+    "opt": (*ALL, *CP),
+    "opt-dropout": (*ALL, *CP),
     "gpt-neo": ALL,
-    "gpt-j": ALL,
-    "mistral": ALL,
-    "mistral-frozen": ALL,
-    "qwen2": ALL,
-    "phi": ALL,
-    "gemma": ALL,
-    "falcon": ALL,
+    "gpt-j": (*ALL, *CP),
+    "mistral": (*ALL, *CP),
+    "mistral-frozen": (*ALL, *CP),
+    "qwen2": (*ALL, *CP),
+    "phi": (*ALL, *CP),
+    "gemma": (*ALL, *CP),
+    "falcon": (*ALL, *CP),
     "bloom": ALL,
-    "mixtral": SPLIT,
-    "qwen2-moe": SPLIT,
-    "bart": ALL,
-    "roberta-cls": ALL,
-    "distilbert-cls": ALL,
+    "mixtral": (*SPLIT, *CP),
+    "qwen2-moe": (*SPLIT, *CP),
+    "bart": (*ALL, *CP),
+    "roberta-cls": (*ALL, *CP),
+    "distilbert-cls": (*ALL, *CP),
     "deberta-v2": ALL,
     "deberta-v2-mlm": ALL,
-    "electra": ALL,
+    "electra": (*ALL, *CP),
     "vit": ALL,
     "whisper": ALL,
     "wav2vec2": ALL,
     "clip": SPLIT,
     "cnn-bn": ("dp", "zero-3"),
     "two-tower": SPLIT,
-    "t5-v1.1": ALL,
-    "albert": ALL,
-    "gemma3": ALL,
-    "deepseek-v3": SPLIT,
-    "gpt-bigcode": ALL,
-    "granite": ALL,
-    "olmoe": SPLIT,
+    "t5-v1.1": (*ALL, *CP),
+    "albert": (*ALL, *CP),
+    "gemma3": (*ALL, *CP),
+    "deepseek-v3": (*SPLIT, *CP),
+    "gpt-bigcode": (*ALL, *CP),
+    "granite": (*ALL, *CP),
+    "olmoe": (*SPLIT, *CP),
     "mamba": ALL,
     "bigbird": ALL,
     "convnext": ALL,
@@ -66,13 +67,13 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "checkpointed": ALL,
     "checkpointed-reentrant": ALL,
     "gnn": SPLIT,
-    "sdpa-gqa": ALL,
+    "sdpa-gqa": (*ALL, "cp", "cp-4"),  # ulysses: 2 key heads do not cut 4 ways
     "custom-function": ALL,
     "no-grad": SPLIT,
     "inplace-slices": ALL,
     "unused-param": ALL,
     "counter-buffer": ALL,
-    "last-token": ALL,
+    "last-token": (*ALL, *CP),
     "uncertainty-loss": ALL,
 }
 CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy in policies]
@@ -82,7 +83,9 @@ CASES = [(family, policy) for family, policies in EQUAL_TODAY.items() for policy
 GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1b"),
         ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp"),
         # the idioms: a Function's own backward, writes into slices, random draws in place
-        ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("drop-path", "1f1b-fold")]
+        ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("drop-path", "1f1b-fold"),
+        # context parallel: keys gathered for a zigzag of causal chunks, heads all-to-all
+        ("qwen2", "cp-4"), ("mixtral", "ulysses-4")]
 
 # What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
 # dispatch over every token, bags of an EmbeddingBag, a graph's adjacency over all its

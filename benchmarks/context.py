@@ -1,0 +1,194 @@
+"""Context parallelism: activation memory per rank against the sequence length, the balance
+of causal attention work over the ranks, and the step time.
+
+    python benchmarks/context.py [--seq 512 1024 2048] [--cp 1 2 4] [--d-model 128]
+                                 [--only memory|balance|time] [--device cpu|cuda]
+
+Memory: a GPT (and Llama, GQA) of ``--d-model`` with 2 layers, batch 2, one training
+step with every rank a thread (``run_in_threads``, ``PeakMemory``): the measured peak of
+what the step made on the fullest rank, beside the plan's estimate, and that peak times
+cp over one device's (goal: <= 1.15, activations falling as 1 / cp). ``allgather`` holds
+every layer's keys and values whole for its backward, which ``ulysses`` does not.
+
+Balance: each rank's causal attention FLOPs (``cost.piece_flops``: a chunk late in the
+sequence sees more keys), max over min, for the sequence cut in a zigzag (each rank
+chunks i and 2 cp - 1 - i) and in plain runs (goal: zigzag <= 1.05).
+
+Time: the median step time of cp over ``cp`` gloo processes against one process,
+and against torch's ``context_parallel`` (ring attention on DTensor) where it runs: it has
+no CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding
+rule), so only with ``--device cuda`` (one NCCL process per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import chronotope as ct  # noqa: E402
+from chronotope.cost.compute import piece_flops  # noqa: E402
+from chronotope.models import get_workload  # noqa: E402
+from chronotope.policies import ParallelConfig, make, mesh  # noqa: E402
+from chronotope.runtime.launch import free_port, launch  # noqa: E402
+from chronotope.runtime.local import Optim, rank_specs, run_in_threads  # noqa: E402
+
+VARIANTS = ("allgather", "ulysses")
+
+
+def _workload(model: str, seq: int, d_model: int, **kw):
+    length = {"gpt": "block_size"}.get(model, "seq_len")
+    extra = {"n_kv_head": 2} if model == "llama" else {}
+    return get_workload(model, d_model=d_model, n_head=8, n_layer=2, vocab_size=512,
+                        batch_size=2, **{length: seq}, **extra, **kw)
+
+
+def _graph(w) -> ct.Graph:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(w)
+
+
+def memory_table(model: str, seqs: list[int], cps: list[int], d_model: int) -> Table:
+    table = Table(title=f"{model} d_model={d_model}, 8 heads, 2 layers, batch 2: what one "
+                        "step makes on the fullest rank (MiB), and that x cp / one device's")
+    for col in ("tokens", "cp", "attention", "estimate", "measured", "measured x cp / cp 1"):
+        table.add_column(col, justify="right")
+    for seq in seqs:
+        w = _workload(model, seq, d_model)
+        graph = _graph(w)
+        base = None
+        for cp in cps:
+            for variant in VARIANTS if cp > 1 else VARIANTS[:1]:
+                plan = make(graph, ParallelConfig("cp", cp, cp_attention=variant))
+                memory = plan.check().memory
+                run = run_in_threads(ct.compile(plan), w, 1, Optim("sgd", 0.1),
+                                     measure_memory=True)
+                rank = max(range(cp), key=lambda r: run.peak_memory[r])
+                measured = run.peak_memory[rank]
+                base = base or measured
+                estimate = memory[rank].activations + memory[rank].grads
+                table.add_row(str(seq), str(cp), variant if cp > 1 else "-",
+                              f"{estimate / 2**20:.1f}", f"{measured / 2**20:.1f}",
+                              f"{measured * cp / base:.2f}")
+    return table
+
+
+def balance_table(seq: int, cps: list[int], d_model: int) -> Table:
+    graph = _graph(_workload("gpt", seq, d_model))
+    table = Table(title=f"GPT, {seq} tokens: causal attention FLOPs per rank, max / min")
+    for col in ("cp", "zigzag", "plain runs"):
+        table.add_column(col, justify="right")
+    for cp in (c for c in cps if c > 1):
+        spread = []
+        for zigzag in (True, False):
+            per = [0.0] * cp
+            checked = mesh(graph, cp=cp, zigzag=zigzag).check()
+            for rank, sequence in checked.sequences.items():
+                per[rank] = sum(piece_flops(op) for op in sequence
+                                if op.op.kind == "attention" and not op.is_backward)
+            spread.append(max(per) / min(per))
+        table.add_row(str(cp), f"{spread[0]:.3f}", f"{spread[1]:.2f}")
+    return table
+
+
+def chronotope_step_time(w, cp: int, variant: str, steps: int) -> float:
+    graph = _graph(w)
+    program = ct.compile(make(graph, ParallelConfig("cp", cp, cp_attention=variant)))
+    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=600)
+    return statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:])
+
+
+def _torch_worker(rank: int, world: int, seq: int, d_model: int, steps: int, port: int,
+                  out: str) -> None:
+    """One rank of torch's context_parallel on the same GPT: batch and labels sharded along
+    the sequence (head-tail load balanced), SDPA swapped for ring attention."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    w = _workload("gpt", seq, d_model, device="cuda")
+    device_mesh = init_device_mesh("cuda", (world,))
+    opt = torch.optim.SGD(w.model.parameters(), lr=0.1)
+    idx, targets = (t.clone() for t in w.inputs)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with context_parallel(device_mesh, buffers=[idx, targets], buffer_seq_dims=[1, 1]):
+            w.model(idx, targets).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, times)
+    if rank == 0:
+        torch.save([max(ts) for ts in zip(*gathered)], out)
+    dist.destroy_process_group()
+
+
+def torch_step_time(world: int, seq: int, d_model: int, steps: int) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "times.pt")
+        mp.start_processes(_torch_worker, args=(world, seq, d_model, steps, free_port(), out),
+                           nprocs=world, join=True, start_method="spawn")
+        return statistics.median(torch.load(out)[1:])
+
+
+def time_table(seq: int, cps: list[int], d_model: int, steps: int, device: str) -> Table:
+    w = _workload("gpt", seq, d_model, device=device)
+    one = chronotope_step_time(w, 1, "allgather", steps)
+    table = Table(title=f"GPT d_model={d_model}, 2 layers, batch 2 x {seq} tokens on {device}: "
+                        f"median step time (ms) of {steps - 1} steps, slowest rank")
+    for col in ("cp", "attention", "chronotope", "/ one process", "torch context_parallel",
+                "chronotope / torch"):
+        table.add_column(col, justify="right")
+    for cp in (c for c in cps if c > 1):
+        theirs = torch_step_time(cp, seq, d_model, steps) if device == "cuda" else None
+        for variant in VARIANTS:
+            ours = chronotope_step_time(w, cp, variant, steps)
+            table.add_row(str(cp), variant, f"{ours * 1e3:.1f}", f"{ours / one:.2f}",
+                          f"{theirs * 1e3:.1f}" if theirs else "no CPU kernel",
+                          f"{ours / theirs:.2f}" if theirs else "-")
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--only", choices=("memory", "balance", "time"))
+    args = p.parse_args()
+    console = Console(width=130)
+    if args.only in (None, "memory"):
+        for model in ("gpt", "llama"):
+            console.print(memory_table(model, args.seq, args.cp, args.d_model))
+    if args.only in (None, "balance"):
+        console.print(balance_table(max(args.seq), [*args.cp, 8], args.d_model))
+    if args.only in (None, "time"):
+        console.print(time_table(min(args.seq), args.cp, args.d_model, args.steps,
+                                 args.device))
+
+
+if __name__ == "__main__":
+    main()
