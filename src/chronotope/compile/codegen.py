@@ -540,7 +540,8 @@ def _communication(ins: Instruction) -> str:
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
     if isinstance(ins, AllGather):
-        return f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims})"
+        slots = f", slots={ins.slots}" if ins.slots else ""
+        return f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims}{slots})"
     if isinstance(ins, ReduceScatter):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return (f"rt.reduce_scatter([{pieces}], ranks={ins.ranks}, dims={ins.dims}"

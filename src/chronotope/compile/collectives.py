@@ -184,8 +184,8 @@ def _members(kind: CollectiveKind, key: Key, members: list[tuple[int, Assemble, 
     if kind is CollectiveKind.ALL_REDUCE:
         return tuple(sources)
     if kind is CollectiveKind.ALL_GATHER:
-        orders = {tuple(p.ranks) for _, _, p in members}
-        return orders.pop() if len(orders) == 1 else None
+        orders = {(tuple(p.ranks), p.slots) for _, _, p in members}
+        return orders.pop()[0] if len(orders) == 1 else None
     if kind is CollectiveKind.ALL_TO_ALL and len({tuple(p.ranks) for _, _, p in members}) != 1:
         return None
     by_chunk = sorted((p.chunk, r) for r, _, p in members)
@@ -201,7 +201,7 @@ def _collective(ins: Assemble, members: tuple[int, ...]) -> Instruction:
         return AllReduce((ins.var,), (p.local,), members, (ins.shape,), ins.dtype, (p.key,))
     if p.kind is CollectiveKind.ALL_GATHER:
         return AllGather((ins.var,), (p.local[0],), members, (ins.shape,), ins.dtype, (p.dim,),
-                         (p.key,))
+                         (p.key,), slots=p.slots)
     if p.kind is CollectiveKind.ALL_TO_ALL:
         return AllToAll(ins.var, p.local[0], tuple(p.ranks), members, ins.shape, ins.dtype,
                         p.dim, p.split, p.key)
@@ -226,6 +226,7 @@ def coalesce(ranks: list[list[Instruction]], kinds: tuple[type, ...] = MULTI,
             prev = merged[-1] if merged else None
             if (isinstance(ins, kinds) and isinstance(ins, MULTI) and isinstance(prev, type(ins))
                     and prev.ranks == ins.ranks and prev.dtype == ins.dtype
+                    and getattr(prev, "slots", ()) == getattr(ins, "slots", ())
                     and adjacent[(prev.keys[-1], ins.keys[0])] == set(ins.ranks)):
                 merged[-1] = flat([(x, k) for x in (prev, ins) for k in range(len(x.vars))])
             else:

@@ -17,7 +17,7 @@ from there, in order, ``arrange`` first.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -557,16 +557,23 @@ class Lowering:
                            sorted(set(devices)), local)
         masks = [m for _, m in found]
         if all(m.value.is_full for m in masks):
-            if len(devices) != len(set(devices)):
-                return None  # a gather takes one piece from each member
             chunks = equal_runs(v.mask, masks)
+            key = Key(t.name, v.mask.index, self.role(t), sources)
+            if len(devices) != len(set(devices)):  # members with several runs of it
+                held = Counter(devices)
+                if chunks is None or len(set(held.values())) != 1:
+                    return None
+                dim, order = chunks
+                slots = tuple(devices[i] for i in order)
+                mine = [found[i] for i in order if devices[i] == rank]
+                return Pattern(CollectiveKind.ALL_GATHER, key, list(dict.fromkeys(slots)),
+                               (self.side_by_side(rank, t, mine, dim, pre),), dim,
+                               slots=slots)
             if chunks is not None:
                 dim, order = chunks
-                return Pattern(CollectiveKind.ALL_GATHER,
-                               Key(t.name, v.mask.index, self.role(t), sources),
-                               [devices[i] for i in order], local, dim)
-            return _all_to_all(Key(t.name, v.mask.index, self.role(t), sources), v.mask, masks,
-                               devices, local)
+                return Pattern(CollectiveKind.ALL_GATHER, key, [devices[i] for i in order],
+                               local, dim)
+            return _all_to_all(key, v.mask, masks, devices, local)
         whole = _partial_sums(masks)
         if whole is None:
             return None
@@ -600,6 +607,22 @@ class Lowering:
         ours = sorted((p.name, m.index) for p, m in found)
         return all(sorted((p.name, m.index) for p, m in self.sources.find(v, d)) == ours
                    for d in set(devices) - {rank})
+
+    def side_by_side(self, rank: int, t: PTensor, pieces: list[tuple[PlanOp, Mask]], dim: int,
+                     pre: list[Instruction]) -> str:
+        """This rank's ``pieces`` of ``t`` (equal runs along ``dim``, in order) side by side:
+        what it gives a gather where it holds several runs (``Pattern.slots``)."""
+        shape = list(pieces[0][1].shape)
+        step, shape[dim] = shape[dim], shape[dim] * len(pieces)
+        var = self.names.fresh(rank, f"{t.name}_local", tuple(shape))
+        self.names.tensor_of[rank][var] = t
+        whole = tuple(slice(0, n) for n in pieces[0][1].shape)
+        pre.append(Assemble(var, tuple(shape), t.dtype, [
+            Part(self.table.piece[(p, m, t)], whole,
+                 tuple(slice(k * step, (k + 1) * step) if d == dim else s
+                       for d, s in enumerate(whole)), Fraction(1))
+            for k, (p, m) in enumerate(pieces)]))
+        return var
 
     def padded(self, rank: int, t: PTensor, whole: Mask, pieces: list[tuple[PlanOp, Mask]],
                pre: list[Instruction]) -> str:

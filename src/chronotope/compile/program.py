@@ -177,7 +177,8 @@ class Pattern:
 
     * ``all_reduce``: each member sums the same region from whole pieces on all of them;
     * ``all_gather``: each member joins the same region from one piece per member, side
-      by side along ``dim`` in ``ranks`` order;
+      by side along ``dim`` in ``ranks`` order (or where members hold several, in the
+      order of ``slots``: the member of each run);
     * ``reduce_scatter``: each member sums its own run ``chunk`` along ``dim`` of a
       region every member holds a partial value of;
     * ``all_to_all``: the members' pieces are equal runs of one region along ``dim``
@@ -195,6 +196,7 @@ class Pattern:
     dim: int = 0
     chunk: int = 0
     split: int = 0
+    slots: tuple[int, ...] = ()
 
 
 @dataclass
@@ -237,7 +239,9 @@ class AllReduce:
 @dataclass
 class AllGather:
     """For each output, the members' pieces side by side along its dim, in ``ranks``
-    order, on every member. Several outputs travel in one flat buffer, as one call."""
+    order, on every member. Several outputs travel in one flat buffer, as one call.
+    Where members hold several runs of an output (a zigzag of sequence chunks), each
+    sends its runs side by side and ``slots`` names the member of each run, in order."""
 
     vars: tuple[str, ...]
     srcs: tuple[str, ...]
@@ -247,6 +251,7 @@ class AllGather:
     dims: tuple[int, ...]
     keys: tuple[Key, ...] = ()
     handle: str | None = None
+    slots: tuple[int, ...] = ()
 
 
 @dataclass

@@ -172,7 +172,7 @@ def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: se
     per group of ranks and dtype."""
     calls: dict[tuple, list[tuple[AllGather, int]]] = defaultdict(list)
     for g in unit.gathers:
-        calls[(g.ranks, g.dtype)] += [(g, k) for k in range(len(g.vars))]
+        calls[(g.ranks, g.dtype, g.slots)] += [(g, k) for k in range(len(g.vars))]
     def again(v: str) -> str:
         return fresh_name(f"{v}_{AGAIN}", taken)
 

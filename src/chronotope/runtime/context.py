@@ -342,9 +342,12 @@ class StepContext:
         return self.transport.all_reduce(flat, ranks, self.rank, True, fresh)
 
     def all_gather(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                   dims: Sequence[int], async_op: bool = False) -> Any:
+                   dims: Sequence[int], async_op: bool = False, slots: tuple[int, ...] = ()
+                   ) -> Any:
         """For each tensor, the members' pieces side by side along its dim, in ``ranks``
-        order. All travel in one flat buffer: one collective call per instruction."""
+        order; with ``slots``, each member's piece is its runs side by side, placed where
+        ``slots`` names it. All travel in one flat buffer: one collective call per
+        instruction."""
         ranks = self._members(ranks)
         members = tuple(sorted(ranks))
         wired = [self._wire(t.detach()) for t in tensors]
@@ -358,7 +361,12 @@ class StepContext:
             for t, dim, part in zip(tensors, dims, stacked.split([t.numel() for t in tensors], 1)):
                 # back to the dtype this rank's piece had
                 pieces = _as(part.reshape(len(members), *t.shape), t.dtype)
-                if dim == 0 and tuple(ranks) == members:  # side by side (one: no copy)
+                if slots:  # each member's runs, where its slots are
+                    runs = {m: pieces[members.index(m)].chunk(slots.count(m), dim)
+                            for m in members}
+                    out.append(torch.cat([runs[m][slots[:i].count(m)]
+                                          for i, m in enumerate(slots)], dim))
+                elif dim == 0 and tuple(ranks) == members:  # side by side (one: no copy)
                     out.append(pieces.reshape(len(ranks) * t.shape[0], *t.shape[1:]))
                 else:
                     out.append(torch.cat([pieces[members.index(r)] for r in ranks], dim))
