@@ -4,10 +4,12 @@ import pytest
 from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
+from chronotope.compile.program import AllGather, Refill, Reshard
 from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
 from chronotope.policies import ParallelConfig, make, mesh
 from chronotope.policies.context import context
+from chronotope.runtime.local import Optim, run_in_threads
 
 
 def _attention_flops(plan: ct.Plan) -> list[float]:
@@ -30,6 +32,7 @@ def test_each_attention_variant_trains_like_one_device(model, attention):
 @pytest.mark.parametrize("shape", [
     dict(dp=2, cp=2), dict(cp=2, tp=2), dict(cp=2, tp=2, sequence=True),
     dict(cp=2, pp=2, micro=2, schedule="1f1b", fold=True),
+    dict(cp=2, pp=2, micro=2, schedule="gpipe"), dict(cp=2, pp=2, micro=4, schedule="1f1b"),
     dict(cp=2, tp=2, pp=2, micro=4, schedule="zb1", fold=True),
     dict(cp=2, recompute="full"), dict(cp=2, micro=2, fold=True)])
 def test_context_parallel_combines_with_the_other_axes(shape):
@@ -85,3 +88,24 @@ def test_the_cp_policy_reads_its_options():
         make(graph, ParallelConfig("tp", 4, cp=2))
     with pytest.raises(PlanError, match="does not divide"):
         make(graph, ParallelConfig("dp-tp", 4, tp=2, cp=4))
+
+
+def test_gathered_keys_and_values_are_freed_after_their_forward_and_gathered_again():
+    """Each rank keeps its own chunks of every layer's keys and values, not all of them:
+    the gathered copy is freed once the layer's attention ran, and gathered again for its
+    backward (one layer ahead), in one call with the zigzag's two chunks per rank."""
+    w, graph = captured("gpt", block_size=1024, d_model=32, n_layer=6, batch_size=1,
+                        vocab_size=64)
+    plan = mesh(graph, cp=4)
+    program = ct.compile(plan)
+    code = program.ranks[1]
+    gathers = [ins for ins in code if isinstance(ins, AllGather) and ins.slots]
+    assert gathers and all(sorted(g.slots) == [0, 0, 1, 1, 2, 2, 3, 3] for g in gathers)
+    assert sum(isinstance(ins, Reshard) for ins in code) == 5  # the last layer's is read on
+    assert sum(isinstance(ins, Refill) for ins in code) == 5
+    kept = mesh(graph, cp=4)
+    kept.regather = False
+    peaks = [max(run_in_threads(ct.compile(p), w, 1, Optim("sgd", 0.1),
+                                measure_memory=True).peak_memory) for p in (plan, kept)]
+    assert peaks[0] < peaks[1], peaks
+    trains_like_one_device(w, program)

@@ -55,7 +55,13 @@ def _buckets(lowered: Lowered) -> Code:
 
 
 def _reshard(lowered: Lowered) -> Code:
-    return [reshard(code) for code in lowered.ranks] if lowered.plan.reshard else lowered.ranks
+    """Gathered weights (ZeRO-3) and activations freed after their forward; not a template's
+    activations, whose blocks run again for every micro-batch in the schedule's order."""
+    plan = lowered.plan
+    activations = plan.regather and not lowered.template
+    if not (plan.reshard or activations):
+        return lowered.ranks
+    return [reshard(code, plan.reshard, activations) for code in lowered.ranks]
 
 
 def _autograd_regions(lowered: Lowered) -> Code:
@@ -92,7 +98,7 @@ PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
     ("arrange", lambda lowered: arrange(lowered.written, lowered.sequences, lowered.cells)),
     ("collectives", lambda lowered: collectives(lowered.ranks)),  # recognised ones written
     ("buckets", _buckets),  # gradient reductions bucketed, started as the backward makes them
-    ("reshard", _reshard),  # ZeRO-3: gathered parameters freed after the forward, again later
+    ("reshard", _reshard),  # gathered weights (ZeRO-3), activations: freed, gathered again
     ("autograd regions", _autograd_regions),  # backward pieces run back to back: one call
     ("running sums", _running_sums),  # sums of many parts added up as the parts are made
     ("fold", _fold),  # a template's blocks run once per micro-batch

@@ -1,4 +1,4 @@
-"""Gathered parameters freed after their forward and gathered again for their backward.
+"""Gathered tensors freed after their forward and gathered again for their backward.
 
 ZeRO-3 gathers the parameter regions a rank does not store, one unit at a time (a
 layer of a stack, see ``plan.storage.unit``). Autograd keeps what the unit's pieces save for
@@ -17,6 +17,12 @@ reads it makes a new tensor (a projection, a norm, arithmetic; never a view of i
 input, which would keep pointing into the freed storage), all its forward reads come
 before its backward, and another unit's pieces run in between (the unit whose forward
 ends the model goes straight on to its backward, as FSDP2 leaves the root).
+
+Activations gathered for pieces that save them (the keys and values context parallelism
+gathers for each query chunk's attention, an input sequence parallelism gathers for a
+projection) are freed and gathered again alike (``Plan.regather``), as Megatron does for
+sequence parallelism: each rank keeps its own runs alive until the gather runs again,
+and holds one unit's gathered copy at a time instead of every layer's.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from chronotope.compile.program import (
     Load,
     Refill,
     Reshard,
+    Role,
     WeightGrad,
     first_reads,
     flat,
@@ -71,15 +78,18 @@ class _Unit:
         return tuple(v for g in self.gathers for v in g.vars)
 
 
-def reshard(code: list[Instruction]) -> list[Instruction]:
-    """One rank's code (backward pieces not yet fused) with every gathered unit that may
-    be freed between its forward and its backward freed there and gathered again before
-    its backward, one unit ahead."""
+def reshard(code: list[Instruction], params: bool = True, activations: bool = False
+            ) -> list[Instruction]:
+    """One rank's code (backward pieces not yet fused) with every gathered unit (of stored
+    parameter regions, or with ``activations`` of what other ranks made) that may be freed
+    between its forward and its backward freed there and gathered again before its
+    backward, one unit ahead."""
     made = {var: i for i, ins in enumerate(code) for var in writes(ins)}
     units: dict[object, _Unit | None] = {}
     first = first_reads(code)
     for i, ins in enumerate(code):
-        if not _gathers_stored(ins, code, made):
+        if not (params and _gathers_stored(ins, code, made)
+                or activations and _gathers_made(ins, code, made)):
             continue
         assert isinstance(ins, AllGather)
         reader = min((first[v] for v in ins.vars if v in first), default=None)
@@ -138,6 +148,14 @@ def _gathers_stored(ins: Instruction, code: list[Instruction], made: dict[str, i
         v in made and loads_param(code[made[v]]) for v in ins.srcs)
 
 
+def _gathers_made(ins: Instruction, code: list[Instruction], made: dict[str, int]) -> bool:
+    """Whether ``ins`` gathers activations over several ranks: its pieces are made here (by
+    pieces, or side by side from them), not loaded."""
+    return isinstance(ins, AllGather) and len(ins.ranks) > 1 and not is_regather(ins) and \
+        all(k.role is Role.VALUE for k in ins.keys) and all(
+            v in made and isinstance(code[made[v]], (Forward, Assemble)) for v in ins.srcs)
+
+
 def _uses(code: list[Instruction], at: int, gather: AllGather
           ) -> tuple[list[int], list[int]] | None:
     """Where what the gather at ``at`` gives is read in the forward, and where a backward
@@ -179,10 +197,12 @@ def _again(code: list[Instruction], unit: _Unit, made: dict[str, int], taken: se
     out = []
     for outputs in calls.values():
         call = flat(outputs)
+        # a stored parameter region is loaded afresh; an activation's own runs are read as
+        # they are, kept alive until here
         loads = [replace(load, var=again(v)) for v in call.srcs
                  if isinstance(load := code[made[v]], Load)]
-        out.append((loads, replace(call, vars=tuple(map(again, call.vars)),
-                                   srcs=tuple(x.var for x in loads),
+        srcs = tuple(x.var for x in loads) if loads else call.srcs
+        out.append((loads, replace(call, vars=tuple(map(again, call.vars)), srcs=srcs,
                                    keys=tuple(key.marked(AGAIN) for key in call.keys))))
     return out
 

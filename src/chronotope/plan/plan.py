@@ -188,6 +188,9 @@ class Plan:
         # With "owned" storage: free what is gathered after its forward and gather it again
         # for its backward (as FSDP2's reshard after forward), where that is safe.
         self.reshard = False
+        # The same for activations gathered from other devices for pieces that save them
+        # (context parallelism's keys and values): each device keeps only its own runs.
+        self.regather = False
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp | None] = {}
         self._weight: dict[PlanOp, PlanOp | None] = {}

@@ -314,6 +314,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
                         f"divisible by {dp * micro}; the example batch has {batch} samples")
     ctx = context(graph, cp, cp_attention, zigzag)
     plan = Plan(graph, dp * pp * cp * tp)
+    # the keys and values each rank gathers: freed after their forward, gathered again
+    plan.regather = cp > 1 and cp_attention == "allgather"
     if choices is None:
         choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
                           sequence_dims(graph) if sequence and tp > 1 else {})
