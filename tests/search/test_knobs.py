@@ -247,3 +247,26 @@ def test_a_zero_3_point_with_tensor_parallel_replicas_trains_like_one_device_on_
     optim = Optim("adamw", 1e-3)
     run = run_processes(ct.compile(plan), w, 2, optim)
     assert compare(run, train_reference(w, 2, optim)).within(1e-5)
+
+
+def test_long_sequences_search_into_context_parallelism():
+    """A sample of 16k tokens: no batch to share out, and what every layer keeps along
+    the sequence binds; the space holds context-parallel groups (keys gathered, or heads
+    all-to-all where they divide) and the search takes one."""
+    graph = meta("gpt3-1.3b", batch_size=1, block_size=16384)
+    model = Model(graph, cluster_for(8, "dgx-a100"), "bf16")
+    assert model.contexts(8, 1) == [(1, False), (2, False), (2, True), (4, False), (4, True),
+                                    (8, False), (8, True)]
+    assert (1, False) in model.contexts(8, 8) and (2, True) not in model.contexts(8, 16)
+    whole, cut = (model.price(Knobs(1, 1, 1, 1, cp=cp)) for cp in (1, 4))
+    assert cut.memory - cut.states < (whole.memory - whole.states) / 3
+    result = search(graph, 8, "dgx-a100", method="mesh", dtype="bf16", simulate=False)
+    assert " x cp " in result.mesh and result.plan.ndevices == 8
+
+
+@pytest.mark.parametrize("knobs", [Knobs(1, 1, 1, 1, cp=2), Knobs(1, 1, 2, 2, cp=2),
+                                   Knobs(2, 1, 1, 1, cp=2, ulysses=True)], ids=lambda k: k.label)
+def test_context_parallel_points_train_like_one_device(knobs):
+    w = get_workload("gpt", batch_size=4)
+    run = run_in_threads(ct.compile(knobs.plan(capture(w))), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)

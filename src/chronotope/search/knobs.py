@@ -18,6 +18,12 @@ up to 64 devices ZeRO-3 over them all, tensor parallel inside each replica or no
   gradients' all-reduce over the data-parallel replicas (a reduce-scatter and, after the
   step, an all-gather where they share the optimizer state out) and the optimizer's
   update; a swapped op's saved tensors cross the host link out and back;
+- context parallelism over ``cp`` devices divides what every op along the sequence
+  computes and keeps by ``cp`` (a zigzag keeps causal attention balanced), and adds per
+  attention its keys and values gathered (forward, and again for the backward) and
+  their gradients reduce-scattered over the group, or for Ulysses its query, keys,
+  values and output exchanged all-to-all both ways; the weights' gradients are summed
+  over ``dp * cp`` devices;
 - a device holds its stages' weights, gradients and optimizer state (fp32, their
   tensor-parallel slices) and, per micro-batch its schedule keeps in flight, what its
   ops keep for the backward as the plan's estimate counts it: outputs as autocast makes
@@ -46,13 +52,14 @@ from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, storage_of
-from chronotope.graph.axes import batch_dims, loss_tails, sequence_dims
+from chronotope.graph.axes import batch_dims, loss_tails, sequence_cuts, sequence_dims
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import optimizer_states
 from chronotope.plan.plan import Plan, differentiable
 from chronotope.plan.steps import live_counts
 from chronotope.plan.storage import unit
+from chronotope.policies.context import context
 from chronotope.policies.mesh import (
     _crossing,
     checkpointed,
@@ -67,10 +74,14 @@ from chronotope.search.ilp import _op_sync, _weight_bytes, first_reads, later_re
 from chronotope.search.space import Mesh, Pricer, Strategy, sharded, strategies
 from chronotope.search.stages import crossing_bytes, op_seconds
 
+# the columns of ``Model.terms`` a device's share of the sequence divides (its compute,
+# what it keeps, what its backward holds, the copies it reads and keeps), not the weights'
+_ALONG = np.array([1, 1, 0, 0, 0, 0, 1, 1, 1, 0])
 # what the backward's saved tensors become: (recompute, swap): kept, made again in part
 # or whole, or swapped to host memory (where the cluster says how fast its link is)
 KEPT = ((None, False), ("selective", False), ("full", False), (None, True))
 ZERO3_UP_TO = 64  # devices ZeRO-3 is tried on: its plan is written for every one of them
+MIN_CHUNK = 1024  # the fewest tokens of a sequence chunk context parallelism is tried with
 # the pipeline schedules tried: (stages per rank, zero bubble): 1F1B, ZB-H1, interleaved
 SCHEDULE_KNOBS = ((1, False), (1, True), (2, False), (4, False))
 
@@ -91,10 +102,12 @@ class Knobs:
     zero_bubble: bool = False  # one stage per rank: backwards split, ZB-H1's order
     swap: bool = False  # what recompute full would make again waits in host memory
     zero3: bool = False  # one stage, every weight (tp shard) stored 1 / dp (ZeRO-3, FSDP)
+    cp: int = 1  # context parallel: every op along the sequence over cp groups of tp
+    ulysses: bool = False  # its attention cut by heads (all-to-all), not keys gathered
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def schedule(self) -> str:
@@ -104,7 +117,8 @@ class Knobs:
 
     @property
     def label(self) -> str:
-        text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}, {self.micro} micro-batches"
+        cp = f" x cp {self.cp}{' (ulysses)' if self.ulysses else ''}" if self.cp > 1 else ""
+        text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}, {self.micro} micro-batches"
         if self.chunks > 1:
             text += f", {self.chunks} stages per rank"
         if self.zero_bubble:
@@ -135,7 +149,8 @@ class Knobs:
         plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
                     swap="full" if self.swap else None,
-                    sequence=self.sequence, fold=self.micro > 1)
+                    sequence=self.sequence, fold=self.micro > 1, cp=self.cp,
+                    cp_attention="ulysses" if self.ulysses else "allgather")
         plan.dtype = dtype
         return plan.scale(self.dp, self.shard) if dp != self.dp else plan
 
@@ -171,6 +186,11 @@ class Model:
         self.keep = data_only(graph) | set(loss_tails(graph, self.batch_dim,
                                                       self.whole.registry))
         self.blocks = _blocks(graph)
+        cuts, _ = sequence_cuts(graph)
+        self.along = np.array([cuts[op] is not None for op in graph.ops])  # the sequence's
+        self.attention = [i for i, op in enumerate(graph.ops)
+                          if op.kind == "attention" and cuts[op] is not None]
+        self.length = max((c.length for c in cuts.values() if c is not None), default=0)
         names = [unit(op) for op in graph.ops]  # what a backward call recomputes at once
         self.units = np.unique(np.array([str(n) for n in names]), return_inverse=True)[1]
         self.first = first_reads(self.ops)
@@ -348,15 +368,16 @@ class Model:
         """Seconds of one micro-batch's messages between consecutive stages on the
         slowest boundary, forward and back: every tensor-parallel rank sends its copy (a
         slice under sequence parallelism), across nodes sharing their networks."""
-        key = (k.tp, k.pp, k.chunks, k.sequence, m, k.micro > 1)
+        key = (k.tp, k.pp, k.chunks, k.sequence, m, k.micro > 1, k.cp)
         if key not in self._sends:
             worst = 0.0
             bounds = np.flatnonzero(np.diff(stage_of)) + 1
+            width = k.cp * k.tp  # the devices of a stage, each sending its own part
             for v, at in enumerate(bounds):
-                size = self._crossing(int(at)) / m / (k.tp if k.sequence else 1)
+                size = self._crossing(int(at)) / m / (k.tp if k.sequence else 1) / k.cp
                 a, b = v % k.pp, (v + 1) % k.pp
                 worst = max(worst, self.cluster.transfer(
-                    [(a * k.tp + j, b * k.tp + j, size) for j in range(k.tp)]))
+                    [(a * width + j, b * width + j, size) for j in range(width)]))
             self._sends[key] = worst
         return self._sends[key]
 
@@ -370,11 +391,14 @@ class Model:
 
     def price(self, k: Knobs) -> Priced:
         m = k.dp * k.micro  # micro-batches of the whole batch
-        terms = self.terms(k.tp, k.sequence)
+        share = np.where(self.along, 1 / k.cp, 1.0)  # of each op, what one device does
+        terms = self.terms(k.tp, k.sequence) * share[:, None] ** _ALONG
         stage_of = self.stage_of(k.pp * k.chunks, k.micro > 1)
         rank_of = stage_of % k.pp
         again = self.recomputed(k.recompute)
-        seconds = self.times(k.tp, k.sequence, m) + again * terms[:, 0] / 3 / m
+        context, gathered = self.context(k, m)
+        seconds = self.times(k.tp, k.sequence, m) * share + again * terms[:, 0] / 3 / m \
+            + context
         swapped = self.recomputed("full") if k.swap else np.zeros(len(self.ops), dtype=bool)
         out = np.where(swapped, terms[:, 1] / m + terms[:, 2], 0.0)  # to the host and back
         if k.swap:
@@ -441,7 +465,7 @@ class Model:
             sync = sync - OPTIMIZER_PASSES * weights / self.cluster.copy_bandwidth * (
                 1 - 1 / k.dp)
         sync = sync.max()
-        if k.dp > 1 and not k.zero3:  # stage rank r's last backward ends r chunk backwards
+        if k.dp * k.cp > 1 and not k.zero3:  # stage rank r's last backward ends r chunk backwards
             # before stage rank 0's (none for zero bubble, whose weight gradients fill the
             # drain)
             ahead = np.arange(k.pp) * (0.0 if k.zero_bubble else 2 / 3 * slowest / k.chunks)
@@ -457,7 +481,7 @@ class Model:
         # layer's for its later weight gradients)
         remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
         transient = [terms[rank_of == r, 6].max(initial=0.0) / m + out[rank_of == r].max(
-            initial=0.0) + (
+            initial=0.0) + gathered[rank_of == r].max(initial=0.0) + (
             remade[rank_of == r].sum() if k.zero_bubble else np.bincount(
                 self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0))
             for r in range(k.pp)]
@@ -467,13 +491,59 @@ class Model:
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
 
+    def contexts(self, devices: int, tp: int) -> list[tuple[int, bool]]:
+        """The context-parallel groups (and whether Ulysses) over at most ``devices``,
+        beside ``tp``, that the graph's sequence and heads take: chunks of at least
+        ``MIN_CHUNK`` tokens, and for Ulysses heads that ``cp * tp`` divides."""
+        out = [(1, False)]
+        if not self.attention:
+            return out
+        heads = min(self.ops[i].inputs[1].shape[-3] for i in self.attention
+                    if len(self.ops[i].inputs[1].shape) >= 3) if self.attention else 0
+        cp = 2
+        while cp <= devices and devices % cp == 0:
+            try:
+                made = context(self.graph, cp)
+            except PlanError:
+                break
+            if self.length // made.chunks < MIN_CHUNK:
+                break
+            out.append((cp, False))
+            if heads % (cp * tp) == 0:
+                out.append((cp, True))
+            cp *= 2
+        return out
+
+    def context(self, k: Knobs, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, on one of ``m`` micro-batches: the seconds context parallelism's exchanges
+        add to each attention (forward and backward), and the bytes they hold while it runs
+        its backward (its keys and values gathered again, their gradients before they are
+        reduce-scattered; for Ulysses none but its own)."""
+        seconds, held = np.zeros(len(self.ops)), np.zeros(len(self.ops))
+        if k.cp == 1:
+            return seconds, held
+        width = k.cp * k.tp
+        groups = [tuple(c * k.tp + j for c in range(k.cp)) for j in range(k.tp)]
+        for i in self.attention:
+            q, key, value = self.ops[i].inputs[:3]
+            kv = (self._bytes(key) + self._bytes(value)) / k.tp / m  # one group's whole
+            if k.ulysses:  # each device's chunks of query, keys, values, output: both ways
+                chunk = (self._bytes(q) * 2 + self._bytes(key) + self._bytes(value)) / width / m
+                seconds[i] = 2 * self.cluster.collective("all_to_all", chunk, groups)
+                continue
+            seconds[i] = 2 * self.cluster.collective("all_gather", kv, groups) + \
+                self.cluster.collective("reduce_scatter", kv, groups)
+            held[i] = 2 * kv
+        return seconds, held
+
     def reduced(self, k: Knobs, grads: np.ndarray, ahead: np.ndarray) -> float:
         """Seconds after the backward until each stage rank's gradients (``grads`` bytes)
         are reduced over the replicas, stage rank r starting ``ahead[r]`` seconds early:
         every stage's groups at once, but where they cross nodes, the groups of all stages
         on a node take turns on its network as they come (as the simulator runs them)."""
-        r, unit = int(grads.argmax()), k.tp * k.pp
-        groups = [tuple(i * unit + r * k.tp + j for i in range(k.dp)) for j in range(k.tp)]
+        r, width = int(grads.argmax()), k.cp * k.tp  # a stage rank's devices
+        groups = [tuple((i * k.pp + r) * width + c * k.tp + j for i in range(k.dp)
+                        for c in range(k.cp)) for j in range(k.tp)]
         alone = self.cluster.collective("all_reduce", grads[r], groups) if not k.shard \
             else self.cluster.collective("reduce_scatter", grads[r], groups) + \
             self.cluster.collective("all_gather", grads[r], groups)
@@ -492,9 +562,9 @@ class Model:
     def _networks(self, k: Knobs) -> np.ndarray:
         """(stage rank, node): whether a replica group of that stage rank crosses nodes
         and has a member on that node; one column per kind of node."""
-        key = (k.dp, k.tp, k.pp)
+        key = (k.dp, k.tp, k.pp, k.cp)
         if key not in self._networks_of:
-            devices = np.arange(k.devices).reshape(k.dp, k.pp, k.tp)
+            devices = np.arange(k.devices).reshape(k.dp, k.pp, k.cp * k.tp)
             nodes = devices // self.cluster.per_node
             touched = np.zeros((k.pp, int(nodes.max()) + 1), dtype=bool)
             crossing = (nodes != nodes[:1]).any(axis=0)  # (stage rank, tp index)
@@ -555,25 +625,28 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
         if tp > 1 and not any(s.algos != (Replicate(tp),)
                               for s in model.choice(tp, False).values()):
             continue  # nothing to cut
-        for pp in (p for p in range(1, min(devices // tp, model.blocks) + 1)
-                   if (devices // tp) % p == 0):
-            dp = devices // (tp * pp)
-            if model.batch % dp:
-                continue
-            rows = model.batch // dp
-            for micro in (m for m in range(1, rows + 1) if rows % m == 0):
-                for chunks, zero_bubble in SCHEDULE_KNOBS if pp > 1 else ((1, False),):
-                    if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
-                        continue
-                    if zero_bubble and micro < pp:
-                        continue  # nothing to fill the bubble with
-                    for recompute, swap in KEPT:
-                        if recompute == "selective" and not attention or \
-                                swap and not model.cluster.host_bandwidth:
+        for cp, ulysses in model.contexts(devices // tp, tp):
+            inner = tp * cp
+            for pp in (p for p in range(1, min(devices // inner, model.blocks) + 1)
+                       if (devices // inner) % p == 0):
+                dp = devices // (inner * pp)
+                if model.batch % dp:
+                    continue
+                rows = model.batch // dp
+                for micro in (m for m in range(1, rows + 1) if rows % m == 0):
+                    for chunks, zero_bubble in SCHEDULE_KNOBS if pp > 1 else ((1, False),):
+                        if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
                             continue
-                        for sequence in (False, True) if tp > 1 else (False,):
-                            for shard in (False, True) if dp > 1 and replicas else (False,):
-                                yield Knobs(dp, tp, pp, micro, chunks, recompute, sequence,
-                                            shard, zero_bubble, swap)
-            if pp == 1 and dp > 1 and devices <= ZERO3_UP_TO:  # one plan of every device
-                yield Knobs(dp, tp, 1, 1, zero3=True)
+                        if zero_bubble and micro < pp:
+                            continue  # nothing to fill the bubble with
+                        for recompute, swap in KEPT:
+                            if recompute == "selective" and not attention or \
+                                    swap and not model.cluster.host_bandwidth:
+                                continue
+                            for sequence in (False, True) if tp > 1 else (False,):
+                                for shard in (False, True) if dp > 1 and replicas else (False,):
+                                    yield Knobs(dp, tp, pp, micro, chunks, recompute,
+                                                sequence, shard, zero_bubble, swap, cp=cp,
+                                                ulysses=ulysses)
+                if pp == 1 and dp > 1 and cp == 1 and devices <= ZERO3_UP_TO:  # one plan
+                    yield Knobs(dp, tp, 1, 1, zero3=True)  # of every device
