@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.graph.registry import OpRegistry
+from chronotope.graph.signature import Dim, Signature
 
 # Ops that take only the shape, dtype or device of their tensor inputs (``x.new_zeros``).
 SHAPE_ONLY = frozenset({"fill", "factory"})
@@ -133,8 +134,10 @@ def sequence_cuts(graph: Graph) -> tuple[dict[Op, SeqCut | None], dict[Op, str]]
                 lost[op] = "no signature" if op.signature is None else \
                     "its signature cannot split that dim"
             continue
+        sig = op.signature
+        assert sig is not None  # (a cut is of a signature's dim)
         sizes = _sizes(op)
-        for t, tdims in zip(op.outputs, op.signature.outputs):
+        for t, tdims in zip(op.outputs, sig.outputs):
             for a, axis in enumerate(tdims):
                 names_ = [f.name for f in axis.factors]
                 if cut.dim in names_:
@@ -145,6 +148,7 @@ def sequence_cuts(graph: Graph) -> tuple[dict[Op, SeqCut | None], dict[Op, str]]
 
 
 def _sizes(op: Op) -> dict[str, int]:
+    assert op.signature is not None
     return op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
 
 
@@ -155,9 +159,9 @@ def _product(factors: tuple, sizes: dict[str, int]) -> int:
     return n
 
 
-def _before(sig, dim: str) -> list:
+def _before(sig: Signature, dim: str) -> list[Dim]:
     """The factors before ``dim`` in each group of the signature that holds it."""
-    found = []
+    found: list[Dim] = []
     for tensor in (*sig.inputs, *sig.outputs):
         for axis in tensor:
             names_ = [f.name for f in axis.factors]

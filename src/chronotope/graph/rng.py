@@ -188,7 +188,7 @@ def attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
     scores = query @ key_.transpose(-2, -1) * (scale if scale is not None
                                                else 1 / math.sqrt(query.shape[-1]))
     if is_causal:  # a piece's rows sit at region[-2] of the whole op's
-        rows = (0, L) if region is None else tuple(region[-2])
+        rows = (0, L) if region is None else (region[-2][0], region[-2][1])
         scores = scores.masked_fill(~causal_mask(rows, S, query.device), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \

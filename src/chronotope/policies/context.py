@@ -113,6 +113,7 @@ def cut(plan: Plan, piece: PlanOp, ctx: Context) -> list[tuple[int, PlanOp]]:
 def _heads(op: Op, piece: PlanOp, cp: int) -> str:
     """The dim of an attention's heads (the query's third axis from the end), which
     Ulysses cuts ``cp`` ways."""
+    assert op.signature is not None  # (an attention cut along the sequence)
     dims = op.signature.inputs[0]
     if len(dims) < 3 or not dims[-3].factors[0].splittable \
             or piece.piece.sizes[dims[-3].factors[0].name] % cp:

@@ -212,7 +212,7 @@ class Model:
         self._recomputed: dict[str | None, np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
         self._crossed: dict[int, float] = {}
-        self._networks_of: dict[tuple[int, int, int], np.ndarray] = {}
+        self._networks_of: dict[tuple[int, int, int, int], np.ndarray] = {}
 
     # ---- per op ----------------------------------------------------------------------
 

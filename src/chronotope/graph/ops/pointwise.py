@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,11 +200,11 @@ def register(reg: OpRegistry) -> None:
     reg.add([F.layer_norm, torch.layer_norm, aten.layer_norm], "layer_norm", normalized(1, 2))
     reg.add([F.rms_norm, torch.rms_norm, aten.rms_norm], "rms_norm", normalized(1, 1))
 
-    for targets, kind, at in (([F.cross_entropy], "cross_entropy", 7),
-                              ([torch._C._nn.cross_entropy_loss, aten.cross_entropy_loss],
-                               "cross_entropy", 3),
-                              ([F.nll_loss], "nll_loss", 6),
-                              ([aten.nll_loss, aten.nll_loss_nd], "nll_loss", 3)):
+    losses: list[tuple[list[Any], str, int]] = [  # where each takes its reduction
+        ([F.cross_entropy], "cross_entropy", 7),
+        ([torch._C._nn.cross_entropy_loss, aten.cross_entropy_loss], "cross_entropy", 3),
+        ([F.nll_loss], "nll_loss", 6), ([aten.nll_loss, aten.nll_loss_nd], "nll_loss", 3)]
+    for targets, kind, at in losses:
         reg.add(targets, kind, functools.partial(loss, reduction_index=at), mean_reduction=True,
                 reduction_index=at)
     reg.add([functional.loss_denominator], "loss_denominator", _denominator)
