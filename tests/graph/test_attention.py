@@ -60,3 +60,16 @@ def test_visible_counts_the_pairs_a_causal_mask_keeps():
     for rows, keys in [((0, 4), 4), ((4, 8), 8), ((2, 5), 3), ((0, 1), 10), ((3, 9), 5)]:
         kept = causal_mask(rows, keys, "cpu").sum().item()
         assert visible(rows, keys) == pytest.approx(kept / ((rows[1] - rows[0]) * keys))
+
+
+def test_a_late_piece_keeps_nothing_as_large_as_its_rows_by_the_keys():
+    """Its keys before its rows and beside them are two flash calls merged by their
+    log-sum-exps, so no rows x keys mask (or score) is kept for the backward: what a
+    piece keeps grows with the sequence, not with its square."""
+    q, k, v = torch.randn(1, 2, 64, 8, requires_grad=True), *(
+        torch.randn(1, 2, 512, 8, requires_grad=True) for _ in range(2))
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t,
+                                                  lambda t: t):
+        sliced_attention(q, k, v, is_causal=True, region=[(0, 1), (0, 2), (448, 512), (0, 8)])
+    assert kept and max(kept) < 64 * 512

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 Region = Sequence[tuple[int, int]]
 
@@ -33,16 +34,59 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      is_causal: bool = False, scale: float | None = None,
                      enable_gqa: bool = False, *, region: Region) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of the query rows ``region[-2]`` of the whole op,
-    keys and values whole; causal, without dropout (a dropout's form is ``rng.attention``)."""
+    keys and values whole; causal, without dropout (a dropout's form is ``rng.attention``).
+
+    Its rows see the keys before them whole and the keys beside them causally: a mask
+    aligned to the bottom right, which no kernel is handed as a tensor (one of rows x keys
+    would be kept for the backward, as large as the scores)."""
     lo, hi = region[-2]
     end = min(hi, key.shape[-2])  # no row of this piece sees a key past its last row
     key, value = key[..., :end, :], value[..., :end, :]
     if lo == 0:  # top-left aligned, as torch's own is_causal
-        return F.scaled_dot_product_attention(query, key, value, None, dropout_p, True,
+        return F.scaled_dot_product_attention(query, key, value, None, 0.0, True,
                                               scale=scale, enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(query, key, value, causal_mask((lo, hi), end,
-                                                                         query.device),
-                                          dropout_p, False, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
+    if query.device.type == "cpu" and end - lo == query.shape[-2] and \
+            key.shape[-1] == value.shape[-1]:  # (what torch's CPU flash kernel takes)
+        return _Blocks.apply(query, key, value, lo, scale)
+    return F.scaled_dot_product_attention(query, key, value,
+                                          causal_lower_right(query.shape[-2], end), 0.0,
+                                          False, scale=scale)
+
+
+class _Blocks(torch.autograd.Function):
+    """Attention over the keys before the rows (all seen) and beside them (causal, square),
+    each by the flash kernel, merged by their log-sum-exps; the backward runs each block's
+    with the merged output and log-sum-exp, which need nothing of either block's own (as
+    ring attention's backward does)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                split: int, scale: float | None) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, l1 = flash(query, key[..., :split, :], value[..., :split, :], 0.0, False,
+                       scale=scale)
+        o2, l2 = flash(query, key[..., split:, :], value[..., split:, :], 0.0, True,
+                       scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]).to(
+            query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.split, ctx.scale = split, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        s, grad = ctx.split, grad.contiguous()
+        q1, k1, v1 = backward(grad, query, key[..., :s, :], value[..., :s, :], out, lse, 0.0,
+                              False, scale=ctx.scale)
+        q2, k2, v2 = backward(grad, query, key[..., s:, :], value[..., s:, :], out, lse, 0.0,
+                              True, scale=ctx.scale)
+        return q1 + q2, torch.cat([k1, k2], -2), torch.cat([v1, v2], -2), None, None
 
 
 def is_causal(args: tuple, kwargs: dict[str, Any]) -> bool:
