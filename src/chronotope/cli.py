@@ -315,7 +315,7 @@ def _config(args: argparse.Namespace) -> ParallelConfig:
     """--policy and the options that shape it (``policies.make`` checks them)."""
     return ParallelConfig(args.policy, args.devices, args.tp, args.pp, args.micro, args.chunks,
                           args.coshard, args.recompute, args.swap, args.fold, args.schedule,
-                          args.cp, args.cp_attention)
+                          args.cp, args.cp_attention, args.ep)
 
 
 def _plan(graph: Graph, args: argparse.Namespace, workload: Workload
@@ -1053,6 +1053,10 @@ def parser() -> argparse.ArgumentParser:
                          help="context-parallel group: every op cut along the sequence over "
                               "it (cp: default all devices over tp x pp; dp-tp, dp-sp and the "
                               "pipelines: default 1)")
+        cmd.add_argument("--ep", type=positive_int, default=None,
+                         help="expert parallel: each Mixture-of-Experts layer's experts shared "
+                              "out over groups of this many data-parallel replicas (dp, the "
+                              "meshes and the pipelines; default 1)")
         cmd.add_argument("--cp-attention", choices=VARIANTS, default=None,
                          help="how attention meets the sequence chunks under --cp: allgather "
                               "(keys and values gathered, causal chunks in a zigzag; default) "

@@ -59,6 +59,7 @@ from chronotope.compile.program import (
 )
 from chronotope.graph import rng
 from chronotope.graph.attention import is_causal, sliced_attention
+from chronotope.graph.experts import first_expert
 from chronotope.graph.ir import DEVICE, Graph, Op, PTensor
 from chronotope.graph.mask import Mask
 from chronotope.graph.registry import map_leaves
@@ -697,6 +698,8 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
                 kwargs["region"] = box
         elif op.op.kind == "attention" and is_causal(args, kwargs) and box[-2] != (0, whole[-2]):
             target, kwargs = sliced_attention, {**kwargs, "region": box}  # some query rows
+        elif op.op.kind == "experts" and (lo := first_expert(op)):  # some experts: the first's
+            args = (*args[:6], lo, *args[7:])
         call = _local_shape_call(ins, args) or _call(target, op.op.name, args, kwargs)
     assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
         f"{_targets(ins.outs)} = rt.tensors({call})"

@@ -2,7 +2,8 @@
 
 torch.fx traces first (fast, keeps the user's ops and source lines); a model fx
 cannot trace goes through ``torch.export`` instead. Both frontends feed the
-same converter, so the graph means the same thing either way.
+same converter, so the graph means the same thing either way. Hugging Face's MoE
+experts are traced as one op each (``graph/experts.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 from chronotope.errors import CaptureError
 from chronotope.graph.batch import Batch, identifiers, model_loss
 from chronotope.graph.convert import Converter, Leaf, OpFailed
+from chronotope.graph.experts import hugging_face_experts
 from chronotope.graph.functions import sign_functions
 from chronotope.graph.ir import Graph, Source, TensorKind
 from chronotope.graph.ops import DEFAULT_REGISTRY
@@ -172,7 +174,8 @@ def _refuse_wrapped(model: nn.Module, name: str) -> None:
 def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
     placeholders = dict(zip(step.names, step.tensors))
     tracer = Tracer(placeholders, registry)
-    fx_graph = tracer.trace(step)
+    with hugging_face_experts(step.model):
+        fx_graph = tracer.trace(step)
     root = tracer.root
     params = {id(p): n for n, p in step.model.named_parameters()}
     buffers = {id(b): n for n, b in step.model.named_buffers()}
@@ -201,7 +204,7 @@ def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
 def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with _export_output(), torch.enable_grad():
+    with _export_output(), torch.enable_grad(), hugging_face_experts(step.model):
         ep = torch.export.export(step, tuple(step.tensors), strict=False)
     _detach_no_grad_blocks(ep.graph)
     ep = ep.run_decompositions({})  # functional: in-place updates become new tensors

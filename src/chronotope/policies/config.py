@@ -47,7 +47,9 @@ class ParallelConfig:
     ``schedule``: csv's pipeline order, a torch pipelining CSV file; ``cp``: the
     context-parallel group of every op along the sequence (the cp policy: default all
     devices over tp x pp; the meshes and pipelines: default 1), ``cp_attention`` how its
-    attention meets ("allgather" or "ulysses", see ``policies/context.py``)."""
+    attention meets ("allgather" or "ulysses", see ``policies/context.py``); ``ep``: the
+    data-parallel replicas each Mixture-of-Experts layer's experts are shared out over
+    (default 1)."""
 
     policy: str = "dp"
     devices: int = 1
@@ -62,6 +64,7 @@ class ParallelConfig:
     schedule: str | None = None
     cp: int | None = None
     cp_attention: str | None = None
+    ep: int | None = None
 
     def given(self) -> dict[str, object]:
         """The options set away from their default (policy and devices aside)."""
@@ -106,7 +109,7 @@ def _mesh(sequence: bool = False, coshard: bool = False, context: bool = False) 
                     sequence=sequence, coshard=(c.coshard or 2) if coshard else 1,
                     fold=c.fold if c.fold is not None else pp > 1 and not coshard,
                     recompute=c.recompute, swap=c.swap, cp=cp,
-                    cp_attention=c.cp_attention or "allgather")
+                    cp_attention=c.cp_attention or "allgather", ep=c.ep or 1)
     return build
 
 
@@ -114,7 +117,7 @@ def _flat(**kinds: bool) -> Builder:
     """dp, tp or sp over all devices."""
     def build(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
         if kinds.get("dp"):
-            return mesh(graph, dp=c.devices, recompute=c.recompute, swap=c.swap)
+            return mesh(graph, dp=c.devices, recompute=c.recompute, swap=c.swap, ep=c.ep or 1)
         return mesh(graph, tp=c.devices, sequence=kinds.get("sequence", False),
                     recompute=c.recompute, swap=c.swap)
     return build
@@ -134,7 +137,7 @@ def _pipeline(schedule: str) -> Builder:
         fold = c.fold if c.fold is not None else schedule not in UNFOLDED
         return pipeline(graph, stages, _micro(graph, c, stages, dp), schedule, dp=dp,
                         chunks=chunks, fold=fold, recompute=c.recompute, swap=c.swap, cp=cp,
-                        cp_attention=c.cp_attention or "allgather")
+                        cp_attention=c.cp_attention or "allgather", ep=c.ep or 1)
     return build
 
 
@@ -188,18 +191,18 @@ class Policy:
 
 
 _CONTEXT = frozenset({"cp", "cp_attention"})
-_MESH = frozenset({"tp", "pp", "micro", "fold"}) | _ACTIVATION_OPTIONS | _CONTEXT
-_PIPELINE = frozenset({"pp", "micro", "fold"}) | _ACTIVATION_OPTIONS | _CONTEXT
+_MESH = frozenset({"tp", "pp", "micro", "fold", "ep"}) | _ACTIVATION_OPTIONS | _CONTEXT
+_PIPELINE = frozenset({"pp", "micro", "fold", "ep"}) | _ACTIVATION_OPTIONS | _CONTEXT
 
 POLICIES: dict[str, Policy] = {
-    "dp": Policy(_flat(dp=True), _ACTIVATION_OPTIONS, "data parallel"),
+    "dp": Policy(_flat(dp=True), _ACTIVATION_OPTIONS | {"ep"}, "data parallel"),
     "tp": Policy(_flat(), _ACTIVATION_OPTIONS, "Megatron tensor parallel"),
     "sp": Policy(_flat(sequence=True), _ACTIVATION_OPTIONS, "tensor + sequence parallel"),
     "dp-tp": Policy(_mesh(), _MESH, "a dp x pp x tp mesh"),
     "dp-sp": Policy(_mesh(sequence=True), _MESH, "a dp x pp x tp mesh, sequence parallel"),
     "cp": Policy(_mesh(context=True), _MESH,
                  "context parallel: every op along the sequence, over a dp x pp x cp x tp mesh"),
-    "coshard": Policy(_mesh(coshard=True), _MESH - _CONTEXT | {"coshard"},
+    "coshard": Policy(_mesh(coshard=True), _MESH - _CONTEXT - {"ep"} | {"coshard"},
                       "dp-tp with several pieces of each attention and MLP per device"),
     "interlaced": Policy(_interlaced, frozenset({"micro"}),
                          "1F1B with the shared embedding on every device"),

@@ -266,13 +266,19 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
          sequence: bool = False, schedule: str | Schedule = "gpipe", chunks: int = 1,
          recompute: str | None = None, swap: str | None = None, coshard: int = 1,
          choices: Choices | None = None, fold: bool = False, cp: int = 1,
-         cp_attention: str = "allgather", zigzag: bool | None = None) -> Plan:
+         cp_attention: str = "allgather", zigzag: bool | None = None, ep: int = 1) -> Plan:
     """``dp`` data-parallel groups, each ``pp`` pipeline stages of ``cp`` context-parallel
     groups of ``tp`` tensor-parallel devices: rank = ((i * pp + s) * cp + c) * tp + j.
 
     ``cp`` > 1 cuts every op along the sequence over the ``cp`` groups of a stage, and
     attention by ``cp_attention`` ("allgather" or "ulysses"), the sequence dealt out in a
     ``zigzag`` where attention is causal (see ``policies/context.py``).
+
+    ``ep`` > 1 (expert parallel) shares each Mixture-of-Experts layer's experts out over
+    groups of ``ep`` data-parallel replicas: every replica's tokens of a layer go through
+    the experts of each member of its group, on that member, and their parts of each
+    token's output come back to be summed (``graph/experts.py``); each device keeps
+    ``1 / ep`` of the experts' weights, gradients and optimizer state.
 
     ``micro`` cuts each group's batch into micro-batches whose gradients the
     compiler sums (gradient accumulation); without stages each micro-batch's backward
@@ -299,9 +305,11 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     the compiler runs every micro-batch from it in the schedule's order: plan, check and
     compile cost what one micro-batch costs, however many there are.
     """
-    if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1 or cp < 1:
-        raise PlanError(f"a mesh needs dp, tp, pp, cp, micro, coshard >= 1, got dp={dp}, "
-                        f"tp={tp}, pp={pp}, cp={cp}, micro={micro}, coshard={coshard}")
+    if dp < 1 or tp < 1 or pp < 1 or micro < 1 or coshard < 1 or cp < 1 or ep < 1:
+        raise PlanError(f"a mesh needs dp, tp, pp, cp, ep, micro, coshard >= 1, got dp={dp}, "
+                        f"tp={tp}, pp={pp}, cp={cp}, ep={ep}, micro={micro}, coshard={coshard}")
+    if ep > 1:
+        _check_experts(graph, dp, ep)
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
@@ -380,12 +388,13 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             cps = ctx if not (fold and op in data) else replace(ctx, cuts={}, tails={})
             for m, sub in enumerate(micros):
                 for c, part in context_cut(plan, sub, cps):
-                    parts = _tensor_parallel(plan, part, splits.get(op), seq.get(op),
-                                             [first + c * tp + d for d in placed],
-                                             coshard if op in spans else 1)
-                    if op in spans:
-                        for k, pieces in enumerate(parts):
-                            sharded[(spans[op], g, m)][k] += pieces
+                    for at, piece in _experts_cut(plan, part, ep, i, first, pp * cp * tp):
+                        parts = _tensor_parallel(plan, piece, splits.get(op), seq.get(op),
+                                                 [at + c * tp + d for d in placed],
+                                                 coshard if op in spans else 1)
+                        if op in spans:
+                            for k, pieces in enumerate(parts):
+                                sharded[(spans[op], g, m)][k] += pieces
                 if orders and batched:
                     cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
@@ -651,6 +660,35 @@ def _fold(plan: Plan, cells: dict[tuple[int, int, int], list[PlanOp]], dp: int, 
     plan.micro_batches(micro, steps)
 
 
+def _check_experts(graph: Graph, dp: int, ep: int) -> None:
+    """Expert parallelism over ``ep`` of ``dp`` replicas: refused by name where it cannot."""
+    experts = [op for op in graph.ops if op.kind == "experts"]
+    if not experts:
+        raise PlanError(f"expert parallelism shares out Mixture-of-Experts layers' experts, "
+                        f"and {graph.name} has none captured as routed experts "
+                        "(chronotope.graph.experts): no experts op to cut")
+    if dp % ep:
+        raise PlanError(f"expert parallelism over {ep} devices takes groups of {ep} of the "
+                        f"{dp} data-parallel replicas: use an ep that divides dp")
+    for op in experts:
+        count = op.inputs[3].shape[0]
+        if count % ep:
+            raise PlanError(f"{op.name}: its {count} experts do not share out over {ep} "
+                            "devices: use an ep that divides them")
+
+
+def _experts_cut(plan: Plan, piece: PlanOp, ep: int, replica: int, first: int, width: int
+                 ) -> list[tuple[int, PlanOp]]:
+    """An experts piece of data-parallel ``replica``'s tokens cut over the ``ep`` replicas
+    of its group (each part on its replica's device at the place ``first`` names, replicas
+    ``width`` devices apart); any other piece where it is."""
+    if ep == 1 or piece.op.kind != "experts":
+        return [(first, piece)]
+    group = replica - replica % ep
+    return [(first + (group + r - replica) * width, part)
+            for r, part in enumerate(plan.trans(piece, Split("e", ep)))]
+
+
 def _tensor_parallel(plan: Plan, piece: PlanOp, tp: TpSplit | None, seq: str | None,
                      devices: Sequence[int], coshard: int = 1) -> list[list[PlanOp]]:
     """Split and place one piece over the tensor-parallel ``devices``; a sharded op is cut
@@ -690,3 +728,15 @@ def tensor_parallel(graph: Graph, ndevices: int) -> Plan:
 def sequence_parallel(graph: Graph, ndevices: int) -> Plan:
     """Megatron tensor + sequence parallelism: what TP replicates is split along the sequence."""
     return mesh(graph, tp=ndevices, sequence=True)
+
+
+def context_parallel(graph: Graph, cp: int, dp: int = 1, **options: Any) -> Plan:
+    """Every op along the sequence over ``cp`` devices (times ``dp`` replicas), attention
+    by ``cp_attention`` (see ``mesh`` and ``policies/context.py``)."""
+    return mesh(graph, dp=dp, cp=cp, **options)
+
+
+def expert_parallel(graph: Graph, ep: int, dp: int | None = None, **options: Any) -> Plan:
+    """Data parallel over ``dp`` devices (default ``ep``), each Mixture-of-Experts layer's
+    experts shared out over groups of ``ep`` of them (see ``mesh``)."""
+    return mesh(graph, dp=dp or ep, ep=ep, **options)

@@ -264,15 +264,15 @@ def read_schedule(path: str) -> tuple[Schedule, dict[int, list[Step]]]:
 def pipeline(graph: Graph, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *,
              dp: int = 1, tp: int = 1, chunks: int = 1, recompute: str | None = None,
              swap: str | None = None, fold: bool = False, cp: int = 1,
-             cp_attention: str = "allgather") -> Plan:
+             cp_attention: str = "allgather", ep: int = 1) -> Plan:
     """``stages`` pipeline ranks (times ``cp`` context-parallel groups of ``tp``
     tensor-parallel devices each, times ``dp`` data-parallel groups) running
     ``microbatches`` micro-batches in ``schedule`` order; with ``chunks`` > 1
     (interleaved), each rank holds that many stages; ``recompute``, ``swap``, ``fold``
-    (one micro-batch planned and compiled, all run), ``cp`` and ``cp_attention`` as in
-    ``mesh``."""
+    (one micro-batch planned and compiled, all run), ``cp``, ``cp_attention`` and ``ep``
+    as in ``mesh``."""
     from chronotope.policies.mesh import mesh
 
     return mesh(graph, dp, tp, pp=stages, micro=microbatches, schedule=schedule,
                 chunks=chunks, recompute=recompute, swap=swap, fold=fold, cp=cp,
-                cp_attention=cp_attention)
+                cp_attention=cp_attention, ep=ep)

@@ -1,4 +1,4 @@
-"""Signatures of the grouped matmul of Mixture-of-Experts layers.
+"""Signatures of Mixture-of-Experts layers: routed experts as one op, and the grouped matmul.
 
 ``grouped_mm(a, b, offs=...)`` multiplies runs of rows of ``a`` by one expert's
 matrix each; ``offs`` holds where each run ends, counted from the first row.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from chronotope.graph.experts import routed_experts
 from chronotope.graph.ops.pointwise import join
 from chronotope.graph.registry import OpCall, OpRegistry
 
@@ -39,9 +40,19 @@ def grouped_mm(call: OpCall) -> str | None:
     return None
 
 
+def routed(call: OpCall) -> str:
+    """``chronotope::routed_experts`` (``graph/experts.py``): tokens split, each its own;
+    the experts and their hidden features are sums (a piece's experts' part of each
+    token); the model dim is both read and made, and the top-k slots stay whole."""
+    weights = [["e+", "f+", "d^"]] * (3 if call.arg(4, "up") is not None else 2)
+    weights[-1] = ["e+", "d^", "f+"]
+    return f"{join(['t', 'd^'], ['t', 'k^'], ['t', 'k^'], *weights)} -> t d^"
+
+
 def register(reg: OpRegistry) -> None:
     targets: list[object] = [torch._grouped_mm, aten._grouped_mm,
                              "transformers::grouped_mm_fallback"]
     if hasattr(F, "grouped_mm"):
         targets.append(F.grouped_mm)
     reg.add(targets, "grouped_mm", grouped_mm)
+    reg.add([routed_experts, torch.ops.chronotope.routed_experts], "experts", routed)

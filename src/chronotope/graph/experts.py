@@ -1,0 +1,161 @@
+"""Routed experts as one op: each token through the experts its router picked, weighted.
+
+A Mixture-of-Experts layer's experts compute ``y_t = sum_j w_tj * FFN_{e_tj}(x_t)`` for
+the ``k`` experts ``e_tj`` a router picked for token ``t``, with weights ``w_tj``.
+Written out (a sort of every token by expert, a gather, a grouped matmul over runs of
+rows, a scatter back) no piece of it can run on some tokens alone. As one op,
+``routed_experts``, its signature says what splits (``graph/ops/moe.py``): the tokens,
+each token's output its own (data, sequence and pipeline parallelism cut the layer as
+any other per-token op, each piece routing its own tokens), the experts, whose pieces
+add what their experts make of the tokens routed to them (expert parallelism: a piece
+is given its first expert's index, ``first``), and the experts' hidden features
+(tensor parallelism inside them), both sums. No token is dropped.
+
+Hugging Face's experts modules (``@use_experts_implementation``: Mixtral, Qwen2-MoE,
+DeepSeek, OLMoE and most MoE models of transformers) are captured as this op through
+transformers' own experts interface (``hugging_face_experts``), where their layout
+allows it: gate and up projections side by side, not transposed, no biases.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def _forward(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
+             up: torch.Tensor | None, down: torch.Tensor, first: int, act: str) -> torch.Tensor:
+    """``y_t``'s part from experts ``first .. first + len(gate) - 1`` (their weights'
+    rows), for every token routed to one of them."""
+    fn = ACTIVATIONS[act]
+    out = torch.zeros_like(x)
+    for e in range(gate.shape[0]):
+        token, slot = torch.where(index == first + e)
+        if token.numel() == 0:
+            continue
+        rows = x[token]
+        hidden = fn(F.linear(rows, gate[e]))
+        if up is not None:
+            hidden = hidden * F.linear(rows, up[e])
+        made = F.linear(hidden, down[e]) * weights[token, slot, None].to(x.dtype)
+        out = out.index_add(0, token, made)
+    return out
+
+
+@torch.library.custom_op("chronotope::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                   gate: torch.Tensor, up: Optional[torch.Tensor],  # noqa: UP045 (the schema)
+                   down: torch.Tensor, first: int, act: str) -> torch.Tensor:
+    """Tokens ``x (t, d)`` through their ``index (t, k)`` experts, weighted by ``weights
+    (t, k)``: ``down (e, d, f) @ act(gate (e, f, d) @ x) * (up (e, f, d) @ x)`` (no ``up``:
+    ``down @ act(gate @ x)``) for the experts ``first ..`` these weights hold."""
+    return _forward(x, index, weights, gate, up, down, first, act)
+
+
+@routed_experts.register_fake
+def _(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
+      up: torch.Tensor | None, down: torch.Tensor, first: int, act: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, index, weights, gate, up, down, first, act = inputs
+    ctx.save_for_backward(x, index, weights, gate, up, down)
+    ctx.first, ctx.act = first, act
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The forward made again under autograd, whose gradients it then takes: what the
+    layer keeps for its backward is its inputs alone."""
+    x, index, weights, gate, up, down = ctx.saved_tensors
+    wanted = [ctx.needs_input_grad[i] and t is not None
+              for i, t in zip((0, 2, 3, 4, 5), (x, weights, gate, up, down))]
+    leaves = [t.detach().requires_grad_(w) if t is not None else None
+              for t, w in zip((x, weights, gate, up, down), wanted)]
+    with torch.enable_grad():
+        out = _forward(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4],
+                       ctx.first, ctx.act)
+    asked = [t for t, w in zip(leaves, wanted) if w]
+    found = iter(torch.autograd.grad(out, asked, grad, allow_unused=True) if asked else ())
+    gx, gw, gg, gu, gd = (next(found) if w else None for w in wanted)
+    return gx, None, gw, gg, gu, gd, None, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup)
+
+
+def first_expert(piece: Any) -> int:
+    """The index of the first expert a piece of ``routed_experts`` holds (a plan's piece:
+    the rows of the experts' gate weights it reads)."""
+    return int(piece.inputs[3].mask.index[0][0])
+
+
+def supported(module: nn.Module) -> str | None:
+    """Why a Hugging Face experts module cannot run as ``routed_experts`` (None: it can)."""
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_act", None)
+    if getattr(module, "has_bias", True) or getattr(module, "is_transposed", True) or \
+            getattr(module, "has_post_expert_norm", True) or \
+            not getattr(module, "is_concatenated", False):
+        return "a layout other than gate and up side by side without biases"
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    if getattr(type(module), "_apply_gate", None) is not _default_gate():
+        return "its own gate"
+    weight = module.gate_up_proj if module.has_gate else getattr(module, "up_proj", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        return "experts' weights not stored as one (experts, out, in) tensor"
+    return None
+
+
+def _default_gate() -> Any:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface, as chronotope captures it: one op."""
+    down = module.down_proj
+    if module.has_gate:
+        width = down.shape[-1]
+        gate, up = module.gate_up_proj[:, :width], module.gate_up_proj[:, width:]
+    else:
+        gate, up = module.up_proj, None
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate, up, down, 0,
+                          module.config.hidden_act)
+
+
+@contextlib.contextmanager
+def hugging_face_experts(model: nn.Module) -> Iterator[None]:
+    """While it is open, the Hugging Face experts modules of ``model`` that
+    ``routed_experts`` can run (``supported``), all of them or none, run through it."""
+    found = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")
+             and hasattr(getattr(m, "config", None), "_experts_implementation")]
+    if not found or any(supported(m) is not None for m in found):
+        yield
+        return
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    configs = {id(m.config): m.config for m in found}
+    was = {key: c._experts_implementation for key, c in configs.items()}
+    ALL_EXPERTS_FUNCTIONS["chronotope"] = _hugging_face
+    try:
+        for c in configs.values():
+            c._experts_implementation = "chronotope"
+        yield
+    finally:
+        for key, c in configs.items():
+            c._experts_implementation = was[key]
+        del ALL_EXPERTS_FUNCTIONS["chronotope"]
