@@ -56,6 +56,9 @@ POLICIES: dict[str, ParallelConfig] = {
     "cp": ParallelConfig("cp", DEVICES),
     "cp-4": ParallelConfig("cp", 4),
     "ulysses-4": ParallelConfig("cp", 4, cp_attention="ulysses"),
+    # expert parallel: each MoE layer's experts shared out over the data-parallel ranks
+    "ep": ParallelConfig("dp", DEVICES, ep=DEVICES),
+    "ep-4": ParallelConfig("dp", 4, ep=4),
 }
 
 

@@ -20,6 +20,7 @@ SPLIT = ("dp", "tp", "zero-3")
 ALL = (*SPLIT, "1f1b", "1f1b-fold")
 NO_TP = tuple(p for p in ALL if p != "tp")
 CP = ("cp", "cp-4", "ulysses-4")  # context parallel: the families that call sdpa on tokens
+EP = ("ep", "ep-4")  # expert parallel: the Mixture-of-Experts families
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "opt": (*ALL, *CP),
@@ -33,8 +34,8 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "gemma": (*ALL, *CP),
     "falcon": (*ALL, *CP),
     "bloom": ALL,
-    "mixtral": (*SPLIT, *CP),
-    "qwen2-moe": (*SPLIT, *CP),
+    "mixtral": (*SPLIT, *CP, *EP),
+    "qwen2-moe": (*ALL, *CP, *EP),
     "bart": (*ALL, *CP),
     "roberta-cls": (*ALL, *CP),
     "distilbert-cls": (*ALL, *CP),
@@ -50,10 +51,10 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "t5-v1.1": (*ALL, *CP),
     "albert": (*ALL, *CP),
     "gemma3": (*ALL, *CP),
-    "deepseek-v3": (*SPLIT, *CP),
+    "deepseek-v3": (*ALL, *CP, *EP),
     "gpt-bigcode": (*ALL, *CP),
     "granite": (*ALL, *CP),
-    "olmoe": (*SPLIT, *CP),
+    "olmoe": (*SPLIT, *CP, *EP),
     "mamba": ALL,
     "bigbird": ALL,
     "convnext": ALL,
@@ -85,16 +86,18 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
         # the idioms: a Function's own backward, writes into slices, random draws in place
         ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("drop-path", "1f1b-fold"),
         # context parallel: keys gathered for a zigzag of causal chunks, heads all-to-all
-        ("qwen2", "cp-4"), ("mixtral", "ulysses-4")]
+        ("qwen2", "cp-4"), ("mixtral", "ulysses-4"),
+        # expert parallel: each rank's tokens through every rank's experts, and back
+        ("qwen2-moe", "ep-4")]
 
-# What no micro-batch can run alone (batch statistics, a loss coupling the samples, MoE
-# dispatch over every token, bags of an EmbeddingBag, a graph's adjacency over all its
-# nodes, a statistic over the batch): a pipeline over micro-batches refuses these, naming
-# the op; with one micro-batch they pipeline equal to one device.
+# What no micro-batch can run alone (batch statistics, a loss coupling the samples, a
+# router's balancing loss over every token, bags of an EmbeddingBag, a graph's adjacency
+# over all its nodes, a statistic over the batch): a pipeline over micro-batches refuses
+# these, naming the op; with one micro-batch they pipeline equal to one device.
 WHOLE_BATCH = {
-    "mixtral": "sort", "qwen2-moe": "sort", "clip": "index",
+    "mixtral": "div", "clip": "index",
     "cnn-bn": "batch_norm_div", "two-tower": "matmul",
-    "deepseek-v3": "sort", "olmoe": "sort", "embedding-bag": "embedding_bag",
+    "olmoe": "div", "embedding-bag": "embedding_bag",
     "gnn": "matmul", "no-grad": "mean",
 }
 

@@ -28,8 +28,8 @@ def piece_flops(op: PlanOp) -> float:
     """Floating-point operations of one forward or backward piece."""
     fwd = op.forward or op
     sig = fwd.op.signature
-    flops = _flops(sig, fwd.piece.sizes, fwd.op.kind) if sig is not None else \
-        float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
+    flops = _flops(sig, fwd.piece.sizes, fwd.op.kind, _experts(fwd.op)) if sig is not None \
+        else float(sum(math.prod(v.mask.shape) for v in fwd.outputs))
     flops *= _kept(fwd.op, fwd.outputs[0].mask.index)
     return 2 * flops if op.is_backward and not op.split else flops
 
@@ -80,18 +80,29 @@ def op_flops(op: Op) -> float:
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
     except SignatureError:
         return outputs
-    return _flops(op.signature, sizes, op.kind)
+    return _flops(op.signature, sizes, op.kind, _experts(op))
 
 
-def _flops(sig: Signature, sizes: dict[str, int], kind: str = "") -> float:
+def _experts(op: Op) -> int:
+    """How many experts a routed-experts op holds (0 for any other op)."""
+    return op.inputs[3].shape[0] if op.kind == "experts" else 0
+
+
+def _flops(sig: Signature, sizes: dict[str, int], kind: str = "", experts: int = 0) -> float:
     """One operation per combination of the dims, two where a dim is reduced; dims that
     each belong to one tensor alone (a concatenation's inputs' and output's) are not
     combined with each other: the tensor with most of them counts. Attention is two
-    contractions (scores over ``E``, then values over ``S``), not one over all, and a
-    lookup copies one row per index, whatever the table's length ``v``."""
+    contractions (scores over ``E``, then values over ``S``), not one over all, a
+    lookup copies one row per index, whatever the table's length ``v``, and routed
+    experts run each token's ``k`` picks through two or three matrices, a piece of the
+    ``experts`` its share of them."""
     if kind == "attention" and {"L", "S", "E", "Ev"} <= set(sizes):
         rows = math.prod(v for n, v in sizes.items() if n not in ("L", "S", "E", "Ev"))
         return 2.0 * rows * sizes["L"] * sizes["S"] * (sizes["E"] + sizes["Ev"])
+    if kind == "experts" and experts:
+        matrices = 3 if len(sig.inputs) == 6 or sig.inputs[3][1].grouped else 2
+        return 2.0 * sizes["t"] * sizes["k"] * sizes["d"] * sizes["f"] * matrices * \
+            sizes["e"] / experts
     if kind == "embedding":
         return float(math.prod(v for n, v in sizes.items() if n != "v"))
     reduced = any(d.reduce for d in sig.dims())

@@ -38,15 +38,21 @@ def _forward(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate: 
     """``y_t``'s part from experts ``first .. first + len(gate) - 1`` (their weights'
     rows), for every token routed to one of them."""
     fn = ACTIVATIONS[act]
+    width = down.shape[-1]
+    fused = up is None and gate.shape[1] == 2 * width  # gate and up side by side
     out = torch.zeros_like(x)
     for e in range(gate.shape[0]):
         token, slot = torch.where(index == first + e)
         if token.numel() == 0:
             continue
         rows = x[token]
-        hidden = fn(F.linear(rows, gate[e]))
-        if up is not None:
-            hidden = hidden * F.linear(rows, up[e])
+        hidden = F.linear(rows, gate[e])
+        if fused:
+            hidden = fn(hidden[:, :width]) * hidden[:, width:]
+        else:
+            hidden = fn(hidden)
+            if up is not None:
+                hidden = hidden * F.linear(rows, up[e])
         made = F.linear(hidden, down[e]) * weights[token, slot, None].to(x.dtype)
         out = out.index_add(0, token, made)
     return out
@@ -57,8 +63,10 @@ def routed_experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                    gate: torch.Tensor, up: Optional[torch.Tensor],  # noqa: UP045 (the schema)
                    down: torch.Tensor, first: int, act: str) -> torch.Tensor:
     """Tokens ``x (t, d)`` through their ``index (t, k)`` experts, weighted by ``weights
-    (t, k)``: ``down (e, d, f) @ act(gate (e, f, d) @ x) * (up (e, f, d) @ x)`` (no ``up``:
-    ``down @ act(gate @ x)``) for the experts ``first ..`` these weights hold."""
+    (t, k)``: ``down (e, d, f) @ act(gate (e, f, d) @ x) * (up (e, f, d) @ x)`` for the
+    experts ``first ..`` these weights hold; without ``up``, ``gate (e, 2f, d)`` holds gate
+    and up side by side (Hugging Face's ``gate_up_proj``), or ``gate (e, f, d)`` alone
+    makes ``down @ act(gate @ x)``."""
     return _forward(x, index, weights, gate, up, down, first, act)
 
 
@@ -127,14 +135,9 @@ def _default_gate() -> Any:
 def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface, as chronotope captures it: one op."""
-    down = module.down_proj
-    if module.has_gate:
-        width = down.shape[-1]
-        gate, up = module.gate_up_proj[:, :width], module.gate_up_proj[:, width:]
-    else:
-        gate, up = module.up_proj, None
-    return routed_experts(hidden_states, top_k_index, top_k_weights, gate, up, down, 0,
-                          module.config.hidden_act)
+    weight = module.gate_up_proj if module.has_gate else module.up_proj
+    return routed_experts(hidden_states, top_k_index, top_k_weights, weight, None,
+                          module.down_proj, 0, module.config.hidden_act)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,57 @@
+"""Expert parallelism: each Mixture-of-Experts layer's experts shared out over groups of
+data-parallel replicas, equal to one device."""
+
+import pytest
+from plan_testing import trains_like_one_device
+
+import chronotope as ct
+from chronotope.errors import PlanError
+from chronotope.policies import ParallelConfig, expert_parallel, make, mesh
+from tests.zoo.harness import capture
+from tests.zoo.models import FAMILIES
+
+MOE = ("mixtral", "qwen2-moe", "deepseek-v3", "olmoe")
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2),
+                                   dict(dp=2, ep=2, tp=2)], ids=str)
+def test_experts_shared_out_train_like_one_device(family, shape):
+    trains_like_one_device(FAMILIES[family](), ct.compile(mesh(capture(FAMILIES[family]()),
+                                                               **shape)))
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "deepseek-v3"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_mixture_of_experts_layers_pipeline_over_micro_batches(family, fold):
+    """Each micro-batch routes its own tokens: no dispatch over the whole batch holds a
+    pipeline back (a router's balancing loss over the whole batch does: mixtral's)."""
+    graph = capture(FAMILIES[family]())
+    plan = mesh(graph, dp=2, ep=2, pp=2, micro=2, schedule="1f1b", fold=fold)
+    trains_like_one_device(FAMILIES[family](), ct.compile(plan))
+    with pytest.raises(PlanError, match="cannot run op div"):
+        ct.policies.pipeline(capture(FAMILIES["mixtral"]()), 2, 2, "1f1b")
+
+
+def test_each_device_keeps_its_share_of_the_experts():
+    graph = capture(FAMILIES["mixtral"]())
+    checked = expert_parallel(graph, 4).check()
+    (name,) = [n for n in graph.params if n.endswith("layers.0.mlp.experts.gate_up_proj")]
+    experts = graph.params[name].shape[0]
+    held = {d: [m.index[0] for m in checked.storage.stored[d][name]] for d in range(4)}
+    assert held == {d: [(d * experts // 4, (d + 1) * experts // 4)] for d in range(4)}
+    dense = checked.storage.stored[0]["model.layers.0.self_attn.q_proj.weight"]
+    assert dense[0].index[0] == (0, graph.params["model.layers.0.self_attn.q_proj.weight"].shape[0])
+
+
+def test_what_expert_parallelism_cannot_share_out_is_refused_by_name():
+    graph = capture(FAMILIES["mixtral"]())
+    with pytest.raises(PlanError, match="ep that divides dp"):
+        mesh(graph, dp=2, ep=4)
+    with pytest.raises(PlanError, match="4 experts do not share out over 8"):
+        mesh(graph, dp=8, ep=8)
+    with pytest.raises(PlanError, match="no experts op to cut"):
+        mesh(capture(FAMILIES["opt"]()), dp=2, ep=2)
+    with pytest.raises(PlanError, match="does not read ep"):
+        make(graph, ParallelConfig("tp", 2, ep=2))
+    assert make(graph, ParallelConfig("dp", 4, ep=2)).ndevices == 4
