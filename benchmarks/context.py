@@ -2,9 +2,9 @@
 of causal attention work over the ranks, and the step time.
 
     python benchmarks/context.py [--seq 512 1024 2048] [--cp 1 2 4] [--d-model 128]
-                                 [--only memory|balance|time] [--device cpu|cuda]
+                                 [--layers 2] [--only memory|balance|time] [--device cpu|cuda]
 
-Memory: a GPT (and Llama, GQA) of ``--d-model`` with 2 layers, batch 2, one training
+Memory: a GPT (and Llama, GQA) of ``--d-model`` with ``--layers`` layers, batch 2, one training
 step with every rank a thread (``run_in_threads``, ``PeakMemory``): the measured peak of
 what the step made on the fullest rank, beside the plan's estimate, and that peak times
 cp over one device's (goal: <= 1.15, activations falling as 1 / cp). ``allgather`` holds
@@ -50,10 +50,10 @@ from chronotope.runtime.local import Optim, rank_specs, run_in_threads  # noqa: 
 VARIANTS = ("allgather", "ulysses")
 
 
-def _workload(model: str, seq: int, d_model: int, **kw):
+def _workload(model: str, seq: int, d_model: int, layers: int = 2, **kw):
     length = {"gpt": "block_size"}.get(model, "seq_len")
     extra = {"n_kv_head": 2} if model == "llama" else {}
-    return get_workload(model, d_model=d_model, n_head=8, n_layer=2, vocab_size=512,
+    return get_workload(model, d_model=d_model, n_head=8, n_layer=layers, vocab_size=512,
                         batch_size=2, **{length: seq}, **extra, **kw)
 
 
@@ -63,13 +63,14 @@ def _graph(w) -> ct.Graph:
         return ct.capture(w)
 
 
-def memory_table(model: str, seqs: list[int], cps: list[int], d_model: int) -> Table:
-    table = Table(title=f"{model} d_model={d_model}, 8 heads, 2 layers, batch 2: what one "
+def memory_table(model: str, seqs: list[int], cps: list[int], d_model: int,
+                 layers: int) -> Table:
+    table = Table(title=f"{model} d_model={d_model}, 8 heads, {layers} layers, batch 2: what one "
                         "step makes on the fullest rank (MiB), and that x cp / one device's")
     for col in ("tokens", "cp", "attention", "estimate", "measured", "measured x cp / cp 1"):
         table.add_column(col, justify="right")
     for seq in seqs:
-        w = _workload(model, seq, d_model)
+        w = _workload(model, seq, d_model, layers)
         graph = _graph(w)
         base = None
         for cp in cps:
@@ -175,6 +176,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--only", choices=("memory", "balance", "time"))
@@ -182,7 +184,7 @@ def main() -> None:
     console = Console(width=130)
     if args.only in (None, "memory"):
         for model in ("gpt", "llama"):
-            console.print(memory_table(model, args.seq, args.cp, args.d_model))
+            console.print(memory_table(model, args.seq, args.cp, args.d_model, args.layers))
     if args.only in (None, "balance"):
         console.print(balance_table(max(args.seq), [*args.cp, 8], args.d_model))
     if args.only in (None, "time"):

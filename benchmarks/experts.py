@@ -1,0 +1,81 @@
+"""Expert parallelism: a Mixtral-shaped model's step time, memory and weights per rank under
+data parallelism and with its experts shared out over 2 and 4 of the ranks.
+
+    python benchmarks/experts.py [--devices 4] [--experts 8] [--d-model 128] [--steps 4]
+
+The model is transformers' MixtralForCausalLM from a small config (``--experts`` experts,
+top 2, 2 layers, batch 8 x 128 tokens, the router's balancing loss on), captured with its
+experts as one op each (``graph/experts.py``). Time: the median step of ``--devices``
+gloo processes, slowest rank, as a ratio to data parallelism in the same run. Memory:
+every rank a thread (``PeakMemory``): the most a rank's step makes, and the bytes of the
+weights it keeps (the experts' share falls as 1 / ep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import transformers as tf
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import chronotope as ct  # noqa: E402
+from chronotope.policies import mesh  # noqa: E402
+from chronotope.runtime.launch import launch  # noqa: E402
+from chronotope.runtime.local import Optim, rank_specs, run_in_threads  # noqa: E402
+from chronotope.workload import Workload  # noqa: E402
+
+
+def workload(experts: int, d_model: int) -> Workload:
+    config = tf.MixtralConfig(vocab_size=512, hidden_size=d_model, intermediate_size=2 * d_model,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              num_local_experts=experts, num_experts_per_tok=2,
+                              max_position_embeddings=256, use_cache=False,
+                              output_router_logits=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(config).train()
+    ids = torch.randint(3, 512, (8, 128), generator=torch.Generator().manual_seed(0))
+    return Workload(model, (), {"input_ids": ids, "labels": ids}, name="mixtral")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    w = workload(args.experts, args.d_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    table = Table(title=f"Mixtral-shaped, {args.experts} experts (top 2), d_model "
+                        f"{args.d_model}, 2 layers, batch 8 x 128, on {args.devices} ranks")
+    for col in ("plan", "step ms", "/ dp", "peak MiB", "weights MiB / rank"):
+        table.add_column(col, justify="right" if col != "plan" else "left")
+    base = None
+    for ep in (1, 2, 4):
+        if args.devices % ep or args.experts % ep:
+            continue
+        plan = mesh(graph, dp=args.devices, ep=ep)
+        program = ct.compile(plan)
+        results = launch(rank_specs(program, w), args.steps, Optim("sgd", 0.1), timeout=600)
+        step = statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:])
+        base = base or step
+        run = run_in_threads(program, w, 1, Optim("sgd", 0.1), measure_memory=True)
+        stored = plan.check().memory
+        table.add_row("dp" if ep == 1 else f"dp x ep {ep}", f"{step * 1e3:.1f}",
+                      f"{step / base:.2f}", f"{max(run.peak_memory) / 2**20:.1f}",
+                      f"{max(m.params for m in stored.values()) / 2**20:.2f}")
+    Console(width=120).print(table)
+
+
+if __name__ == "__main__":
+    main()
