@@ -7,6 +7,7 @@ import warnings
 from dataclasses import replace
 
 import pytest
+import torch
 from search_testing import capture
 
 import chronotope as ct
@@ -269,4 +270,36 @@ def test_long_sequences_search_into_context_parallelism():
 def test_context_parallel_points_train_like_one_device(knobs):
     w = get_workload("gpt", batch_size=4)
     run = run_in_threads(ct.compile(knobs.plan(capture(w))), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+def test_experts_shared_out_are_points_priced_like_their_plans_and_train_alike():
+    from tests.zoo.harness import capture as capture_family
+    from tests.zoo.models import FAMILIES
+
+    graph = capture_family(FAMILIES["mixtral"]())
+    model = Model(graph, cluster_for(4, "dgx-a100"))
+    assert model.sharing(4) == [1, 2, 4] and model.sharing(2) == [1, 2]
+    assert Model(capture(get_workload("gpt")), cluster_for(4, "dgx-a100")).sharing(4) == [1]
+    assert {k.ep for k in points(model, 4, 8)} == {1, 2, 4}
+    priced = {ep: model.price(Knobs(4, 1, 1, 1, ep=ep)) for ep in (1, 2, 4)}
+    assert priced[4].states < priced[2].states < priced[1].states  # 1 / ep of the experts
+    for ep in (2, 4):
+        knobs = Knobs(4, 1, 1, 1, ep=ep)
+        estimate = max(m.total for m in knobs.plan(graph).check().memory.values())
+        assert 0.75 < priced[ep].memory / estimate < 1.25, knobs.label
+    run = run_in_threads(ct.compile(Knobs(4, 1, 1, 1, ep=2).plan(graph)), FAMILIES["mixtral"](),
+                         2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(FAMILIES["mixtral"](), 2, Optim("sgd", 0.1))).within(1e-5)
+
+
+def test_groups_sharing_their_experts_scale_as_replicas_of_one():
+    from tests.graph.test_experts import TopOne
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (8, 6))
+    w = ct.Workload(TopOne(), (ids, ids.roll(1, 1)), name="top-one")
+    plan = Knobs(4, 1, 1, 1, ep=2).plan(capture(w), replica=lambda r: capture(w.replica(r)))
+    assert plan.replicas == 2 and plan.ndevices == 2  # a group of two sharing its experts
+    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
     assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)

@@ -18,6 +18,9 @@ up to 64 devices ZeRO-3 over them all, tensor parallel inside each replica or no
   gradients' all-reduce over the data-parallel replicas (a reduce-scatter and, after the
   step, an all-gather where they share the optimizer state out) and the optimizer's
   update; a swapped op's saved tensors cross the host link out and back;
+- expert parallelism over ``ep`` of the data-parallel replicas keeps ``1 / ep`` of each
+  Mixture-of-Experts layer's experts on a device, and adds per experts op its group's
+  tokens gathered and their outputs reduce-scattered, forward and backward;
 - context parallelism over ``cp`` devices divides what every op along the sequence
   computes and keeps by ``cp`` (a zigzag keeps causal attention balanced), and adds per
   attention its keys and values gathered (forward, and again for the backward) and
@@ -77,6 +80,9 @@ from chronotope.search.stages import crossing_bytes, op_seconds
 # the columns of ``Model.terms`` a device's share of the sequence divides (its compute,
 # what it keeps, what its backward holds, the copies it reads and keeps), not the weights'
 _ALONG = np.array([1, 1, 0, 0, 0, 0, 1, 1, 1, 0])
+# and those a device's share of the experts divides: their weights' copies, state, sync,
+# gradients and whole-read gradients
+_WEIGHTS = np.array([0, 0, 1, 1, 1, 1, 0, 0, 0, 1])
 # what the backward's saved tensors become: (recompute, swap): kept, made again in part
 # or whole, or swapped to host memory (where the cluster says how fast its link is)
 KEPT = ((None, False), ("selective", False), ("full", False), (None, True))
@@ -104,6 +110,7 @@ class Knobs:
     zero3: bool = False  # one stage, every weight (tp shard) stored 1 / dp (ZeRO-3, FSDP)
     cp: int = 1  # context parallel: every op along the sequence over cp groups of tp
     ulysses: bool = False  # its attention cut by heads (all-to-all), not keys gathered
+    ep: int = 1  # expert parallel: MoE layers' experts shared out over ep of the dp replicas
 
     @property
     def devices(self) -> int:
@@ -118,6 +125,7 @@ class Knobs:
     @property
     def label(self) -> str:
         cp = f" x cp {self.cp}{' (ulysses)' if self.ulysses else ''}" if self.cp > 1 else ""
+        cp += f", experts over ep {self.ep}" if self.ep > 1 else ""
         text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}, {self.micro} micro-batches"
         if self.chunks > 1:
             text += f", {self.chunks} stages per rank"
@@ -141,8 +149,9 @@ class Knobs:
             plan = zero(graph, self.devices, 3, tp=self.tp)
             plan.dtype = dtype
             return plan
-        unit = replica(self.dp) if replica is not None and self.dp > 1 else graph
-        dp = self.dp if unit is graph else 1
+        groups = self.dp // self.ep  # of ep replicas sharing their experts: the scale unit
+        unit = replica(groups) if replica is not None and groups > 1 else graph
+        dp = self.dp if unit is graph else self.ep
         if self.shard and dp > 1:
             raise PlanError("the optimizer state is shared out over data-parallel replicas "
                             "(plan.scale): give the graph of one replica's rows (replica=)")
@@ -150,9 +159,9 @@ class Knobs:
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
                     swap="full" if self.swap else None,
                     sequence=self.sequence, fold=self.micro > 1, cp=self.cp,
-                    cp_attention="ulysses" if self.ulysses else "allgather")
+                    cp_attention="ulysses" if self.ulysses else "allgather", ep=self.ep)
         plan.dtype = dtype
-        return plan.scale(self.dp, self.shard) if dp != self.dp else plan
+        return plan.scale(self.dp // dp, self.shard) if dp != self.dp else plan
 
 
 @dataclass
@@ -191,6 +200,9 @@ class Model:
         self.attention = [i for i, op in enumerate(graph.ops)
                           if op.kind == "attention" and cuts[op] is not None]
         self.length = max((c.length for c in cuts.values() if c is not None), default=0)
+        self.experts = [i for i, op in enumerate(graph.ops) if op.kind == "experts"]
+        # of each op, whether the weights it reads first are experts' (shared out by ep)
+        self.expert_weights = np.isin(np.arange(len(graph.ops)), self.experts)
         names = [unit(op) for op in graph.ops]  # what a backward call recomputes at once
         self.units = np.unique(np.array([str(n) for n in names]), return_inverse=True)[1]
         self.first = first_reads(self.ops)
@@ -393,10 +405,14 @@ class Model:
         m = k.dp * k.micro  # micro-batches of the whole batch
         share = np.where(self.along, 1 / k.cp, 1.0)  # of each op, what one device does
         terms = self.terms(k.tp, k.sequence) * share[:, None] ** _ALONG
+        if k.ep > 1:  # each device keeps its share of the experts' weights
+            terms = terms * np.where(self.expert_weights, 1 / k.ep, 1.0)[:, None] ** _WEIGHTS
         stage_of = self.stage_of(k.pp * k.chunks, k.micro > 1)
         rank_of = stage_of % k.pp
         again = self.recomputed(k.recompute)
         context, gathered = self.context(k, m)
+        routed, gathered_tokens = self.routed(k, m)
+        context, gathered = context + routed, gathered + gathered_tokens
         seconds = self.times(k.tp, k.sequence, m) * share + again * terms[:, 0] / 3 / m \
             + context
         swapped = self.recomputed("full") if k.swap else np.zeros(len(self.ops), dtype=bool)
@@ -491,6 +507,15 @@ class Model:
         return Priced(k, float(step + sync), float(memory[fullest]),
                       float(states[fullest]), fullest)
 
+    def sharing(self, dp: int) -> list[int]:
+        """The expert-parallel groups of ``dp`` replicas the graph's experts share out over:
+        1, and powers of two dividing ``dp`` and every experts op's count of experts."""
+        if not self.experts:
+            return [1]
+        counts = [self.ops[i].inputs[3].shape[0] for i in self.experts]
+        return [e for e in (2 ** i for i in range(dp.bit_length()))
+                if dp % e == 0 and all(c % e == 0 for c in counts)]
+
     def contexts(self, devices: int, tp: int) -> list[tuple[int, bool]]:
         """The context-parallel groups (and whether Ulysses) over at most ``devices``,
         beside ``tp``, that the graph's sequence and heads take: chunks of at least
@@ -534,6 +559,24 @@ class Model:
             seconds[i] = 2 * self.cluster.collective("all_gather", kv, groups) + \
                 self.cluster.collective("reduce_scatter", kv, groups)
             held[i] = 2 * kv
+        return seconds, held
+
+    def routed(self, k: Knobs, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, on one of ``m`` micro-batches: the seconds expert parallelism adds to each
+        experts op (its group's tokens gathered to every member and their outputs' parts
+        reduce-scattered back, forward; the outputs' gradients gathered and the tokens'
+        reduce-scattered, backward), and what it holds while it runs (the group's tokens
+        and their outputs' parts)."""
+        seconds, held = np.zeros(len(self.ops)), np.zeros(len(self.ops))
+        if k.ep == 1:
+            return seconds, held
+        unit = k.pp * k.cp * k.tp  # one data-parallel replica's devices
+        groups = [tuple(i * unit + j for i in range(k.ep)) for j in range(unit)]
+        for i in self.experts:
+            tokens = self._bytes(self.ops[i].inputs[0]) * k.ep / (k.dp * m * k.cp)
+            seconds[i] = 2 * (self.cluster.collective("all_gather", tokens, groups)
+                              + self.cluster.collective("reduce_scatter", tokens, groups))
+            held[i] = 2 * tokens
         return seconds, held
 
     def reduced(self, k: Knobs, grads: np.ndarray, ahead: np.ndarray) -> float:
@@ -633,7 +676,8 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                 if model.batch % dp:
                     continue
                 rows = model.batch // dp
-                for micro in (m for m in range(1, rows + 1) if rows % m == 0):
+                for ep, micro in ((e, m) for e in model.sharing(dp)
+                                  for m in range(1, rows + 1) if rows % m == 0):
                     for chunks, zero_bubble in SCHEDULE_KNOBS if pp > 1 else ((1, False),):
                         if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
                             continue
@@ -647,6 +691,6 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                                 for shard in (False, True) if dp > 1 and replicas else (False,):
                                     yield Knobs(dp, tp, pp, micro, chunks, recompute,
                                                 sequence, shard, zero_bubble, swap, cp=cp,
-                                                ulysses=ulysses)
+                                                ulysses=ulysses, ep=ep)
                 if pp == 1 and dp > 1 and cp == 1 and devices <= ZERO3_UP_TO:  # one plan
                     yield Knobs(dp, tp, 1, 1, zero3=True)  # of every device
