@@ -2,6 +2,7 @@
 data parallelism and with its experts shared out over 2 and 4 of the ranks.
 
     python benchmarks/experts.py [--devices 4] [--experts 8] [--d-model 128] [--steps 4]
+                                 [--only time|search]
 
 The model is transformers' MixtralForCausalLM from a small config (``--experts`` experts,
 top 2, 2 layers, batch 8 x 128 tokens, the router's balancing loss on), captured with its
@@ -9,6 +10,10 @@ experts as one op each (``graph/experts.py``). Time: the median step of ``--devi
 gloo processes, slowest rank, as a ratio to data parallelism in the same run. Memory:
 every rank a thread (``PeakMemory``): the most a rank's step makes, and the bytes of the
 weights it keeps (the experts' share falls as 1 / ep).
+
+Search: Mixtral 8x7B (transformers' default config, on the meta device) at 64 samples of
+4,096 tokens on 64 H100s in bf16: the mesh search's plan next to dp x tp x ep grids, each
+priced by the search's model (step seconds, GiB on the fullest device, fits in 80 GiB).
 """
 
 from __future__ import annotations
@@ -45,13 +50,45 @@ def workload(experts: int, d_model: int) -> Workload:
     return Workload(model, (), {"input_ids": ids, "labels": ids}, name="mixtral")
 
 
+def search_table() -> Table:
+    from chronotope.cost.network import cluster_for
+    from chronotope.models.hf import hf_causal_lm
+    from chronotope.search import search
+    from chronotope.search.knobs import Knobs, Model
+
+    w = hf_causal_lm("hf:mixtral", device="meta", batch_size=64, seq_len=4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(w)
+    cluster = cluster_for(64, "h100-sxm")
+    model = Model(graph, cluster, "bf16")
+    found = search(graph, 64, cluster, method="mesh", dtype="bf16", simulate=False)
+    table = Table(title=f"Mixtral 8x7B ({graph.num_params / 1e9:.1f}B), 64 x 4,096 tokens, "
+                        "64 H100s, bf16: the search's model")
+    for col in ("plan", "step s", "GiB", "fits"):
+        table.add_column(col, justify="right" if col != "plan" else "left")
+    table.add_row(f"searched: {found.mesh}", f"{found.predicted_step_s:.2f}",
+                  f"{max(found.peak_memory_bytes) / 2**30:.1f}", "yes")
+    for dp, tp, ep in ((64, 1, 1), (8, 8, 1), (64, 1, 8), (8, 8, 8), (16, 4, 8), (32, 2, 8)):
+        knobs = Knobs(dp, tp, 1, 64 // dp, recompute="full", ep=ep)
+        priced = model.price(knobs)
+        table.add_row(knobs.label, f"{priced.seconds:.2f}", f"{priced.memory / 2**30:.1f}",
+                      "yes" if priced.memory <= cluster.memory else "no")
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--only", choices=("time", "search"))
     args = p.parse_args()
+    if args.only != "time":
+        Console(width=120).print(search_table())
+    if args.only == "search":
+        return
     w = workload(args.experts, args.d_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
