@@ -15,7 +15,7 @@ MOE = ("mixtral", "qwen2-moe", "deepseek-v3", "olmoe")
 
 @pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2),
-                                   dict(dp=2, ep=2, tp=2)], ids=str)
+                                   dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, cp=2)], ids=str)
 def test_experts_shared_out_train_like_one_device(family, shape):
     trains_like_one_device(FAMILIES[family](), ct.compile(mesh(capture(FAMILIES[family]()),
                                                                **shape)))
