@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 Region = Sequence[tuple[int, int]]
 
@@ -51,6 +50,8 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if query.device.type == "cpu" and end - lo == query.shape[-2] and \
             key.shape[-1] == value.shape[-1]:  # (what torch's CPU flash kernel takes)
         return _Blocks.apply(query, key, value, lo, scale)
+    from torch.nn.attention.bias import causal_lower_right  # (it imports DTensor)
+
     return F.scaled_dot_product_attention(query, key, value,
                                           causal_lower_right(query.shape[-2], end), 0.0,
                                           False, scale=scale)

@@ -88,12 +88,12 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, index, weights, gate, up, down = ctx.saved_tensors
     wanted = [ctx.needs_input_grad[i] and t is not None
               for i, t in zip((0, 2, 3, 4, 5), (x, weights, gate, up, down))]
-    leaves = [t.detach().requires_grad_(w) if t is not None else None
-              for t, w in zip((x, weights, gate, up, down), wanted)]
+    x, weights, gate, down = (t.detach().requires_grad_(w) for t, w in
+                              zip((x, weights, gate, down), (wanted[0], *wanted[1:3], wanted[4])))
+    up = up.detach().requires_grad_(wanted[3]) if up is not None else None
     with torch.enable_grad():
-        out = _forward(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4],
-                       ctx.first, ctx.act)
-    asked = [t for t, w in zip(leaves, wanted) if w]
+        out = _forward(x, index, weights, gate, up, down, ctx.first, ctx.act)
+    asked = [t for t, w in zip((x, weights, gate, up, down), wanted) if w and t is not None]
     found = iter(torch.autograd.grad(out, asked, grad, allow_unused=True) if asked else ())
     gx, gw, gg, gu, gd = (next(found) if w else None for w in wanted)
     return gx, None, gw, gg, gu, gd, None, None
@@ -136,8 +136,9 @@ def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                   top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface, as chronotope captures it: one op."""
     weight = module.gate_up_proj if module.has_gate else module.up_proj
+    config: Any = module.config
     return routed_experts(hidden_states, top_k_index, top_k_weights, weight, None,
-                          module.down_proj, 0, module.config.hidden_act)
+                          module.down_proj, 0, config.hidden_act)
 
 
 @contextlib.contextmanager
@@ -151,7 +152,7 @@ def hugging_face_experts(model: nn.Module) -> Iterator[None]:
         return
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    configs = {id(m.config): m.config for m in found}
+    configs: dict[int, Any] = {id(m.config): m.config for m in found}
     was = {key: c._experts_implementation for key, c in configs.items()}
     ALL_EXPERTS_FUNCTIONS["chronotope"] = _hugging_face
     try:
