@@ -10,6 +10,8 @@ from chronotope.errors import PlanError
 from chronotope.policies import ParallelConfig, make, mesh
 from chronotope.policies.context import context
 from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.precision import BF16_TOLERANCE, Precision
+from chronotope.runtime.reference import compare, train_reference
 
 
 def _attention_flops(plan: ct.Plan) -> list[float]:
@@ -109,3 +111,13 @@ def test_gathered_keys_and_values_are_freed_after_their_forward_and_gathered_aga
                                 measure_memory=True).peak_memory) for p in (plan, kept)]
     assert peaks[0] < peaks[1], peaks
     trains_like_one_device(w, program)
+
+
+def test_context_parallel_trains_in_bf16_like_one_device_under_autocast():
+    """A late chunk's two flash calls run in the dtype autocast gives attention."""
+    w, graph = captured("gpt")
+    plan = mesh(graph, cp=4)
+    plan.dtype = "bf16"
+    run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
+    reference = train_reference(w, 2, Optim("sgd", 0.1), Precision("bf16"))
+    assert compare(run, reference).within(BF16_TOLERANCE)

@@ -49,6 +49,10 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
     if query.device.type == "cpu" and end - lo == query.shape[-2] and \
             key.shape[-1] == value.shape[-1]:  # (what torch's CPU flash kernel takes)
+        # in the dtype the attention would run in: autocast's, as for torch's own
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else \
+            query.dtype
+        query, key, value = (t.to(dtype) for t in (query, key, value))
         return _Blocks.apply(query, key, value, lo, scale)
     from torch.nn.attention.bias import causal_lower_right  # (it imports DTensor)
 
