@@ -40,10 +40,10 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     would be kept for the backward, as large as the scores)."""
     lo, hi = region[-2]
     end = min(hi, key.shape[-2])  # no row of this piece sees a key past its last row
-    key, value = key[..., :end, :], value[..., :end, :]
     if lo == 0:  # top-left aligned, as torch's own is_causal
-        return F.scaled_dot_product_attention(query, key, value, None, 0.0, True,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(query, key[..., :end, :], value[..., :end, :],
+                                              None, 0.0, True, scale=scale,
+                                              enable_gqa=enable_gqa)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
@@ -53,45 +53,50 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else \
             query.dtype
         query, key, value = (t.to(dtype) for t in (query, key, value))
-        return _Blocks.apply(query, key, value, lo, scale)
+        return _Blocks.apply(query, key, value, lo, end, scale)
     from torch.nn.attention.bias import causal_lower_right  # (it imports DTensor)
 
-    return F.scaled_dot_product_attention(query, key, value,
+    return F.scaled_dot_product_attention(query, key[..., :end, :], value[..., :end, :],
                                           causal_lower_right(query.shape[-2], end), 0.0,
                                           False, scale=scale)
 
 
 class _Blocks(torch.autograd.Function):
-    """Attention over the keys before the rows (all seen) and beside them (causal, square),
-    each by the flash kernel, merged by their log-sum-exps; the backward runs each block's
-    with the merged output and log-sum-exp, which need nothing of either block's own (as
-    ring attention's backward does)."""
+    """Attention over the keys before the rows (``:split``, all seen) and beside them
+    (``split:end``, causal, square), each by the flash kernel, merged by their log-sum-exps;
+    the backward runs each block's with the merged output and log-sum-exp, which need
+    nothing of either block's own (as ring attention's backward does), and writes the keys'
+    and values' gradients into one tensor of theirs, zeros past ``end``."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                split: int, scale: float | None) -> torch.Tensor:
+                split: int, end: int, scale: float | None) -> torch.Tensor:
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         o1, l1 = flash(query, key[..., :split, :], value[..., :split, :], 0.0, False,
                        scale=scale)
-        o2, l2 = flash(query, key[..., split:, :], value[..., split:, :], 0.0, True,
+        o2, l2 = flash(query, key[..., split:end, :], value[..., split:end, :], 0.0, True,
                        scale=scale)
         lse = torch.logaddexp(l1, l2)
         out = (o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]).to(
             query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.split, ctx.scale = split, scale
+        ctx.split, ctx.end, ctx.scale = split, end, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, lse = ctx.saved_tensors
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        s, grad = ctx.split, grad.contiguous()
-        q1, k1, v1 = backward(grad, query, key[..., :s, :], value[..., :s, :], out, lse, 0.0,
-                              False, scale=ctx.scale)
-        q2, k2, v2 = backward(grad, query, key[..., s:, :], value[..., s:, :], out, lse, 0.0,
-                              True, scale=ctx.scale)
-        return q1 + q2, torch.cat([k1, k2], -2), torch.cat([v1, v2], -2), None, None
+        s, e, grad = ctx.split, ctx.end, grad.contiguous()
+        grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
+        grad_query = None
+        for keys, causal in ((slice(0, s), False), (slice(s, e), True)):
+            q, k, v = backward(grad, query, key[..., keys, :], value[..., keys, :], out, lse,
+                               0.0, causal, scale=ctx.scale)
+            grad_query = q if grad_query is None else grad_query + q
+            grad_key[..., keys, :] = k
+            grad_value[..., keys, :] = v
+        return grad_query, grad_key, grad_value, None, None, None
 
 
 def is_causal(args: tuple, kwargs: dict[str, Any]) -> bool:
