@@ -1,4 +1,4 @@
-"""Random plans (tests/fuzz) over twelve model families: how many were accepted and trained
+"""Random plans (tests/fuzz) over thirteen model families: how many were accepted and trained
 like one device, how many were refused and by which error, per family, and any failure
 with the Python that makes its plan again.
 

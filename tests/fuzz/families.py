@@ -1,8 +1,8 @@
 """The model families plans are drawn for: the built-ins from their tiniest configs, small
 models written here that are not transformers, the zoo's CNN (convolutions, batch
-norm with running statistics, pooling), and one model of everyday idioms (a custom
+norm with running statistics, pooling), one model of everyday idioms (a custom
 Function, no_grad, writes into slices, random draws in place, buffers forward changes,
-an unused head).
+an unused head), and routed experts.
 
 Each family is captured once and trained once on one device per step count; every plan
 drawn for it is compared with that run.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
+from chronotope.graph.experts import routed_experts
 from chronotope.models import get_workload
 from chronotope.runtime.local import Optim, RunResult
 from chronotope.runtime.reference import train_reference
@@ -149,6 +150,31 @@ class Idioms(nn.Module):
         return F.mse_loss(self.out(F.relu(z) * keep / 0.75).squeeze(-1), y)
 
 
+class Experts(nn.Module):
+    """A top-2 router over four routed experts (gate and up apart), beside a dense MLP:
+    the experts one op whose tokens and experts both split."""
+
+    def __init__(self, features: int = 8, experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(features, experts, bias=False)
+        self.gate = nn.Parameter(torch.randn(experts, hidden, features) / features ** 0.5)
+        self.up = nn.Parameter(torch.randn(experts, hidden, features) / features ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, features, hidden) / hidden ** 0.5)
+        self.dense = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        routed = routed_experts(x, index, weights, self.gate, self.up, self.down, 0, "silu")
+        return F.mse_loss((routed + self.dense(x)).sum(-1), y)
+
+
+def experts(seed: int = 0) -> ct.Workload:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH * 2, 8, generator=g), torch.randn(BATCH * 2, generator=g)
+    return ct.Workload(Experts(), (x, y), name="experts")
+
+
 def idioms(seed: int = 0) -> ct.Workload:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -162,7 +188,7 @@ def _builtin(name: str) -> Callable[[], ct.Workload]:
 
 FAMILIES: dict[str, Callable[[], ct.Workload]] = {
     **{name: _builtin(name) for name in TINY}, "towers": towers, "mixer": mixer,
-    "cnn": lambda: cnn_bn(batch_size=BATCH), "idioms": idioms}
+    "cnn": lambda: cnn_bn(batch_size=BATCH), "idioms": idioms, "experts": experts}
 
 
 @functools.cache
