@@ -31,6 +31,7 @@ from chronotope.compile.program import (
     Assemble,
     Backward,
     Broadcast,
+    Exchange,
     Forward,
     Free,
     GatherParams,
@@ -47,6 +48,7 @@ from chronotope.compile.program import (
     ReduceScatter,
     Refill,
     Reshard,
+    Rows,
     Send,
     SetBuffer,
     Total,
@@ -402,7 +404,7 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None,
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
             return [f"{ins.handle} = {call[:-1]}, async_op=True)"]
-        if isinstance(ins, MULTI):
+        if isinstance(ins, (*MULTI, Exchange)):
             return [f"{_targets(ins.vars)} = {call}"]
         return [f"{ins.var} = {call}" if ins.var is not None else call]
     if isinstance(ins, Wait):
@@ -537,6 +539,11 @@ def _communication(ins: Instruction) -> str:
     """The runtime call that receives or runs a collective (what it gives aside)."""
     if isinstance(ins, Recv):
         return f"rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag})"
+    if isinstance(ins, Exchange):  # rows by member: whole ones routed by index and experts
+        sends = ", ".join(f"{s.dst}: {_routed(s.var, s.rows)}" for s in ins.sends)
+        recvs = ", ".join(f"{r.src}: {_routed(f'{tuple(r.shape)}, {r.dtype}', r.rows)}"
+                          for r in ins.recvs)
+        return f"rt.exchange({{{sends}}}, {{{recvs}}}, ranks={ins.ranks})"
     if isinstance(ins, AllReduce):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
@@ -555,6 +562,14 @@ def _communication(ins: Instruction) -> str:
         return f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, ranks={ins.ranks})"
     return (f"rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, shape={tuple(ins.shape)}, "
             f"dtype={ins.dtype})")
+
+
+def _routed(what: str, rows: Rows | None) -> str:
+    """One member's entry of an exchange: ``what`` alone (its rows side by side), or with
+    the routing that picks its rows of whole tokens."""
+    if rows is None or rows.index is None:
+        return f"({what})" if "," in what else what
+    return f"({what}, {rows.index}, range({rows.lo}, {rows.hi}))"
 
 
 def _grads(keys: tuple[Key, ...]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from chronotope.compile.exchanges import exchanges
 from chronotope.compile.program import (
     MULTI,
     AllGather,
@@ -79,11 +80,14 @@ def collectives(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
         raise Refused(refused)
     out = [[_collective(ins, chosen[id(ins)]) if isinstance(ins, Assemble)
             and id(ins) in chosen else ins for ins in code] for code in ranks]
-    out = _drop_unread(out)
+    out, unplaced = exchanges(_drop_unread(out))
+    if unplaced:
+        raise Refused(unplaced)
     stuck = _stuck(out)
     if stuck:
         # a collective blocks where messages would not
-        waited = {key for _, key in found if key in stuck}
+        waited = {key for _, key in found if key in stuck} | \
+            {key for key in stuck if isinstance(key, Key) and key.via[:1] == ("experts",)}
         if waited:
             raise Refused(waited)
         raise Stuck(stuck)  # not a collective lowering recognised: the caller's to undo
@@ -123,7 +127,7 @@ def _broadcasts(ranks: list[list[Instruction]], refused: set[tuple], step: dict[
     recvs: dict[tuple[int, int], Recv] = {}
     for rank, code in enumerate(ranks):
         for ins in code:
-            if isinstance(ins, Send):
+            if isinstance(ins, Send) and ins.rows is None:  # (routed rows differ per reader)
                 box = tuple((x.start, x.stop) for x in ins.slices)
                 sends[(rank, ins.var, box)].append(ins)
             elif isinstance(ins, Recv):

@@ -33,12 +33,14 @@ from chronotope.compile.program import (
     Backward,
     Block,
     Broadcast,
+    Exchange,
     Forward,
     Instruction,
     Load,
     Micro,
     Part,
     Recv,
+    Rows,
     Send,
     Total,
     Wait,
@@ -206,7 +208,7 @@ class _Folder:
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
         if isinstance(ins, COLLECTIVES):
-            if isinstance(ins, (AllToAll, Broadcast)):
+            if isinstance(ins, (AllToAll, Exchange, Broadcast)):
                 return replace(ins, key=ins.key.marked(("micro", m)))
             return replace(ins, keys=tuple(k.marked(("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":
@@ -319,14 +321,25 @@ def _renamed(ins: Instruction, names: dict[str, str]) -> Instruction:
     if isinstance(ins, STARTED):
         handle = n(ins.handle, ins.handle)
         if isinstance(ins, Recv):
-            return changed(var=n(ins.var, ins.var), handle=handle)
+            return changed(var=n(ins.var, ins.var), handle=handle, rows=_rows(ins.rows, names))
         if isinstance(ins, (AllToAll, Broadcast)):
             return changed(var=n(ins.var, ins.var), src=n(ins.src, ins.src), handle=handle)
+        if isinstance(ins, Exchange):
+            return changed(sends=tuple(_renamed(m, names) for m in ins.sends),
+                           recvs=tuple(_renamed(m, names) for m in ins.recvs), handle=handle)
         srcs = tuple(ns(s) if isinstance(s, tuple) else n(s, s) for s in ins.srcs)
         return changed(vars=ns(ins.vars), srcs=srcs, handle=handle)
+    if isinstance(ins, Send):
+        return changed(var=n(ins.var, ins.var), rows=_rows(ins.rows, names))
     if hasattr(ins, "var"):
         return changed(var=n(ins.var, ins.var))
     if hasattr(ins, "vars"):
         return changed(vars=ns(ins.vars))
     return ins
 
+
+def _rows(rows: Rows | None, names: dict[str, str]) -> Rows | None:
+    """A routed message's rows, its routing index renamed."""
+    if rows is None or rows.index is None:
+        return rows
+    return replace(rows, index=names.get(rows.index, rows.index))

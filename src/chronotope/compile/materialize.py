@@ -50,6 +50,7 @@ from chronotope.compile.program import (
     Recv,
     ReduceScatter,
     Role,
+    Rows,
     Send,
     SetBuffer,
     WeightGrad,
@@ -128,6 +129,7 @@ class Lowering:
         # ``fold`` run the steps once per micro-batch)
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
+        self.route_of: dict[PlanOp, tuple[int, int, int] | None] = {}  # see ``routes``
 
     # ---- building ------------------------------------------------------------------------
 
@@ -240,9 +242,12 @@ class Lowering:
         """Searched RVD paths where they beat per-reader messages (see ``layout_changes``)."""
         emitter = Emitter(self.names.fresh, self._next_tag)
         assert self.cluster is not None
+        routed = {t for seq in self.sequences.values() for op in seq if self.routes(op)
+                  for v in (*op.inputs[:3], *op.outputs)
+                  for t in (v.ptensor, self.plan.grads.get(v.ptensor))}
         for change in find_changes(self.sequences, self.cluster, self.skip):
             where = placement(change, self.position, self.sequences)
-            if where is None:
+            if where is None or change.tensor in routed:  # routed rows: messages, see ``rows``
                 continue
             start = self.tag
             inputs = {placed(op): self.table.piece[(op, m, change.tensor)]
@@ -479,7 +484,8 @@ class Lowering:
 
     def assemble(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
                  pre: list[Instruction], reader: PlanOp | None) -> str:
-        pattern = self.pattern(rank, v, found, pre)
+        routed = self.routed(reader, v.ptensor) or any(self.routed(p, v.ptensor) for p, _ in found)
+        pattern = None if routed else self.pattern(rank, v, found, pre)  # messages of rows
         if pattern is not None and pattern.key not in self.refused:
             # the collective, with no messages
             var = self.names.fresh(rank, v.ptensor.name, v.mask.shape)
@@ -659,11 +665,98 @@ class Lowering:
             after_steps = reader is None or reader.is_backward and reader not in self.cells
             at = self.written.sent_once[source] if after_steps and producer in self.cells \
                 else self.written.post[producer]
-            at.append(Send(src_var, region.local_slices(m), rank, self.tag))
+            sent, got = self.rows(rank, producer, reader, t, region == Mask(m.index))
+            if sent is not None and sent.index is not None:  # once its routing is made too
+                at = self.written.post[max(producer, self.routing(source, self.routed(
+                    reader, t))[1], key=self.position.__getitem__)]  # type: ignore[arg-type,index]
+            at.append(Send(src_var, region.local_slices(m), rank, self.tag, sent))
             (self.written.received_once[rank] if once else pre).append(
-                Recv(var, region.shape, t.dtype, source, self.tag))
+                Recv(var, region.shape, t.dtype, source, self.tag, rows=got))
             self.table.received[rank][key] = var
         return self.table.received[rank][key], Mask(region.index)
+
+    # ---- expert parallelism's dispatch and combine ------------------------------------
+
+    def routes(self, piece: PlanOp) -> tuple[int, int, int] | None:
+        """Where an experts piece of some experts (``lo .. hi - 1``) runs on the rows routed
+        to them alone: ``(lo, hi, rank)`` of the rank that sends it its tokens whole, with
+        their routing; None where it runs on whole tokens (they are its own, or come in
+        parts, or a template's steps run it)."""
+        if piece in self.route_of:
+            return self.route_of[piece]
+        self.route_of[piece] = None
+        experts = piece.inputs[3].mask.index[0] \
+            if piece.op.kind == "experts" and not piece.is_backward else None
+        label = self.exchange(piece)
+        if self.cells or experts is None or label is None or \
+                experts == (0, piece.inputs[3].ptensor.shape[0]) or \
+                any(k.via == label.via for k in self.refused):
+            return None
+        sources = set()
+        for v in piece.inputs[:3]:
+            found = self.sources.find(v, placed(piece))
+            if len(found) != 1 or found[0][1] != v.mask:
+                return None
+            sources.add(placed(found[0][0]))
+        whole = sources.pop()
+        if sources or whole == placed(piece) or self.routing(whole, piece) is None:
+            return None
+        self.route_of[piece] = (*experts, whole)
+        return self.route_of[piece]
+
+    def exchange(self, piece: PlanOp) -> Key | None:
+        """What names the exchanges an experts piece's tokens take part in (``plan.exchanges``
+        holds it or a piece it was cut from), the same on every member."""
+        name = piece.name
+        while name not in self.plan.exchanges and "." in name:
+            name = name.rsplit(".", 1)[0]
+        label = self.plan.exchanges.get(name)
+        if label is None:
+            return None
+        return Key(piece.op.name, (), Role.VALUE, ("experts", *label))
+
+    def routing(self, rank: int, piece: PlanOp) -> tuple[str, PlanOp] | None:
+        """The local name on ``rank`` of an experts piece's routing index, made there, and
+        the piece that makes it."""
+        v = piece.inputs[1]
+        return next(((self.table.piece[(p, m, v.ptensor)], p)
+                     for p, m in self.sources.find(v, rank)
+                     if placed(p) == rank and m == v.mask), None)
+
+    def routed(self, piece: PlanOp | None, t: PTensor) -> PlanOp | None:
+        """The experts piece that runs ``piece`` (it, or its backward) on routed rows alone,
+        where ``t`` is one of its rows tensors: tokens, weights, output, their gradients."""
+        if piece is None or piece.weight:
+            return None
+        forward = piece.forward_op if piece.is_backward else piece
+        if self.routes(forward) is None:
+            return None
+        t = self.forward_of.get(t, t) if piece.is_backward else t
+        rows = (forward.inputs[0], forward.inputs[2], *forward.outputs) + \
+            (() if piece.is_backward else (forward.inputs[1],))
+        return forward if any(v.ptensor is t for v in rows) else None
+
+    def rows(self, rank: int, producer: PlanOp, reader: PlanOp | None, t: PTensor, whole: bool
+             ) -> tuple[Rows | None, Rows | None]:
+        """What a message of ``t`` from ``producer`` to ``rank`` sends and receives: the
+        rows a router sent to an experts piece on either side of it, or all of it."""
+        experts = self.routed(reader, t)  # the tokens' side sends
+        piece = experts or self.routed(producer, t)  # or the experts' side does
+        if piece is None:
+            return None, None
+        lo, hi, _ = self.route_of[piece]  # type: ignore[misc]
+        side = placed(producer) if experts else rank
+        found = self.routing(side, piece)
+        if found is None or not whole:
+            raise PlanError(f"{piece.name}: rank {side} exchanges part of the tokens routed "
+                            f"to experts {lo}..{hi - 1} without routing them itself: this is "
+                            "a bug in chronotope, please report it with the plan")
+        index = found[0]
+        label = self.exchange(piece)
+        assert label is not None  # (a routed piece's)
+        key = label.marked((t.name, "dispatch" if experts else "combine"))
+        return (Rows(lo, hi, index, key), Rows(lo, hi, None, key)) if experts else \
+            (Rows(lo, hi, None, key), Rows(lo, hi, index, key))
 
     def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
         """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's

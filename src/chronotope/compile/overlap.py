@@ -39,6 +39,7 @@ from chronotope.compile.program import (
     Assemble,
     Backward,
     Broadcast,
+    Exchange,
     Forward,
     Instruction,
     Load,
@@ -171,7 +172,7 @@ def _started(rank: int, code: list[Instruction], order: dict[tuple, int],
             handle = fresh_name(f"{base}_pending", handles)
             ins = replace(ins, handle=handle)
             moved.append(((2 * use, -1 if i in unread else 1),  # (before the next step's posts)
-                          Wait(handle, made, unpack=isinstance(ins, MULTI))))
+                          Wait(handle, made, unpack=isinstance(ins, (*MULTI, Exchange)))))
         kept.append((i, ins))
     moved.sort(key=lambda x: x[0])
     out: list[Instruction] = []

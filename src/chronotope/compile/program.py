@@ -142,22 +142,41 @@ class WeightGrad:
     outs: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A message of the token rows a router sent to experts ``lo .. hi - 1`` alone (expert
+    parallelism's dispatch and combine): tokens routed elsewhere make nothing there.
+
+    The side that holds the tokens whole reads its routing ``index`` (tokens x k experts)
+    for which rows those are: it sends their count and then them, or puts the rows it
+    receives back in their places (zeros elsewhere). The experts' side (``index`` None)
+    holds those rows alone, side by side: it receives the count first, and sends what it
+    holds as it is."""
+
+    lo: int
+    hi: int
+    index: str | None = None
+    key: Key | None = None  # the exchange it is part of, the same on every member
+
+
 @dataclass
 class Send:
     var: str
     slices: Slices
     dst: int
     tag: int
+    rows: Rows | None = None
 
 
 @dataclass
 class Recv:
     var: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # routed (``rows``): at most this; the rows it holds are counted
     dtype: torch.dtype
     src: int
     tag: int
     handle: str | None = None  # posted here, waited on by ``Wait(handle)``
+    rows: Rows | None = None  # routed ones are received where they stand, never posted early
 
 
 @dataclass
@@ -286,6 +305,23 @@ class AllToAll:
     split: int
     key: Key
     handle: str | None = None
+
+
+@dataclass
+class Exchange:
+    """Expert parallelism's dispatch or combine of one tensor over ``ranks``: the routed
+    rows (``Rows``) this rank ``sends`` each other member and ``recvs`` from each, as one
+    all-to-all whose uneven sizes travel first (the routing decides them)."""
+
+    sends: tuple[Send, ...]
+    recvs: tuple[Recv, ...]
+    ranks: tuple[int, ...]
+    key: Key
+    handle: str | None = None
+
+    @property
+    def vars(self) -> tuple[str, ...]:
+        return tuple(r.var for r in self.recvs)
 
 
 @dataclass
@@ -433,13 +469,14 @@ class Micro:
 
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
-               | AllGather | ReduceScatter | AllToAll | Broadcast | Grad | Loss | SetBuffer
+               | AllGather | ReduceScatter | AllToAll | Exchange | Broadcast | Grad | Loss
+               | SetBuffer
                | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill
                | Accumulate | Total | Block | Micro)
-COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)
+COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Exchange, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
-Collective = AllReduce | AllGather | ReduceScatter | AllToAll | Broadcast
+Collective = AllReduce | AllGather | ReduceScatter | AllToAll | Exchange | Broadcast
 Started = Recv | Collective
 Multi = TypeVar("Multi", bound=AllReduce | AllGather | ReduceScatter)
 _PER_OUTPUT = ("vars", "srcs", "shapes", "dims", "keys")  # a flat call's fields, by output
@@ -456,7 +493,7 @@ def flat(outputs: list[tuple[Multi, int]]) -> Multi:
 
 def results(ins: Started) -> tuple[str, ...]:
     """What a receive or collective gives, whether it is waited on at once or later."""
-    if isinstance(ins, MULTI):
+    if isinstance(ins, (*MULTI, Exchange)):
         return ins.vars
     if isinstance(ins, Broadcast):
         return (ins.var,) if ins.var is not None else ()
@@ -498,6 +535,11 @@ def _srcs(ins: Any) -> tuple[str, ...]:
     return tuple(v for srcs in ins.srcs for v in srcs)
 
 
+def _routing(ins: Send | Recv) -> tuple[str, ...]:
+    """The routing index a routed message's whole side reads."""
+    return (ins.rows.index,) if ins.rows is not None and ins.rows.index is not None else ()
+
+
 # by type, not a chain of isinstance: the passes ask this of every instruction many times
 _READS: dict[type, Callable[[Any], tuple[str, ...]]] = {
     Forward: lambda ins: ins.ins,
@@ -508,8 +550,11 @@ _READS: dict[type, Callable[[Any], tuple[str, ...]]] = {
     ReduceScatter: _srcs,
     AllGather: lambda ins: ins.srcs,
     AllToAll: lambda ins: (ins.src,),
+    Exchange: lambda ins: tuple(v for m in (*ins.sends, *ins.recvs) for v in reads(m)),
     Broadcast: lambda ins: (ins.src,) if ins.src is not None else (),
-    Send: _var, Grad: _var, Loss: _var, SetBuffer: _var,
+    Send: lambda ins: (ins.var, *_routing(ins)),
+    Recv: _routing,
+    Grad: _var, Loss: _var, SetBuffer: _var,
     Accumulate: lambda ins: (ins.part,),
     Wait: lambda ins: (ins.handle,),
     Reshard: lambda ins: ins.vars,
@@ -596,6 +641,9 @@ class Program:
         # An all-to-all brings the (k - 1) blocks of this rank's run held by the others.
         exchanged = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, AllToAll))
+        # A routed exchange: at most every row (the routing decides how many come)
+        exchanged += sum(math.prod(r.shape) * r.dtype.itemsize for i in self.ranks[rank]
+                         if isinstance(i, Exchange) for r in i.recvs)
         broadcast = sum(math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, Broadcast) and i.var)
         params = self.plan.graph.params

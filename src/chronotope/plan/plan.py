@@ -191,6 +191,9 @@ class Plan:
         # The same for activations gathered from other devices for pieces that save them
         # (context parallelism's keys and values): each device keeps only its own runs.
         self.regather = False
+        # Expert parallelism: the experts pieces (by name; their pieces too) whose tokens one
+        # exchange dispatches to them and combines back, by a label every member shares
+        self.exchanges: dict[str, tuple[int, ...]] = {}
         self._by_name: dict[str, PlanOp] = {}
         self._backward: dict[PlanOp, PlanOp | None] = {}
         self._weight: dict[PlanOp, PlanOp | None] = {}

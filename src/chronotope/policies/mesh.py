@@ -386,16 +386,23 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             # count of the labels), each device of a context-parallel group makes whole:
             # a micro-batch's step then reads its rows of it
             cps = ctx if not (fold and op in data) else replace(ctx, cuts={}, tails={})
+            # an experts part runs in the step of the replica whose device holds it, where
+            # that replica's tokens are exchanged with its group's (a template's steps
+            # keep the parts of their own tokens)
+            hosted = orders and batched and ep > 1 and op.kind == "experts" and not fold
             for m, sub in enumerate(micros):
                 for c, part in context_cut(plan, sub, cps):
-                    for at, piece in _experts_cut(plan, part, ep, i, first, pp * cp * tp):
+                    for host, at, piece in _experts_cut(plan, part, ep, i, first,
+                                                        pp * cp * tp, (i // ep, m, c)):
                         parts = _tensor_parallel(plan, piece, splits.get(op), seq.get(op),
                                                  [at + c * tp + d for d in placed],
                                                  coshard if op in spans else 1)
                         if op in spans:
                             for k, pieces in enumerate(parts):
                                 sharded[(spans[op], g, m)][k] += pieces
-                if orders and batched:
+                        if hosted:
+                            cells[(host, v, m)].append(piece)
+                if orders and batched and not hosted:
                     cells[(i, v, m)].append(sub)
     plan.cells = dict(cells)
     keep = data | set(tails)
@@ -677,16 +684,20 @@ def _check_experts(graph: Graph, dp: int, ep: int) -> None:
                             "devices: use an ep that divides them")
 
 
-def _experts_cut(plan: Plan, piece: PlanOp, ep: int, replica: int, first: int, width: int
-                 ) -> list[tuple[int, PlanOp]]:
+def _experts_cut(plan: Plan, piece: PlanOp, ep: int, replica: int, first: int, width: int,
+                 label: tuple[int, ...]) -> list[tuple[int, int, PlanOp]]:
     """An experts piece of data-parallel ``replica``'s tokens cut over the ``ep`` replicas
     of its group (each part on its replica's device at the place ``first`` names, replicas
-    ``width`` devices apart); any other piece where it is."""
+    ``width`` devices apart), its tokens exchanged with the group's as ``label`` (group,
+    micro-batch, sequence chunk) says; any other piece where it is. Each with the
+    replica that holds it and where."""
     if ep == 1 or piece.op.kind != "experts":
-        return [(first, piece)]
+        return [(replica, first, piece)]
     group = replica - replica % ep
-    return [(first + (group + r - replica) * width, part)
-            for r, part in enumerate(plan.trans(piece, Split("e", ep)))]
+    parts = plan.trans(piece, Split("e", ep))
+    plan.exchanges.update(dict.fromkeys((part.name for part in parts), label))
+    return [(group + r, first + (group + r - replica) * width, part)
+            for r, part in enumerate(parts)]
 
 
 def _tensor_parallel(plan: Plan, piece: PlanOp, tp: TpSplit | None, seq: str | None,

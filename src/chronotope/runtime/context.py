@@ -299,6 +299,37 @@ class StepContext:
                                   True)
         return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
+    def exchange(self, sends: dict[int, Any], recvs: dict[int, tuple], ranks: tuple[int, ...],
+                 async_op: bool = False) -> Any:
+        """Expert parallelism's all-to-all of routed rows: each member in ``sends`` gets a
+        tensor's rows, all of them, or with ``(t, index, experts)`` those whose tokens
+        ``index`` routes to one of ``experts``; from each member in ``recvs`` come rows
+        of ``(shape, dtype)``, side by side as they come, or with ``(shape, dtype, index,
+        experts)`` put back in the places of the tokens routed to ``experts`` (zeros
+        elsewhere). Returns them in ``recvs``' order."""
+        members = tuple(sorted(ranks))
+        shape, dtype = next(iter(recvs.values()))[:2]
+        empty = torch.empty((0, *shape[1:]), dtype=dtype, device=self.device)
+        blocks = []
+        for m in members:
+            sent = sends.get(m, empty)
+            if isinstance(sent, tuple):
+                t, index, experts = sent
+                sent = t[_routed(index, experts)]
+            blocks.append(self._wire(sent.detach()).contiguous())
+        started = self.transport.all_to_all_rows(blocks, members, self.rank, True)
+
+        def placed(got: list[torch.Tensor]) -> list[torch.Tensor]:
+            out = []
+            for src, (shape, dtype, *routing) in recvs.items():
+                rows = got[members.index(src)].to(dtype)
+                if routing:
+                    rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)
+                out.append(rows)
+            return out
+
+        return started.then(placed).returned(async_op)
+
     def all_reduce(self, tensors: Sequence[Sequence[torch.Tensor]], ranks: tuple[int, ...],
                    grads: bool = False, async_op: bool = False, plain: Sequence[int] = ()
                    ) -> Any:
@@ -537,3 +568,8 @@ def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     for p in pieces[1:]:
         total = total + p.detach()
     return total
+
+
+def _routed(index: torch.Tensor, experts: range) -> torch.Tensor:
+    """The tokens (rows of ``index``, tokens x k) routed to at least one of ``experts``."""
+    return ((index >= experts.start) & (index < experts.stop)).any(-1).nonzero().squeeze(-1)

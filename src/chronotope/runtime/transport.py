@@ -169,6 +169,12 @@ class ThreadTransport:
         mine = ranks.index(rank)
         return started.then(lambda sent: [theirs[mine] for theirs in sent]).returned(async_op)
 
+    def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
+                        rank: int, async_op: bool = False) -> Any:
+        """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``;
+        returns the block each member sent here."""
+        return self.all_to_all(blocks, ranks, rank, async_op)
+
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:
         started = self._exchange(t, ranks, rank, "broadcast")
@@ -286,6 +292,10 @@ class Replica:
                    async_op: bool = False) -> Any:
         return self.inner.all_to_all(blocks, self._ranks(ranks), self._g(rank), async_op)
 
+    def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...], rank: int,
+                        async_op: bool = False) -> Any:
+        return self.inner.all_to_all_rows(blocks, self._ranks(ranks), self._g(rank), async_op)
+
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...], rank: int,
                   async_op: bool = False) -> Any:
         return self.inner.broadcast(t, self._g(root), self._ranks(ranks), self._g(rank),
@@ -379,6 +389,25 @@ class DistTransport:
         started = self._started(work, what, lambda: _from_sorted(
             [x.view_as(blocks[0]) for x in out.chunk(len(blocks))], ranks))
         return started.returned(async_op)
+
+    def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
+                        rank: int, async_op: bool = False) -> Any:
+        """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``:
+        the row counts go first, in an all-to-all of their own, then the rows in one
+        ``all_to_all_single`` split by them."""
+        group = self._group(ranks)
+        ordered = _to_sorted(blocks, ranks)
+        sizes = torch.tensor([b.shape[0] for b in ordered], dtype=torch.int64,
+                             device=blocks[0].device)
+        counts = torch.empty_like(sizes)
+        what = f"rank {rank} did not finish an all-to-all of routed rows over ranks {list(ranks)}"
+        self._wait(dist.all_to_all_single(counts, sizes, group=group, async_op=True), what)
+        split = counts.tolist()
+        out = ordered[0].new_empty((sum(split), *ordered[0].shape[1:]))
+        work = dist.all_to_all_single(out, torch.cat(ordered), split, sizes.tolist(),
+                                      group=group, async_op=True)
+        return self._started(work, what, lambda: _from_sorted(list(out.split(split)), ranks)
+                             ).returned(async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:

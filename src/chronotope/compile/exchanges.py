@@ -1,0 +1,109 @@
+"""Expert parallelism's dispatch and combine, each one all-to-all over its members.
+
+Lowering writes each routed message (``Rows``: only the rows a router sent to one
+member's experts) as a send and a receive marked with the exchange it is part of: a
+tensor's rows dispatched to a group's experts (tokens, their routing and weights, the
+gradients of what the experts made) or combined back from them (what they made, the
+gradients of their tokens and weights). As messages they cannot run: every member
+sends to every other before it receives, which NCCL cannot match pair by pair, and a
+receive posted early does not know how many rows come. On each member, an exchange's
+messages become one ``Exchange``, an all-to-all whose sizes travel first, where the
+member receives the first of them, once what it sends is made.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from chronotope.compile.program import Exchange, Instruction, Key, Recv, Send, reads, writes
+
+
+def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], set[Key]]:
+    """Every rank's routed messages written as the exchanges they are part of, and the
+    keys of those that cannot be (what they send is made after what they receive is
+    read: the pieces run in another order on some member)."""
+    found: dict[Key, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for rank, code in enumerate(ranks):
+        for i, ins in enumerate(code):
+            if isinstance(ins, (Send, Recv)) and ins.rows is not None:
+                assert ins.rows.key is not None, ins
+                found[ins.rows.key][rank].append(i)
+    placed: list[dict[int, list[Exchange]]] = [defaultdict(list) for _ in ranks]
+    refused: set[Key] = set()
+    for key, by_rank in found.items():
+        for members in _groups(ranks, by_rank):
+            for rank in members:
+                code = ranks[rank]
+                for slot, (sends, recvs) in enumerate(_slots(code, by_rank[rank], members)):
+                    exchange = Exchange(sends, recvs, members,
+                                        key.marked(("slot", slot)) if slot else key)
+                    where = _where(code, exchange)
+                    if where is None:
+                        refused.add(key)
+                    else:
+                        placed[rank][where].append(exchange)
+    if refused or not found:
+        return ranks, refused
+    out = []
+    for rank, code in enumerate(ranks):
+        dropped = {i for at in found.values() for i in at.get(rank, ())}
+        new: list[Instruction] = []
+        for i, ins in enumerate(code):
+            new += placed[rank].get(i, [])
+            if i not in dropped:
+                new.append(ins)
+        new += placed[rank].get(len(code), [])
+        out.append(new)
+    return out, refused
+
+
+def _slots(code: list[Instruction], at: list[int], members: tuple[int, ...]
+           ) -> list[tuple[tuple[Send, ...], tuple[Recv, ...]]]:
+    """A rank's messages of one exchange, as the calls they make: where it holds several
+    pieces of the tokens (a zigzag's two sequence chunks), one call for each, the n-th
+    message with each member (by tag, the same on both sides) in the n-th call."""
+    sends: dict[int, list[Send]] = defaultdict(list)
+    recvs: dict[int, list[Recv]] = defaultdict(list)
+    for i in sorted(at, key=lambda i: code[i].tag):  # type: ignore[union-attr]
+        ins = code[i]
+        if isinstance(ins, Send):
+            sends[members.index(ins.dst)].append(ins)
+        elif isinstance(ins, Recv):
+            recvs[members.index(ins.src)].append(ins)
+    count = max(max(map(len, sends.values()), default=0),
+                max(map(len, recvs.values()), default=0))
+    return [(tuple(s[n] for _, s in sorted(sends.items()) if n < len(s)),
+             tuple(r[n] for _, r in sorted(recvs.items()) if n < len(r))) for n in range(count)]
+
+
+def _groups(ranks: list[list[Instruction]], by_rank: dict[int, list[int]]
+            ) -> list[tuple[int, ...]]:
+    """The ranks that exchange messages of one key with each other, group by group."""
+    parent = {r: r for r in by_rank}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            r = parent[r]
+        return r
+
+    for rank, at in by_rank.items():
+        for i in at:
+            ins = ranks[rank][i]
+            assert isinstance(ins, (Send, Recv))
+            peer = ins.dst if isinstance(ins, Send) else ins.src
+            parent[root(peer)] = root(rank)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for r in sorted(by_rank):
+        groups[root(r)].append(r)
+    return [tuple(g) for g in groups.values()]
+
+
+def _where(code: list[Instruction], exchange: Exchange) -> int | None:
+    """Where on its rank an exchange runs (it stands before that instruction): as soon as
+    what it sends is made, so that it runs while the rank computes (``overlap`` waits on
+    it where it is read); None where something reads what it receives before that."""
+    inputs = set(reads(exchange))
+    made = max((i for i, ins in enumerate(code) if inputs & set(writes(ins))), default=-1)
+    received = set(exchange.vars)
+    used = next((i for i, ins in enumerate(code) if received & set(reads(ins))), len(code))
+    return made + 1 if made < used else None
