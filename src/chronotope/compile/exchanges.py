@@ -37,7 +37,7 @@ def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], 
                 for slot, (sends, recvs) in enumerate(_slots(code, by_rank[rank], members)):
                     exchange = Exchange(sends, recvs, members,
                                         key.marked(("slot", slot)) if slot else key)
-                    where = _where(code, exchange)
+                    where = _where(code, by_rank[rank], exchange)
                     if where is None:
                         refused.add(key)
                     else:
@@ -98,12 +98,17 @@ def _groups(ranks: list[list[Instruction]], by_rank: dict[int, list[int]]
     return [tuple(g) for g in groups.values()]
 
 
-def _where(code: list[Instruction], exchange: Exchange) -> int | None:
+def _where(code: list[Instruction], at: list[int], exchange: Exchange) -> int | None:
     """Where on its rank an exchange runs (it stands before that instruction): as soon as
     what it sends is made, so that it runs while the rank computes (``overlap`` waits on
-    it where it is read); None where something reads what it receives before that."""
-    inputs = set(reads(exchange))
-    made = max((i for i, ins in enumerate(code) if inputs & set(writes(ins))), default=-1)
+    it where it is read); one that sends nothing, where it first received. None where
+    something reads what it receives before that."""
+    if exchange.sends:
+        inputs = set(reads(exchange))
+        where = 1 + max((i for i, ins in enumerate(code) if inputs & set(writes(ins))),
+                        default=-1)
+    else:
+        where = min(i for i in at if isinstance(code[i], Recv))
     received = set(exchange.vars)
     used = next((i for i, ins in enumerate(code) if received & set(reads(ins))), len(code))
-    return made + 1 if made < used else None
+    return where if where <= used else None
