@@ -6,10 +6,15 @@ data parallelism and with its experts shared out over 2 and 4 of the ranks.
 
 The model is transformers' MixtralForCausalLM from a small config (``--experts`` experts,
 top 2, 2 layers, batch 8 x 128 tokens, the router's balancing loss on), captured with its
-experts as one op each (``graph/experts.py``). Time: the median step of ``--devices``
-gloo processes, slowest rank, as a ratio to data parallelism in the same run. Memory:
-every rank a thread (``PeakMemory``): the most a rank's step makes, and the bytes of the
-weights it keeps (the experts' share falls as 1 / ep).
+experts as one op each (``graph/experts.py``). Each ep runs twice: its tokens dispatched
+and combined by all-to-alls of the rows routed to each rank's experts (what chronotope
+compiles), and, for comparison, sent whole to every rank of the group (the plan without
+its exchanges, ``plan.exchanges`` cleared). Time: the median step of ``--devices`` gloo
+processes, slowest rank, as a ratio to data parallelism in the same run. Memory: every
+rank a thread (``PeakMemory``): the most a rank's step makes, and the bytes of the
+weights it keeps (the experts' share falls as 1 / ep). Traffic: the MiB a step moves
+between ranks, all ranks together (the routed rows as they went, counted in the threads'
+run; everything else as compiled).
 
 Search: Mixtral 8x7B (transformers' default config, on the meta device) at 64 samples of
 4,096 tokens on 64 H100s in bf16: the mesh search's plan next to dp x tp x ep grids, each
@@ -19,6 +24,7 @@ priced by the search's model (step seconds, GiB on the fullest device, fits in 8
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import warnings
@@ -32,9 +38,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import chronotope as ct  # noqa: E402
+from chronotope.compile.program import Exchange  # noqa: E402
 from chronotope.policies import mesh  # noqa: E402
 from chronotope.runtime.launch import launch  # noqa: E402
 from chronotope.runtime.local import Optim, rank_specs, run_in_threads  # noqa: E402
+from chronotope.runtime.transport import ThreadTransport  # noqa: E402
 from chronotope.workload import Workload  # noqa: E402
 
 
@@ -95,23 +103,57 @@ def main() -> None:
         graph = ct.capture(w)
     table = Table(title=f"Mixtral-shaped, {args.experts} experts (top 2), d_model "
                         f"{args.d_model}, 2 layers, batch 8 x 128, on {args.devices} ranks")
-    for col in ("plan", "step ms", "/ dp", "peak MiB", "weights MiB / rank"):
-        table.add_column(col, justify="right" if col != "plan" else "left")
+    for col in ("plan", "tokens", "step ms", "/ dp", "peak MiB", "traffic MiB",
+                "weights MiB / rank"):
+        table.add_column(col, justify="right" if col not in ("plan", "tokens") else "left")
     base = None
     for ep in (1, 2, 4):
         if args.devices % ep or args.experts % ep:
             continue
-        plan = mesh(graph, dp=args.devices, ep=ep)
-        program = ct.compile(plan)
-        results = launch(rank_specs(program, w), args.steps, Optim("sgd", 0.1), timeout=600)
-        step = statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:])
-        base = base or step
-        run = run_in_threads(program, w, 1, Optim("sgd", 0.1), measure_memory=True)
-        stored = plan.check().memory
-        table.add_row("dp" if ep == 1 else f"dp x ep {ep}", f"{step * 1e3:.1f}",
-                      f"{step / base:.2f}", f"{max(run.peak_memory) / 2**20:.1f}",
-                      f"{max(m.params for m in stored.values()) / 2**20:.2f}")
+        for routed in (True, False) if ep > 1 else (True,):
+            plan = mesh(graph, dp=args.devices, ep=ep)
+            if not routed:
+                plan.exchanges = {}
+            program = ct.compile(plan)
+            results = launch(rank_specs(program, w), args.steps, Optim("sgd", 0.1), timeout=600)
+            step = statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:])
+            base = base or step
+            with Moved() as moved:
+                run = run_in_threads(program, w, 1, Optim("sgd", 0.1), measure_memory=True)
+            traffic = sum(sum(program.traffic(r).values()) for r in range(program.ndevices))
+            traffic += moved.bytes - _bound(program)
+            stored = plan.check().memory
+            table.add_row("dp" if ep == 1 else f"dp x ep {ep}",
+                          "" if ep == 1 else "all-to-all" if routed else "whole",
+                          f"{step * 1e3:.1f}", f"{step / base:.2f}",
+                          f"{max(run.peak_memory) / 2**20:.1f}", f"{traffic / 2**20:.2f}",
+                          f"{max(m.params for m in stored.values()) / 2**20:.2f}")
     Console(width=120).print(table)
+
+
+class Moved:
+    """Counts the bytes the threads' exchanges of routed rows send to other ranks."""
+
+    def __enter__(self) -> Moved:
+        self.bytes = 0
+        self.original = ThreadTransport.all_to_all_rows
+
+        def counted(transport, blocks, ranks, rank, async_op=False):
+            self.bytes += sum(b.numel() * b.element_size() for r, b in zip(ranks, blocks)
+                              if r != rank)
+            return self.original(transport, blocks, ranks, rank, async_op)
+
+        ThreadTransport.all_to_all_rows = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        ThreadTransport.all_to_all_rows = self.original  # type: ignore[method-assign]
+
+
+def _bound(program) -> int:
+    """The bytes ``Program.traffic`` counts for the exchanges: every row, a bound."""
+    return sum(math.prod(r.shape) * r.dtype.itemsize for code in program.ranks
+               for ins in code if isinstance(ins, Exchange) for r in ins.recvs)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ rank, writes the collective where exactly the ranks holding the pieces read it a
 (in one step of a template). A collective blocks every member until all arrive,
 where messages do not, so the code is then run symbolically. A pattern whose members
 disagree, or that some rank would wait in forever (a member first waits on a message
-sent after it), is ``Refused``: lowering writes those reads again as messages. Last,
-one piece sent to several ranks becomes a broadcast, where the code still runs
-through, and back-to-back collectives over one group are coalesced.
+sent after it), is ``Refused``: lowering writes those reads again as messages. The
+routed messages of expert parallelism become their exchanges (``compile/exchanges.py``;
+refused alike, their tokens then sent whole). Last, one piece sent to several ranks
+becomes a broadcast, where the code still runs through, and back-to-back collectives
+over one group are coalesced.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 For every piece a rank reads, the overlapping pieces that wrote it are found
 (one replica per region, the local one first). A local piece of exactly the
 right region is used as is; otherwise the parts are cut out, sent from other
-ranks, and assembled: regions concatenated, partial values summed. After the
+ranks, and assembled: regions concatenated, partial values summed. A message
+between the tokens' side and an experts piece of some of the experts carries only the
+rows routed to them (``rows``: expert parallelism's dispatch and combine). After the
 backward, each rank sums the gradient of every parameter region it stores,
 and rank 0 assembles the loss (where every rank holds a share of it, as in data
 parallel, the shares are summed in a gradient bucket rather than sent).
@@ -129,7 +131,7 @@ class Lowering:
         # ``fold`` run the steps once per micro-batch)
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
-        self.route_of: dict[PlanOp, tuple[int, int, int] | None] = {}  # see ``routes``
+        self.route_of: dict[PlanOp, tuple[int, int] | None] = {}  # see ``routes``
 
     # ---- building ------------------------------------------------------------------------
 
@@ -665,10 +667,9 @@ class Lowering:
             after_steps = reader is None or reader.is_backward and reader not in self.cells
             at = self.written.sent_once[source] if after_steps and producer in self.cells \
                 else self.written.post[producer]
-            sent, got = self.rows(rank, producer, reader, t, region == Mask(m.index))
-            if sent is not None and sent.index is not None:  # once its routing is made too
-                at = self.written.post[max(producer, self.routing(source, self.routed(
-                    reader, t))[1], key=self.position.__getitem__)]  # type: ignore[arg-type,index]
+            sent, got, after = self.rows(rank, producer, reader, t, region == Mask(m.index))
+            if after is not None:  # a dispatch: once the routing is made too
+                at = self.written.post[max(producer, after, key=self.position.__getitem__)]
             at.append(Send(src_var, region.local_slices(m), rank, self.tag, sent))
             (self.written.received_once[rank] if once else pre).append(
                 Recv(var, region.shape, t.dtype, source, self.tag, rows=got))
@@ -677,19 +678,22 @@ class Lowering:
 
     # ---- expert parallelism's dispatch and combine ------------------------------------
 
-    def routes(self, piece: PlanOp) -> tuple[int, int, int] | None:
-        """Where an experts piece of some experts (``lo .. hi - 1``) runs on the rows routed
-        to them alone: ``(lo, hi, rank)`` of the rank that sends it its tokens whole, with
-        their routing; None where it runs on whole tokens (they are its own, or come in
-        parts, or a template's steps run it)."""
-        if piece in self.route_of:
-            return self.route_of[piece]
-        self.route_of[piece] = None
-        experts = piece.inputs[3].mask.index[0] \
-            if piece.op.kind == "experts" and not piece.is_backward else None
+    def routes(self, piece: PlanOp) -> tuple[int, int] | None:
+        """The experts ``(lo, hi)`` of a piece that runs on the rows routed to them alone,
+        sent to it with their routing from the rank that holds its tokens whole; None
+        where it runs on whole tokens: it holds every expert, its tokens are its own or
+        come in parts, no exchange is planned for it (``plan.exchanges``) or it was
+        refused, or a template's steps run it."""
+        if piece not in self.route_of:
+            self.route_of[piece] = self._routes(piece)
+        return self.route_of[piece]
+
+    def _routes(self, piece: PlanOp) -> tuple[int, int] | None:
+        if piece.op.kind != "experts" or piece.is_backward or self.cells:
+            return None
+        experts = piece.inputs[3].mask.index[0]
         label = self.exchange(piece)
-        if self.cells or experts is None or label is None or \
-                experts == (0, piece.inputs[3].ptensor.shape[0]) or \
+        if label is None or experts == (0, piece.inputs[3].ptensor.shape[0]) or \
                 any(k.via == label.via for k in self.refused):
             return None
         sources = set()
@@ -701,8 +705,7 @@ class Lowering:
         whole = sources.pop()
         if sources or whole == placed(piece) or self.routing(whole, piece) is None:
             return None
-        self.route_of[piece] = (*experts, whole)
-        return self.route_of[piece]
+        return experts
 
     def exchange(self, piece: PlanOp) -> Key | None:
         """What names the exchanges an experts piece's tokens take part in (``plan.exchanges``
@@ -737,26 +740,30 @@ class Lowering:
         return forward if any(v.ptensor is t for v in rows) else None
 
     def rows(self, rank: int, producer: PlanOp, reader: PlanOp | None, t: PTensor, whole: bool
-             ) -> tuple[Rows | None, Rows | None]:
+             ) -> tuple[Rows | None, Rows | None, PlanOp | None]:
         """What a message of ``t`` from ``producer`` to ``rank`` sends and receives: the
-        rows a router sent to an experts piece on either side of it, or all of it."""
+        rows a router sent to an experts piece on either side of it, or all of it; and
+        where the tokens' side sends them, the piece that makes their routing."""
         experts = self.routed(reader, t)  # the tokens' side sends
         piece = experts or self.routed(producer, t)  # or the experts' side does
         if piece is None:
-            return None, None
-        lo, hi, _ = self.route_of[piece]  # type: ignore[misc]
+            return None, None, None
+        route = self.routes(piece)
+        assert route is not None  # (what ``routed`` found)
+        lo, hi = route
         side = placed(producer) if experts else rank
         found = self.routing(side, piece)
         if found is None or not whole:
             raise PlanError(f"{piece.name}: rank {side} exchanges part of the tokens routed "
                             f"to experts {lo}..{hi - 1} without routing them itself: this is "
                             "a bug in chronotope, please report it with the plan")
-        index = found[0]
+        index, routing = found
         label = self.exchange(piece)
         assert label is not None  # (a routed piece's)
         key = label.marked((t.name, "dispatch" if experts else "combine"))
-        return (Rows(lo, hi, index, key), Rows(lo, hi, None, key)) if experts else \
-            (Rows(lo, hi, None, key), Rows(lo, hi, index, key))
+        if experts:
+            return Rows(lo, hi, index, key), Rows(lo, hi, None, key), routing
+        return Rows(lo, hi, None, key), Rows(lo, hi, index, key), None
 
     def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
         """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's

@@ -172,8 +172,10 @@ class ThreadTransport:
     def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
                         rank: int, async_op: bool = False) -> Any:
         """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``;
-        returns the block each member sent here."""
-        return self.all_to_all(blocks, ranks, rank, async_op)
+        returns the block each member sent here, a copy of its own (as a process receives
+        it: what the sender made is its sender's until the sender drops it)."""
+        started = self.all_to_all(blocks, ranks, rank, True)
+        return started.then(lambda got: [b.clone() for b in got]).returned(async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:
