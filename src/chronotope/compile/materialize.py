@@ -682,14 +682,14 @@ class Lowering:
         """The experts ``(lo, hi)`` of a piece that runs on the rows routed to them alone,
         sent to it with their routing from the rank that holds its tokens whole; None
         where it runs on whole tokens: it holds every expert, its tokens are its own or
-        come in parts, no exchange is planned for it (``plan.exchanges``) or it was
-        refused, or a template's steps run it."""
+        come in parts, or no exchange is planned for it (``plan.exchanges``) or it was
+        refused."""
         if piece not in self.route_of:
             self.route_of[piece] = self._routes(piece)
         return self.route_of[piece]
 
     def _routes(self, piece: PlanOp) -> tuple[int, int] | None:
-        if piece.op.kind != "experts" or piece.is_backward or self.cells:
+        if piece.op.kind != "experts" or piece.is_backward:
             return None
         experts = piece.inputs[3].mask.index[0]
         label = self.exchange(piece)

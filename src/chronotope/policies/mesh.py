@@ -387,9 +387,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
             # a micro-batch's step then reads its rows of it
             cps = ctx if not (fold and op in data) else replace(ctx, cuts={}, tails={})
             # an experts part runs in the step of the replica whose device holds it, where
-            # that replica's tokens are exchanged with its group's (a template's steps
-            # keep the parts of their own tokens)
-            hosted = orders and batched and ep > 1 and op.kind == "experts" and not fold
+            # that replica's tokens are exchanged with its group's
+            hosted = orders and batched and ep > 1 and op.kind == "experts"
             for m, sub in enumerate(micros):
                 for c, part in context_cut(plan, sub, cps):
                     for host, at, piece in _experts_cut(plan, part, ep, i, first,
