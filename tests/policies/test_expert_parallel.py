@@ -5,6 +5,7 @@ import pytest
 from plan_testing import trains_like_one_device
 
 import chronotope as ct
+from chronotope.compile.program import Exchange
 from chronotope.errors import PlanError
 from chronotope.policies import ParallelConfig, expert_parallel, make, mesh
 from tests.zoo.harness import capture
@@ -24,11 +25,14 @@ def test_experts_shared_out_train_like_one_device(family, shape):
 @pytest.mark.parametrize("family", ["qwen2-moe", "deepseek-v3"])
 @pytest.mark.parametrize("fold", [False, True])
 def test_mixture_of_experts_layers_pipeline_over_micro_batches(family, fold):
-    """Each micro-batch routes its own tokens: no dispatch over the whole batch holds a
-    pipeline back (a router's balancing loss over the whole batch does: mixtral's)."""
+    """Each micro-batch routes its own tokens and exchanges them with its group: no
+    dispatch over the whole batch holds a pipeline back (a router's balancing loss over
+    the whole batch does: mixtral's)."""
     graph = capture(FAMILIES[family]())
     plan = mesh(graph, dp=2, ep=2, pp=2, micro=2, schedule="1f1b", fold=fold)
-    trains_like_one_device(FAMILIES[family](), ct.compile(plan))
+    program = ct.compile(plan)
+    assert all(any(isinstance(ins, Exchange) for ins in code) for code in program.ranks)
+    trains_like_one_device(FAMILIES[family](), program)
     with pytest.raises(PlanError, match="cannot run op div"):
         ct.policies.pipeline(capture(FAMILIES["mixtral"]()), 2, 2, "1f1b")
 
@@ -62,7 +66,6 @@ def test_each_token_travels_to_the_experts_it_is_routed_to_alone(monkeypatch):
     the four devices, so the dispatch of the tokens moves between 1 and 2 rows per token
     to other devices (its own device may hold one of them), where sending them whole to
     every device of the group would move 3; the combine brings back as many rows."""
-    from chronotope.compile.program import Exchange
     from chronotope.runtime.transport import ThreadTransport
 
     moved: dict[str, int] = {}
@@ -88,7 +91,6 @@ def test_each_token_travels_to_the_experts_it_is_routed_to_alone(monkeypatch):
 
 
 def test_a_plan_file_keeps_which_experts_pieces_exchange_their_tokens(tmp_path):
-    from chronotope.compile.program import Exchange
     from chronotope.plan.files import load_plan, save_plan
 
     graph = capture(FAMILIES["qwen2-moe"]())
