@@ -138,10 +138,10 @@ class Moved:
         self.bytes = 0
         self.original = ThreadTransport.all_to_all_rows
 
-        def counted(transport, blocks, ranks, rank, async_op=False):
+        def counted(transport, blocks, ranks, rank, async_op=False, counts=None):
             self.bytes += sum(b.numel() * b.element_size() for r, b in zip(ranks, blocks)
                               if r != rank)
-            return self.original(transport, blocks, ranks, rank, async_op)
+            return self.original(transport, blocks, ranks, rank, async_op, counts)
 
         ThreadTransport.all_to_all_rows = counted  # type: ignore[method-assign]
         return self

@@ -70,7 +70,7 @@ def test_each_token_travels_to_the_experts_it_is_routed_to_alone(monkeypatch):
 
     moved: dict[str, int] = {}
 
-    def counted(self, blocks, ranks, rank, async_op=False):
+    def counted(self, blocks, ranks, rank, async_op=False, counts=None):
         width = blocks[0].shape[1:]
         kind = "tokens" if width == (32,) and blocks[0].is_floating_point() else str(width)
         moved[kind] = moved.get(kind, 0) + sum(b.shape[0] for r, b in zip(ranks, blocks)

@@ -317,7 +317,10 @@ class StepContext:
                 t, index, experts = sent
                 sent = t[_routed(index, experts)]
             blocks.append(self._wire(sent.detach()).contiguous())
-        started = self.transport.all_to_all_rows(blocks, members, self.rank, True)
+        counts = None  # a combine's: how many rows come back is this rank's own routing's
+        if all(len(r) > 2 for r in recvs.values()):
+            counts = [int(_routed(*recvs[m][2:]).numel()) if m in recvs else 0 for m in members]
+        started = self.transport.all_to_all_rows(blocks, members, self.rank, True, counts)
 
         def placed(got: list[torch.Tensor]) -> list[torch.Tensor]:
             out = []

@@ -51,6 +51,14 @@ def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) ->
     return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
 
 
+def _counted(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Rows that came where ``count`` of them were awaited: a mismatch is a bug, named."""
+    if rows.shape[0] != count:
+        raise ChronotopeError(f"an exchange of routed rows brought {rows.shape[0]} rows where "
+                              f"its routing awaited {count}: this is a bug in chronotope")
+    return rows
+
+
 def _to_sorted(items: list, ranks: tuple[int, ...]) -> list:
     """Items in ``ranks`` order, put in global rank order (a process group's order)."""
     return [items[ranks.index(r)] for r in sorted(ranks)]
@@ -170,10 +178,16 @@ class ThreadTransport:
         return started.then(lambda sent: [theirs[mine] for theirs in sent]).returned(async_op)
 
     def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
-                        rank: int, async_op: bool = False) -> Any:
+                        rank: int, async_op: bool = False, counts: list[int] | None = None
+                        ) -> Any:
         """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``;
         returns the block each member sent here, a copy of its own (as a process receives
-        it: what the sender made is its sender's until the sender drops it)."""
+        it: what the sender made is its sender's until the sender drops it). ``counts``:
+        the rows that come from each member, where this rank knows them."""
+        if counts is not None:
+            started = self.all_to_all(blocks, ranks, rank, True)
+            return started.then(lambda got: [_counted(b.clone(), n) for b, n in zip(got, counts)]
+                                ).returned(async_op)
         started = self.all_to_all(blocks, ranks, rank, True)
         return started.then(lambda got: [b.clone() for b in got]).returned(async_op)
 
@@ -295,8 +309,9 @@ class Replica:
         return self.inner.all_to_all(blocks, self._ranks(ranks), self._g(rank), async_op)
 
     def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...], rank: int,
-                        async_op: bool = False) -> Any:
-        return self.inner.all_to_all_rows(blocks, self._ranks(ranks), self._g(rank), async_op)
+                        async_op: bool = False, counts: list[int] | None = None) -> Any:
+        return self.inner.all_to_all_rows(blocks, self._ranks(ranks), self._g(rank), async_op,
+                                          counts)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...], rank: int,
                   async_op: bool = False) -> Any:
@@ -393,20 +408,25 @@ class DistTransport:
         return started.returned(async_op)
 
     def all_to_all_rows(self, blocks: list[torch.Tensor], ranks: tuple[int, ...],
-                        rank: int, async_op: bool = False) -> Any:
-        """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``:
-        the row counts go first, in an all-to-all of their own, then the rows in one
-        ``all_to_all_single`` split by them."""
+                        rank: int, async_op: bool = False, counts: list[int] | None = None
+                        ) -> Any:
+        """``blocks[i]`` (rows of one width, as many as each needs) goes to ``ranks[i]``,
+        in one ``all_to_all_single`` split by the row counts; ``counts``: the rows that
+        come from each member, where this rank knows them (else they go first, in an
+        all-to-all of their own)."""
         group = self._group(ranks)
         ordered = _to_sorted(blocks, ranks)
-        sizes = torch.tensor([b.shape[0] for b in ordered], dtype=torch.int64,
-                             device=blocks[0].device)
-        counts = torch.empty_like(sizes)
+        sizes = [b.shape[0] for b in ordered]
         what = f"rank {rank} did not finish an all-to-all of routed rows over ranks {list(ranks)}"
-        self._wait(dist.all_to_all_single(counts, sizes, group=group, async_op=True), what)
-        split = counts.tolist()
+        if counts is None:
+            sent = torch.tensor(sizes, dtype=torch.int64, device=blocks[0].device)
+            got = torch.empty_like(sent)
+            self._wait(dist.all_to_all_single(got, sent, group=group, async_op=True), what)
+            split = got.tolist()
+        else:
+            split = _to_sorted(counts, ranks)
         out = ordered[0].new_empty((sum(split), *ordered[0].shape[1:]))
-        work = dist.all_to_all_single(out, torch.cat(ordered), split, sizes.tolist(),
+        work = dist.all_to_all_single(out, torch.cat(ordered), split, sizes,
                                       group=group, async_op=True)
         return self._started(work, what, lambda: _from_sorted(list(out.split(split)), ranks)
                              ).returned(async_op)

@@ -563,20 +563,25 @@ class Model:
 
     def routed(self, k: Knobs, m: int) -> tuple[np.ndarray, np.ndarray]:
         """Per op, on one of ``m`` micro-batches: the seconds expert parallelism adds to each
-        experts op (its group's tokens gathered to every member and their outputs' parts
-        reduce-scattered back, forward; the outputs' gradients gathered and the tokens'
-        reduce-scattered, backward), and what it holds while it runs (the group's tokens
-        and their outputs' parts)."""
+        experts op (an all-to-all of the rows routed to each member's experts and one back
+        with their outputs, forward; the outputs' gradients and the tokens', backward),
+        and what it holds while it runs (the rows that came and their outputs). A token
+        reaches a member holding ``e / ep`` of the ``e`` experts with the chance that one
+        of its ``k`` picks is one of them (a router that spreads the tokens evenly)."""
         seconds, held = np.zeros(len(self.ops)), np.zeros(len(self.ops))
         if k.ep == 1:
             return seconds, held
         unit = k.pp * k.cp * k.tp  # one data-parallel replica's devices
         groups = [tuple(i * unit + j for i in range(k.ep)) for j in range(unit)]
         for i in self.experts:
-            tokens = self._bytes(self.ops[i].inputs[0]) * k.ep / (k.dp * m * k.cp)
-            seconds[i] = 2 * (self.cluster.collective("all_gather", tokens, groups)
-                              + self.cluster.collective("reduce_scatter", tokens, groups))
-            held[i] = 2 * tokens
+            op = self.ops[i]
+            experts, picks = op.inputs[3].shape[0], op.inputs[1].shape[-1]
+            reach = 1 - math.comb(experts - experts // k.ep, picks) / math.comb(experts, picks)
+            tokens = self._bytes(op.inputs[0]) / (k.dp * m * k.cp)  # one replica's
+            # each member's rows for the whole group, as an all-to-all counts what it holds
+            rows = tokens * reach * k.ep
+            seconds[i] = 4 * self.cluster.collective("all_to_all", rows, groups)
+            held[i] = 2 * rows * (k.ep - 1) / k.ep
         return seconds, held
 
     def reduced(self, k: Knobs, grads: np.ndarray, ahead: np.ndarray) -> float:
