@@ -2,11 +2,13 @@
 data-parallel replicas, equal to one device."""
 
 import pytest
+import torch
 from plan_testing import trains_like_one_device
 
 import chronotope as ct
 from chronotope.compile.program import Exchange
 from chronotope.errors import PlanError
+from chronotope.graph.experts import routed_experts
 from chronotope.policies import ParallelConfig, expert_parallel, make, mesh
 from tests.zoo.harness import capture
 from tests.zoo.models import FAMILIES
@@ -99,3 +101,38 @@ def test_a_plan_file_keeps_which_experts_pieces_exchange_their_tokens(tmp_path):
     program = ct.compile(load_plan(graph, path))
     assert any(isinstance(ins, Exchange) for ins in program.ranks[0])
     trains_like_one_device(FAMILIES["qwen2-moe"](), program, steps=1)
+
+
+class OwnRouter(torch.nn.Module):
+    """A model of one's own: a top-2 router over 8 experts, its experts one
+    ``routed_experts`` call."""
+
+    def __init__(self, d: int = 16, experts: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.router = torch.nn.Linear(d, experts, bias=False)
+        self.gate = torch.nn.Parameter(torch.randn(experts, hidden, d) / d ** 0.5)
+        self.up = torch.nn.Parameter(torch.randn(experts, hidden, d) / d ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, d, hidden) / hidden ** 0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = routed_experts(x, index, weights, self.gate, self.up, self.down, 0, "silu")
+        return torch.nn.functional.mse_loss((x + out).sum(-1), y)
+
+
+def own_router() -> ct.Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return ct.Workload(OwnRouter(), (torch.randn(64, 16, generator=g),
+                                     torch.randn(64, generator=g)), name="own-router")
+
+
+@pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)],
+                         ids=str)
+def test_a_router_of_ones_own_exchanges_its_tokens_like_one_device(shape):
+    program = ct.compile(mesh(ct.capture(own_router()), **shape))
+    assert any(isinstance(ins, Exchange) for ins in program.ranks[0])
+    trains_like_one_device(own_router(), program)
