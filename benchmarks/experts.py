@@ -24,7 +24,6 @@ priced by the search's model (step seconds, GiB on the fullest device, fits in 8
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import warnings
@@ -121,7 +120,7 @@ def main() -> None:
             with Moved() as moved:
                 run = run_in_threads(program, w, 1, Optim("sgd", 0.1), measure_memory=True)
             traffic = sum(sum(program.traffic(r).values()) for r in range(program.ndevices))
-            traffic += moved.bytes - _bound(program)
+            traffic += moved.bytes - _expected(program)
             stored = plan.check().memory
             table.add_row("dp" if ep == 1 else f"dp x ep {ep}",
                           "" if ep == 1 else "all-to-all" if routed else "whole",
@@ -150,10 +149,10 @@ class Moved:
         ThreadTransport.all_to_all_rows = self.original  # type: ignore[method-assign]
 
 
-def _bound(program) -> int:
-    """The bytes ``Program.traffic`` counts for the exchanges: every row, a bound."""
-    return sum(math.prod(r.shape) * r.dtype.itemsize for code in program.ranks
-               for ins in code if isinstance(ins, Exchange) for r in ins.recvs)
+def _expected(program) -> float:
+    """The bytes ``Program.traffic`` counts for the exchanges: a spreading router's."""
+    return sum(ins.expected_bytes() for code in program.ranks for ins in code
+               if isinstance(ins, Exchange))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Expert parallelism: each Mixture-of-Experts layer's experts shared out over groups of
 data-parallel replicas, equal to one device."""
 
+import math
+
 import pytest
 import torch
 from plan_testing import trains_like_one_device
@@ -136,3 +138,17 @@ def test_a_router_of_ones_own_exchanges_its_tokens_like_one_device(shape):
     program = ct.compile(mesh(ct.capture(own_router()), **shape))
     assert any(isinstance(ins, Exchange) for ins in program.ranks[0])
     trains_like_one_device(own_router(), program)
+
+
+def test_the_simulator_prices_exchanges_as_the_rows_a_spreading_router_sends():
+    """Top 2 of 4 experts, one per device of 4: a token reaches another device with the
+    chance 1 - C(3, 2) / C(4, 2) = 1/2, which the traffic counts and the simulator prices."""
+    from chronotope.compile.simulate import simulate
+    from chronotope.cost.network import load_cluster
+
+    program = ct.compile(mesh(capture(FAMILIES["mixtral"]()), dp=4, ep=4))
+    exchanges = [ins for ins in program.ranks[0] if isinstance(ins, Exchange)]
+    every_row = sum(math.prod(r.shape) * r.dtype.itemsize for ins in exchanges
+                    for r in ins.recvs)
+    assert program.traffic(0)["all_to_all"] == every_row // 2
+    assert simulate(program, load_cluster("dgx-a100")).ranks[0].comm > 0

@@ -19,6 +19,7 @@ from there, in order, ``arrange`` first.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -761,9 +762,11 @@ class Lowering:
         label = self.exchange(piece)
         assert label is not None  # (a routed piece's)
         key = label.marked((t.name, "dispatch" if experts else "combine"))
+        e, k = piece.inputs[3].ptensor.shape[0], piece.inputs[1].ptensor.shape[-1]
+        share = 1 - math.comb(e - (hi - lo), k) / math.comb(e, k)  # a token reaches them
         if experts:
-            return Rows(lo, hi, index, key), Rows(lo, hi, None, key), routing
-        return Rows(lo, hi, None, key), Rows(lo, hi, index, key), None
+            return (Rows(lo, hi, index, key, share), Rows(lo, hi, None, key, share), routing)
+        return Rows(lo, hi, None, key, share), Rows(lo, hi, index, key, share), None
 
     def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
         """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's

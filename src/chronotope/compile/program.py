@@ -157,6 +157,7 @@ class Rows:
     hi: int
     index: str | None = None
     key: Key | None = None  # the exchange it is part of, the same on every member
+    share: float = 1.0  # of the rows a router that spreads its tokens evenly sends (pricing)
 
 
 @dataclass
@@ -322,6 +323,12 @@ class Exchange:
     @property
     def vars(self) -> tuple[str, ...]:
         return tuple(r.var for r in self.recvs)
+
+    def expected_bytes(self) -> float:
+        """The bytes this rank receives, where a router spreads its tokens evenly (the
+        routing decides how many come: the shapes are what every row would take)."""
+        return sum(math.prod(r.shape) * r.dtype.itemsize * (r.rows.share if r.rows else 1.0)
+                   for r in self.recvs)
 
 
 @dataclass
@@ -641,9 +648,8 @@ class Program:
         # An all-to-all brings the (k - 1) blocks of this rank's run held by the others.
         exchanged = sum((len(i.ranks) - 1) / len(i.ranks) * math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, AllToAll))
-        # A routed exchange: at most every row (the routing decides how many come)
-        exchanged += sum(math.prod(r.shape) * r.dtype.itemsize for i in self.ranks[rank]
-                         if isinstance(i, Exchange) for r in i.recvs)
+        # A routed exchange: the rows a router that spreads its tokens evenly sends
+        exchanged += sum(i.expected_bytes() for i in self.ranks[rank] if isinstance(i, Exchange))
         broadcast = sum(math.prod(i.shape) * i.dtype.itemsize
                         for i in self.ranks[rank] if isinstance(i, Broadcast) and i.var)
         params = self.plan.graph.params

@@ -32,6 +32,7 @@ from chronotope.compile.program import (
     Assemble,
     Backward,
     Broadcast,
+    Exchange,
     Forward,
     Free,
     GatherParams,
@@ -244,6 +245,9 @@ def _priced(ins, params: dict) -> tuple[str, float]:
         return "reduce_scatter", sum(math.prod(s) for s in ins.shapes) * len(ins.ranks) * size
     if isinstance(ins, AllToAll):
         return "all_to_all", math.prod(ins.shape) * size
+    if isinstance(ins, Exchange):  # what it receives, as a ring all-to-all's share of it
+        k = len(ins.ranks)
+        return "all_to_all", ins.expected_bytes() * k / max(k - 1, 1)
     if isinstance(ins, Broadcast):
         return "broadcast", math.prod(ins.shape) * size
     if isinstance(ins, GatherParams):
