@@ -12,7 +12,7 @@ import importlib
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -539,11 +539,11 @@ def _communication(ins: Instruction) -> str:
     """The runtime call that receives or runs a collective (what it gives aside)."""
     if isinstance(ins, Recv):
         return f"rt.recv({tuple(ins.shape)}, {ins.dtype}, src={ins.src}, tag={ins.tag})"
-    if isinstance(ins, Exchange):  # rows by member: whole ones routed by index and experts
-        sends = ", ".join(f"{s.dst}: {_routed(s.var, s.rows)}" for s in ins.sends)
-        recvs = ", ".join(f"{r.src}: {_routed(f'{tuple(r.shape)}, {r.dtype}', r.rows)}"
-                          for r in ins.recvs)
-        return f"rt.exchange({{{sends}}}, {{{recvs}}}, ranks={ins.ranks})"
+    if isinstance(ins, Exchange):  # per tensor, rows by member: whole ones routed by index
+        sends = _by_tensor(ins.sends, lambda s: f"{s.dst}: {_routed(s.var, s.rows)}")
+        recvs = _by_tensor(ins.recvs, lambda r: f"{r.src}: "
+                           f"{_routed(f'{tuple(r.shape)}, {r.dtype}', r.rows)}")
+        return f"rt.exchange({sends}, {recvs}, ranks={ins.ranks})"
     if isinstance(ins, AllReduce):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
@@ -562,6 +562,16 @@ def _communication(ins: Instruction) -> str:
         return f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, ranks={ins.ranks})"
     return (f"rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, shape={tuple(ins.shape)}, "
             f"dtype={ins.dtype})")
+
+
+def _by_tensor(messages: tuple[Send, ...] | tuple[Recv, ...],
+               entry: Callable[[Any], str]) -> str:
+    """An exchange's messages as a list of one dict per tensor it moves, by member."""
+    tensors: dict[str, list[str]] = {}
+    for m in messages:
+        assert m.rows is not None and m.rows.key is not None, m
+        tensors.setdefault(m.rows.key.marks[0][0], []).append(entry(m))
+    return "[" + ", ".join("{" + ", ".join(e) + "}" for e in tensors.values()) + "]"
 
 
 def _routed(what: str, rows: Rows | None) -> str:

@@ -7,13 +7,17 @@ gradients of what the experts made) or combined back from them (what they made, 
 gradients of their tokens and weights). As messages they cannot run: every member
 sends to every other before it receives, which NCCL cannot match pair by pair, and a
 receive posted early does not know how many rows come. On each member, an exchange's
-messages become one ``Exchange``, an all-to-all whose sizes travel first, where the
-member receives the first of them, once what it sends is made.
+messages become one ``Exchange``, an all-to-all whose sizes travel first (but for a
+combine's: its own routing says them), run as soon as what it sends is made. The
+exchanges of one route that move the same rows (tokens, routing and weights; the
+gradients of tokens and weights) go in one call, their rows side by side, where that
+call can still run before any of them is read.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from chronotope.compile.program import Exchange, Instruction, Key, Recv, Send, reads, writes
 
@@ -28,7 +32,7 @@ def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], 
             if isinstance(ins, (Send, Recv)) and ins.rows is not None:
                 assert ins.rows.key is not None, ins
                 found[ins.rows.key][rank].append(i)
-    placed: list[dict[int, list[Exchange]]] = [defaultdict(list) for _ in ranks]
+    made: list[list[tuple[Exchange, int, int]]] = [[] for _ in ranks]  # (it, where, used)
     refused: set[Key] = set()
     for key, by_rank in found.items():
         for members in _groups(ranks, by_rank):
@@ -37,13 +41,16 @@ def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], 
                 for slot, (sends, recvs) in enumerate(_slots(code, by_rank[rank], members)):
                     exchange = Exchange(sends, recvs, members,
                                         key.marked(("slot", slot)) if slot else key)
-                    where = _where(code, by_rank[rank], exchange)
-                    if where is None:
+                    where, used = _where(code, by_rank[rank], exchange)
+                    if where > used:
                         refused.add(key)
-                    else:
-                        placed[rank][where].append(exchange)
+                    made[rank].append((exchange, where, used))
     if refused or not found:
         return ranks, refused
+    placed: list[dict[int, list[Exchange]]] = [defaultdict(list) for _ in ranks]
+    for rank, exchanges_of_rank in enumerate(made):
+        for exchange, where in _packed(exchanges_of_rank):
+            placed[rank][where].append(exchange)
     out = []
     for rank, code in enumerate(ranks):
         dropped = {i for at in found.values() for i in at.get(rank, ())}
@@ -98,11 +105,24 @@ def _groups(ranks: list[list[Instruction]], by_rank: dict[int, list[int]]
     return [tuple(g) for g in groups.values()]
 
 
-def _where(code: list[Instruction], at: list[int], exchange: Exchange) -> int | None:
-    """Where on its rank an exchange runs (it stands before that instruction): as soon as
-    what it sends is made, so that it runs while the rank computes (``overlap`` waits on
-    it where it is read); one that sends nothing, where it first received. None where
-    something reads what it receives before that."""
+def _joined(exchanges: list[Exchange]) -> Exchange:
+    """Exchanges of the same rows between the same members as one, in an order every
+    member takes (by tensor)."""
+    if len(exchanges) == 1:
+        return exchanges[0]
+    exchanges = sorted(exchanges, key=lambda e: e.key.marks[0][0])
+    first = exchanges[0].key
+    names = "+".join(e.key.marks[0][0] for e in exchanges)
+    return Exchange(tuple(s for e in exchanges for s in e.sends),
+                    tuple(r for e in exchanges for r in e.recvs), exchanges[0].ranks,
+                    replace(first, marks=((names, first.marks[0][1]), *first.marks[1:])))
+
+
+def _where(code: list[Instruction], at: list[int], exchange: Exchange) -> tuple[int, int]:
+    """Where on its rank an exchange runs (it stands before that instruction), and where
+    what it receives is first read (it cannot run later): as soon as what it sends is
+    made, so that it runs while the rank computes (``overlap`` waits on it where it is
+    read); one that sends nothing, where it first received."""
     if exchange.sends:
         inputs = set(reads(exchange))
         where = 1 + max((i for i, ins in enumerate(code) if inputs & set(writes(ins))),
@@ -111,4 +131,31 @@ def _where(code: list[Instruction], at: list[int], exchange: Exchange) -> int | 
         where = min(i for i in at if isinstance(code[i], Recv))
     received = set(exchange.vars)
     used = next((i for i, ins in enumerate(code) if received & set(reads(ins))), len(code))
-    return where if where <= used else None
+    return where, used
+
+
+def _packed(made: list[tuple[Exchange, int, int]]) -> list[tuple[Exchange, int]]:
+    """A rank's exchanges, those of one route (tokens, their routing and weights; the
+    gradients of tokens and weights) that move the same rows between the same members
+    as one call, their rows side by side, where it can run before any of them is read;
+    each with where it runs."""
+    routes: dict[tuple, list[tuple[Exchange, int, int]]] = defaultdict(list)
+    for exchange, where, used in made:
+        key = exchange.key
+        messages: list[Send | Recv] = [*exchange.sends, *exchange.recvs]
+        rows = tuple((m.rows.lo, m.rows.hi, m.rows.index) for m in messages if m.rows)
+        peers = tuple(s.dst for s in exchange.sends) + tuple(r.src for r in exchange.recvs)
+        routes[(key.via, key.marks[0][1], key.marks[1:], exchange.ranks, peers, rows)].append(
+            (exchange, where, used))
+    out = []
+    for alike in routes.values():
+        alike.sort(key=lambda e: e[1])
+        calls: list[list[tuple[Exchange, int, int]]] = []  # each runs before any is read
+        for made_one in alike:
+            if calls and made_one[1] <= min(u for _, _, u in calls[-1]):
+                calls[-1].append(made_one)
+            else:
+                calls.append([made_one])
+        for call in calls:
+            out.append((_joined([e for e, _, _ in call]), max(w for _, w, _ in call)))
+    return out

@@ -310,9 +310,10 @@ class AllToAll:
 
 @dataclass
 class Exchange:
-    """Expert parallelism's dispatch or combine of one tensor over ``ranks``: the routed
-    rows (``Rows``) this rank ``sends`` each other member and ``recvs`` from each, as one
-    all-to-all whose uneven sizes travel first (the routing decides them)."""
+    """Expert parallelism's dispatch or combine over ``ranks``: the routed rows (``Rows``)
+    of one or more tensors this rank ``sends`` each other member and ``recvs`` from each
+    (tensor by tensor, members in order), as one all-to-all of uneven sizes (the routing
+    decides them), each member's rows of every tensor side by side."""
 
     sends: tuple[Send, ...]
     recvs: tuple[Recv, ...]

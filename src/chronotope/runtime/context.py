@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -273,6 +274,9 @@ class StepContext:
             return t
         return t.to(wire_dtype(t.dtype))
 
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.precision is None else wire_dtype(dtype)
+
     def _summed(self, pieces: Sequence[torch.Tensor], grads: bool,
                 ) -> tuple[torch.Tensor, torch.dtype]:
         """The local pieces added up in the dtype the reduction sums in, and the dtype the
@@ -299,36 +303,49 @@ class StepContext:
                                   True)
         return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
-    def exchange(self, sends: dict[int, Any], recvs: dict[int, tuple], ranks: tuple[int, ...],
-                 async_op: bool = False) -> Any:
-        """Expert parallelism's all-to-all of routed rows: each member in ``sends`` gets a
-        tensor's rows, all of them, or with ``(t, index, experts)`` those whose tokens
-        ``index`` routes to one of ``experts``; from each member in ``recvs`` come rows
-        of ``(shape, dtype)``, side by side as they come, or with ``(shape, dtype, index,
-        experts)`` put back in the places of the tokens routed to ``experts`` (zeros
-        elsewhere). Returns them in ``recvs``' order."""
+    def exchange(self, sends: list[dict[int, Any]], recvs: list[dict[int, tuple]],
+                 ranks: tuple[int, ...], async_op: bool = False) -> Any:
+        """Expert parallelism's all-to-all of routed rows, of one or more tensors (an entry
+        of ``sends`` and ``recvs`` each) that move the same rows: each member in a tensor's
+        ``sends`` gets its rows, all of them, or with ``(t, index, experts)`` those whose
+        tokens ``index`` routes to one of ``experts``; from each member in its ``recvs``
+        come rows of ``(shape, dtype)``, side by side as they come, or with ``(shape,
+        dtype, index, experts)`` put back in the places of the tokens routed to
+        ``experts`` (zeros elsewhere). A member's rows of every tensor travel side by side
+        as bytes, in one call. Returns what came, tensor by tensor, in ``recvs``' order."""
         members = tuple(sorted(ranks))
-        shape, dtype = next(iter(recvs.values()))[:2]
-        empty = torch.empty((0, *shape[1:]), dtype=dtype, device=self.device)
+        wires = [self._wire_dtype(next(iter(part.values()))[1]) for part in recvs]
+        widths = [math.prod(next(iter(part.values()))[0][1:]) * w.itemsize
+                  for part, w in zip(recvs, wires)]
         blocks = []
         for m in members:
-            sent = sends.get(m, empty)
-            if isinstance(sent, tuple):
-                t, index, experts = sent
-                sent = t[_routed(index, experts)]
-            blocks.append(self._wire(sent.detach()).contiguous())
+            rows = []
+            for part in sends:
+                if m not in part:
+                    break
+                sent = part[m]
+                if isinstance(sent, tuple):
+                    t, index, experts = sent
+                    sent = t[_routed(index, experts)]
+                rows.append(_as_bytes(self._wire(sent.detach())))
+            blocks.append(torch.cat(rows, 1) if rows else
+                          torch.empty((0, sum(widths)), dtype=torch.uint8, device=self.device))
         counts = None  # a combine's: how many rows come back is this rank's own routing's
-        if all(len(r) > 2 for r in recvs.values()):
-            counts = [int(_routed(*recvs[m][2:]).numel()) if m in recvs else 0 for m in members]
+        if all(len(r) > 2 for r in recvs[0].values()):
+            counts = [int(_routed(*recvs[0][m][2:]).numel()) if m in recvs[0] else 0
+                      for m in members]
         started = self.transport.all_to_all_rows(blocks, members, self.rank, True, counts)
 
         def placed(got: list[torch.Tensor]) -> list[torch.Tensor]:
             out = []
-            for src, (shape, dtype, *routing) in recvs.items():
-                rows = got[members.index(src)].to(dtype)
-                if routing:
-                    rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)
-                out.append(rows)
+            for j, (part, wire) in enumerate(zip(recvs, wires)):
+                for src, (shape, dtype, *routing) in part.items():
+                    block = got[members.index(src)]
+                    rows = block[:, sum(widths[:j]):sum(widths[:j + 1])].contiguous()
+                    rows = rows.view(wire).reshape(block.shape[0], *shape[1:]).to(dtype)
+                    if routing:
+                        rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)
+                    out.append(rows)
             return out
 
         return started.then(placed).returned(async_op)
@@ -576,3 +593,8 @@ def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
 def _routed(index: torch.Tensor, experts: range) -> torch.Tensor:
     """The tokens (rows of ``index``, tokens x k) routed to at least one of ``experts``."""
     return ((index >= experts.start) & (index < experts.stop)).any(-1).nonzero().squeeze(-1)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as the bytes they hold, a row of bytes each."""
+    return rows.contiguous().reshape(rows.shape[0], -1).view(torch.uint8)
