@@ -19,7 +19,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from chronotope.compile.program import Exchange, Instruction, Key, Recv, Send, reads, writes
+from chronotope.compile.program import (
+    Exchange,
+    Instruction,
+    Key,
+    Recv,
+    Send,
+    first_reads,
+    reads,
+    writes,
+)
 
 
 def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], set[Key]]:
@@ -34,6 +43,9 @@ def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], 
                 found[ins.rows.key][rank].append(i)
     made: list[list[tuple[Exchange, int, int]]] = [[] for _ in ranks]  # (it, where, used)
     refused: set[Key] = set()
+    # where each local tensor is made and first read, per rank: every exchange asks
+    made_at = [{v: i for i, ins in enumerate(code) for v in writes(ins)} for code in ranks]
+    read_at = [first_reads(code) for code in ranks]
     for key, by_rank in found.items():
         for members in _groups(ranks, by_rank):
             for rank in members:
@@ -41,7 +53,8 @@ def exchanges(ranks: list[list[Instruction]]) -> tuple[list[list[Instruction]], 
                 for slot, (sends, recvs) in enumerate(_slots(code, by_rank[rank], members)):
                     exchange = Exchange(sends, recvs, members,
                                         key.marked(("slot", slot)) if slot else key)
-                    where, used = _where(code, by_rank[rank], exchange)
+                    where, used = _where(code, by_rank[rank], exchange, made_at[rank],
+                                         read_at[rank])
                     if where > used:
                         refused.add(key)
                     made[rank].append((exchange, where, used))
@@ -118,19 +131,18 @@ def _joined(exchanges: list[Exchange]) -> Exchange:
                     replace(first, marks=((names, first.marks[0][1]), *first.marks[1:])))
 
 
-def _where(code: list[Instruction], at: list[int], exchange: Exchange) -> tuple[int, int]:
+def _where(code: list[Instruction], at: list[int], exchange: Exchange,
+           made_at: dict[str, int], read_at: dict[str, int]) -> tuple[int, int]:
     """Where on its rank an exchange runs (it stands before that instruction), and where
     what it receives is first read (it cannot run later): as soon as what it sends is
     made, so that it runs while the rank computes (``overlap`` waits on it where it is
-    read); one that sends nothing, where it first received."""
+    read); one that sends nothing, where it first received. ``made_at``, ``read_at``:
+    where the rank makes each tensor and first reads it."""
     if exchange.sends:
-        inputs = set(reads(exchange))
-        where = 1 + max((i for i, ins in enumerate(code) if inputs & set(writes(ins))),
-                        default=-1)
+        where = 1 + max((made_at[v] for v in reads(exchange) if v in made_at), default=-1)
     else:
         where = min(i for i in at if isinstance(code[i], Recv))
-    received = set(exchange.vars)
-    used = next((i for i, ins in enumerate(code) if received & set(reads(ins))), len(code))
+    used = min((read_at[v] for v in exchange.vars if v in read_at), default=len(code))
     return where, used
 
 

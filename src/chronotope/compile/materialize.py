@@ -19,7 +19,6 @@ from there, in order, ``arrange`` first.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -62,6 +61,7 @@ from chronotope.compile.program import (
 )
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
+from chronotope.graph.experts import reach
 from chronotope.graph.ir import PTensor, TensorKind
 from chronotope.graph.mask import Mask, ValueRange, VTensor, covers_exactly_once, equal_runs
 from chronotope.plan.check import CheckedPlan, Sources
@@ -762,8 +762,7 @@ class Lowering:
         label = self.exchange(piece)
         assert label is not None  # (a routed piece's)
         key = label.marked((t.name, "dispatch" if experts else "combine"))
-        e, k = piece.inputs[3].ptensor.shape[0], piece.inputs[1].ptensor.shape[-1]
-        share = 1 - math.comb(e - (hi - lo), k) / math.comb(e, k)  # a token reaches them
+        share = reach(piece.inputs[3].ptensor.shape[0], hi - lo, piece.inputs[1].ptensor.shape[-1])
         if experts:
             return (Rows(lo, hi, index, key, share), Rows(lo, hi, None, key, share), routing)
         return Rows(lo, hi, None, key, share), Rows(lo, hi, index, key, share), None

@@ -148,10 +148,10 @@ class Rows:
     parallelism's dispatch and combine): tokens routed elsewhere make nothing there.
 
     The side that holds the tokens whole reads its routing ``index`` (tokens x k experts)
-    for which rows those are: it sends their count and then them, or puts the rows it
-    receives back in their places (zeros elsewhere). The experts' side (``index`` None)
-    holds those rows alone, side by side: it receives the count first, and sends what it
-    holds as it is."""
+    for which rows those are: it sends them alone, or puts the rows it receives back in
+    their places (zeros elsewhere). The experts' side (``index`` None) holds those rows
+    alone, side by side, and sends what it holds as it is. Lowering writes such messages
+    as sends and receives; the collectives pass makes each ``key``'s an ``Exchange``."""
 
     lo: int
     hi: int
@@ -172,12 +172,12 @@ class Send:
 @dataclass
 class Recv:
     var: str
-    shape: tuple[int, ...]  # routed (``rows``): at most this; the rows it holds are counted
+    shape: tuple[int, ...]  # routed (``rows``): at most this; the routing decides
     dtype: torch.dtype
     src: int
     tag: int
     handle: str | None = None  # posted here, waited on by ``Wait(handle)``
-    rows: Rows | None = None  # routed ones are received where they stand, never posted early
+    rows: Rows | None = None  # routed: part of an exchange (``compile/exchanges.py``)
 
 
 @dataclass

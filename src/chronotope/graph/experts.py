@@ -18,6 +18,7 @@ allows it: gate and up projections side by side, not transposed, no biases.
 """
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Optional
@@ -100,6 +101,13 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
 
 
 routed_experts.register_autograd(_backward, setup_context=_setup)
+
+
+def reach(experts: int, held: int, picks: int) -> float:
+    """The chance that a token's ``picks`` experts of ``experts`` include one of ``held``
+    of them, for a router that spreads its tokens evenly: the share of a rank's tokens
+    that travel to a rank holding ``held`` experts."""
+    return 1 - math.comb(experts - held, picks) / math.comb(experts, picks)
 
 
 def first_expert(piece: Any) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -336,12 +337,14 @@ class StepContext:
                       for m in members]
         started = self.transport.all_to_all_rows(blocks, members, self.rank, True, counts)
 
+        edges = [0, *itertools.accumulate(widths)]  # each tensor's bytes in a row
+
         def placed(got: list[torch.Tensor]) -> list[torch.Tensor]:
             out = []
             for j, (part, wire) in enumerate(zip(recvs, wires)):
                 for src, (shape, dtype, *routing) in part.items():
                     block = got[members.index(src)]
-                    rows = block[:, sum(widths[:j]):sum(widths[:j + 1])].contiguous()
+                    rows = block[:, edges[j]:edges[j + 1]].contiguous()
                     rows = rows.view(wire).reshape(block.shape[0], *shape[1:]).to(dtype)
                     if routing:
                         rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)

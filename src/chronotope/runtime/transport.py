@@ -51,9 +51,10 @@ def _run_of(total: torch.Tensor, ranks: tuple[int, ...], rank: int, dim: int) ->
     return total.chunk(len(ranks), dim)[ranks.index(rank)].contiguous()
 
 
-def _counted(rows: torch.Tensor, count: int) -> torch.Tensor:
-    """Rows that came where ``count`` of them were awaited: a mismatch is a bug, named."""
-    if rows.shape[0] != count:
+def _counted(rows: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Rows that came where ``count`` of them were awaited (None: any): a mismatch is a
+    bug, named."""
+    if count is not None and rows.shape[0] != count:
         raise ChronotopeError(f"an exchange of routed rows brought {rows.shape[0]} rows where "
                               f"its routing awaited {count}: this is a bug in chronotope")
     return rows
@@ -184,12 +185,10 @@ class ThreadTransport:
         returns the block each member sent here, a copy of its own (as a process receives
         it: what the sender made is its sender's until the sender drops it). ``counts``:
         the rows that come from each member, where this rank knows them."""
-        if counts is not None:
-            started = self.all_to_all(blocks, ranks, rank, True)
-            return started.then(lambda got: [_counted(b.clone(), n) for b, n in zip(got, counts)]
-                                ).returned(async_op)
         started = self.all_to_all(blocks, ranks, rank, True)
-        return started.then(lambda got: [b.clone() for b in got]).returned(async_op)
+        awaited: list[int | None] = list(counts) if counts is not None else [None] * len(ranks)
+        return started.then(lambda got: [_counted(b.clone(), n) for b, n in zip(got, awaited)]
+                            ).returned(async_op)
 
     def broadcast(self, t: torch.Tensor, root: int, ranks: tuple[int, ...],
                   rank: int, async_op: bool = False) -> Any:

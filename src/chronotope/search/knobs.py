@@ -56,6 +56,7 @@ from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, storage_of
 from chronotope.graph.axes import batch_dims, loss_tails, sequence_cuts, sequence_dims
+from chronotope.graph.experts import reach
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
 from chronotope.plan.check import optimizer_states
@@ -575,11 +576,10 @@ class Model:
         groups = [tuple(i * unit + j for i in range(k.ep)) for j in range(unit)]
         for i in self.experts:
             op = self.ops[i]
-            experts, picks = op.inputs[3].shape[0], op.inputs[1].shape[-1]
-            reach = 1 - math.comb(experts - experts // k.ep, picks) / math.comb(experts, picks)
+            experts = op.inputs[3].shape[0]
             tokens = self._bytes(op.inputs[0]) / (k.dp * m * k.cp)  # one replica's
             # each member's rows for the whole group, as an all-to-all counts what it holds
-            rows = tokens * reach * k.ep
+            rows = tokens * reach(experts, experts // k.ep, op.inputs[1].shape[-1]) * k.ep
             seconds[i] = 4 * self.cluster.collective("all_to_all", rows, groups)
             held[i] = 2 * rows * (k.ep - 1) / k.ep
         return seconds, held
