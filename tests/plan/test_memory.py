@@ -168,3 +168,22 @@ def test_a_repeated_call_is_followed_as_its_inputs_layout_says():
     kept = saves(graph, "fp32")
     views = [kept[op].views for op in graph.ops if op.kind in ("transpose", "reshape")]
     assert views == [((0, 0),), (), ((0, 0),), (), ((0, 0),)]
+
+
+@pytest.mark.parametrize("cp_attention", ["allgather", "ulysses"])
+def test_keys_and_values_a_piece_is_given_apart_from_their_query_are_counted(cp_attention):
+    """GPT's query, keys and values are views of one projection, which autograd keeps once
+    on one device; a query chunk's attention under context parallelism is given the keys
+    and values gathered (or its heads' exchanged), apart from the query, and keeps each."""
+    w = get_workload("gpt", d_model=128, n_head=8, n_layer=4, block_size=1024,
+                     vocab_size=512, batch_size=2)
+    graph = capture(w)
+    attention = next(op for op in graph.ops if op.kind == "attention")
+    assert saves(graph, "fp32")[attention].inputs == {0, 1, 2}
+    for plan in (ct.policies.mesh(graph), ct.policies.mesh(graph, cp=2,
+                                                           cp_attention=cp_attention)):
+        memory = plan.check().memory
+        peaks = measured(plan, w)
+        rank = max(range(len(peaks)), key=peaks.__getitem__)
+        ratio = (memory[rank].activations + memory[rank].grads) / peaks[rank]
+        assert 0.95 <= ratio <= 1.1, ratio

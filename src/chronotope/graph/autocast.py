@@ -306,15 +306,27 @@ def _backward_temp(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
 
 def _saves(ins: list[torch.Tensor], outs: list[torch.Tensor], kept: list[torch.Tensor]
            ) -> Saves:
-    """Which of ``ins`` and ``outs`` the tensors autograd ``kept`` are (by storage: each
-    counted once), which are 16-bit copies of an input, and the bytes of the rest."""
+    """Which of ``ins`` and ``outs`` the tensors autograd ``kept`` are, which are 16-bit
+    copies of an input, and the bytes of the rest (each storage counted once).
+
+    Inputs that share a storage here (a query, key and value split from one projection)
+    are each kept by position: a piece of the op may be given them apart (keys and values
+    gathered whole for a query chunk), and the memory model counts a storage once by the
+    views it follows (``plan/check.py``)."""
     def where(x: torch.Tensor, among: list[torch.Tensor]) -> int | None:
         storage = x.untyped_storage()._cdata
         return next((j for j, y in enumerate(among)
                      if y.untyped_storage()._cdata == storage), None)
 
+    def layout(x: torch.Tensor) -> tuple:
+        return (x.untyped_storage()._cdata, x.storage_offset(), tuple(x.shape), x.stride())
+
     inputs, outputs, cast, other, seen = set(), set(), set(), 0, set()
     for x in kept:
+        same = {j for j, y in enumerate(ins) if layout(y) == layout(x)}
+        if same:
+            inputs |= same
+            continue
         if x.untyped_storage()._cdata in seen:
             continue
         seen.add(x.untyped_storage()._cdata)
