@@ -73,3 +73,56 @@ def test_a_late_piece_keeps_nothing_as_large_as_its_rows_by_the_keys():
                                                   lambda t: t):
         sliced_attention(q, k, v, is_causal=True, region=[(0, 1), (0, 2), (448, 512), (0, 8)])
     assert kept and max(kept) < 64 * 512
+
+
+class _Landing:
+    """Keys and values whose runs land one at a time: NaN until waited for, so a piece
+    that reads a run before its wait gives NaN."""
+
+    def __init__(self, key, value, runs):
+        self.whole = (key.detach().clone(), value.detach().clone())
+        self.key, self.value = (torch.full_like(t, float("nan")).requires_grad_()
+                                for t in (key, value))
+        self._runs, self.waited = runs, []
+
+    def runs(self):
+        return self._runs
+
+    def wait(self, run):
+        lo, hi = self._runs[run]
+        with torch.no_grad():
+            for got, whole in zip((self.key, self.value), self.whole):
+                got[..., lo:hi, :] = whole[..., lo:hi, :]
+        self.waited.append(run)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("ev", [16, 12])  # 12: the block kernel in plain matmuls
+def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causal, gqa, ev):
+    """A zigzag of 4 chunks over 2 devices: device 0 holds chunks 0 and 3, its runs of
+    keys and values come own first, then device 1's (chunks 1 and 2)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 16, requires_grad=True)
+    heads = 2 if gqa else 4
+    k = torch.randn(2, heads, 16, 16, requires_grad=True)
+    v = torch.randn(2, heads, 16, ev, requires_grad=True)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3,
+                                           enable_gqa=gqa)
+    g = torch.randn_like(whole)
+    for rows in [(0, 4), (12, 16)]:  # device 0's query chunks
+        landing = _Landing(k, v, [(0, 4), (12, 16), (4, 8), (8, 12)])
+        region = [(0, 2), (0, 4), rows, (0, ev)]
+        out = sliced_attention(q[..., rows[0]:rows[1], :], landing.key, landing.value,
+                               is_causal=causal, scale=0.3, enable_gqa=gqa, region=region,
+                               arriving=landing)
+        torch.testing.assert_close(out, whole[..., rows[0]:rows[1], :], rtol=1e-5, atol=1e-5)
+        seen = [0] if causal and rows == (0, 4) else [0, 1, 2, 3]
+        assert landing.waited == seen  # in the order they land, only those its rows see
+        dq, dk, dv = torch.autograd.grad(out, (q, landing.key, landing.value),
+                                         g[..., rows[0]:rows[1], :])
+        rows_only = torch.zeros_like(g)
+        rows_only[..., rows[0]:rows[1], :] = g[..., rows[0]:rows[1], :]
+        for a, b in zip((dq, dk, dv), torch.autograd.grad(whole, (q, k, v), rows_only,
+                                                           retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

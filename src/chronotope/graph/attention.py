@@ -13,7 +13,7 @@ passes a random op its box (``graph/rng.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,32 +28,54 @@ def causal_mask(rows: tuple[int, int], keys: int, device: Any) -> torch.Tensor:
         torch.arange(lo, hi, device=device)[:, None]
 
 
+class Arriving(Protocol):
+    """Keys and values that come a run at a time (ring attention's blocks): the runs of
+    their sequence in the order they arrive, this device's own first, and a wait until
+    one is in place in the tensors the piece was given."""
+
+    def runs(self) -> list[tuple[int, int]]: ...
+
+    def wait(self, run: int) -> None: ...
+
+
 def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                      is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False, *, region: Region) -> torch.Tensor:
+                     enable_gqa: bool = False, *, region: Region,
+                     arriving: Arriving | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of the query rows ``region[-2]`` of the whole op,
-    keys and values whole; causal, without dropout (a dropout's form is ``rng.attention``).
+    keys and values whole; without dropout (a dropout's form is ``rng.attention``).
 
-    Its rows see the keys before them whole and the keys beside them causally: a mask
+    Causal rows see the keys before them whole and the keys beside them causally: a mask
     aligned to the bottom right, which no kernel is handed as a tensor (one of rows x keys
-    would be kept for the backward, as large as the scores)."""
+    would be kept for the backward, as large as the scores). With ``arriving`` the keys
+    and values come a run at a time (context parallelism's ring): each run the rows see is
+    attended to as soon as it is in place, merged with the others by log-sum-exp."""
     lo, hi = region[-2]
-    end = min(hi, key.shape[-2])  # no row of this piece sees a key past its last row
+    keys = key.shape[-2]
+    end = min(hi, keys) if is_causal else keys  # no causal row sees a key past its last row
+    if arriving is not None:
+        runs = _ring_runs(arriving.runs(), (lo, hi), end, is_causal)
+        if attn_mask is None and runs is not None:
+            query, groups = _ready(query, key, enable_gqa)
+            return _Runs.apply(query, key, value, tuple(r for r, _ in runs), scale, groups,
+                               arriving, tuple(i for _, i in runs))
+        for i in range(len(arriving.runs())):  # a mask, or runs not aligned to the rows
+            arriving.wait(i)
+    if not is_causal:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, False,
+                                              scale=scale, enable_gqa=enable_gqa)
     if lo == 0:  # top-left aligned, as torch's own is_causal
         return F.scaled_dot_product_attention(query, key[..., :end, :], value[..., :end, :],
                                               None, 0.0, True, scale=scale,
                                               enable_gqa=enable_gqa)
+    if query.device.type == "cpu" and end - lo == query.shape[-2] and \
+            key.shape[-1] == value.shape[-1]:  # (what torch's CPU flash kernel takes)
+        query, groups = _ready(query, key, enable_gqa)
+        return _Runs.apply(query, key, value, ((0, lo, False), (lo, end, True)), scale, groups)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
-    if query.device.type == "cpu" and end - lo == query.shape[-2] and \
-            key.shape[-1] == value.shape[-1]:  # (what torch's CPU flash kernel takes)
-        # in the dtype the attention would run in: autocast's, as for torch's own
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else \
-            query.dtype
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        return _Blocks.apply(query, key, value, lo, end, scale)
     from torch.nn.attention.bias import causal_lower_right  # (it imports DTensor)
 
     return F.scaled_dot_product_attention(query, key[..., :end, :], value[..., :end, :],
@@ -61,42 +83,142 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                           False, scale=scale)
 
 
-class _Blocks(torch.autograd.Function):
-    """Attention over the keys before the rows (``:split``, all seen) and beside them
-    (``split:end``, causal, square), each by the flash kernel, merged by their log-sum-exps;
-    the backward runs each block's with the merged output and log-sum-exp, which need
-    nothing of either block's own (as ring attention's backward does), and writes the keys'
-    and values' gradients into one tensor of theirs, zeros past ``end``."""
+def _ring_runs(runs: list[tuple[int, int]], rows: tuple[int, int], end: int, causal: bool,
+               ) -> list[tuple[tuple[int, int, bool], int]] | None:
+    """The key runs query ``rows`` see, in the order they arrive, each with whether it is
+    the causal square beside the rows and its index among ``runs``; None when a run is
+    cut by the rows' causal edge other than there (the pieces then wait for every run)."""
+    lo, hi = rows
+    out = []
+    for i, (a, b) in enumerate(runs):
+        if a >= end:
+            continue  # after the rows' last: never seen
+        if not causal or b <= lo + 1:
+            out.append(((a, b, False), i))
+        elif (a, b) == (lo, hi):
+            out.append(((a, b, True), i))
+        else:
+            return None
+    return out
+
+
+def _ready(query: torch.Tensor, key: torch.Tensor, enable_gqa: bool
+           ) -> tuple[torch.Tensor, int]:
+    """The query in the dtype the attention would run in (autocast's, as torch's own), and
+    how many of its heads share one of the keys' (GQA)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        query = query.to(torch.get_autocast_dtype(device))
+    groups = query.shape[-3] // key.shape[-3] if enable_gqa and key.dim() > 2 else 1
+    return query, groups
+
+
+def _block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+           scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` over one block of keys (causal: the square beside its rows)
+    and its rows' log-sum-exps: torch's flash kernel on CPU, plain matmuls elsewhere."""
+    if query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+    scores = _scores(query, key, causal, scale)
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ value.float()).to(query.dtype), lse
+
+
+def _block_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                    scale: float | None) -> tuple[torch.Tensor, ...]:
+    """The gradients of one block's query, keys and values, given the output and
+    log-sum-exps of the rows over every block: each block's share of the softmax."""
+    if query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, query, key, value, out, lse, 0.0, causal, scale=scale)
+    factor = scale if scale is not None else query.shape[-1] ** -0.5
+    p = (_scores(query, key, causal, scale) - lse[..., None]).exp()
+    g = grad.float()
+    dp = g @ value.float().transpose(-1, -2)
+    ds = p * (dp - (g * out.float()).sum(-1, keepdim=True))
+    return ((ds @ key.float() * factor).to(query.dtype),
+            (ds.transpose(-1, -2) @ query.float() * factor).to(key.dtype),
+            (p.transpose(-1, -2) @ g).to(value.dtype))
+
+
+def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float | None
+            ) -> torch.Tensor:
+    factor = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = query.float() @ key.float().transpose(-1, -2) * factor
+    if causal:
+        rows, keys = scores.shape[-2:]
+        scores = scores.masked_fill(~causal_mask((keys - rows, keys), keys, scores.device),
+                                    float("-inf"))
+    return scores
+
+
+class _Runs(torch.autograd.Function):
+    """Attention over runs of keys ``(lo, hi, causal)`` one block each, merged by their
+    log-sum-exps (ring attention's online softmax), each waited for as it arrives; the
+    backward runs each block's with the merged output and log-sum-exp, which need
+    nothing of a block's own, and writes the keys' and values' gradients into one tensor
+    of theirs, zeros where no run is.
+
+    The keys and values are kept on the context, not saved: their runs from other
+    devices land in them after a piece read its own (a saved tensor written after it was
+    saved is refused by autograd)."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                split: int, end: int, scale: float | None) -> torch.Tensor:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o1, l1 = flash(query, key[..., :split, :], value[..., :split, :], 0.0, False,
-                       scale=scale)
-        o2, l2 = flash(query, key[..., split:end, :], value[..., split:end, :], 0.0, True,
-                       scale=scale)
-        lse = torch.logaddexp(l1, l2)
-        out = (o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]).to(
-            query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.split, ctx.end, ctx.scale = split, end, scale
+                runs: tuple[tuple[int, int, bool], ...], scale: float | None, groups: int,
+                arriving: Arriving | None = None, indices: tuple[int, ...] = ()
+                ) -> torch.Tensor:
+        out = lse = None
+        for k, (lo, hi, causal) in enumerate(runs):
+            if arriving is not None:
+                arriving.wait(indices[k])
+            o, l_ = _block(query, _block_of(key, lo, hi, groups, query.dtype),
+                           _block_of(value, lo, hi, groups, query.dtype), causal, scale)
+            if out is None:
+                out, lse = o.float(), l_
+                continue
+            merged = torch.logaddexp(lse, l_)
+            out = out * (lse - merged).exp()[..., None] + o.float() * (l_ - merged).exp()[..., None]
+            lse = merged
+        assert out is not None and lse is not None  # (a piece sees its own rows' keys)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, out, lse)
+        ctx.key, ctx.value, ctx.runs, ctx.scale, ctx.groups = key, value, runs, scale, groups
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        s, e, grad = ctx.split, ctx.end, grad.contiguous()
+        query, out, lse = ctx.saved_tensors
+        key, value = ctx.key, ctx.value
+        grad = grad.contiguous()
         grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
         grad_query = None
-        for keys, causal in ((slice(0, s), False), (slice(s, e), True)):
-            q, k, v = backward(grad, query, key[..., keys, :], value[..., keys, :], out, lse,
-                               0.0, causal, scale=ctx.scale)
+        g = ctx.groups
+        for lo, hi, causal in ctx.runs:
+            q, k, v = _block_backward(grad, query, _block_of(key, lo, hi, g, query.dtype),
+                                      _block_of(value, lo, hi, g, query.dtype), out, lse,
+                                      causal, ctx.scale)
             grad_query = q if grad_query is None else grad_query + q
-            grad_key[..., keys, :] = k
-            grad_value[..., keys, :] = v
-        return grad_query, grad_key, grad_value, None, None, None
+            grad_key[..., lo:hi, :] = _shared(k, g)
+            grad_value[..., lo:hi, :] = _shared(v, g)
+        return grad_query, grad_key, grad_value, None, None, None, None, None
+
+
+def _block_of(t: torch.Tensor, lo: int, hi: int, groups: int, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """Keys or values ``lo:hi`` with each head given to the ``groups`` query heads that
+    share it, in the query's dtype."""
+    block = t[..., lo:hi, :]
+    return (block.repeat_interleave(groups, dim=-3) if groups > 1 else block).to(dtype)
+
+
+def _shared(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """A block's gradient of its query heads' keys or values, summed per shared head."""
+    if groups == 1:
+        return grad
+    return grad.unflatten(-3, (grad.shape[-3] // groups, groups)).sum(-3)
 
 
 def is_causal(args: tuple, kwargs: dict[str, Any]) -> bool:
