@@ -1059,8 +1059,9 @@ def parser() -> argparse.ArgumentParser:
                               "meshes and the pipelines; default 1)")
         cmd.add_argument("--cp-attention", choices=VARIANTS, default=None,
                          help="how attention meets the sequence chunks under --cp: allgather "
-                              "(keys and values gathered, causal chunks in a zigzag; default) "
-                              "or ulysses (heads cut over the group, all-to-all)")
+                              "(keys and values gathered, causal chunks in a zigzag; default), "
+                              "ring (the same, each device's keys and values attended to as "
+                              "they land) or ulysses (heads cut over the group, all-to-all)")
         cmd.add_argument("--recompute", choices=("full", "selective"),
                          help="make activations again in backward instead of keeping them: "
                               "full (all but each block's output) or selective (attention); "

@@ -78,8 +78,8 @@ def test_what_context_parallelism_cannot_cut_is_refused_by_name():
     _, swin = captured("swin")
     with pytest.raises(PlanError, match="no scaled_dot_product_attention"):
         mesh(swin, cp=2)
-    with pytest.raises(PlanError, match="cp_attention='ring'"):
-        make(graph, ParallelConfig("cp", 4, cp_attention="ring"))
+    with pytest.raises(PlanError, match="cp_attention='butterfly'"):
+        make(graph, ParallelConfig("cp", 4, cp_attention="butterfly"))
 
 
 def test_the_cp_policy_reads_its_options():

@@ -411,7 +411,7 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None,
         if not ins.vars:
             return [f"{ins.handle}.wait()"]
         targets = _targets(ins.vars) if ins.unpack else ", ".join(ins.vars)
-        return [f"{targets} = {ins.handle}.wait()"]
+        return [f"{targets} = {ins.handle}.{'landing' if ins.landing else 'wait'}()"]
     if isinstance(ins, Load):
         return [f"{ins.var} = {_load(ins)}"]
     if isinstance(ins, Forward):
@@ -549,7 +549,9 @@ def _communication(ins: Instruction) -> str:
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
     if isinstance(ins, AllGather):
         slots = f", slots={ins.slots}" if ins.slots else ""
-        return f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims}{slots})"
+        ring = f", ring={ins.ring}" if ins.ring is not None else ""
+        return (f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims}"
+                f"{slots}{ring})")
     if isinstance(ins, ReduceScatter):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return (f"rt.reduce_scatter([{pieces}], ranks={ins.ranks}, dims={ins.dims}"
@@ -691,7 +693,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
             entry.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
             ins_names[i] = f"{ins_names[i]}_share"
             made.append(ins_names[i])
-    reads = list(ins_names)
+    reads = [*ins_names, *ins.arriving]
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
         for i in [i for i in entering if ins.ins[i] in inside]:
@@ -721,6 +723,11 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
             kwargs = {**kwargs, "stream": _Name("rt.stream")}
             if box != tuple((0, n) for n in whole):
                 kwargs["region"] = box
+        elif ins.arriving:  # its keys and values land a device at a time (a ring)
+            landing = ins.arriving[0] if len(ins.arriving) == 1 else \
+                f"rt.landing({', '.join(ins.arriving)})"
+            target, kwargs = sliced_attention, {**kwargs, "region": box,
+                                                "arriving": _Name(landing)}
         elif op.op.kind == "attention" and is_causal(args, kwargs) and box[-2] != (0, whole[-2]):
             target, kwargs = sliced_attention, {**kwargs, "region": box}  # some query rows
         elif op.op.kind == "experts" and (lo := first_expert(op)):  # some experts: the first's

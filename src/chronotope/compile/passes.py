@@ -23,6 +23,7 @@ from chronotope.compile.names import Names
 from chronotope.compile.overlap import overlap
 from chronotope.compile.program import Instruction
 from chronotope.compile.reshard import reshard
+from chronotope.compile.ring import ring
 from chronotope.compile.running_sums import running_sums
 from chronotope.errors import PlanError
 from chronotope.plan.plan import Plan, PlanOp
@@ -90,6 +91,10 @@ def _overlap(lowered: Lowered) -> Code:
         return overlap(lowered.ranks)
 
 
+def _ring(lowered: Lowered) -> Code:
+    return ring(lowered.ranks) if lowered.plan.ring else lowered.ranks
+
+
 def _frees(lowered: Lowered) -> Code:
     return [with_frees(code) for code in lowered.ranks]
 
@@ -103,6 +108,7 @@ PASSES: list[tuple[str, Callable[[Lowered], Code]]] = [
     ("running sums", _running_sums),  # sums of many parts added up as the parts are made
     ("fold", _fold),  # a template's blocks run once per micro-batch
     ("overlap", _overlap),  # communication started early, NCCL-safe message order
+    ("ring", _ring),  # keys and values for attention land run by run as it computes
     ("frees", _frees),  # each tensor freed after its last reader
 ]
 

@@ -97,6 +97,8 @@ class Forward:
     # the input is its share of the whole's, and the replicas' gradients add up to it.
     input_scales: tuple[Fraction, ...] = ()
     fused: Fusion | None = None  # runs inside one compiled function with its group
+    # gathers landing run by run that its keys and values come from (``compile/ring.py``)
+    arriving: tuple[str, ...] = ()
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""
@@ -272,6 +274,9 @@ class AllGather:
     keys: tuple[Key, ...] = ()
     handle: str | None = None
     slots: tuple[int, ...] = ()
+    # not one call: each member's piece sent to the others as messages of this tag, landing
+    # in the outputs one member at a time for readers that take them so (``compile/ring.py``)
+    ring: int | None = None
 
 
 @dataclass
@@ -409,11 +414,13 @@ class SetBuffer:
 @dataclass
 class Wait:
     """Where what a receive or collective started earlier is first needed: ``vars`` are
-    its results (an all-reduce's as a tuple, ``unpack``)."""
+    its results (an all-reduce's as a tuple, ``unpack``); with none, where it must have
+    finished (a ring gather, after its last reader)."""
 
     handle: str
     vars: tuple[str, ...]
     unpack: bool = False
+    landing: bool = False  # a ring gather's outputs now, its members' pieces still landing
 
 
 @dataclass
@@ -550,7 +557,7 @@ def _routing(ins: Send | Recv) -> tuple[str, ...]:
 
 # by type, not a chain of isinstance: the passes ask this of every instruction many times
 _READS: dict[type, Callable[[Any], tuple[str, ...]]] = {
-    Forward: lambda ins: ins.ins,
+    Forward: lambda ins: (*ins.ins, *ins.arriving),
     Backward: lambda ins: (*(v for vs in ins.grad_outputs for v in vs if v is not None),
                            *ins.remade_inputs()),
     Assemble: lambda ins: tuple(p.src for p in ins.parts),

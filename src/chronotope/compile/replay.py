@@ -170,6 +170,8 @@ class _Engine:
             awaited = self.calling.pop(r) if r in self.calling else self.call(r, ins)
         else:
             assert isinstance(ins, Wait), ins  # (the last kind of ``_COMMUNICATES``)
+            if ins.landing:  # a ring gather's outputs, read as they land: waited after
+                return True
             if not self.finish(r, self.started[r][ins.handle]):
                 return False
             del self.started[r][ins.handle]

@@ -75,6 +75,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "param_storage": plan.param_storage,
         "reshard": plan.reshard,
         "regather": plan.regather,
+        "ring": plan.ring,
         "exchanges": {name: list(label) for name, label in plan.exchanges.items()},
         "updates": {param: {"whole_grad": _whole_grad(op)} for param, op in plan.updates.items()},
         "ops": {op.name: {"kind": op.op.kind, "shape": _shape(op.op), **_node(op)}
@@ -206,6 +207,7 @@ def plan_from_dict(graph: Graph, data: dict[str, Any], source: str = "plan",
     plan.param_storage = data.get("param_storage", "read")
     plan.reshard = bool(data.get("reshard", False))
     plan.regather = bool(data.get("regather", False))
+    plan.ring = bool(data.get("ring", False))
     plan.exchanges = {name: tuple(label) for name, label in data.get("exchanges", {}).items()}
     for param, how in data.get("updates", {}).items():
         if param not in graph.params:

@@ -191,6 +191,9 @@ class Plan:
         # The same for activations gathered from other devices for pieces that save them
         # (context parallelism's keys and values): each device keeps only its own runs.
         self.regather = False
+        # Keys and values gathered for attention alone land a device at a time, each block
+        # attended to as it lands (ring attention, ``compile/ring.py``).
+        self.ring = False
         # Expert parallelism: the experts pieces (by name; their pieces too) whose tokens one
         # exchange dispatches to them and combines back, by a label every member shares
         self.exchanges: dict[str, tuple[int, ...]] = {}

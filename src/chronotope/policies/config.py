@@ -47,9 +47,9 @@ class ParallelConfig:
     ``schedule``: csv's pipeline order, a torch pipelining CSV file; ``cp``: the
     context-parallel group of every op along the sequence (the cp policy: default all
     devices over tp x pp; the meshes and pipelines: default 1), ``cp_attention`` how its
-    attention meets ("allgather" or "ulysses", see ``policies/context.py``); ``ep``: the
-    data-parallel replicas each Mixture-of-Experts layer's experts are shared out over
-    (default 1)."""
+    attention meets ("allgather", "ring" or "ulysses", see ``policies/context.py``);
+    ``ep``: the data-parallel replicas each Mixture-of-Experts layer's experts are shared
+    out over (default 1)."""
 
     policy: str = "dp"
     devices: int = 1

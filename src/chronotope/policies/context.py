@@ -4,12 +4,15 @@ The sequence (axis 1 of the batch inputs) is followed through the graph, past th
 flatten of ``(b t)`` before a token loss (``graph.axes.sequence_cuts``), and each op
 that carries it is cut into chunks of it, so every activation a device holds is its
 chunks' share: embeddings, norms, MLPs and the loss over tokens fall as 1 / cp.
-Attention is where the chunks meet, in one of two ways:
+Attention is where the chunks meet, in one of three ways:
 
 * ``allgather`` (Llama 3's): each query chunk is a piece of the attention that reads
   the keys and values whole, which the compiler gathers from the chunks' devices (and
   sums their gradients back); a causal piece masks by where its rows sit and stops at
   its last row (``graph/attention.py``);
+* ``ring``: the same pieces, with the keys and values landing a device at a time, each
+  block attended to as it lands and merged by log-sum-exp, so the gather moves while
+  attention computes (``compile/ring.py``);
 * ``ulysses`` (DeepSpeed-Ulysses): the attention is cut by heads over the group, and
   the compiler turns the sequence chunks into head groups and back (all-to-all).
 
@@ -32,7 +35,7 @@ from chronotope.graph.ir import Graph, Op
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import PlanOp
 
-VARIANTS = ("allgather", "ulysses")
+VARIANTS = ("allgather", "ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Context:
 def context(graph: Graph, cp: int, variant: str = "allgather",
             zigzag: bool | None = None) -> Context:
     """The cuts of ``graph`` over a ``cp`` group; ``zigzag`` defaults to whether a causal
-    attention is cut by its queries (``allgather``)."""
+    attention is cut by its queries (``allgather``, ``ring``)."""
     if cp < 1:
         raise PlanError(f"context parallelism needs cp >= 1, got cp={cp}")
     if variant not in VARIANTS:
@@ -72,7 +75,7 @@ def context(graph: Graph, cp: int, variant: str = "allgather",
         raise PlanError(f"context parallelism cuts attention along the sequence, and "
                         f"{graph.name} has none to cut: {where}")
     if zigzag is None:
-        zigzag = variant == "allgather" and any(
+        zigzag = variant in ("allgather", "ring") and any(
             is_causal(op.args, op.kwargs) for op in attention if cuts[op] is not None)
     dims = {op: cut.dim if cut is not None else None for op, cut in cuts.items()}
     tails = loss_tails(graph, dims, graph.registry) if graph.registry is not None else {}

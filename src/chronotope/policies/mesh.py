@@ -271,8 +271,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     groups of ``tp`` tensor-parallel devices: rank = ((i * pp + s) * cp + c) * tp + j.
 
     ``cp`` > 1 cuts every op along the sequence over the ``cp`` groups of a stage, and
-    attention by ``cp_attention`` ("allgather" or "ulysses"), the sequence dealt out in a
-    ``zigzag`` where attention is causal (see ``policies/context.py``).
+    attention by ``cp_attention`` ("allgather", "ring" or "ulysses"), the sequence dealt
+    out in a ``zigzag`` where attention is causal (see ``policies/context.py``).
 
     ``ep`` > 1 (expert parallel) shares each Mixture-of-Experts layer's experts out over
     groups of ``ep`` data-parallel replicas: every replica's tokens of a layer go through
@@ -323,7 +323,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     ctx = context(graph, cp, cp_attention, zigzag)
     plan = Plan(graph, dp * pp * cp * tp)
     # the keys and values each rank gathers: freed after their forward, gathered again
-    plan.regather = cp > 1 and cp_attention == "allgather"
+    plan.regather = cp > 1 and cp_attention in ("allgather", "ring")
+    plan.ring = cp > 1 and cp_attention == "ring"
     if choices is None:
         choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
                           sequence_dims(graph) if sequence and tp > 1 else {})

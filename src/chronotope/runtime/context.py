@@ -304,6 +304,10 @@ class StepContext:
                                   True)
         return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
+    def landing(self, *gathers: Landing) -> Landed:
+        """The keys and values of an attention from two ring gathers, waited for together."""
+        return Landed(*gathers)
+
     def exchange(self, sends: list[dict[int, Any]], recvs: list[dict[int, tuple]],
                  ranks: tuple[int, ...], async_op: bool = False) -> Any:
         """Expert parallelism's all-to-all of routed rows, of one or more tensors (an entry
@@ -396,13 +400,16 @@ class StepContext:
         return self.transport.all_reduce(flat, ranks, self.rank, True, fresh)
 
     def all_gather(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                   dims: Sequence[int], async_op: bool = False, slots: tuple[int, ...] = ()
-                   ) -> Any:
+                   dims: Sequence[int], async_op: bool = False, slots: tuple[int, ...] = (),
+                   ring: int | None = None) -> Any:
         """For each tensor, the members' pieces side by side along its dim, in ``ranks``
         order; with ``slots``, each member's piece is its runs side by side, placed where
         ``slots`` names it. All travel in one flat buffer: one collective call per
-        instruction."""
+        instruction; with ``ring`` (a tag), messages that land member by member
+        (``Landing``)."""
         ranks = self._members(ranks)
+        if ring is not None:
+            return Landing(self, tensors, ranks, dims, slots, ring)
         members = tuple(sorted(ranks))
         wired = [self._wire(t.detach()) for t in tensors]
         wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
@@ -579,6 +586,90 @@ class StepContext:
     def set_buffer(self, name: str, value: torch.Tensor) -> None:
         """Buffer ``name`` after this step (running statistics): what the next step reads."""
         self.state[name] = value.detach().clone()
+
+
+class Landing:
+    """An all-gather as messages: this rank's piece (its outputs' runs side by side, flat)
+    goes to every other member at once, and each member's lands in the whole outputs when
+    waited for, so a reader takes the runs in place while the rest travel (context
+    parallelism's ring, ``compile/ring.py``). The members come round the ring: this rank,
+    then the one before it, and so on."""
+
+    def __init__(self, rt: StepContext, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
+                 dims: Sequence[int], slots: tuple[int, ...], tag: int) -> None:
+        me, n = ranks.index(rt.rank), len(ranks)
+        wired = [rt._wire(t.detach()) for t in tensors]
+        wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
+        flat = torch.cat([_as(t, wide).reshape(-1) for t in wired])
+        self.tensors, self.dims = [t.detach() for t in tensors], list(dims)
+        self.slots = slots or ranks  # the member of each run along a tensor's dim
+        self.members = [ranks[(me - s) % n] for s in range(n)]
+        coming = rt.transport.group([(flat, ranks[(me + s) % n]) for s in range(1, n)],
+                                    [((tuple(flat.shape), flat.dtype), m)
+                                     for m in self.members[1:]], rt.rank, tag, rt.device)
+        self.coming = dict(zip(self.members[1:], coming))
+        own = self.slots.count(rt.rank)
+        self.outputs = [t.new_empty(_whole(t.shape, d, own, len(self.slots)))
+                        for t, d in zip(self.tensors, dims)]
+        self._place(rt.rank, self.tensors)
+        order = {m: k for k, m in enumerate(self.members)}
+        size = self.tensors[0].shape[dims[0]] // own
+        self._runs = sorted(((j * size, (j + 1) * size) for j in range(len(self.slots))),
+                            key=lambda r: order[self.slots[r[0] // size]])
+        self._size = size
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The runs of the first output along its dim, in the order they land."""
+        return self._runs
+
+    def wait(self, run: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Until run ``run`` (of ``runs()``) is in place, or with None every run; the
+        whole outputs."""
+        if run is None:
+            for m in list(self.coming):
+                self._land(m)
+        else:
+            member = self.slots[self._runs[run][0] // self._size]
+            if member in self.coming:
+                self._land(member)
+        return tuple(self.outputs)
+
+    def landing(self) -> tuple[torch.Tensor, ...]:
+        """The whole outputs now, the members' runs landing in them as they are waited for."""
+        return tuple(self.outputs)
+
+    def _land(self, member: int) -> None:
+        flat = self.coming.pop(member).wait()
+        parts = flat.split([t.numel() for t in self.tensors])
+        self._place(member, [_as(p.view_as(t), t.dtype) for p, t in zip(parts, self.tensors)])
+
+    def _place(self, member: int, pieces: Sequence[torch.Tensor]) -> None:
+        at = [j for j, m in enumerate(self.slots) if m == member]
+        with torch.no_grad():
+            for out, piece, dim in zip(self.outputs, pieces, self.dims):
+                width = piece.shape[dim] // len(at)
+                for k, j in enumerate(at):
+                    out.narrow(dim, j * width, width).copy_(piece.narrow(dim, k * width, width))
+
+
+class Landed:
+    """Keys and values from two ``Landing`` gathers, waited for together."""
+
+    def __init__(self, *landing: Landing) -> None:
+        self.landing = landing
+
+    def runs(self) -> list[tuple[int, int]]:
+        return self.landing[0].runs()
+
+    def wait(self, run: int | None = None) -> None:
+        for gather in self.landing:
+            gather.wait(run)
+
+
+def _whole(shape: Sequence[int], dim: int, own: int, runs: int) -> tuple[int, ...]:
+    """A gathered output's shape: ``runs`` runs along ``dim``, of which a piece of ``shape``
+    holds ``own``."""
+    return tuple(n // own * runs if d == dim else n for d, n in enumerate(shape))
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

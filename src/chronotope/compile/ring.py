@@ -1,0 +1,124 @@
+"""Ring attention: keys and values gathered for query chunks land one device at a time,
+and each query chunk's attention takes every block as soon as it is in place.
+
+Under context parallelism with ``Plan.ring`` each query chunk's attention reads the keys
+and values whole, gathered from the group's chunks (as ``allgather`` does). Where every
+forward reader of such a gather is an attention that reads it as its keys or values, the
+gather is not one collective call: each member's runs go to every other member as
+messages of one tag (``AllGather.ring``), posted at once, and land in the whole outputs
+member by member. The outputs are given to the readers as soon as the call is made
+(``Wait.landing``); an attention waits for each block of keys and values before its
+rows attend to it, its own first, then the members before it round the ring
+(``graph.attention.sliced_attention``), so the rest of the bytes move while it computes.
+A ``Wait`` after the last reader sees the whole gather in.
+
+Guarantees: the same values as the gather; nothing else moves or changes order. The
+backward reads the keys and values autograd kept (or gathered again, ``Plan.regather``),
+block by block from the merged output and log-sum-exp, and sends each run's gradient to
+its owner as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from chronotope.compile.program import (
+    AllGather,
+    Backward,
+    Forward,
+    Free,
+    Instruction,
+    Refill,
+    Reshard,
+    Role,
+    Wait,
+    reads,
+    writes,
+)
+from chronotope.compile.reshard import is_regather
+from chronotope.graph.ir import fresh_name
+
+TAGS = 1 << 24  # ring messages' tags start here, past those of the plan's messages
+
+
+def ring(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Every rank's code with each gather of keys and values that attention alone reads,
+    on every member, landing run by run in its readers."""
+    found = [{i: rs for i, ins in enumerate(code) if _gathers_activations(ins)
+              and (rs := _readers(code, i, ins))} for code in ranks]
+    # a gather rings where it does on every member (each calls it, the same call), its
+    # tag by its place among its group's on the group's first member
+    ringing = {g.keys: g.ranks for code, at in zip(ranks, found) for i in at
+               if isinstance(g := code[i], AllGather)}
+    for code, at in zip(ranks, found):
+        for i in at:
+            g = code[i]
+            if isinstance(g, AllGather) and not all(
+                    any(ranks[m][j].keys == g.keys for j in found[m]) for m in g.ranks):
+                ringing.pop(g.keys, None)
+    tags: dict[tuple, int] = {}
+    for keys, members in ringing.items():
+        first = [ranks[members[0]][i].keys for i in sorted(found[members[0]])]
+        tags[keys] = TAGS + [k for k in first if ringing.get(k) == members].index(keys)
+    return [_rung(code, {i: rs for i, rs in at.items() if code[i].keys in tags}, tags)
+            for code, at in zip(ranks, found)]
+
+
+def _rung(code: list[Instruction], readers: dict[int, list[int]], tags: dict[tuple, int]
+          ) -> list[Instruction]:
+    """``code`` with the gathers at ``readers``' keys ringing, read by the pieces there."""
+    if not readers:
+        return code
+    taken = {v for ins in code for v in (*reads(ins), *writes(ins))}
+    before: dict[int, list[Instruction]] = {}
+    after: dict[int, list[Instruction]] = {}
+    out = list(code)
+    for i, at in readers.items():
+        gather = code[i]
+        assert isinstance(gather, AllGather)
+        handle = gather.handle or fresh_name(f"{gather.vars[0]}_ring", taken)
+        taken.add(handle)
+        out[i] = replace(gather, handle=handle, ring=tags[gather.keys])
+        if gather.handle is None:
+            after.setdefault(i, []).append(Wait(handle, gather.vars, unpack=True, landing=True))
+        else:
+            w = next(k for k in range(i + 1, len(code))
+                     if isinstance(code[k], Wait) and code[k].handle == handle)
+            out[w] = replace(code[w], landing=True)
+        for k in at:
+            f = out[k]
+            assert isinstance(f, Forward)
+            out[k] = replace(f, arriving=(*f.arriving, handle))
+        # the whole gather in before what runs after its last reader (its storage freed)
+        before.setdefault(at[-1] + 1, []).insert(0, Wait(handle, ()))
+    made: list[Instruction] = []
+    for k, ins in enumerate(out):
+        made += before.get(k, [])
+        made.append(ins)
+        made += after.get(k, [])
+    return made + before.get(len(out), [])
+
+
+def _gathers_activations(ins: Instruction) -> bool:
+    return isinstance(ins, AllGather) and len(ins.ranks) > 1 and not is_regather(ins) and \
+        bool(ins.keys) and all(k.role is Role.VALUE for k in ins.keys)
+
+
+def _readers(code: list[Instruction], at: int, gather: AllGather) -> list[int]:
+    """Where attention pieces read what the gather at ``at`` gives, as their keys or values;
+    none if anything else reads it before the backward (a view, another op)."""
+    gathered = set(gather.vars)
+    found = []
+    for k in range(at + 1, len(code)):
+        ins = code[k]
+        if isinstance(ins, (Backward, Reshard, Refill, Free)) or (
+                isinstance(ins, Wait) and ins.handle == gather.handle):
+            continue  # (the backward reads what autograd kept)
+        read = gathered & set(reads(ins))
+        if not read:
+            continue
+        if not (isinstance(ins, Forward) and ins.op.op.kind == "attention" and
+                all(ins.ins.index(v) in (1, 2) and ins.ins.count(v) == 1 for v in read)):
+            return []
+        found.append(k)
+    return found
