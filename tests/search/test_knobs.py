@@ -256,17 +256,23 @@ def test_long_sequences_search_into_context_parallelism():
     all-to-all where they divide) and the search takes one."""
     graph = meta("gpt3-1.3b", batch_size=1, block_size=16384)
     model = Model(graph, cluster_for(8, "dgx-a100"), "bf16")
-    assert model.contexts(8, 1) == [(1, False), (2, False), (2, True), (4, False), (4, True),
-                                    (8, False), (8, True)]
-    assert (1, False) in model.contexts(8, 8) and (2, True) not in model.contexts(8, 16)
+    assert model.contexts(8, 1) == [(1, "allgather")] + [
+        (cp, way) for cp in (2, 4, 8) for way in ("allgather", "ring", "ulysses")]
+    assert (1, "allgather") in model.contexts(8, 8) and \
+        (2, "ulysses") not in model.contexts(8, 16)
     whole, cut = (model.price(Knobs(1, 1, 1, 1, cp=cp)) for cp in (1, 4))
     assert cut.memory - cut.states < (whole.memory - whole.states) / 3
+    # the ring's blocks land while attention computes: less waiting, the same memory
+    ring = model.price(Knobs(1, 1, 1, 1, cp=4, attention="ring"))
+    assert ring.seconds < cut.seconds and ring.memory == cut.memory
     result = search(graph, 8, "dgx-a100", method="mesh", dtype="bf16", simulate=False)
     assert " x cp " in result.mesh and result.plan.ndevices == 8
 
 
 @pytest.mark.parametrize("knobs", [Knobs(1, 1, 1, 1, cp=2), Knobs(1, 1, 2, 2, cp=2),
-                                   Knobs(2, 1, 1, 1, cp=2, ulysses=True)], ids=lambda k: k.label)
+                                   Knobs(2, 1, 1, 1, cp=2, attention="ulysses"),
+                                   Knobs(1, 1, 2, 2, cp=2, attention="ring")],
+                         ids=lambda k: k.label)
 def test_context_parallel_points_train_like_one_device(knobs):
     w = get_workload("gpt", batch_size=4)
     run = run_in_threads(ct.compile(knobs.plan(capture(w))), w, 2, Optim("sgd", 0.1))

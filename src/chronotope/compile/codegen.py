@@ -549,7 +549,7 @@ def _communication(ins: Instruction) -> str:
         return f"rt.all_reduce([{pieces}], ranks={ins.ranks}{_grads(ins.keys)})"
     if isinstance(ins, AllGather):
         slots = f", slots={ins.slots}" if ins.slots else ""
-        ring = f", ring={ins.ring}" if ins.ring is not None else ""
+        ring = ", ring=True" if ins.ring else ""
         return (f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims}"
                 f"{slots}{ring})")
     if isinstance(ins, ReduceScatter):

@@ -274,9 +274,9 @@ class AllGather:
     keys: tuple[Key, ...] = ()
     handle: str | None = None
     slots: tuple[int, ...] = ()
-    # not one call: each member's piece sent to the others as messages of this tag, landing
-    # in the outputs one member at a time for readers that take them so (``compile/ring.py``)
-    ring: int | None = None
+    # steps round a ring (one collective each), each member's piece landing in the outputs
+    # as it comes, for readers that take them so (``compile/ring.py``)
+    ring: bool = False
 
 
 @dataclass

@@ -4,11 +4,12 @@ and each query chunk's attention takes every block as soon as it is in place.
 Under context parallelism with ``Plan.ring`` each query chunk's attention reads the keys
 and values whole, gathered from the group's chunks (as ``allgather`` does). Where every
 forward reader of such a gather is an attention that reads it as its keys or values, the
-gather is not one collective call: each member's runs go to every other member as
-messages of one tag (``AllGather.ring``), posted at once, and land in the whole outputs
-member by member. The outputs are given to the readers as soon as the call is made
-(``Wait.landing``); an attention waits for each block of keys and values before its
-rows attend to it, its own first, then the members before it round the ring
+gather is not one call but ``cp - 1`` steps round the ring (``AllGather.ring``): at step
+``s`` each member's runs go to the member ``s`` after it, one collective of the group
+each (all started at once, in one order on every member, as NCCL needs), and land in
+the whole outputs member by member. The outputs are given to the readers as soon as the
+steps start (``Wait.landing``); an attention waits for each block of keys and values
+before its rows attend to it, its own first, then the members before it round the ring
 (``graph.attention.sliced_attention``), so the rest of the bytes move while it computes.
 A ``Wait`` after the last reader sees the whole gather in.
 
@@ -38,35 +39,22 @@ from chronotope.compile.program import (
 from chronotope.compile.reshard import is_regather
 from chronotope.graph.ir import fresh_name
 
-TAGS = 1 << 24  # ring messages' tags start here, past those of the plan's messages
-
 
 def ring(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with each gather of keys and values that attention alone reads,
     on every member, landing run by run in its readers."""
     found = [{i: rs for i, ins in enumerate(code) if _gathers_activations(ins)
               and (rs := _readers(code, i, ins))} for code in ranks]
-    # a gather rings where it does on every member (each calls it, the same call), its
-    # tag by its place among its group's on the group's first member
-    ringing = {g.keys: g.ranks for code, at in zip(ranks, found) for i in at
-               if isinstance(g := code[i], AllGather)}
-    for code, at in zip(ranks, found):
-        for i in at:
-            g = code[i]
-            if isinstance(g, AllGather) and not all(
-                    any(ranks[m][j].keys == g.keys for j in found[m]) for m in g.ranks):
-                ringing.pop(g.keys, None)
-    tags: dict[tuple, int] = {}
-    for keys, members in ringing.items():
-        first = [ranks[members[0]][i].keys for i in sorted(found[members[0]])]
-        tags[keys] = TAGS + [k for k in first if ringing.get(k) == members].index(keys)
-    return [_rung(code, {i: rs for i, rs in at.items() if code[i].keys in tags}, tags)
+    # a gather rings where it does on every member (each calls it, the same call)
+    keys = [{code[i].keys for i in at} for code, at in zip(ranks, found)]
+    ringing = {k for code, at in zip(ranks, found) for i in at
+               if all((k := code[i].keys) in keys[m] for m in code[i].ranks)}
+    return [_rung(code, {i: rs for i, rs in at.items() if code[i].keys in ringing})
             for code, at in zip(ranks, found)]
 
 
-def _rung(code: list[Instruction], readers: dict[int, list[int]], tags: dict[tuple, int]
-          ) -> list[Instruction]:
-    """``code`` with the gathers at ``readers``' keys ringing, read by the pieces there."""
+def _rung(code: list[Instruction], readers: dict[int, list[int]]) -> list[Instruction]:
+    """``code`` with the gathers at ``readers`` ringing, read by the pieces there."""
     if not readers:
         return code
     taken = {v for ins in code for v in (*reads(ins), *writes(ins))}
@@ -78,7 +66,7 @@ def _rung(code: list[Instruction], readers: dict[int, list[int]], tags: dict[tup
         assert isinstance(gather, AllGather)
         handle = gather.handle or fresh_name(f"{gather.vars[0]}_ring", taken)
         taken.add(handle)
-        out[i] = replace(gather, handle=handle, ring=tags[gather.keys])
+        out[i] = replace(gather, handle=handle, ring=True)
         if gather.handle is None:
             after.setdefault(i, []).append(Wait(handle, gather.vars, unpack=True, landing=True))
         else:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import itertools
 import math
+import operator
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -401,15 +402,15 @@ class StepContext:
 
     def all_gather(self, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                    dims: Sequence[int], async_op: bool = False, slots: tuple[int, ...] = (),
-                   ring: int | None = None) -> Any:
+                   ring: bool = False) -> Any:
         """For each tensor, the members' pieces side by side along its dim, in ``ranks``
         order; with ``slots``, each member's piece is its runs side by side, placed where
         ``slots`` names it. All travel in one flat buffer: one collective call per
-        instruction; with ``ring`` (a tag), messages that land member by member
+        instruction; with ``ring``, steps round a ring that land member by member
         (``Landing``)."""
         ranks = self._members(ranks)
-        if ring is not None:
-            return Landing(self, tensors, ranks, dims, slots, ring)
+        if ring:
+            return Landing(self, tensors, ranks, dims, slots)
         members = tuple(sorted(ranks))
         wired = [self._wire(t.detach()) for t in tensors]
         wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
@@ -589,14 +590,14 @@ class StepContext:
 
 
 class Landing:
-    """An all-gather as messages: this rank's piece (its outputs' runs side by side, flat)
-    goes to every other member at once, and each member's lands in the whole outputs when
-    waited for, so a reader takes the runs in place while the rest travel (context
-    parallelism's ring, ``compile/ring.py``). The members come round the ring: this rank,
-    then the one before it, and so on."""
+    """An all-gather as steps round a ring: at step ``s`` each member's piece (its outputs'
+    runs side by side, flat) goes to the member ``s`` after it, and what comes lands in
+    the whole outputs when waited for, so a reader takes the runs in place while the rest
+    travel (context parallelism's ring, ``compile/ring.py``). The members come this
+    rank's first, then the one before it, and so on."""
 
     def __init__(self, rt: StepContext, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
-                 dims: Sequence[int], slots: tuple[int, ...], tag: int) -> None:
+                 dims: Sequence[int], slots: tuple[int, ...]) -> None:
         me, n = ranks.index(rt.rank), len(ranks)
         wired = [rt._wire(t.detach()) for t in tensors]
         wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
@@ -604,10 +605,15 @@ class Landing:
         self.tensors, self.dims = [t.detach() for t in tensors], list(dims)
         self.slots = slots or ranks  # the member of each run along a tensor's dim
         self.members = [ranks[(me - s) % n] for s in range(n)]
-        coming = rt.transport.group([(flat, ranks[(me + s) % n]) for s in range(1, n)],
-                                    [((tuple(flat.shape), flat.dtype), m)
-                                     for m in self.members[1:]], rt.rank, tag, rt.device)
-        self.coming = dict(zip(self.members[1:], coming))
+        # one step round the ring per member: each member's piece to the one ``s`` after
+        # it, a collective of the group (in the same order on every member, as NCCL needs)
+        self.coming = {}
+        for s in range(1, n):
+            to, frm = ranks[(me + s) % n], ranks[(me - s) % n]
+            self.coming[frm] = rt.transport.all_to_all_rows(
+                [flat if m == to else flat[:0] for m in ranks], ranks, rt.rank, True,
+                [flat.numel() if m == frm else 0 for m in ranks]).then(
+                    operator.itemgetter(ranks.index(frm)))
         own = self.slots.count(rt.rank)
         self.outputs = [t.new_empty(_whole(t.shape, d, own, len(self.slots)))
                         for t, d in zip(self.tensors, dims)]

@@ -195,14 +195,6 @@ class ThreadTransport:
         started = self._exchange(t, ranks, rank, "broadcast")
         return started.then(lambda got: got[ranks.index(root)]).returned(async_op)
 
-    def group(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
-              rank: int, tag: int, device: torch.device) -> list[Started]:
-        """Messages of one tag posted together (a ring gather's): each ``(tensor, dst)``
-        sent, each ``(shape and dtype, src)`` received, in that order."""
-        for t, dst in sends:
-            self.send(t, rank, dst, tag)
-        return [self.recv(*kind, src, rank, tag, device, True) for kind, src in recvs]
-
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
             self.failed[rank] = error
@@ -239,8 +231,7 @@ class OrderedTransport(ThreadTransport):
             self.sides[(rank, peer)].append((what, tag))
             return
         theirs, their_tag = other.popleft()
-        if (theirs, their_tag) != ({"send": "recv", "recv": "send", "group": "group"}[what],
-                                   tag):
+        if (theirs, their_tag) != ({"send": "recv", "recv": "send"}[what], tag):
             self._refuse(rank, OrderError(
                 f"rank {rank} posts a {what} of message {tag} with rank {peer} where rank "
                 f"{peer} posted a {theirs} of message {their_tag}: the two ranks order their "
@@ -249,38 +240,18 @@ class OrderedTransport(ThreadTransport):
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         with self.cond:
             self._order(src, dst, "send", tag)
-            self._posted_send(t, src, dst, tag)
+            n = self.count[(src, dst)]
+            self.count[(src, dst)] += 1
+            self.queue[(src, dst)][n] = (tag, t.detach().clone())
+            self.cond.notify_all()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device, async_op: bool = False) -> Any:
         with self.cond:
             self._order(dst, src, "recv", tag)
-            n = self._posted_recv(src, dst)
+            n = self.posted[(src, dst)]
+            self.posted[(src, dst)] += 1
         return Started(lambda: self._in_order(src, dst, tag, n).to(device)).returned(async_op)
-
-    def group(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
-              rank: int, tag: int, device: torch.device) -> list[Started]:
-        """As NCCL runs a group of sends and receives: with each peer, one place in the
-        pair's order, where the peer posts its group too; within it, any order."""
-        with self.cond:
-            for peer in dict.fromkeys([dst for _, dst in sends] + [src for _, src in recvs]):
-                self._order(rank, peer, "group", tag)
-            for t, dst in sends:
-                self._posted_send(t, rank, dst, tag)
-            posted = [(src, self._posted_recv(src, rank)) for _, src in recvs]
-        return [Started(lambda src=src, n=n: self._in_order(src, rank, tag, n).to(device))
-                for src, n in posted]
-
-    def _posted_send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
-        n = self.count[(src, dst)]
-        self.count[(src, dst)] += 1
-        self.queue[(src, dst)][n] = (tag, t.detach().clone())
-        self.cond.notify_all()
-
-    def _posted_recv(self, src: int, dst: int) -> int:
-        n = self.posted[(src, dst)]
-        self.posted[(src, dst)] += 1
-        return n
 
     def _in_order(self, src: int, dst: int, tag: int, n: int) -> torch.Tensor:
         """The ``n``-th message ``src`` sent ``dst``, which must be message ``tag``."""
@@ -345,12 +316,6 @@ class Replica:
                   async_op: bool = False) -> Any:
         return self.inner.broadcast(t, self._g(root), self._ranks(ranks), self._g(rank),
                                     async_op)
-
-    def group(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
-              rank: int, tag: int, device: torch.device) -> list[Started]:
-        return self.inner.group([(t, self._g(dst)) for t, dst in sends],
-                                [(kind, self._g(src)) for kind, src in recvs], self._g(rank),
-                                tag, device)
 
     def flush(self) -> None:
         self.inner.flush()
@@ -474,20 +439,6 @@ class DistTransport:
 
     def send(self, t: torch.Tensor, src: int, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(t.detach().contiguous(), dst, tag=tag))
-
-    def group(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
-              rank: int, tag: int, device: torch.device) -> list[Started]:
-        """Messages of one tag in one batch: NCCL runs a batch as one group, so members
-        sending to each other at once do not wait on each other."""
-        bufs = [torch.empty(shape, dtype=dtype, device=device) for (shape, dtype), _ in recvs]
-        ops = [dist.P2POp(dist.isend, t.detach().contiguous(), dst, tag=tag)
-               for t, dst in sends] + [dist.P2POp(dist.irecv, buf, src, tag=tag)
-                                       for buf, (_, src) in zip(bufs, recvs)]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self.pending += works[:len(sends)]
-        return [self._started(work, f"rank {rank} got no message {tag} from rank {src}",
-                              lambda buf=buf: buf)
-                for work, buf, (_, src) in zip(works[len(sends):], bufs, recvs)]
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, dst: int,
              tag: int, device: torch.device, async_op: bool = False) -> Any:

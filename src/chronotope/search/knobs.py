@@ -110,7 +110,7 @@ class Knobs:
     swap: bool = False  # what recompute full would make again waits in host memory
     zero3: bool = False  # one stage, every weight (tp shard) stored 1 / dp (ZeRO-3, FSDP)
     cp: int = 1  # context parallel: every op along the sequence over cp groups of tp
-    ulysses: bool = False  # its attention cut by heads (all-to-all), not keys gathered
+    attention: str = "allgather"  # how its attention meets (``policies/context.py``)
     ep: int = 1  # expert parallel: MoE layers' experts shared out over ep of the dp replicas
 
     @property
@@ -125,7 +125,8 @@ class Knobs:
 
     @property
     def label(self) -> str:
-        cp = f" x cp {self.cp}{' (ulysses)' if self.ulysses else ''}" if self.cp > 1 else ""
+        way = f" ({self.attention})" if self.attention != "allgather" else ""
+        cp = f" x cp {self.cp}{way}" if self.cp > 1 else ""
         cp += f", experts over ep {self.ep}" if self.ep > 1 else ""
         text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}, {self.micro} micro-batches"
         if self.chunks > 1:
@@ -160,7 +161,7 @@ class Knobs:
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
                     swap="full" if self.swap else None,
                     sequence=self.sequence, fold=self.micro > 1, cp=self.cp,
-                    cp_attention="ulysses" if self.ulysses else "allgather", ep=self.ep)
+                    cp_attention=self.attention, ep=self.ep)
         plan.dtype = dtype
         return plan.scale(self.dp // dp, self.shard) if dp != self.dp else plan
 
@@ -517,11 +518,11 @@ class Model:
         return [e for e in (2 ** i for i in range(dp.bit_length()))
                 if dp % e == 0 and all(c % e == 0 for c in counts)]
 
-    def contexts(self, devices: int, tp: int) -> list[tuple[int, bool]]:
-        """The context-parallel groups (and whether Ulysses) over at most ``devices``,
-        beside ``tp``, that the graph's sequence and heads take: chunks of at least
-        ``MIN_CHUNK`` tokens, and for Ulysses heads that ``cp * tp`` divides."""
-        out = [(1, False)]
+    def contexts(self, devices: int, tp: int) -> list[tuple[int, str]]:
+        """The context-parallel groups (and how their attention meets) over at most
+        ``devices``, beside ``tp``, that the graph's sequence and heads take: chunks of at
+        least ``MIN_CHUNK`` tokens, and for Ulysses heads that ``cp * tp`` divides."""
+        out = [(1, "allgather")]
         if not self.attention:
             return out
         heads = min(self.ops[i].inputs[1].shape[-3] for i in self.attention
@@ -534,9 +535,9 @@ class Model:
                 break
             if self.length // made.chunks < MIN_CHUNK:
                 break
-            out.append((cp, False))
+            out += [(cp, "allgather"), (cp, "ring")]
             if heads % (cp * tp) == 0:
-                out.append((cp, True))
+                out.append((cp, "ulysses"))
             cp *= 2
         return out
 
@@ -553,12 +554,19 @@ class Model:
         for i in self.attention:
             q, key, value = self.ops[i].inputs[:3]
             kv = (self._bytes(key) + self._bytes(value)) / k.tp / m  # one group's whole
-            if k.ulysses:  # each device's chunks of query, keys, values, output: both ways
+            if k.attention == "ulysses":  # each device's chunks of query, keys, values,
+                # output: both ways
                 chunk = (self._bytes(q) * 2 + self._bytes(key) + self._bytes(value)) / width / m
                 seconds[i] = 2 * self.cluster.collective("all_to_all", chunk, groups)
                 continue
-            seconds[i] = 2 * self.cluster.collective("all_gather", kv, groups) + \
-                self.cluster.collective("reduce_scatter", kv, groups)
+            gather = self.cluster.collective("all_gather", kv, groups)
+            if k.attention == "ring":  # the forward's blocks land as its rows attend to
+                # those in place (a third of the attention's time), as the simulator has it
+                forward = self.times(k.tp, k.sequence, m)[i] / k.cp / 3
+                seconds[i] = max(0.0, gather - forward)
+            else:
+                seconds[i] = gather
+            seconds[i] += gather + self.cluster.collective("reduce_scatter", kv, groups)
             held[i] = 2 * kv
         return seconds, held
 
@@ -673,7 +681,7 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
         if tp > 1 and not any(s.algos != (Replicate(tp),)
                               for s in model.choice(tp, False).values()):
             continue  # nothing to cut
-        for cp, ulysses in model.contexts(devices // tp, tp):
+        for cp, way in model.contexts(devices // tp, tp):
             inner = tp * cp
             for pp in (p for p in range(1, min(devices // inner, model.blocks) + 1)
                        if (devices // inner) % p == 0):
@@ -696,6 +704,6 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                                 for shard in (False, True) if dp > 1 and replicas else (False,):
                                     yield Knobs(dp, tp, pp, micro, chunks, recompute,
                                                 sequence, shard, zero_bubble, swap, cp=cp,
-                                                ulysses=ulysses, ep=ep)
+                                                attention=way, ep=ep)
                 if pp == 1 and dp > 1 and cp == 1 and devices <= ZERO3_UP_TO:  # one plan
                     yield Knobs(dp, tp, 1, 1, zero3=True)  # of every device
