@@ -4,9 +4,10 @@ import pytest
 from plan_testing import captured, trains_like_one_device
 
 import chronotope as ct
-from chronotope.compile.program import AllGather, Refill, Reshard
+from chronotope.compile.program import AllGather, Forward, Refill, Reshard, Wait
 from chronotope.cost.compute import piece_flops
 from chronotope.errors import PlanError
+from chronotope.plan.files import save_plan
 from chronotope.policies import ParallelConfig, make, mesh
 from chronotope.policies.context import context
 from chronotope.runtime.local import Optim, run_in_threads
@@ -25,7 +26,7 @@ def _attention_flops(plan: ct.Plan) -> list[float]:
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama", "bert", "hf-llama"])
-@pytest.mark.parametrize("attention", ["allgather", "ulysses"])
+@pytest.mark.parametrize("attention", ["allgather", "ring", "ulysses"])
 def test_each_attention_variant_trains_like_one_device(model, attention):
     w, graph = captured(model)
     trains_like_one_device(w, ct.compile(mesh(graph, cp=4, cp_attention=attention)))
@@ -36,7 +37,10 @@ def test_each_attention_variant_trains_like_one_device(model, attention):
     dict(cp=2, pp=2, micro=2, schedule="1f1b", fold=True),
     dict(cp=2, pp=2, micro=2, schedule="gpipe"), dict(cp=2, pp=2, micro=4, schedule="1f1b"),
     dict(cp=2, tp=2, pp=2, micro=4, schedule="zb1", fold=True),
-    dict(cp=2, recompute="full"), dict(cp=2, micro=2, fold=True)])
+    dict(cp=2, recompute="full"), dict(cp=2, micro=2, fold=True),
+    *(dict(cp=2, cp_attention="ring", **more) for more in (
+        dict(dp=2), dict(tp=2), dict(pp=2, micro=2, schedule="1f1b", fold=True),
+        dict(recompute="full"), dict(zigzag=False)))])
 def test_context_parallel_combines_with_the_other_axes(shape):
     w, graph = captured("gpt")
     trains_like_one_device(w, ct.compile(mesh(graph, **shape)))
@@ -121,3 +125,32 @@ def test_context_parallel_trains_in_bf16_like_one_device_under_autocast():
     run = run_in_threads(ct.compile(plan), w, 2, Optim("sgd", 0.1))
     reference = train_reference(w, 2, Optim("sgd", 0.1), Precision("bf16"))
     assert compare(run, reference).within(BF16_TOLERANCE)
+
+
+def test_a_ring_lands_the_keys_and_values_as_attention_takes_them(tmp_path):
+    """Each gather of keys and values for attention is steps round the ring, its outputs
+    handed to the attention pieces at once (each waits for the blocks its rows see), and
+    the whole of it in before its storage is freed; a plan file keeps the ring."""
+    _, graph = captured("gpt")
+    plan = mesh(graph, cp=4, cp_attention="ring")
+    program = ct.compile(plan)
+    layers = sum(op.kind == "attention" for op in graph.ops)
+    for code in program.ranks:
+        rings = {ins.handle: i for i, ins in enumerate(code)
+                 if isinstance(ins, AllGather) and ins.ring}
+        assert len(rings) == 2 * layers  # the keys and the values of each
+        for handle, at in rings.items():
+            landing = [i for i, ins in enumerate(code) if isinstance(ins, Wait)
+                       and ins.handle == handle]
+            readers = [i for i, ins in enumerate(code) if isinstance(ins, Forward)
+                       and handle in ins.arriving]
+            whole = landing[-1]
+            freed = [i for i, ins in enumerate(code) if isinstance(ins, Reshard)
+                     and set(ins.vars) & set(code[at].vars)]  # not the last layer's
+            assert code[landing[0]].landing and not code[whole].landing
+            assert at < landing[0] < readers[0] and readers[-1] < whole
+            assert all(whole < i for i in freed)
+            assert all(code[r].op.op.kind == "attention" for r in readers)
+    path = tmp_path / "ring.json"
+    save_plan(plan, path)
+    assert ct.load_plan(graph, path).ring
