@@ -51,10 +51,11 @@ POLICIES: dict[str, ParallelConfig] = {
     "zero-3": ParallelConfig("zero-3", DEVICES),
     "1f1b": ParallelConfig("1f1b", DEVICES, micro=2, fold=False),
     "1f1b-fold": ParallelConfig("1f1b", DEVICES, micro=2),
-    # context parallel: every op along the sequence, attention's keys gathered or its
-    # heads cut (ulysses), over 2 and 4 ranks
+    # context parallel: every op along the sequence, attention's keys gathered (whole, or
+    # landing round a ring) or its heads cut (ulysses), over 2 and 4 ranks
     "cp": ParallelConfig("cp", DEVICES),
     "cp-4": ParallelConfig("cp", 4),
+    "ring-4": ParallelConfig("cp", 4, cp_attention="ring"),
     "ulysses-4": ParallelConfig("cp", 4, cp_attention="ulysses"),
     # expert parallel: each MoE layer's experts shared out over the data-parallel ranks
     "ep": ParallelConfig("dp", DEVICES, ep=DEVICES),

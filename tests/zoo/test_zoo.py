@@ -19,7 +19,8 @@ from tests.zoo.models import FAMILIES
 SPLIT = ("dp", "tp", "zero-3")
 ALL = (*SPLIT, "1f1b", "1f1b-fold")
 NO_TP = tuple(p for p in ALL if p != "tp")
-CP = ("cp", "cp-4", "ulysses-4")  # context parallel: the families that call sdpa on tokens
+CP = ("cp", "cp-4", "ring-4", "ulysses-4")  # context parallel: the families that call sdpa
+# on tokens
 EP = ("ep", "ep-4")  # expert parallel: the Mixture-of-Experts families
 
 EQUAL_TODAY: dict[str, tuple[str, ...]] = {
@@ -68,7 +69,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "checkpointed": ALL,
     "checkpointed-reentrant": ALL,
     "gnn": SPLIT,
-    "sdpa-gqa": (*ALL, "cp", "cp-4"),  # ulysses: 2 key heads do not cut 4 ways
+    "sdpa-gqa": (*ALL, "cp", "cp-4", "ring-4"),  # ulysses: 2 key heads do not cut 4 ways
     "custom-function": ALL,
     "no-grad": SPLIT,
     "inplace-slices": ALL,
@@ -85,8 +86,9 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
         ("cnn-bn", "dp"), ("opt-dropout", "tp"), ("mixtral", "dp"),
         # the idioms: a Function's own backward, writes into slices, random draws in place
         ("custom-function", "1f1b"), ("inplace-slices", "tp"), ("drop-path", "1f1b-fold"),
-        # context parallel: keys gathered for a zigzag of causal chunks, heads all-to-all
-        ("qwen2", "cp-4"), ("mixtral", "ulysses-4"),
+        # context parallel: keys gathered for a zigzag of causal chunks (whole, round a
+        # ring), heads all-to-all
+        ("qwen2", "cp-4"), ("gemma", "ring-4"), ("mixtral", "ulysses-4"),
         # expert parallel: each rank's tokens through every rank's experts, and back
         ("qwen2-moe", "ep-4")]
 
