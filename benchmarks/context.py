@@ -2,13 +2,15 @@
 of causal attention work over the ranks, and the step time.
 
     python benchmarks/context.py [--seq 512 1024 2048] [--cp 1 2 4] [--d-model 128]
-                                 [--layers 2] [--only memory|balance|time] [--device cpu|cuda]
+                                 [--layers 2] [--only memory|balance|time|simulate]
+                                 [--device cpu|cuda]
 
 Memory: a GPT (and Llama, GQA) of ``--d-model`` with ``--layers`` layers, batch 2, one training
 step with every rank a thread (``run_in_threads``, ``PeakMemory``): the measured peak of
 what the step made on the fullest rank, beside the plan's estimate, and that peak times
 cp over one device's (goal: <= 1.15, activations falling as 1 / cp). ``allgather`` holds
-every layer's keys and values whole for its backward, which ``ulysses`` does not.
+every layer's keys and values whole for its backward, which ``ulysses`` does not; ``ring``
+holds what ``allgather`` does (its blocks land in the same tensors).
 
 Balance: each rank's causal attention FLOPs (``cost.piece_flops``: a chunk late in the
 sequence sees more keys), max over min, for the sequence cut in a zigzag (each rank
@@ -18,6 +20,10 @@ Time: the median step time of cp over ``cp`` gloo processes against one process,
 and against torch's ``context_parallel`` (ring attention on DTensor) where it runs: it has
 no CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding
 rule), so only with ``--device cuda`` (one NCCL process per GPU).
+
+Simulate: the predicted step of each attention variant on H100s (``ct.simulate``) for a
+Llama of d_model 1024, 16 heads over 4 key heads, 2 layers, 8,192 tokens in bf16, against
+``allgather``: the ring's blocks land while attention computes, Ulysses moves heads.
 """
 
 from __future__ import annotations
@@ -41,13 +47,14 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import chronotope as ct  # noqa: E402
+from chronotope.compile.simulate import simulate  # noqa: E402
 from chronotope.cost.compute import piece_flops  # noqa: E402
+from chronotope.cost.network import cluster_for  # noqa: E402
 from chronotope.models import get_workload  # noqa: E402
 from chronotope.policies import ParallelConfig, make, mesh  # noqa: E402
+from chronotope.policies.context import VARIANTS  # noqa: E402
 from chronotope.runtime.launch import free_port, launch  # noqa: E402
 from chronotope.runtime.local import Optim, rank_specs, run_in_threads  # noqa: E402
-
-VARIANTS = ("allgather", "ulysses")
 
 
 def _workload(model: str, seq: int, d_model: int, layers: int = 2, **kw):
@@ -171,6 +178,25 @@ def time_table(seq: int, cps: list[int], d_model: int, steps: int, device: str) 
     return table
 
 
+def simulate_table(cps: list[int]) -> Table:
+    w = get_workload("llama", d_model=1024, n_head=16, n_kv_head=4, n_layer=2,
+                     vocab_size=1024, batch_size=1, seq_len=8192)
+    graph = _graph(w)
+    table = Table(title="Llama d_model=1024, 16 heads over 4 key heads, 2 layers, 8,192 "
+                        "tokens, bf16 on H100 SXM: predicted step (ms)")
+    for col in ("cp", "attention", "step ms", "/ allgather"):
+        table.add_column(col, justify="right")
+    for cp in (c for c in cps if c > 1):
+        base = None
+        for variant in VARIANTS:
+            plan = mesh(graph, cp=cp, cp_attention=variant)
+            plan.dtype = "bf16"
+            step = simulate(ct.compile(plan), cluster_for(cp, "h100-sxm")).step_time
+            base = base or step
+            table.add_row(str(cp), variant, f"{step * 1e3:.3f}", f"{step / base:.2f}")
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
@@ -179,7 +205,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--only", choices=("memory", "balance", "time"))
+    p.add_argument("--only", choices=("memory", "balance", "time", "simulate"))
     args = p.parse_args()
     console = Console(width=130)
     if args.only in (None, "memory"):
@@ -190,6 +216,8 @@ def main() -> None:
     if args.only in (None, "time"):
         console.print(time_table(min(args.seq), args.cp, args.d_model, args.steps,
                                  args.device))
+    if args.only in (None, "simulate"):
+        console.print(simulate_table([*args.cp, 8]))
 
 
 if __name__ == "__main__":
