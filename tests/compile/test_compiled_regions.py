@@ -89,6 +89,18 @@ def test_inductor_regions_train_like_one_device():
     assert compare(result, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on CPU builds C++ kernels")
+def test_inductor_regions_that_return_views_of_one_intermediate_train_like_one_device():
+    """Context parallelism cuts the logits into each sample's chunks for the token loss:
+    a region returns several views of one intermediate, which a warm AOTAutograd cache
+    (the other rank's compile) gave back with garbage sizes."""
+    w, graph = _workload(n_layer=1)
+    program = ct.compile(ct.policies.mesh(graph, cp=2))
+    result = run_processes(program, w, 2, Optim("sgd", 0.1), compile="inductor")
+    assert compare(result, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+
+
 def test_an_unknown_backend_is_refused_with_the_ones_there_are():
     w, graph = _workload()
     program = ct.compile(ct.policies.data_parallel(graph, 2))

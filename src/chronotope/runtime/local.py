@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 
 from chronotope.compile.compiled_regions import FUNCTION
 from chronotope.compile.program import Program
@@ -335,6 +336,10 @@ def _module(code: str, filename: str, backend: str | None) -> dict[str, Any]:
     scope: dict[str, Any] = {}
     exec(compile(code, filename, "exec"), scope)
     if backend is not None:
+        # A region that returns views of one intermediate (the logits cut for a token loss)
+        # comes back from a warm AOTAutograd cache with garbage view sizes (torch 2.13):
+        # compile each afresh.
+        functorch_config.enable_autograd_cache = False
         for name in [n for n in scope if n.startswith(FUNCTION)]:
             scope[name] = torch.compile(scope[name], backend=backend)
     return scope
