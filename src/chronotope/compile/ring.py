@@ -43,36 +43,45 @@ from chronotope.graph.ir import fresh_name
 def ring(ranks: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every rank's code with each gather of keys and values that attention alone reads,
     on every member, landing run by run in its readers."""
-    found = [{i: rs for i, ins in enumerate(code) if _gathers_activations(ins)
-              and (rs := _readers(code, i, ins))} for code in ranks]
+    found = [_found(code) for code in ranks]
     # a gather rings where it does on every member (each calls it, the same call)
-    keys = [{code[i].keys for i in at} for code, at in zip(ranks, found)]
-    ringing = {k for code, at in zip(ranks, found) for i in at
-               if all((k := code[i].keys) in keys[m] for m in code[i].ranks)}
-    return [_rung(code, {i: rs for i, rs in at.items() if code[i].keys in ringing})
+    keys = [{g.keys for g, _ in at.values()} for at in found]
+    ringing = {g.keys for at in found for g, _ in at.values()
+               if all(g.keys in keys[m] for m in g.ranks)}
+    return [_rung(code, {i: (g, rs) for i, (g, rs) in at.items() if g.keys in ringing})
             for code, at in zip(ranks, found)]
 
 
-def _rung(code: list[Instruction], readers: dict[int, list[int]]) -> list[Instruction]:
-    """``code`` with the gathers at ``readers`` ringing, read by the pieces there."""
-    if not readers:
+def _found(code: list[Instruction]) -> dict[int, tuple[AllGather, list[int]]]:
+    """Each gather of activations that attention pieces alone read, with where they do."""
+    out = {}
+    for i, ins in enumerate(code):
+        if isinstance(ins, AllGather) and _gathers_activations(ins) and \
+                (readers := _readers(code, i, ins)):
+            out[i] = (ins, readers)
+    return out
+
+
+def _rung(code: list[Instruction], found: dict[int, tuple[AllGather, list[int]]]
+          ) -> list[Instruction]:
+    """``code`` with the gathers ``found`` ringing, read by the pieces there."""
+    if not found:
         return code
     taken = {v for ins in code for v in (*reads(ins), *writes(ins))}
     before: dict[int, list[Instruction]] = {}
     after: dict[int, list[Instruction]] = {}
     out = list(code)
-    for i, at in readers.items():
-        gather = code[i]
-        assert isinstance(gather, AllGather)
+    for i, (gather, at) in found.items():
         handle = gather.handle or fresh_name(f"{gather.vars[0]}_ring", taken)
         taken.add(handle)
         out[i] = replace(gather, handle=handle, ring=True)
         if gather.handle is None:
             after.setdefault(i, []).append(Wait(handle, gather.vars, unpack=True, landing=True))
         else:
-            w = next(k for k in range(i + 1, len(code))
-                     if isinstance(code[k], Wait) and code[k].handle == handle)
-            out[w] = replace(code[w], landing=True)
+            w, wait = next((k, x) for k, x in enumerate(code)
+                           if k > i and isinstance(x, Wait) and x.handle == handle)
+            assert isinstance(wait, Wait)
+            out[w] = replace(wait, landing=True)
         for k in at:
             f = out[k]
             assert isinstance(f, Forward)
@@ -87,9 +96,9 @@ def _rung(code: list[Instruction], readers: dict[int, list[int]]) -> list[Instru
     return made + before.get(len(out), [])
 
 
-def _gathers_activations(ins: Instruction) -> bool:
-    return isinstance(ins, AllGather) and len(ins.ranks) > 1 and not is_regather(ins) and \
-        bool(ins.keys) and all(k.role is Role.VALUE for k in ins.keys)
+def _gathers_activations(ins: AllGather) -> bool:
+    return len(ins.ranks) > 1 and not is_regather(ins) and bool(ins.keys) and \
+        all(k.role is Role.VALUE for k in ins.keys)
 
 
 def _readers(code: list[Instruction], at: int, gather: AllGather) -> list[int]:

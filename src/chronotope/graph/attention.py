@@ -170,20 +170,21 @@ class _Runs(torch.autograd.Function):
                 runs: tuple[tuple[int, int, bool], ...], scale: float | None, groups: int,
                 arriving: Arriving | None = None, indices: tuple[int, ...] = ()
                 ) -> torch.Tensor:
-        out = lse = None
+        merged: tuple[torch.Tensor, torch.Tensor] | None = None  # output (fp32), lse
         for k, (lo, hi, causal) in enumerate(runs):
             if arriving is not None:
                 arriving.wait(indices[k])
             o, l_ = _block(query, _block_of(key, lo, hi, groups, query.dtype),
                            _block_of(value, lo, hi, groups, query.dtype), causal, scale)
-            if out is None:
-                out, lse = o.float(), l_
+            if merged is None:
+                merged = o.float(), l_
                 continue
-            merged = torch.logaddexp(lse, l_)
-            out = out * (lse - merged).exp()[..., None] + o.float() * (l_ - merged).exp()[..., None]
-            lse = merged
-        assert out is not None and lse is not None  # (a piece sees its own rows' keys)
-        out = out.to(query.dtype)
+            before, seen = merged
+            lse = torch.logaddexp(seen, l_)
+            merged = (before * (seen - lse).exp()[..., None] +
+                      o.float() * (l_ - lse).exp()[..., None], lse)
+        assert merged is not None  # (a piece sees its own rows' keys)
+        out, lse = merged[0].to(query.dtype), merged[1]
         ctx.save_for_backward(query, out, lse)
         ctx.key, ctx.value, ctx.runs, ctx.scale, ctx.groups = key, value, runs, scale, groups
         return out
