@@ -521,7 +521,9 @@ class Model:
     def contexts(self, devices: int, tp: int) -> list[tuple[int, str]]:
         """The context-parallel groups (and how their attention meets) over at most
         ``devices``, beside ``tp``, that the graph's sequence and heads take: chunks of at
-        least ``MIN_CHUNK`` tokens, and for Ulysses heads that ``cp * tp`` divides."""
+        least ``MIN_CHUNK`` tokens, and for Ulysses heads that ``cp * tp`` divides. Keys
+        gathered whole are no point of their own: round a ring they hold the same and are
+        priced no slower (``context``)."""
         out = [(1, "allgather")]
         if not self.attention:
             return out
@@ -535,7 +537,7 @@ class Model:
                 break
             if self.length // made.chunks < MIN_CHUNK:
                 break
-            out += [(cp, "allgather"), (cp, "ring")]
+            out.append((cp, "ring"))
             if heads % (cp * tp) == 0:
                 out.append((cp, "ulysses"))
             cp *= 2
