@@ -133,7 +133,7 @@ def _block_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     if query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, query, key, value, out, lse, 0.0, causal, scale=scale)
-    factor = scale if scale is not None else query.shape[-1] ** -0.5
+    factor = _factor(query, scale)
     p = (_scores(query, key, causal, scale) - lse[..., None]).exp()
     g = grad.float()
     dp = g @ value.float().transpose(-1, -2)
@@ -143,10 +143,14 @@ def _block_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
             (p.transpose(-1, -2) @ g).to(value.dtype))
 
 
+def _factor(query: torch.Tensor, scale: float | None) -> float:
+    """The scores' scale: ``scale``, or one over the root of the head size (sdpa's)."""
+    return scale if scale is not None else query.shape[-1] ** -0.5
+
+
 def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float | None
             ) -> torch.Tensor:
-    factor = scale if scale is not None else query.shape[-1] ** -0.5
-    scores = query.float() @ key.float().transpose(-1, -2) * factor
+    scores = query.float() @ key.float().transpose(-1, -2) * _factor(query, scale)
     if causal:
         rows, keys = scores.shape[-2:]
         scores = scores.masked_fill(~causal_mask((keys - rows, keys), keys, scores.device),

@@ -412,11 +412,7 @@ class StepContext:
         if ring:
             return Landing(self, tensors, ranks, dims, slots)
         members = tuple(sorted(ranks))
-        wired = [self._wire(t.detach()) for t in tensors]
-        wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
-        flat = torch.cat([_as(t, wide).reshape(-1) for t in wired]) if len(wired) > 1 \
-            else wired[0].contiguous().view(-1)
-        started = self.transport.all_gather(flat, members, self.rank, True)
+        started = self.transport.all_gather(self._flat(tensors), members, self.rank, True)
 
         def joined(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = []
@@ -435,6 +431,14 @@ class StepContext:
             return tuple(out)
 
         return started.then(joined).returned(async_op)
+
+    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A gather's pieces as they travel: side by side in one flat buffer of their
+        widest wire dtype."""
+        wired = [self._wire(t.detach()) for t in tensors]
+        wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
+        return torch.cat([_as(t, wide).reshape(-1) for t in wired]) if len(wired) > 1 \
+            else wired[0].contiguous().view(-1)
 
     def reduce_scatter(self, tensors: Sequence[Sequence[torch.Tensor]], ranks: tuple[int, ...],
                        dims: Sequence[int], grads: bool = False, async_op: bool = False) -> Any:
@@ -599,12 +603,9 @@ class Landing:
     def __init__(self, rt: StepContext, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                  dims: Sequence[int], slots: tuple[int, ...]) -> None:
         me, n = ranks.index(rt.rank), len(ranks)
-        wired = [rt._wire(t.detach()) for t in tensors]
-        wide = functools.reduce(torch.promote_types, [t.dtype for t in wired])
-        flat = torch.cat([_as(t, wide).reshape(-1) for t in wired])
+        flat = rt._flat(tensors)
         self.tensors, self.dims = [t.detach() for t in tensors], list(dims)
         self.slots = slots or ranks  # the member of each run along a tensor's dim
-        self.members = [ranks[(me - s) % n] for s in range(n)]
         # one step round the ring per member: each member's piece to the one ``s`` after
         # it, a collective of the group (in the same order on every member, as NCCL needs)
         self.coming = {}
@@ -618,7 +619,7 @@ class Landing:
         self.outputs = [t.new_empty(_whole(t.shape, d, own, len(self.slots)))
                         for t, d in zip(self.tensors, dims)]
         self._place(rt.rank, self.tensors)
-        order = {m: k for k, m in enumerate(self.members)}
+        order = {ranks[(me - s) % n]: s for s in range(n)}  # this rank's, then round
         size = self.tensors[0].shape[dims[0]] // own
         self._runs = sorted(((j * size, (j + 1) * size) for j in range(len(self.slots))),
                             key=lambda r: order[self.slots[r[0] // size]])
