@@ -1,5 +1,6 @@
 """Expert parallelism: a Mixtral-shaped model's step time, memory and weights per rank under
-data parallelism and with its experts shared out over 2 and 4 of the ranks.
+data parallelism and with its experts shared out over 2 and 4 of the ranks, and with
+tensor parallelism (inside the experts too).
 
     python benchmarks/experts.py [--devices 4] [--experts 8] [--d-model 128] [--steps 4]
                                  [--only time|search]
@@ -106,11 +107,12 @@ def main() -> None:
                 "weights MiB / rank"):
         table.add_column(col, justify="right" if col not in ("plan", "tokens") else "left")
     base = None
-    for ep in (1, 2, 4):
-        if args.devices % ep or args.experts % ep:
-            continue
-        for routed in (True, False) if ep > 1 else (True,):
-            plan = mesh(graph, dp=args.devices, ep=ep)
+    n = args.devices
+    shapes = [(n // tp, tp, ep) for tp in (1, 2) if n % tp == 0 for ep in (1, 2, 4)
+              if (n // tp) % ep == 0 and args.experts % ep == 0]
+    for dp, tp, ep in shapes:
+        for routed in (True, False) if ep > 1 and tp == 1 else (True,):
+            plan = mesh(graph, dp=dp, tp=tp, ep=ep)
             if not routed:
                 plan.exchanges = {}
             program = ct.compile(plan)
@@ -122,8 +124,9 @@ def main() -> None:
             traffic = sum(sum(program.traffic(r).values()) for r in range(program.ndevices))
             traffic += moved.bytes - _expected(program)
             stored = plan.check().memory
-            table.add_row("dp" if ep == 1 else f"dp x ep {ep}",
-                          "" if ep == 1 else "all-to-all" if routed else "whole",
+            label = " x ".join([f"dp {dp}"] + [f"{k} {v}" for k, v in (("tp", tp), ("ep", ep))
+                                               if v > 1])
+            table.add_row(label, "" if ep == 1 else "all-to-all" if routed else "whole",
                           f"{step * 1e3:.1f}", f"{step / base:.2f}",
                           f"{max(run.peak_memory) / 2**20:.1f}", f"{traffic / 2**20:.2f}",
                           f"{max(m.params for m in stored.values()) / 2**20:.2f}")

@@ -407,6 +407,58 @@ def test_unused_parameters_get_no_gradient_and_stay_as_they_are(policy):
         assert torch.equal(decayed.params[name], w.model.get_parameter(name).detach()), name
 
 
+# ---- parameters read in slices -----------------------------------------------------------
+
+
+class Sliced(nn.Module):
+    """A position table longer than the sequence, read in part (``pos[:t]``), and a gated
+    MLP whose gate and up projections are two halves of one weight (``w[:h]``, ``w[h:]``)."""
+
+    def __init__(self, d: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(12, d))
+        self.gate_up = nn.Parameter(torch.randn(2 * hidden, d) / d ** 0.5)
+        self.down = nn.Linear(hidden, d)
+        self.hidden = hidden
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + self.pos[: x.shape[1]]
+        gate, up = self.gate_up[: self.hidden], self.gate_up[self.hidden:]
+        out = self.down(F.silu(x @ gate.t()) * (x @ up.t()))
+        return F.mse_loss(out, y)
+
+
+def sliced() -> ct.Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return ct.Workload(Sliced(), (torch.randn(4, 6, 8, generator=g),
+                                  torch.randn(4, 6, 8, generator=g)), name="sliced")
+
+
+@pytest.mark.parametrize("policy", ["dp", "tp", "zero-3"])
+def test_a_parameter_read_in_slices_keeps_every_part_and_trains_like_one_device(policy):
+    """Slices that read all of a parameter between them each read their own part, so a
+    plan keeps each device's part alone; a parameter read only in part is read whole, so
+    that its unread rows are kept and updated (weight decay) as on one device."""
+    w = sliced()
+    graph = captured(w.model, *w.inputs)
+    reads = sorted((op.inputs[0].name, op.region) for op in graph.ops
+                   if op.kind == "getitem" and op.inputs[0].name in ("pos", "gate_up"))
+    assert reads == [("gate_up", ((0, 16), (0, 8))), ("gate_up", ((16, 32), (0, 8))),
+                     ("pos", None)]
+    plan = {"dp": lambda: ct.policies.data_parallel(graph, 2),
+            "tp": lambda: ct.policies.tensor_parallel(graph, 2),
+            "zero-3": lambda: ct.policies.zero(graph, 2, 3)}[policy]()
+    stored = plan.check().storage.stored
+    held = [sum(m.numel for m in stored[d]["gate_up"]) for d in (0, 1)]
+    assert held == [256 // 2, 256 // 2] if policy == "tp" else [256, 256], held
+    trains_like_one_device(plan, w)
+    decayed = run_in_threads(ct.compile(plan), w, 2, ct.Optim("adamw", 0.1, weight_decay=0.1))
+    reference = ct.runtime.reference.train_reference(w, 2, ct.Optim("adamw", 0.1,
+                                                                    weight_decay=0.1))
+    assert ct.runtime.reference.compare(decayed, reference).within(1e-5)
+
+
 # ---- state forward changes --------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ import chronotope as ct
 from chronotope.compile.program import Exchange
 from chronotope.errors import PlanError
 from chronotope.graph.experts import routed_experts
-from chronotope.policies import ParallelConfig, expert_parallel, make, mesh
+from chronotope.graph.mask import covers_exactly_once
+from chronotope.policies import ParallelConfig, make, mesh
 from tests.zoo.harness import capture
 from tests.zoo.models import FAMILIES
 
@@ -20,7 +21,8 @@ MOE = ("mixtral", "qwen2-moe", "deepseek-v3", "olmoe")
 
 @pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2),
-                                   dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, cp=2)], ids=str)
+                                   dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, tp=2, sequence=True),
+                                   dict(dp=2, ep=2, cp=2)], ids=str)
 def test_experts_shared_out_train_like_one_device(family, shape):
     trains_like_one_device(FAMILIES[family](), ct.compile(mesh(capture(FAMILIES[family]()),
                                                                **shape)))
@@ -41,15 +43,30 @@ def test_mixture_of_experts_layers_pipeline_over_micro_batches(family, fold):
         ct.policies.pipeline(capture(FAMILIES["mixtral"]()), 2, 2, "1f1b")
 
 
-def test_each_device_keeps_its_share_of_the_experts():
+@pytest.mark.parametrize("shape", [dict(dp=4, ep=4), dict(dp=2, ep=2, tp=2), dict(tp=4)],
+                         ids=str)
+def test_each_device_keeps_its_share_of_the_experts(shape):
+    """Expert parallelism gives each member its experts, tensor parallelism each device
+    its part of every expert's hidden features: of gate and up side by side in one weight
+    (Hugging Face's ``gate_up_proj``), its part of both."""
     graph = capture(FAMILIES["mixtral"]())
-    checked = expert_parallel(graph, 4).check()
-    (name,) = [n for n in graph.params if n.endswith("layers.0.mlp.experts.gate_up_proj")]
-    experts = graph.params[name].shape[0]
-    held = {d: [m.index[0] for m in checked.storage.stored[d][name]] for d in range(4)}
-    assert held == {d: [(d * experts // 4, (d + 1) * experts // 4)] for d in range(4)}
-    dense = checked.storage.stored[0]["model.layers.0.self_attn.q_proj.weight"]
-    assert dense[0].index[0] == (0, graph.params["model.layers.0.self_attn.q_proj.weight"].shape[0])
+    checked = mesh(graph, **shape).check()
+    share = shape.get("ep", 1) * shape.get("tp", 1)
+    layer = "model.layers.0.mlp.experts."
+    for key in (layer + "gate_up_proj", layer + "down_proj"):
+        held = [checked.storage.stored[d][key] for d in range(len(checked.storage.stored))]
+        assert all(sum(m.numel for m in masks) * share == graph.params[key].meta.numel
+                   for masks in held), (key, held)
+        assert covers_exactly_once([m for masks in held[:share] for m in masks],
+                                   graph.params[key].shape)
+    if "tp" in shape:  # device 1: the second part of the gate's rows and of the up's
+        width = graph.params[layer + "down_proj"].shape[-1]
+        part = width // shape["tp"]
+        assert [m.index[1] for m in checked.storage.stored[1][layer + "gate_up_proj"]] == \
+            [(part, 2 * part), (width + part, width + 2 * part)]
+    else:  # what is not an expert's stays whole on each device
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert checked.storage.stored[0][name][0].index[0] == (0, graph.params[name].shape[0])
 
 
 def test_what_expert_parallelism_cannot_share_out_is_refused_by_name():
@@ -130,12 +147,34 @@ def own_router() -> ct.Workload:
                                      torch.randn(64, generator=g)), name="own-router")
 
 
-@pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2),
+                                   dict(tp=2), dict(dp=2, ep=2, tp=2)], ids=str)
 def test_a_router_of_ones_own_exchanges_its_tokens_like_one_device(shape):
-    program = ct.compile(mesh(ct.capture(own_router()), **shape))
-    assert any(isinstance(ins, Exchange) for ins in program.ranks[0])
+    """Its experts shared out, and under tensor parallelism their hidden features too; each
+    lane of a group exchanges its tokens with the same lane of the others."""
+    graph = ct.capture(own_router())
+    plan = mesh(graph, **shape)
+    (experts,) = [op for op in graph.ops if op.kind == "experts"]
+    pieces = plan.leaves(experts.name)
+    assert {p.inputs[3].mask.index[1] for p in pieces} == \
+        ({(0, 8), (8, 16)} if "tp" in shape else {(0, 16)})
+    program = ct.compile(plan)
+    if "tp" not in shape:  # (its tokens are cut along their features under tp: sent whole)
+        assert any(isinstance(ins, Exchange) for ins in program.ranks[0])
     trains_like_one_device(own_router(), program)
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_tensor_parallel_lanes_dispatch_their_tokens_lane_by_lane(sequence):
+    """dp 2 x ep 2 x tp 2: ranks 0, 1 are replica 0's lanes, 2, 3 replica 1's. Each lane's
+    tokens go to the same lane of the other member, one exchange per lane."""
+    plan = mesh(capture(FAMILIES["mixtral"]()), dp=2, ep=2, tp=2, sequence=sequence)
+    program = ct.compile(plan)
+    groups = [{ins.ranks for ins in code if isinstance(ins, Exchange)} for code in program.ranks]
+    lane = [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert all(lane[r] in groups[r] for r in range(4)), groups
+    if sequence:  # each lane its own tokens, through whole experts: nothing else exchanges
+        assert groups == [{g} for g in lane]
 
 
 def test_the_simulator_prices_exchanges_as_the_rows_a_spreading_router_sends():

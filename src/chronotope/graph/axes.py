@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chronotope.graph.ir import Graph, Op, PTensor
+from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.registry import OpRegistry
 from chronotope.graph.signature import Dim, Signature
 
@@ -202,3 +202,46 @@ def _seq_cut(op: Op, mark: dict[PTensor, tuple[int, int, int]]) -> SeqCut | None
             continue
         return SeqCut(dim, length, runs, inner, lead)
     return None
+
+
+def feeders(graph: Graph) -> dict[Op, Op]:
+    """Ops that make a weight from parameters alone for one op (a slice of gate and up side
+    by side, a cast), each with that op: where a plan cuts the reader's weights, it cuts
+    these alike (``cut_back``), so each device keeps only its part of the parameter."""
+    readers: dict[PTensor, list[Op]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(t, []).append(op)
+    outputs = {graph.loss, *graph.buffer_updates.values()}
+    found: dict[Op, Op] = {}
+    weights: set[PTensor] = set()  # made from parameters alone
+    for op in graph.ops:
+        if op.signature is None or not op.inputs or not all(
+                t.kind is TensorKind.PARAM or t in weights for t in op.inputs):
+            continue
+        weights.update(op.outputs)
+        read = {id(r): r for t in op.outputs for r in readers.get(t, ())}
+        if len(read) == 1 and all(len(readers.get(t, ())) == 1 and t not in outputs
+                                  for t in op.outputs):
+            found[op] = next(iter(read.values()))
+    return found
+
+
+def cut_back(graph: Graph, dims: dict[Op, str]) -> dict[Op, str]:
+    """``dims`` (the dim each op is cut along) with the ``feeders`` of those ops cut along
+    the dims their weights' axes have there, where a signature dim can be; a feeder of a
+    feeder too."""
+    out = dict(dims)
+    for op, reader in reversed(list(feeders(graph).items())):
+        dim, sig = out.get(reader), op.signature
+        if dim is None or op in out or reader.signature is None or sig is None:
+            continue
+        for t, tdims in zip(reader.inputs, reader.signature.inputs):
+            if t not in op.outputs:
+                continue
+            a = next((a for a, axis in enumerate(tdims) if axis.factors[0].name == dim), None)
+            axis = sig.outputs[op.outputs.index(t)][a] if a is not None else None
+            if axis is not None and axis.factors[0].name in sig.splittable():
+                out[op] = axis.factors[0].name
+                break
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from chronotope.graph.ir import (
     TensorMeta,
     fresh_name,
 )
+from chronotope.graph.mask import Mask, covers_exactly_once
 from chronotope.graph.registry import (
     OpCall,
     OpRegistry,
@@ -550,7 +552,9 @@ class Converter:
             self.detached[t] = op.outputs[0]
         return self.detached[t]
 
-    def annotate(self, op: Op) -> None:
+    def annotate(self, op: Op, region: bool = True) -> None:
+        """``op``'s kind and signature; a slicing op's over the box it reads, unless not
+        ``region``."""
         opdef = self.registry.of(op.target)
         if opdef is None:
             op.note = "no signature registered"
@@ -559,8 +563,8 @@ class Converter:
         as_meta = lambda x: x.meta if isinstance(x, PTensor) else x  # noqa: E731
         call = OpCall(map_leaves(op.args, as_meta), map_leaves(op.kwargs, as_meta),
                       tuple(t.meta for t in op.outputs))
-        if opdef.region is not None and op.inputs and op.inputs[0].kind is not TensorKind.PARAM:
-            # A parameter is stored whole wherever it is read, so it is read whole.
+        op.region = None
+        if opdef.region is not None and op.inputs and region:
             found = opdef.region(call)
             if found is not None:
                 op.region, text = found
@@ -595,6 +599,8 @@ class Converter:
         updates.update(self.updated)
         updates = {n: t for n, t in updates.items() if t is not by_kind[TensorKind.BUFFER].get(n)}
         ops = prune(self.ops, loss, updates.values())
+        for op in _partly_read(ops):
+            self.annotate(op, region=False)
         return Graph(
             ops=ops,
             inputs=list(self.batch),
@@ -608,6 +614,27 @@ class Converter:
             frontend=self.frontend,
             registry=self.registry,
         )
+
+
+def _partly_read(ops: list[Op]) -> list[Op]:
+    """The slicing ops of parameters of which the graph reads only part: they are made to
+    read theirs whole, as the one device does, so that every part of it is stored, given
+    its (zero) gradient and updated. Slices that read all of a parameter between them
+    (gate and up side by side in one weight) each read their own part."""
+    boxes: dict[PTensor, list[Mask]] = defaultdict(list)
+    slicing: dict[PTensor, list[Op]] = defaultdict(list)
+    for op in ops:
+        for k, t in enumerate(op.inputs):
+            if t.kind is TensorKind.PARAM:
+                if k == 0 and op.region is not None:
+                    boxes[t].append(Mask(op.region))
+                    slicing[t].append(op)
+                else:
+                    boxes[t].append(Mask.full(t.shape))
+    return [op for t, found in slicing.items()
+            if not (any(m == Mask.full(t.shape) for m in boxes[t])
+                    or covers_exactly_once(boxes[t], t.shape))
+            for op in found]
 
 
 # Calls that read a tensor argument for its shape, dtype or device only, made to take those

@@ -14,7 +14,9 @@ is given its first expert's index, ``first``), and the experts' hidden features
 Hugging Face's experts modules (``@use_experts_implementation``: Mixtral, Qwen2-MoE,
 DeepSeek, OLMoE and most MoE models of transformers) are captured as this op through
 transformers' own experts interface (``hugging_face_experts``), where their layout
-allows it: gate and up projections side by side, not transposed, no biases.
+allows it: gate and up projections side by side, not transposed, no biases. The one
+weight of gate and up is read as its two halves, so that tensor parallelism gives each
+device its part of both (``graph/axes.py``'s ``feeders``: the halves are cut with the op).
 """
 
 import contextlib
@@ -39,21 +41,15 @@ def _forward(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate: 
     """``y_t``'s part from experts ``first .. first + len(gate) - 1`` (their weights'
     rows), for every token routed to one of them."""
     fn = ACTIVATIONS[act]
-    width = down.shape[-1]
-    fused = up is None and gate.shape[1] == 2 * width  # gate and up side by side
     out = torch.zeros_like(x)
     for e in range(gate.shape[0]):
         token, slot = torch.where(index == first + e)
         if token.numel() == 0:
             continue
         rows = x[token]
-        hidden = F.linear(rows, gate[e])
-        if fused:
-            hidden = fn(hidden[:, :width]) * hidden[:, width:]
-        else:
-            hidden = fn(hidden)
-            if up is not None:
-                hidden = hidden * F.linear(rows, up[e])
+        hidden = fn(F.linear(rows, gate[e]))
+        if up is not None:
+            hidden = hidden * F.linear(rows, up[e])
         made = F.linear(hidden, down[e]) * weights[token, slot, None].to(x.dtype)
         out = out.index_add(0, token, made)
     return out
@@ -65,9 +61,7 @@ def routed_experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                    down: torch.Tensor, first: int, act: str) -> torch.Tensor:
     """Tokens ``x (t, d)`` through their ``index (t, k)`` experts, weighted by ``weights
     (t, k)``: ``down (e, d, f) @ act(gate (e, f, d) @ x) * (up (e, f, d) @ x)`` for the
-    experts ``first ..`` these weights hold; without ``up``, ``gate (e, 2f, d)`` holds gate
-    and up side by side (Hugging Face's ``gate_up_proj``), or ``gate (e, f, d)`` alone
-    makes ``down @ act(gate @ x)``."""
+    experts ``first ..`` these weights hold; without ``up``, ``down @ act(gate @ x)``."""
     return _forward(x, index, weights, gate, up, down, first, act)
 
 
@@ -142,10 +136,17 @@ def _default_gate() -> Any:
 
 def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts interface, as chronotope captures it: one op."""
-    weight = module.gate_up_proj if module.has_gate else module.up_proj
+    """transformers' experts interface, as chronotope captures it: one op. Gate and up,
+    side by side in one weight, are read as two slices of it, so that tensor parallelism
+    gives each device its part of both (their hidden features)."""
     config: Any = module.config
-    return routed_experts(hidden_states, top_k_index, top_k_weights, weight, None,
+    if module.has_gate:
+        both: Any = module.gate_up_proj
+        width = both.shape[1] // 2
+        gate, up = both[:, :width], both[:, width:]
+    else:
+        gate, up = module.up_proj, None
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate, up,
                           module.down_proj, 0, config.hidden_act)
 
 

@@ -262,7 +262,9 @@ def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
     """One replica of each region: on ``device`` when there is one; else, where ``device``
     holds the ``k``-th replica of a region as many devices hold, the ``k``-th of this one
     too (so that the readers holding the ``k``-th replicas read from one another alone:
-    one collective among them); else the first by name, whatever order ``found`` came in.
+    one collective among them); else the one at ``device``'s rank modulo their number (the
+    readers spread over the replicas, and a tensor-parallel lane reads from its own lane
+    of another group); else the first by name, whatever order ``found`` came in.
     The checker and the compiler must pick the same."""
     regions: dict[Mask, list[PlanOp]] = {}
     for p, m in found:
@@ -277,8 +279,9 @@ def _one_per_region(found: list[tuple[PlanOp, Mask]], device: int | None,
         local = [p for p in ps if p.device == device]
         if local:
             out.append((min(local, key=lambda p: p.name), m))
-        elif len(ps) in rank and len({p.device for p in ps}) == len(ps):
-            out.append((sorted(ps, key=placed)[rank[len(ps)]], m))
+        elif len({p.device for p in ps}) == len(ps) and device is not None:
+            at = rank.get(len(ps), device % len(ps))
+            out.append((sorted(ps, key=placed)[at], m))
         else:
             out.append((min(ps, key=lambda p: p.name), m))
     return out

@@ -21,7 +21,7 @@ whose ops have signatures works.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +32,8 @@ from chronotope.graph.axes import (
     batch_start,
     carried_dim,
     carry,
+    cut_back,
+    feeders,
     loss_tails,
     sequence_dims,
     trail,
@@ -84,9 +86,16 @@ class Choices:
     fused: dict[str, Fusion] = field(default_factory=dict)  # ops run in one compiled function
 
 
-def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, TpSplit | None]:
-    """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it."""
+def tensor_parallel_dims(graph: Graph, parts: int, experts: bool = True
+                         ) -> dict[Op, TpSplit | None]:
+    """For each op, how Megatron tensor parallelism over ``parts`` devices cuts it; with
+    ``experts``, each Mixture-of-Experts layer's hidden features too (not under sequence
+    parallelism: there each lane routes its own tokens through whole experts, exchanging
+    them with its lane of the other members, where a lane's part of every expert would
+    read all of its group's tokens)."""
     readers = _readers(graph)
+    reader = feeders(graph)
+    weights = {t for op in reader for t in op.outputs}
     axis: dict[PTensor, int] = {}
     fused: dict[PTensor, int] = {}
     out: dict[Op, TpSplit | None] = {}
@@ -98,14 +107,24 @@ def tensor_parallel_dims(graph: Graph, parts: int) -> dict[Op, TpSplit | None]:
         dim = carried_dim(op, axis)
         if dim is not None:
             chunks = still_fused(op, fused)
-        elif (dim := column_dim(op)) is not None:
+        elif (dim := column_dim(op, weights)) is not None:
             chunks = fused_parts(op.outputs[0], readers)
+        elif op.kind == "experts" and experts:  # each device its part of the hidden features
+            dim, chunks = "f", 1
         split = TpSplit(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
             else None
         if split is not None:
             carry(op, split.dim, axis)
             fused.update({t: split.chunks for t in op.outputs if split.chunks > 1})
         out[op] = split
+    # what makes a split op's weights from parameters is cut alike: each device keeps its
+    # part of the parameter
+    for op, dim in cut_back(graph, {op: s.dim for op, s in out.items() if s}).items():
+        if out[op] is None:
+            chunks = out[reader[op]].chunks  # type: ignore[union-attr]
+            assert op.signature is not None  # (a feeder has one)
+            sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
+            out[op] = TpSplit(dim, chunks) if sizes[dim] % (chunks * parts) == 0 else None
     return out
 
 
@@ -120,9 +139,10 @@ def _readers(graph: Graph) -> dict[PTensor, list[Op]]:
 def _splits_nothing(graph: Graph, tp: int) -> str:
     """Why tensor parallelism over ``tp`` devices would only replicate ``graph``."""
     readers = _readers(graph)
+    weights = {t for op in feeders(graph) for t in op.outputs}
     widths: dict[int, str] = {}  # a projection's output features (of each fused part) -> op
     for op in graph.ops:
-        if column_dim(op) is not None:
+        if column_dim(op, weights) is not None:
             widths.setdefault(op.outputs[0].shape[-1] // fused_parts(op.outputs[0], readers),
                               op.name)
     found = f"its projections' output features do not divide by {tp}: " + ", ".join(
@@ -132,16 +152,17 @@ def _splits_nothing(graph: Graph, tp: int) -> str:
             f"pick a tp that divides them, or another policy")
 
 
-def column_dim(op: Op) -> str | None:
-    """The output features of a projection by a weight matrix (a linear, or a Conv1D's
-    ``addmm``): the dim of its 2-D parameter that is no sum and reaches the output, where
-    the other one is summed over. A column-parallel cut splits it."""
+def column_dim(op: Op, weights: Collection[PTensor] = ()) -> str | None:
+    """The output features of a projection by a weight matrix (a linear, a Conv1D's
+    ``addmm``, a matmul by a slice or transpose of a parameter, among ``weights``): the
+    dim of its 2-D weight that is no sum and reaches the output, where the other one is
+    summed over. A column-parallel cut splits it."""
     sig = op.signature
     if sig is None or not op.outputs:
         return None
     made = {a.factors[0].name for a in sig.outputs[0]}
     for t, tdims in zip(op.inputs, sig.inputs):
-        if t.kind is not TensorKind.PARAM or len(tdims) != 2:
+        if (t.kind is not TensorKind.PARAM and t not in weights) or len(tdims) != 2:
             continue
         leads = [a.factors[0] for a in tdims]
         out = [d for d in leads if not d.reduce and d.name in made and d.splittable]
@@ -326,7 +347,8 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     plan.regather = cp > 1 and cp_attention in ("allgather", "ring")
     plan.ring = cp > 1 and cp_attention == "ring"
     if choices is None:
-        choices = Choices(tensor_parallel_dims(graph, tp * coshard) if tp * coshard > 1 else {},
+        choices = Choices(tensor_parallel_dims(graph, tp * coshard, experts=not sequence)
+                          if tp * coshard > 1 else {},
                           sequence_dims(graph) if sequence and tp > 1 else {})
         if tp > 1 and coshard == 1 and not any(choices.splits.values()) \
                 and not any(choices.seq.values()):
@@ -369,8 +391,15 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     sharded: dict[tuple[int, int, int], list[list[PlanOp]]] = defaultdict(
         lambda: [[] for _ in range(coshard)])  # (span, group, micro) -> pieces per part
     cells: dict[tuple[int, int, int], list[PlanOp]] = defaultdict(list)  # (group, stage, micro)
+    # what makes the experts' weights (a slice of gate and up side by side) is cut along
+    # the experts alike, so each member keeps its experts' part of the parameter
+    shared = {op: dim for op, dim in cut_back(graph, {
+        op: "e" for op in graph.ops if op.kind == "experts"}).items()
+              if op.kind != "experts"} if ep > 1 else {}
     for op in graph.ops:
-        if dp * ways > 1:
+        if op in shared:
+            groups = _shared_out(plan, op, shared[op], dp * ways, ep, ways)
+        elif dp * ways > 1:
             groups = plan.trans(op, batch_cut(op, batch_dim, tails, dp * ways))
         else:
             groups = [plan.op(op.name)]
@@ -698,6 +727,19 @@ def _experts_cut(plan: Plan, piece: PlanOp, ep: int, replica: int, first: int, w
     plan.exchanges.update(dict.fromkeys((part.name for part in parts), label))
     return [(group + r, first + (group + r - replica) * width, part)
             for r, part in enumerate(parts)]
+
+
+def _shared_out(plan: Plan, op: Op, dim: str, replicas: int, ep: int, ways: int
+                ) -> list[PlanOp]:
+    """``op``'s piece for each of the ``replicas`` (``ways`` per data-parallel replica): one
+    copy per group of ``ep`` replicas, cut along ``dim`` into the group's parts, part ``r``
+    with replica ``r`` of the group, as ``_experts_cut`` places the experts."""
+    copies = plan.trans(op, Replicate(replicas // ep)) if replicas > ep else [plan.op(op.name)]
+    out: list[PlanOp] = [None] * replicas  # type: ignore[list-item]
+    for c, copy in enumerate(copies):
+        for r, part in enumerate(plan.trans(copy, Split(dim, ep))):
+            out[((c // ways) * ep + r) * ways + c % ways] = part
+    return out
 
 
 def _tensor_parallel(plan: Plan, piece: PlanOp, tp: TpSplit | None, seq: str | None,

@@ -55,7 +55,7 @@ from chronotope.compile.simulate import OPTIMIZER_PASSES
 from chronotope.cost.network import Cluster
 from chronotope.errors import PlanError
 from chronotope.graph.autocast import casting, itemsizes, saved_tensors, saves, storage_of
-from chronotope.graph.axes import batch_dims, loss_tails, sequence_cuts, sequence_dims
+from chronotope.graph.axes import batch_dims, feeders, loss_tails, sequence_cuts, sequence_dims
 from chronotope.graph.experts import reach
 from chronotope.graph.ir import Graph, Op, PTensor
 from chronotope.plan.algo import Replicate, Split
@@ -203,8 +203,11 @@ class Model:
                           if op.kind == "attention" and cuts[op] is not None]
         self.length = max((c.length for c in cuts.values() if c is not None), default=0)
         self.experts = [i for i, op in enumerate(graph.ops) if op.kind == "experts"]
-        # of each op, whether the weights it reads first are experts' (shared out by ep)
-        self.expert_weights = np.isin(np.arange(len(graph.ops)), self.experts)
+        # of each op, whether the weights it reads first are experts' (shared out by ep):
+        # an experts op's, or one's that makes its weights (a half of gate and up)
+        made_for = feeders(graph)
+        self.expert_weights = np.array([_served(op, made_for).kind == "experts"
+                                        for op in graph.ops])
         names = [unit(op) for op in graph.ops]  # what a backward call recomputes at once
         self.units = np.unique(np.array([str(n) for n in names]), return_inverse=True)[1]
         self.first = first_reads(self.ops)
@@ -236,7 +239,8 @@ class Model:
         if key not in self._choices:
             space = strategies(self.graph, Mesh((tp,)), self.cluster, whole=self.whole,
                                dtype=self.dtype)
-            splits = tensor_parallel_dims(self.graph, tp) if tp > 1 else {}
+            splits = tensor_parallel_dims(self.graph, tp, experts=not sequence) \
+                if tp > 1 else {}
             seq = sequence_dims(self.graph) if sequence else {}
             out = {}
             for op in self.ops:
@@ -641,6 +645,13 @@ class Model:
         if k.micro == 1:
             return float(mine.sum())
         return float((_alive(rank, k.pp, k.micro, k.chunks, k.schedule) @ mine).max())
+
+
+def _served(op: Op, made_for: dict[Op, Op]) -> Op:
+    """The op ``op`` makes weights for, through ``feeders`` (``op`` itself if none)."""
+    while op in made_for:
+        op = made_for[op]
+    return op
 
 
 def _blocks(graph: Graph) -> int:

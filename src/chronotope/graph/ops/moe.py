@@ -43,14 +43,9 @@ def grouped_mm(call: OpCall) -> str | None:
 def routed(call: OpCall) -> str:
     """``chronotope::routed_experts`` (``graph/experts.py``): tokens split, each its own;
     the experts and their hidden features are sums (a piece's experts' part of each
-    token), but for gate and up side by side in one weight, whose features stay whole;
-    the model dim is both read and made, and the top-k slots stay whole."""
-    gate, down = call.tensors[3], call.tensors[-1]
-    separate = call.arg(4, "up") is not None
-    fused = not separate and gate.shape[1] == 2 * down.shape[-1]
-    f = "f^" if fused else "f+"
-    weights = [["e+", "(2 f^)" if fused else f, "d^"]] + [["e+", f, "d^"]] * separate
-    return f"{join(['t', 'd^'], ['t', 'k^'], ['t', 'k^'], *weights, ['e+', 'd^', f])} -> t d^"
+    token); the model dim is both read and made, and the top-k slots stay whole."""
+    weights = [["e+", "f+", "d^"]] * (2 if call.arg(4, "up") is not None else 1)
+    return f"{join(['t', 'd^'], ['t', 'k^'], ['t', 'k^'], *weights, ['e+', 'd^', 'f+'])} -> t d^"
 
 
 def register(reg: OpRegistry) -> None:
