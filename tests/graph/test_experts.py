@@ -1,5 +1,6 @@
-"""Routed experts as one op: Hugging Face's MoE experts captured as it, its pieces of tokens
-and of experts the whole op's parts, and a model's own router calling it."""
+"""Routed experts as one op: Hugging Face's MoE experts captured as it (Switch Transformers'
+with the tokens its capacity drops), its pieces of tokens and of experts the whole op's
+parts, and a model's own router calling it."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import chronotope as ct
-from chronotope.graph.experts import routed_experts, supported
+from chronotope.graph import experts as experts_module
+from chronotope.graph.experts import hugging_face_experts, routed_experts, supported
 from chronotope.policies import data_parallel, expert_parallel
 from tests.policies.plan_testing import trains_like_one_device
 from tests.zoo.harness import capture
@@ -55,6 +57,35 @@ def test_hugging_face_experts_are_one_op_each_and_split_along_the_tokens(family)
     plan = data_parallel(graph, 2)
     assert not plan.unsplit  # each device routes its own tokens
     trains_like_one_device(FAMILIES[family](), ct.compile(plan))
+
+
+def test_switch_transformers_experts_are_one_op_that_drops_what_capacity_has_no_room_for(
+        monkeypatch):
+    """One module per expert, their weights stacked; a token over its expert's capacity
+    (3 per sequence of 16 here) is routed to no expert (-1) and gets nothing, as in the
+    model: capture checks the graph's loss and gradients against the model's own loop."""
+    w = FAMILIES["switch"]()
+    graph = capture(w)
+    experts = [op for op in graph.ops if op.kind == "experts"]
+    assert len(experts) == 2 and graph.unannotated_ops() == []  # encoder's and decoder's
+    seen, forward = [], experts_module._forward
+    monkeypatch.setattr(experts_module, "_forward", lambda x, index, *a: (
+        seen.append(index), forward(x, index, *a))[1])
+    with hugging_face_experts(w.model):
+        w.model(**w.kwargs)
+    index = seen[0].reshape(4, -1)  # (the encoder's: 4 sequences of 16 tokens, top-1)
+    assert (index == -1).any()
+    per_sequence = torch.stack([(index == e).sum(1) for e in range(4)])
+    assert per_sequence.max() <= 3
+
+
+def test_switch_transformers_experts_it_cannot_run_are_refused_by_name():
+    w = FAMILIES["switch"]()
+    for m in w.model.modules():
+        if type(m).__name__ == "SwitchTransformersDenseActDense":
+            m.dropout.p = 0.1
+    with pytest.raises(ct.CaptureError, match="dropout between the experts' layers"):
+        ct.capture(w)
 
 
 class TopOne(nn.Module):

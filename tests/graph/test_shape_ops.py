@@ -1,6 +1,8 @@
-"""Indexing and transposes user code writes (Falcon's ``fused_qkv[..., [-2], :]``, a
-weight's ``.T``): each split along every dim its signature lets split trains like one
-device."""
+"""Indexing, transposes and reductions user code writes (Falcon's ``fused_qkv[..., [-2], :]``,
+a weight's ``.T``, Switch Transformers' ``torch.max(mask, axis=-2)``, NumPy's name for
+``dim``): each split along every dim its signature lets split trains like one device."""
+
+import torch
 
 from tests.graph.op_testing import Case, per_op_tests
 
@@ -10,6 +12,10 @@ CASES = {
     "T": Case((4, 6), lambda m, h: h.T, "transpose", ("d0", "d1"), frontends=("fx",)),
     "mT": Case((4, 2, 6), lambda m, h: h.mT, "transpose", ("d0", "d1", "d2"),
                frontends=("fx",)),
+    "max-axis": Case((4, 3, 6), lambda m, h: torch.max(h, axis=-2).values, "max", ("d0", "d2"),
+                     frontends=("fx",)),
+    "mean-axis": Case((4, 2, 6), lambda m, h: torch.mean(h, axis=1), "mean", ("d0", "d1", "d2"),
+                      frontends=("fx",)),
 }
 
 

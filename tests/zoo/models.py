@@ -454,6 +454,23 @@ def olmoe(seed: int = 0, batch_size: int | None = None) -> Workload:
     return _causal_lm("olmoe", tf.OlmoeForCausalLM, config, seed, batch_size)
 
 
+def switch(seed: int = 0, batch_size: int | None = None) -> Workload:
+    """SwitchTransformersForConditionalGeneration: top-1 of 4 experts, one module each, an
+    expert capacity of 3 tokens per sequence (of 16: the rest dropped), the router's z and
+    balancing losses."""
+    config = tf.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=4, num_experts=4,
+        expert_capacity=3, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        use_cache=False)
+    model = _build(tf.SwitchTransformersForConditionalGeneration, config, seed)
+    b = batch_size or BATCH
+    kwargs = {"input_ids": _tokens((b, SEQ), seed), "labels": _tokens((b, SEQ // 2), seed + 1),
+              "output_router_logits": True}
+    return Workload(model, (), kwargs, name="switch")
+
+
 def mamba(seed: int = 0, batch_size: int | None = None) -> Workload:
     """MambaForCausalLM on the slow (pure torch) path: a causal depthwise conv1d and a selective
     scan as a Python loop over the sequence."""
@@ -1096,6 +1113,7 @@ FAMILIES = {
     "gpt-bigcode": gpt_bigcode,
     "granite": granite,
     "olmoe": olmoe,
+    "switch": switch,
     "mamba": mamba,
     "bigbird": bigbird,
     "convnext": convnext,

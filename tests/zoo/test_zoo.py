@@ -56,6 +56,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "gpt-bigcode": (*ALL, *CP),
     "granite": (*ALL, *CP),
     "olmoe": (*SPLIT, *CP, *EP),
+    "switch": (*ALL, *EP),
     "mamba": ALL,
     "bigbird": ALL,
     "convnext": ALL,
@@ -89,8 +90,9 @@ GLOO = [("bart", "tp"), ("whisper", "dp"), ("two-tower", "zero-3"), ("opt", "1f1
         # context parallel: keys gathered for a zigzag of causal chunks (whole, round a
         # ring), heads all-to-all
         ("qwen2", "cp-4"), ("gemma", "ring-4"), ("mixtral", "ulysses-4"),
-        # expert parallel: each rank's tokens through every rank's experts, and back
-        ("qwen2-moe", "ep-4")]
+        # expert parallel: each rank's tokens through every rank's experts, and back; those
+        # an expert's capacity drops nowhere
+        ("qwen2-moe", "ep-4"), ("switch", "ep-4")]
 
 # What no micro-batch can run alone (batch statistics, a loss coupling the samples, a
 # router's balancing loss over every token, bags of an EmbeddingBag, a graph's adjacency

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from chronotope.errors import CaptureError
 from chronotope.graph.batch import Batch, identifiers, model_loss
 from chronotope.graph.convert import Converter, Leaf, OpFailed
-from chronotope.graph.experts import hugging_face_experts
+from chronotope.graph.experts import hugging_face_experts, refuse_experts
 from chronotope.graph.functions import sign_functions
 from chronotope.graph.ir import Graph, Source, TensorKind
 from chronotope.graph.ops import DEFAULT_REGISTRY
@@ -104,6 +104,7 @@ def capture(
         targets, loss_fn, name = targets or w.targets, loss_fn or w.loss_fn, name or w.name
     name = name or type(model).__name__
     _refuse_wrapped(model, name)
+    refuse_experts(model, name)
     step = Step(model, Batch.of(example_inputs, kwargs, targets), loss_fn)
     registry = registry or DEFAULT_REGISTRY
 

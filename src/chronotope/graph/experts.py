@@ -17,6 +17,11 @@ transformers' own experts interface (``hugging_face_experts``), where their layo
 allows it: gate and up projections side by side, not transposed, no biases. The one
 weight of gate and up is read as its two halves, so that tensor parallelism gives each
 device its part of both (``graph/axes.py``'s ``feeders``: the halves are cut with the op).
+
+Switch Transformers keeps one module per expert and drops the tokens an expert has no
+room for (its config's ``expert_capacity``, counted along each sequence by its router):
+its experts are captured as this op too, on its experts' weights stacked, a dropped token
+routed to no expert (index -1), so it gets nothing from the layer, as it does in the model.
 """
 
 import contextlib
@@ -28,6 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from chronotope.errors import CaptureError
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
@@ -89,7 +96,10 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     with torch.enable_grad():
         out = _forward(x, index, weights, gate, up, down, ctx.first, ctx.act)
     asked = [t for t, w in zip((x, weights, gate, up, down), wanted) if w and t is not None]
-    found = iter(torch.autograd.grad(out, asked, grad, allow_unused=True) if asked else ())
+    if asked and out.requires_grad:
+        found = iter(torch.autograd.grad(out, asked, grad, allow_unused=True))
+    else:  # no token routed to these experts: nothing flows back
+        found = iter([torch.zeros_like(t) for t in asked])
     gx, gw, gg, gu, gd = (next(found) if w else None for w in wanted)
     return gx, None, gw, gg, gu, gd, None, None
 
@@ -150,10 +160,67 @@ def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                           module.down_proj, 0, config.hidden_act)
 
 
+def per_expert(module: nn.Module, act: str | None) -> str | None:
+    """Why Switch Transformers' experts (one module per expert, its ``wi`` and ``wo``)
+    cannot run as ``routed_experts`` with activation ``act`` (None: they can)."""
+    experts = list(module.values())  # type: ignore[operator]
+    if not all(isinstance(getattr(e, n, None), nn.Linear) and getattr(e, n).bias is None
+               for e in experts for n in ("wi", "wo")):
+        return "a layout other than wi and wo without biases"
+    if any(e.dropout.p > 0 and e.training for e in experts):
+        return "dropout between the experts' layers"
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    return None
+
+
+def _switch(module: nn.Module, act: str, hidden_states: torch.Tensor,
+            selected_experts: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+    """Switch Transformers' experts as one op: ``selected_experts`` (tokens, 1, experts)
+    is one-hot, all zeros where the expert's capacity dropped the token; such a token is
+    routed to no expert (-1) with weight 0."""
+    kept = selected_experts.sum(-1)
+    index = torch.where(kept > 0, selected_experts.argmax(-1), -1)
+    experts = list(module.values())  # type: ignore[operator]
+    gate = torch.stack([e.wi.weight for e in experts])
+    down = torch.stack([e.wo.weight for e in experts])
+    return routed_experts(hidden_states, index, routing_weights * kept, gate, None, down, 0,
+                          act)
+
+
+def _switch_experts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == "SwitchTransformersExperts"]
+
+
+def refuse_experts(model: nn.Module, name: str) -> None:
+    """Raise where ``model`` has experts only ``routed_experts`` could capture (a loop over
+    the experts its router picked) that it cannot run, naming why."""
+    act = getattr(getattr(model, "config", None), "dense_act_fn", None)
+    refused = sorted({why for m in _switch_experts(model) if (why := per_expert(m, act))})
+    if refused:
+        raise CaptureError(f"{name}: its Switch Transformers experts, a loop over the experts "
+                           f"the router picked, are captured as one op, routed_experts, and "
+                           f"these have {'; '.join(refused)}: it runs wi and wo without "
+                           f"biases or dropout between them, activation one of "
+                           f"{', '.join(ACTIVATIONS)}")
+
+
 @contextlib.contextmanager
 def hugging_face_experts(model: nn.Module) -> Iterator[None]:
     """While it is open, the Hugging Face experts modules of ``model`` that
-    ``routed_experts`` can run (``supported``), all of them or none, run through it."""
+    ``routed_experts`` can run (``supported``, ``per_expert``), all of them or none, run
+    through it."""
+    act = getattr(getattr(model, "config", None), "dense_act_fn", None)
+    switch = _switch_experts(model)
+    if switch and all(per_expert(m, act) is None for m in switch):
+        for m in switch:
+            m.forward = partial(_switch, m, act)
+        try:
+            yield
+        finally:
+            for m in switch:
+                del m.forward
+        return
     found = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")
              and hasattr(getattr(m, "config", None), "_experts_implementation")]
     if not found or any(supported(m) is not None for m in found):

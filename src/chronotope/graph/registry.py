@@ -33,9 +33,12 @@ class OpCall:
     outputs: tuple[TensorMeta, ...]
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
-        """Argument by position or keyword, as Python would bind it."""
+        """Argument by position or keyword, as Python would bind it (``dim`` also by
+        torch's NumPy-style alias, ``axis``)."""
         if name in self.kwargs:
             return self.kwargs[name]
+        if name == "dim" and "axis" in self.kwargs:
+            return self.kwargs["axis"]
         if index < len(self.args):
             return self.args[index]
         return default

@@ -349,7 +349,9 @@ class StepContext:
             for j, (part, wire) in enumerate(zip(recvs, wires)):
                 for src, (shape, dtype, *routing) in part.items():
                     block = got[members.index(src)]
-                    rows = block[:, edges[j]:edges[j + 1]].contiguous()
+                    # a copy of its own: one row's slice is contiguous at any byte offset
+                    rows = block[:, edges[j]:edges[j + 1]].clone(
+                        memory_format=torch.contiguous_format)
                     rows = rows.view(wire).reshape(block.shape[0], *shape[1:]).to(dtype)
                     if routing:
                         rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)
@@ -697,5 +699,6 @@ def _routed(index: torch.Tensor, experts: range) -> torch.Tensor:
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """Rows as the bytes they hold, a row of bytes each."""
-    return rows.contiguous().reshape(rows.shape[0], -1).view(torch.uint8)
+    """Rows as the bytes they hold, a row of bytes each (none: a router that sent no token
+    to a rank's experts)."""
+    return rows.contiguous().reshape(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
