@@ -88,6 +88,23 @@ def test_switch_transformers_experts_it_cannot_run_are_refused_by_name():
         ct.capture(w)
 
 
+def test_hugging_face_experts_it_cannot_run_as_one_op_are_named_and_run_as_written():
+    """GPT-OSS's experts have biases: capture warns, naming them and why, they train as
+    written, and expert parallelism is refused."""
+    import transformers as tf
+
+    from tests.zoo.models import DECODER, _causal_lm
+
+    config = tf.GptOssConfig(**{**DECODER, "attn_implementation": "eager"},
+                             num_local_experts=4, num_experts_per_tok=2)
+    w = _causal_lm("gpt-oss", tf.GptOssForCausalLM, config, 0, None)
+    with pytest.warns(UserWarning, match="GptOssExperts: run as written.*biases"):
+        graph = ct.capture(w)
+    assert not any(op.kind == "experts" for op in graph.ops)
+    with pytest.raises(ct.PlanError, match="none captured as routed experts"):
+        expert_parallel(graph, 2)
+
+
 class TopOne(nn.Module):
     """A model's own top-1 router calling routed_experts, ungated experts."""
 

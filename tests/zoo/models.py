@@ -430,6 +430,22 @@ def deepseek_v3(seed: int = 0, batch_size: int | None = None) -> Workload:
     return _causal_lm("deepseek-v3", tf.DeepseekV3ForCausalLM, config, seed, batch_size)
 
 
+def deepseek_v2(seed: int = 0, batch_size: int | None = None) -> Workload:
+    """DeepseekV2ForCausalLM: latent attention with rotary embeddings as complex products
+    (``view_as_complex`` times ``polar``), group-limited top-k routing over 4 experts plus a
+    shared expert."""
+    config = tf.DeepseekV2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                 moe_intermediate_size=16, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4,
+                                 n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                                 topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                 first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                                 qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                 max_position_embeddings=32, use_cache=False,
+                                 attn_implementation="sdpa", **SPECIAL)
+    return _causal_lm("deepseek-v2", tf.DeepseekV2ForCausalLM, config, seed, batch_size)
+
+
 def gpt_bigcode(seed: int = 0, batch_size: int | None = None) -> Workload:
     """GPTBigCodeForCausalLM: multi-query attention (one key-value head) from a fused c_attn."""
     config = tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
@@ -1109,6 +1125,7 @@ FAMILIES = {
     "t5-v1.1": t5_v1_1,
     "albert": albert,
     "gemma3": gemma3,
+    "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
     "gpt-bigcode": gpt_bigcode,
     "granite": granite,

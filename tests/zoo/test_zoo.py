@@ -52,6 +52,7 @@ EQUAL_TODAY: dict[str, tuple[str, ...]] = {
     "t5-v1.1": (*ALL, *CP),
     "albert": (*ALL, *CP),
     "gemma3": (*ALL, *CP),
+    "deepseek-v2": (*ALL, *CP, *EP),
     "deepseek-v3": (*ALL, *CP, *EP),
     "gpt-bigcode": (*ALL, *CP),
     "granite": (*ALL, *CP),

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from chronotope.graph.ir import Graph, Op, PTensor
+from chronotope.graph.ir import Graph, Op, PTensor, takes_grad
 from chronotope.graph.memory import PeakMemory
 
 # What a step computes in, by the names plans, the command line and the runtime use.
@@ -155,7 +155,7 @@ def _follow(graph: Graph, dtype: torch.dtype | None) -> _Followed:
                     if t not in values:
                         values[t] = _Value.fresh(t.shape, t.dtype, next(storages))
                 given = [values[t] for t in op.inputs]
-                wanted = [t in wants and v.dtype.is_floating_point
+                wanted = [t in wants and takes_grad(v.dtype)
                           for t, v in zip(op.inputs, given)]
                 key = _call(op, given, wanted)
                 if key not in known:

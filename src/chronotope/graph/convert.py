@@ -32,6 +32,7 @@ from chronotope.graph.ir import (
     TensorKind,
     TensorMeta,
     fresh_name,
+    takes_grad,
 )
 from chronotope.graph.mask import Mask, covers_exactly_once
 from chronotope.graph.registry import (
@@ -519,8 +520,7 @@ class Converter:
         self.ops.append(op)
         if self.grad and op.kind not in NO_GRAD_KINDS and any(
                 t in self.requires_grad for t in inputs):
-            self.requires_grad.update(o for o in op.outputs
-                                      if o.dtype.is_floating_point or o.dtype.is_complex)
+            self.requires_grad.update(o for o in op.outputs if takes_grad(o.dtype))
         return op
 
     def made_views(self, name: str, target: Any, args: tuple, kwargs: dict,

@@ -26,6 +26,7 @@ routed to no expert (index -1), so it gets nothing from the layer, as it does in
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Optional
@@ -223,7 +224,12 @@ def hugging_face_experts(model: nn.Module) -> Iterator[None]:
         return
     found = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")
              and hasattr(getattr(m, "config", None), "_experts_implementation")]
-    if not found or any(supported(m) is not None for m in found):
+    refused = {type(m).__name__: why for m in found if (why := supported(m)) is not None}
+    if refused:
+        warnings.warn(f"{', '.join(refused)}: run as written, not as routed_experts ("
+                      f"{'; '.join(refused.values())}): plans split them op by op, and "
+                      "expert parallelism cannot share them out", stacklevel=3)
+    if not found or refused:
         yield
         return
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

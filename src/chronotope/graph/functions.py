@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from chronotope.graph.convert import Converter, Leaf
-from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, TensorKind
+from chronotope.graph.ir import DEVICE, Graph, Op, PTensor, TensorKind, takes_grad
 from chronotope.graph.registry import OpRegistry, autograd_function, map_leaves
 from chronotope.graph.signature import Signature
 from chronotope.graph.trace import Call, Tracer
@@ -235,7 +235,7 @@ class _Trial:
 def _run(op: Op, values: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]
          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The Function's outputs on ``values`` and its input gradients for ``grads_out``."""
-    leaves = [v.detach().requires_grad_(v.is_floating_point()) for v in values]
+    leaves = [v.detach().requires_grad_(takes_grad(v.dtype)) for v in values]
     args, kwargs = _arguments(op, leaves, torch.device("cpu"))
     outs = autograd_function(op.target).apply(*args, **kwargs)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]

@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from chronotope.graph.registry import OpRegistry
 
 
+def takes_grad(dtype: torch.dtype) -> bool:
+    """Whether autograd differentiates through a tensor of ``dtype``: floating point and
+    complex (rotary embeddings written as complex products) alike."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def fresh_name(base: str, taken: set[str], sep: str = "_") -> str:
     """``base``, or ``base{sep}1``, ``base{sep}2``, ... : the first not in ``taken``
     (which gets it)."""

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Union
 from chronotope.errors import PlanError
 from chronotope.graph import rng
 from chronotope.graph.autocast import DTYPES
-from chronotope.graph.ir import NO_GRAD_KINDS, Graph, Op, PTensor, TensorKind, TensorMeta
+from chronotope.graph.ir import (
+    NO_GRAD_KINDS,
+    Graph,
+    Op,
+    PTensor,
+    TensorKind,
+    TensorMeta,
+    takes_grad,
+)
 from chronotope.graph.mask import Mask, ValueRange, VTensor
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
@@ -710,7 +718,7 @@ def differentiable(graph: Graph) -> set[PTensor]:
     for op in graph.ops:
         if op.kind in NO_GRAD_KINDS or not any(t in rg for t in op.inputs):
             continue
-        rg.update(t for t in op.outputs if t.dtype.is_floating_point)
+        rg.update(t for t in op.outputs if takes_grad(t.dtype))
     reaches = {graph.loss}
     for op in reversed(graph.ops):
         if op.kind not in NO_GRAD_KINDS and any(t in reaches for t in op.outputs):

@@ -702,7 +702,8 @@ def _check_experts(graph: Graph, dp: int, ep: int) -> None:
     if not experts:
         raise PlanError(f"expert parallelism shares out Mixture-of-Experts layers' experts, "
                         f"and {graph.name} has none captured as routed experts "
-                        "(chronotope.graph.experts): no experts op to cut")
+                        "(chronotope.graph.experts): no experts op to cut (capture warns "
+                        "which experts modules of a Hugging Face model run as written, and why)")
     if dp % ep:
         raise PlanError(f"expert parallelism over {ep} devices takes groups of {ep} of the "
                         f"{dp} data-parallel replicas: use an ep that divides dp")

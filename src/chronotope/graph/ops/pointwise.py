@@ -129,6 +129,7 @@ UNARY = [
     "bitwise_not", "isnan", "isinf", "exp2", "trunc", "clamp", "clip", "clamp_min", "clamp_max",
     "nan_to_num", "float", "half", "bfloat16", "double", "long", "int", "bool", "to", "type",
     "contiguous", "clone", "detach", "cpu", "cuda", "requires_grad_", "positive",
+    "real", "imag", "conj", "conj_physical", "resolve_conj", "angle",
 ]
 BINARY = [
     "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow",
@@ -139,6 +140,7 @@ BINARY = [
     "randn_like", "alias", "lift_fresh_copy", "_to_copy", "scalar_tensor", "sub_", "dropout",
     "silu", "gelu", "softplus", "mish", "elu", "leaky_relu", "hardtanh", "logsigmoid",
     "relu6", "hardswish", "hardsigmoid", "selu", "celu", "threshold", "feature_dropout",
+    "polar", "complex",
 ]
 OPERATORS = [
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,

@@ -557,10 +557,24 @@ def pad(call: OpCall) -> str:
     return f"{' '.join(inp)} -> {' '.join(out)}"
 
 
+def as_complex(call: OpCall) -> str:
+    """``view_as_complex``: each trailing pair of reals one complex number."""
+    dims = names(len(call.tensors[0].shape) - 1)
+    return f"{' '.join(dims)} 2 -> {' '.join(dims)}"
+
+
+def as_real(call: OpCall) -> str:
+    """``view_as_real``: each complex number a trailing pair of reals."""
+    dims = names(len(call.tensors[0].shape))
+    return f"{' '.join(dims)} -> {' '.join(dims)} 2"
+
+
 def register(reg: OpRegistry) -> None:
     reg.add(everywhere("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
                      "view_as", "reshape_as", "_unsafe_view", "ravel"), "reshape", reshape)
     reg.add(everywhere("permute"), "permute", permute)
+    reg.add(everywhere("view_as_complex"), "view_as_complex", as_complex)
+    reg.add(everywhere("view_as_real"), "view_as_real", as_real)
     reg.add(everywhere("transpose", "swapaxes", "swapdims"), "transpose", transpose)
     reg.add(everywhere("t"), "transpose", matrix_t)
     reg.add(everywhere("expand", "expand_as", "broadcast_to"), "expand", expand)
