@@ -1,7 +1,8 @@
 """Indexing, transposes and reductions user code writes (Falcon's ``fused_qkv[..., [-2], :]``,
 a weight's ``.T``, Switch Transformers' ``torch.max(mask, axis=-2)``, NumPy's name for
-``dim``), and rotary embeddings written as complex products (Llama 4's, DeepSeek-V2's):
-each split along every dim its signature lets split trains like one device."""
+``dim``, a ``repeat_interleave`` told its output's size), and rotary embeddings written as
+complex products (Llama 4's, DeepSeek-V2's): each split along every dim its signature lets
+split trains like one device."""
 
 import torch
 
@@ -17,6 +18,9 @@ CASES = {
                      frontends=("fx",)),
     "complex-rotary": Case((2, 4, 2, 8), lambda m, h: _rotated(h), "view_as_complex",
                            ("d0", "d1", "d2", "d3"), frontends=("fx",)),
+    "repeat_interleave-output_size": Case(  # (NemotronH's: a size the piece's must replace)
+        (4, 2, 6), lambda m, h: h.repeat_interleave(2, dim=1, output_size=4), "repeat",
+        ("d0", "d1", "d2"), frontends=("fx",)),
     "mean-axis": Case((4, 2, 6), lambda m, h: torch.mean(h, axis=1), "mean", ("d0", "d1", "d2"),
                       frontends=("fx",)),
 }

@@ -732,6 +732,10 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
             target, kwargs = sliced_attention, {**kwargs, "region": box}  # some query rows
         elif op.op.kind == "experts" and (lo := first_expert(op)):  # some experts: the first's
             args = (*args[:6], lo, *args[7:])
+        elif op.op.kind == "repeat" and "output_size" in kwargs:  # this piece's size
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            shape = op.outputs[0].mask.shape
+            kwargs = {**kwargs, "output_size": math.prod(shape) if dim is None else shape[dim]}
         call = _local_shape_call(ins, args) or _call(target, op.op.name, args, kwargs)
     assign = f"{ins.outs[0]} = {call}" if len(ins.outs) == 1 else \
         f"{_targets(ins.outs)} = rt.tensors({call})"
