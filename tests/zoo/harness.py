@@ -128,9 +128,11 @@ def describe(name: str, graph: Graph) -> Family:
 
 
 def check(family: str, policy: str, graph: Graph, transport: str = "threads",
-          tolerance: float = TOLERANCE) -> Outcome:
-    """Plan, compile and train ``family`` under ``policy``, against one device."""
-    factory = FAMILIES[family]
+          tolerance: float = TOLERANCE, factory: Callable[[], Workload] | None = None
+          ) -> Outcome:
+    """Plan, compile and train ``family`` (made by ``factory``, the zoo's by default) under
+    ``policy``, against one device."""
+    factory = factory or FAMILIES[family]
     start = time.perf_counter()
     stage = "plan"
     with warnings.catch_warnings(record=True) as warned:
