@@ -1,10 +1,10 @@
 """Every causal language model family transformers has, built from one tiny generic
-config (the zoo's ``DECODER``), captured and trained two steps on two ranks under each
-policy against one device: which are equal to it, which are refused (and why), which do
-not build from that config at all. The zoo (``benchmarks/zoo.py``) holds tuned configs of
-some of them; this is the wide net.
+config (the zoo's ``DECODER``, 4 experts where the family has them), captured and trained
+two steps on two ranks under each policy against one device: which are equal to it, which
+are refused (and why), which do not build from that config at all. The zoo
+(``benchmarks/zoo.py``) holds tuned configs of some of them; this is the wide net.
 
-    python benchmarks/families.py [--policies dp tp] [--limit 90] [--only Llama Mixtral]
+    python benchmarks/families.py [--policies dp tp ep] [--limit 90] [--only Llama Mixtral]
 """
 
 import argparse
@@ -43,9 +43,19 @@ def families() -> list[str]:
                   hasattr(transformers, name.removesuffix("ForCausalLM") + "Config"))
 
 
+# A Mixture-of-Experts family's experts, as its config may name them: 4, top-2, narrow.
+EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
 def factory(name: str):
     model, config = (getattr(transformers, name + s) for s in ("ForCausalLM", "Config"))
-    return lambda: _causal_lm(name.lower(), model, config(**DECODER), 0, None)
+    try:
+        fields = {**DECODER, **EXPERTS}
+        config(**fields)
+    except Exception:  # noqa: BLE001  (a config that checks its fields: the decoder's alone)
+        fields = dict(DECODER)
+    return lambda: _causal_lm(name.lower(), model, config(**fields), 0, None)
 
 
 def sweep(name: str, policies: list[str]) -> list[str]:
