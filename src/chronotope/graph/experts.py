@@ -161,7 +161,7 @@ def _hugging_face(module: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                           module.down_proj, 0, config.hidden_act)
 
 
-def per_expert(module: nn.Module, act: str | None) -> str | None:
+def per_expert(module: nn.Module, act: str) -> str | None:
     """Why Switch Transformers' experts (one module per expert, its ``wi`` and ``wo``)
     cannot run as ``routed_experts`` with activation ``act`` (None: they can)."""
     experts = list(module.values())  # type: ignore[operator]
@@ -193,10 +193,15 @@ def _switch_experts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "SwitchTransformersExperts"]
 
 
+def _switch_act(model: nn.Module) -> str:
+    """The activation of Switch Transformers' experts, as its config names it."""
+    return str(getattr(getattr(model, "config", None), "dense_act_fn", ""))
+
+
 def refuse_experts(model: nn.Module, name: str) -> None:
     """Raise where ``model`` has experts only ``routed_experts`` could capture (a loop over
     the experts its router picked) that it cannot run, naming why."""
-    act = getattr(getattr(model, "config", None), "dense_act_fn", None)
+    act = _switch_act(model)
     refused = sorted({why for m in _switch_experts(model) if (why := per_expert(m, act))})
     if refused:
         raise CaptureError(f"{name}: its Switch Transformers experts, a loop over the experts "
@@ -211,7 +216,7 @@ def hugging_face_experts(model: nn.Module) -> Iterator[None]:
     """While it is open, the Hugging Face experts modules of ``model`` that
     ``routed_experts`` can run (``supported``, ``per_expert``), all of them or none, run
     through it."""
-    act = getattr(getattr(model, "config", None), "dense_act_fn", None)
+    act = _switch_act(model)
     switch = _switch_experts(model)
     if switch and all(per_expert(m, act) is None for m in switch):
         for m in switch:
