@@ -28,7 +28,7 @@ from tests.zoo.models import DECODER, _causal_lm  # noqa: E402
 OUTCOMES = ("ok", "mismatch", "refused", "error", "capture", "not built", "past")
 
 
-class _Late(Exception):
+class _Late(BaseException):  # (past the checks, which record every Exception)
     """A family past its time limit."""
 
 
