@@ -51,7 +51,7 @@ class PeakMemory(TorchDispatchMode):
     def _resized(self) -> None:
         """Storage freed or given back in place (ZeRO-3's reshard and refill resize it)
         between two ops: counted from the next op on."""
-        for where, ref in self._alive.items():
+        for where, ref in list(self._alive.items()):  # (another rank's thread may free one)
             storage = ref()
             if storage is not None and (size := storage.nbytes()) != self._size[where]:
                 self.live += size - self._size[where]
