@@ -349,9 +349,10 @@ class StepContext:
             for j, (part, wire) in enumerate(zip(recvs, wires)):
                 for src, (shape, dtype, *routing) in part.items():
                     block = got[members.index(src)]
-                    # a copy of its own: one row's slice is contiguous at any byte offset
-                    rows = block[:, edges[j]:edges[j + 1]].clone(
-                        memory_format=torch.contiguous_format)
+                    rows = block[:, edges[j]:edges[j + 1]].contiguous()
+                    # one row or none: its slice is contiguous as it is, at any byte offset
+                    if rows.storage_offset() % wire.itemsize or rows.stride(0) % wire.itemsize:
+                        rows = rows.clone(memory_format=torch.contiguous_format)
                     rows = rows.view(wire).reshape(block.shape[0], *shape[1:]).to(dtype)
                     if routing:
                         rows = rows.new_zeros(shape).index_copy_(0, _routed(*routing), rows)
