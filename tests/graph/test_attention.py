@@ -79,14 +79,26 @@ class _Landing:
     """Keys and values whose runs land one at a time: NaN until waited for, so a piece
     that reads a run before its wait gives NaN."""
 
-    def __init__(self, key, value, runs):
+    def __init__(self, key, value, runs, leaving=False):
         self.whole = (key.detach().clone(), value.detach().clone())
         self.key, self.value = (torch.full_like(t, float("nan")).requires_grad_()
                                 for t in (key, value))
         self._runs, self.waited = runs, []
+        self.leaving, self.read_by, self.left = leaving, {}, {}
 
     def runs(self):
         return self._runs
+
+    def read(self, piece, runs):
+        self.read_by[piece] = tuple(runs)
+
+    def own(self, run):
+        return run in (0, 1)  # device 0's: chunks 0 and 3
+
+    def leave(self, piece, run, grads):
+        if self.leaving:
+            self.left[run] = grads
+        return self.leaving
 
     def wait(self, run):
         lo, hi = self._runs[run]
@@ -99,9 +111,12 @@ class _Landing:
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("ev", [16, 12])  # 12: the block kernel in plain matmuls
-def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causal, gqa, ev):
+@pytest.mark.parametrize("leaving", [False, True])
+def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causal, gqa, ev,
+                                                                           leaving):
     """A zigzag of 4 chunks over 2 devices: device 0 holds chunks 0 and 3, its runs of
-    keys and values come own first, then device 1's (chunks 1 and 2)."""
+    keys and values come own first, then device 1's (chunks 1 and 2). With ``leaving``
+    the gradients of device 1's runs are given to the ring (a block each), not returned."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 16, 16, requires_grad=True)
     heads = 2 if gqa else 4
@@ -111,7 +126,7 @@ def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causa
                                            enable_gqa=gqa)
     g = torch.randn_like(whole)
     for rows in [(0, 4), (12, 16)]:  # device 0's query chunks
-        landing = _Landing(k, v, [(0, 4), (12, 16), (4, 8), (8, 12)])
+        landing = _Landing(k, v, [(0, 4), (12, 16), (4, 8), (8, 12)], leaving)
         region = [(0, 2), (0, 4), rows, (0, ev)]
         out = sliced_attention(q[..., rows[0]:rows[1], :], landing.key, landing.value,
                                is_causal=causal, scale=0.3, enable_gqa=gqa, region=region,
@@ -121,6 +136,12 @@ def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causa
         assert landing.waited == seen  # in the order they land, only those its rows see
         dq, dk, dv = torch.autograd.grad(out, (q, landing.key, landing.value),
                                          g[..., rows[0]:rows[1], :])
+        assert set(landing.read_by[tuple(map(tuple, region))]) == set(seen)
+        assert set(landing.left) == ({2, 3} & set(seen) if leaving else set())
+        for run, (gk, gv) in landing.left.items():  # what left is not given back as well
+            lo, hi = landing.runs()[run]
+            assert not dk[..., lo:hi, :].any() and not dv[..., lo:hi, :].any()
+            dk[..., lo:hi, :], dv[..., lo:hi, :] = gk, gv
         rows_only = torch.zeros_like(g)
         rows_only[..., rows[0]:rows[1], :] = g[..., rows[0]:rows[1], :]
         for a, b in zip((dq, dk, dv), torch.autograd.grad(whole, (q, k, v), rows_only,

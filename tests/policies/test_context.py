@@ -143,7 +143,7 @@ def test_a_ring_lands_the_keys_and_values_as_attention_takes_them(tmp_path):
             landing = [i for i, ins in enumerate(code) if isinstance(ins, Wait)
                        and ins.handle == handle]
             readers = [i for i, ins in enumerate(code) if isinstance(ins, Forward)
-                       and handle in ins.arriving]
+                       and handle in {s[0] for s in ins.arriving if s is not None}]
             whole = landing[-1]
             freed = [i for i, ins in enumerate(code) if isinstance(ins, Reshard)
                      and set(ins.vars) & set(code[at].vars)]  # not the last layer's
@@ -154,3 +154,41 @@ def test_a_ring_lands_the_keys_and_values_as_attention_takes_them(tmp_path):
     path = tmp_path / "ring.json"
     save_plan(plan, path)
     assert ct.load_plan(graph, path).ring
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf-llama"])
+def test_a_ring_backward_sends_each_run_s_gradients_round_the_ring_as_attention_makes_them(
+        model, monkeypatch):
+    """The gradients of a ring's keys and values leave for their owners from inside the
+    attention's backward (a step of the ring each, once every piece here gave its part),
+    not as messages after it: every layer's backward on every rank leaves, nothing else
+    communicates among its calls, and every step starts inside autograd."""
+    import torch
+
+    from chronotope.compile.program import COLLECTIVES, Backward, Leave, Recv, Send
+    from chronotope.runtime.context import Leaving
+
+    w, graph = captured(model)
+    program = ct.compile(mesh(graph, cp=4, cp_attention="ring"))
+    layers = sum(op.kind == "attention" for op in graph.ops)
+    for code in program.ranks:
+        leaves = [i for i, ins in enumerate(code) if isinstance(ins, Leave)]
+        assert len(leaves) == layers
+        for at in leaves:
+            end = next(i for i, ins in enumerate(code) if i > at and isinstance(ins, Wait)
+                       and ins.handle == code[at].handle)
+            window = code[at + 1:end]
+            assert any(isinstance(ins, Backward) and any(
+                op.forward_op.op.kind == "attention" for op in ins.ops) for ins in window)
+            assert not any(isinstance(ins, (Send, Recv, Wait, *COLLECTIVES)) for ins in window)
+    started = []
+    start = Leaving._start_ready
+
+    def recorded(self):
+        before = self.step
+        start(self)
+        started.extend([torch._C._current_graph_task_id() != -1] * (self.step - before))
+
+    monkeypatch.setattr(Leaving, "_start_ready", recorded)
+    trains_like_one_device(w, program)
+    assert started and all(started)  # every step from inside the backward, as it goes

@@ -38,6 +38,7 @@ from chronotope.compile.program import (
     Grad,
     Instruction,
     Key,
+    Leave,
     Load,
     Loss,
     Micro,
@@ -404,7 +405,7 @@ def render_instruction(ins: Instruction, autograd: _Autograd | None = None,
         call = _communication(ins)
         if ins.handle is not None:  # waited on later
             return [f"{ins.handle} = {call[:-1]}, async_op=True)"]
-        if isinstance(ins, (*MULTI, Exchange)):
+        if isinstance(ins, (*MULTI, Exchange, Leave)):
             return [f"{_targets(ins.vars)} = {call}"]
         return [f"{ins.var} = {call}" if ins.var is not None else call]
     if isinstance(ins, Wait):
@@ -552,6 +553,10 @@ def _communication(ins: Instruction) -> str:
         ring = ", ring=True" if ins.ring else ""
         return (f"rt.all_gather([{', '.join(ins.srcs)}], ranks={ins.ranks}, dims={ins.dims}"
                 f"{slots}{ring})")
+    if isinstance(ins, Leave):
+        takes = ", ".join(f"({role}, {src}, {_slices(box)})"
+                          for role, src, box in zip(ins.roles, ins.srcs, ins.slices))
+        return f"rt.leaving({_sources(ins.gathers)}, ranks={ins.ranks}, takes=[{takes}])"
     if isinstance(ins, ReduceScatter):
         pieces = ", ".join(f"({_names(srcs)})" for srcs in ins.srcs)
         return (f"rt.reduce_scatter([{pieces}], ranks={ins.ranks}, dims={ins.dims}"
@@ -564,6 +569,11 @@ def _communication(ins: Instruction) -> str:
         return f"rt.broadcast({ins.src}{_index(ins.slices)}, root={ins.root}, ranks={ins.ranks})"
     return (f"rt.broadcast(None, root={ins.root}, ranks={ins.ranks}, shape={tuple(ins.shape)}, "
             f"dtype={ins.dtype})")
+
+
+def _sources(sources: tuple[tuple[str, int] | None, ...]) -> str:
+    """Ring attention's keys and values: each a gather's handle and output, or None."""
+    return ", ".join("None" if s is None else f"({s[0]}, {s[1]})" for s in sources)
 
 
 def _by_tensor(messages: tuple[Send, ...] | tuple[Recv, ...],
@@ -693,7 +703,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
             entry.append(f"{ins_names[i]}_share = {ins_names[i]} * {_number(share)}")
             ins_names[i] = f"{ins_names[i]}_share"
             made.append(ins_names[i])
-    reads = [*ins_names, *ins.arriving]
+    reads = [*ins_names, *dict.fromkeys(s[0] for s in ins.arriving if s is not None)]
     entering = [i for i in range(len(ins_names)) if not (ins.linked and ins.linked[i])]
     if any(ins.leaf(i) for i in entering):  # linked inputs keep their producer's graph
         for i in [i for i in entering if ins.ins[i] in inside]:
@@ -724,8 +734,7 @@ def _piece(ins: Forward, inside: frozenset[str] = frozenset(),
             if box != tuple((0, n) for n in whole):
                 kwargs["region"] = box
         elif ins.arriving:  # its keys and values land a device at a time (a ring)
-            landing = ins.arriving[0] if len(ins.arriving) == 1 else \
-                f"rt.landing({', '.join(ins.arriving)})"
+            landing = f"rt.landing({_sources(ins.arriving)})"
             target, kwargs = sliced_attention, {**kwargs, "region": box,
                                                 "arriving": _Name(landing)}
         elif op.op.kind == "attention" and is_causal(args, kwargs) and box[-2] != (0, whole[-2]):

@@ -36,6 +36,7 @@ from chronotope.compile.program import (
     Exchange,
     Forward,
     Instruction,
+    Leave,
     Load,
     Micro,
     Part,
@@ -208,7 +209,7 @@ class _Folder:
         if isinstance(ins, (Send, Recv)):
             return replace(ins, tag=ins.tag + m * self.stride)
         if isinstance(ins, COLLECTIVES):
-            if isinstance(ins, (AllToAll, Exchange, Broadcast)):
+            if isinstance(ins, (AllToAll, Exchange, Broadcast, Leave)):
                 return replace(ins, key=ins.key.marked(("micro", m)))
             return replace(ins, keys=tuple(k.marked(("micro", m)) for k in ins.keys))
         if isinstance(ins, Load) and ins.source == "input":

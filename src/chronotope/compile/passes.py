@@ -92,7 +92,11 @@ def _overlap(lowered: Lowered) -> Code:
 
 
 def _ring(lowered: Lowered) -> Code:
-    return ring(lowered.ranks) if lowered.plan.ring else lowered.ranks
+    """Ring attention; a template's backward keeps its messages (its blocks run once per
+    micro-batch, the gathers' handles live in one)."""
+    if not lowered.plan.ring:
+        return lowered.ranks
+    return ring(lowered.ranks, backward=not lowered.template)
 
 
 def _frees(lowered: Lowered) -> Code:

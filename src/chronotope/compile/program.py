@@ -97,8 +97,9 @@ class Forward:
     # the input is its share of the whole's, and the replicas' gradients add up to it.
     input_scales: tuple[Fraction, ...] = ()
     fused: Fusion | None = None  # runs inside one compiled function with its group
-    # gathers landing run by run that its keys and values come from (``compile/ring.py``)
-    arriving: tuple[str, ...] = ()
+    # where its keys and values land from run by run, by input (its keys', its values'):
+    # a ring gather's handle and which of its outputs, None where one is not (``ring.py``)
+    arriving: tuple[tuple[str, int] | None, ...] = ()
 
     def leaf(self, i: int) -> bool:
         """Whether input ``i`` enters as an autograd leaf of its own."""
@@ -277,6 +278,28 @@ class AllGather:
     # steps round a ring (one collective each), each member's piece landing in the outputs
     # as it comes, for readers that take them so (``compile/ring.py``)
     ring: bool = False
+
+
+@dataclass
+class Leave:
+    """The gradients of ring attention's keys and values (``AllGather.ring``), summed at
+    their owners: ``cp - 1`` steps round the ring, one collective of the group each, where
+    each member sends the member ``s`` before it the runs of that member's, started by the
+    attention's backward in the call that follows as soon as every piece here gave its
+    part of them, so they travel while the backward goes on. Its ``Wait``, after that
+    call, gives what came for this rank's runs: per var, the box ``slices`` (of the whole
+    gathered tensor) of gather ``0`` (the keys') or ``1`` (the values') from ``srcs``."""
+
+    handle: str | None  # (always one: it is waited on after the backward call)
+    gathers: tuple[tuple[str, int] | None, ...]  # the keys' and the values', as ``arriving``
+    vars: tuple[str, ...]
+    srcs: tuple[int, ...]
+    roles: tuple[int, ...]
+    slices: tuple[Slices, ...]
+    ranks: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # of the whole gathered tensors (what it moves)
+    dtype: torch.dtype
+    key: Key  # the keys' gather's, as a gradient: the same on every member
 
 
 @dataclass
@@ -484,14 +507,14 @@ class Micro:
 
 
 Instruction = (Load | Forward | Backward | WeightGrad | Send | Recv | Assemble | AllReduce
-               | AllGather | ReduceScatter | AllToAll | Exchange | Broadcast | Grad | Loss
-               | SetBuffer
+               | AllGather | Leave | ReduceScatter | AllToAll | Exchange | Broadcast | Grad
+               | Loss | SetBuffer
                | Free | PushParam | PullParam | GatherParams | Wait | Reshard | Refill
                | Accumulate | Total | Block | Micro)
-COLLECTIVES = (AllReduce, AllGather, ReduceScatter, AllToAll, Exchange, Broadcast)
+COLLECTIVES = (AllReduce, AllGather, Leave, ReduceScatter, AllToAll, Exchange, Broadcast)
 STARTED = (Recv, *COLLECTIVES)  # what may start at one place and be waited on at another
 MULTI = (AllReduce, AllGather, ReduceScatter)  # several outputs in one flat call
-Collective = AllReduce | AllGather | ReduceScatter | AllToAll | Exchange | Broadcast
+Collective = AllReduce | AllGather | Leave | ReduceScatter | AllToAll | Exchange | Broadcast
 Started = Recv | Collective
 Multi = TypeVar("Multi", bound=AllReduce | AllGather | ReduceScatter)
 _PER_OUTPUT = ("vars", "srcs", "shapes", "dims", "keys")  # a flat call's fields, by output
@@ -508,7 +531,7 @@ def flat(outputs: list[tuple[Multi, int]]) -> Multi:
 
 def results(ins: Started) -> tuple[str, ...]:
     """What a receive or collective gives, whether it is waited on at once or later."""
-    if isinstance(ins, (*MULTI, Exchange)):
+    if isinstance(ins, (*MULTI, Exchange, Leave)):
         return ins.vars
     if isinstance(ins, Broadcast):
         return (ins.var,) if ins.var is not None else ()
@@ -550,6 +573,11 @@ def _srcs(ins: Any) -> tuple[str, ...]:
     return tuple(v for srcs in ins.srcs for v in srcs)
 
 
+def _handles(sources: tuple[tuple[str, int] | None, ...]) -> tuple[str, ...]:
+    """The ring gathers keys and values land from (``Forward.arriving``)."""
+    return tuple(dict.fromkeys(s[0] for s in sources if s is not None))
+
+
 def _routing(ins: Send | Recv) -> tuple[str, ...]:
     """The routing index a routed message's whole side reads."""
     return (ins.rows.index,) if ins.rows is not None and ins.rows.index is not None else ()
@@ -557,13 +585,14 @@ def _routing(ins: Send | Recv) -> tuple[str, ...]:
 
 # by type, not a chain of isinstance: the passes ask this of every instruction many times
 _READS: dict[type, Callable[[Any], tuple[str, ...]]] = {
-    Forward: lambda ins: (*ins.ins, *ins.arriving),
+    Forward: lambda ins: (*ins.ins, *_handles(ins.arriving)),
     Backward: lambda ins: (*(v for vs in ins.grad_outputs for v in vs if v is not None),
                            *ins.remade_inputs()),
     Assemble: lambda ins: tuple(p.src for p in ins.parts),
     AllReduce: _srcs,
     ReduceScatter: _srcs,
     AllGather: lambda ins: ins.srcs,
+    Leave: lambda ins: _handles(ins.gathers),
     AllToAll: lambda ins: (ins.src,),
     Exchange: lambda ins: tuple(v for m in (*ins.sends, *ins.recvs) for v in reads(m)),
     Broadcast: lambda ins: (ins.src,) if ins.src is not None else (),

@@ -36,6 +36,7 @@ from chronotope.compile.program import (
     Forward,
     Free,
     GatherParams,
+    Leave,
     Program,
     ReduceScatter,
     Refill,
@@ -243,6 +244,8 @@ def _priced(ins, params: dict) -> tuple[str, float]:
         return "all_gather", sum(math.prod(s) for s in ins.shapes) * size
     if isinstance(ins, ReduceScatter):
         return "reduce_scatter", sum(math.prod(s) for s in ins.shapes) * len(ins.ranks) * size
+    if isinstance(ins, Leave):  # a ring's steps: a reduce-scatter of the whole gathered
+        return "reduce_scatter", sum(math.prod(s) for s in ins.shapes) * size
     if isinstance(ins, AllToAll):
         return "all_to_all", math.prod(ins.shape) * size
     if isinstance(ins, Exchange):  # what it receives, as a ring all-to-all's share of it

@@ -31,11 +31,19 @@ def causal_mask(rows: tuple[int, int], keys: int, device: Any) -> torch.Tensor:
 class Arriving(Protocol):
     """Keys and values that come a run at a time (ring attention's blocks): the runs of
     their sequence in the order they arrive, this device's own first, and a wait until
-    one is in place in the tensors the piece was given."""
+    one is in place in the tensors the piece was given. A piece says which runs it reads;
+    its backward gives the gradients of the runs other devices own to ``leave`` (which
+    sends them on as the backward goes), where that takes them."""
 
     def runs(self) -> list[tuple[int, int]]: ...
 
     def wait(self, run: int) -> None: ...
+
+    def read(self, piece: Any, runs: Sequence[int]) -> None: ...
+
+    def own(self, run: int) -> bool: ...
+
+    def leave(self, piece: Any, run: int, grads: Sequence[torch.Tensor]) -> bool: ...
 
 
 def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,12 +64,14 @@ def sliced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     end = min(hi, keys) if is_causal else keys  # no causal row sees a key past its last row
     if arriving is not None:
         runs = _ring_runs(arriving.runs(), (lo, hi), end, is_causal)
+        piece = tuple(region)
         if attn_mask is None and runs is not None:
             query, groups = _ready(query, key, enable_gqa)
             return _Runs.apply(query, key, value, tuple(r for r, _ in runs), scale, groups,
-                               arriving, tuple(i for _, i in runs))
+                               arriving, tuple(i for _, i in runs), piece)
         for i in range(len(arriving.runs())):  # a mask, or runs not aligned to the rows
             arriving.wait(i)
+        key, value = _Whole.apply(key, value, arriving, piece)
     if not is_causal:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, False,
                                               scale=scale, enable_gqa=enable_gqa)
@@ -172,8 +182,8 @@ class _Runs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 runs: tuple[tuple[int, int, bool], ...], scale: float | None, groups: int,
-                arriving: Arriving | None = None, indices: tuple[int, ...] = ()
-                ) -> torch.Tensor:
+                arriving: Arriving | None = None, indices: tuple[int, ...] = (),
+                piece: Any = None) -> torch.Tensor:
         merged: tuple[torch.Tensor, torch.Tensor] | None = None  # output (fp32), lse
         for k, (lo, hi, causal) in enumerate(runs):
             if arriving is not None:
@@ -191,6 +201,9 @@ class _Runs(torch.autograd.Function):
         out, lse = merged[0].to(query.dtype), merged[1]
         ctx.save_for_backward(query, out, lse)
         ctx.key, ctx.value, ctx.runs, ctx.scale, ctx.groups = key, value, runs, scale, groups
+        ctx.arriving, ctx.indices, ctx.piece = arriving, indices, piece
+        if arriving is not None:
+            arriving.read(piece, indices)
         return out
 
     @staticmethod
@@ -200,15 +213,43 @@ class _Runs(torch.autograd.Function):
         grad = grad.contiguous()
         grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
         grad_query = None
-        g = ctx.groups
-        for lo, hi, causal in ctx.runs:
+        g, arriving = ctx.groups, ctx.arriving
+        for k_, (lo, hi, causal) in enumerate(ctx.runs):
             q, k, v = _block_backward(grad, query, _block_of(key, lo, hi, g, query.dtype),
                                       _block_of(value, lo, hi, g, query.dtype), out, lse,
                                       causal, ctx.scale)
             grad_query = q if grad_query is None else grad_query + q
-            grad_key[..., lo:hi, :] = _shared(k, g)
-            grad_value[..., lo:hi, :] = _shared(v, g)
-        return grad_query, grad_key, grad_value, None, None, None, None, None
+            k, v = _shared(k, g), _shared(v, g)
+            run = ctx.indices[k_] if arriving is not None else None
+            if run is None or arriving.own(run) or not arriving.leave(ctx.piece, run, (k, v)):
+                grad_key[..., lo:hi, :] = k
+                grad_value[..., lo:hi, :] = v
+        return grad_query, grad_key, grad_value, None, None, None, None, None, None
+
+
+class _Whole(torch.autograd.Function):
+    """Keys and values as they are, read whole by a ring attention's piece that cannot
+    take them run by run (a mask): in the backward, the gradients of the runs other
+    devices own leave from here, as ``_Runs`` gives them."""
+
+    @staticmethod
+    def forward(ctx: Any, key: torch.Tensor, value: torch.Tensor, arriving: Arriving,
+                piece: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.arriving, ctx.piece = arriving, piece
+        ctx.runs, ctx.like = arriving.runs(), (key, value)
+        arriving.read(piece, range(len(ctx.runs)))
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad_key: torch.Tensor | None, grad_value: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        grad_key, grad_value = (torch.zeros_like(t) if g is None else g
+                                for g, t in zip((grad_key, grad_value), ctx.like))
+        for run, (lo, hi) in enumerate(ctx.runs):
+            if not ctx.arriving.own(run):
+                ctx.arriving.leave(ctx.piece, run, (grad_key[..., lo:hi, :],
+                                                    grad_value[..., lo:hi, :]))
+        return grad_key, grad_value, None, None
 
 
 def _block_of(t: torch.Tensor, lo: int, hi: int, groups: int, dtype: torch.dtype

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from chronotope.errors import ChronotopeError
 from chronotope.graph.registry import iter_tensors
 from chronotope.graph.rng import Stream
 from chronotope.plan.storage import replica_run
@@ -118,6 +119,7 @@ class StepContext:
         self.transport = transport
         self.targets = targets
         self.entries: dict[str, _Entered] = {}
+        self._landed: dict[tuple, Landed] = {}  # ring attention's, by its gathers' outputs
         # what the rank stores: a piece reads these as leaves of its own (``_Entered``)
         self._stored = {id(t) for t in stored.values()}
         # each piece's outputs as where their gradients enter its graph (None: no gradient)
@@ -305,9 +307,24 @@ class StepContext:
                                   True)
         return got.then(lambda t: _as(t, dtype)).returned(async_op)
 
-    def landing(self, *gathers: Landing) -> Landed:
-        """The keys and values of an attention from two ring gathers, waited for together."""
-        return Landed(*gathers)
+    def landing(self, key: Source | None, value: Source | None) -> Landed:
+        """The keys and values of an attention from ring gathers (a gather and which of its
+        outputs; None: one that is not), waited for together: one for every piece that
+        reads them, whose backward gives their gradients to the same ``Leaving``."""
+        at = tuple(None if s is None else (id(s[0]), s[1]) for s in (key, value))
+        found = self._landed.get(at)
+        if found is None:
+            found = self._landed[at] = Landed(key, value)
+        return found
+
+    def leaving(self, key: Source | None, value: Source | None, ranks: tuple[int, ...],
+                takes: Sequence[tuple[int, int, tuple[slice, ...]]], async_op: bool = True
+                ) -> Leaving:
+        """The gradients of ring attention's keys and values leaving for their owners as
+        the backward that follows makes them (``Leaving``)."""
+        landed = self.landing(key, value)
+        landed.leaving = Leaving(self, landed, takes)
+        return landed.leaving
 
     def exchange(self, sends: list[dict[int, Any]], recvs: list[dict[int, tuple]],
                  ranks: tuple[int, ...], async_op: bool = False) -> Any:
@@ -606,6 +623,7 @@ class Landing:
     def __init__(self, rt: StepContext, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...],
                  dims: Sequence[int], slots: tuple[int, ...]) -> None:
         me, n = ranks.index(rt.rank), len(ranks)
+        self.rank, self.ranks = rt.rank, ranks
         flat = rt._flat(tensors)
         self.tensors, self.dims = [t.detach() for t in tensors], list(dims)
         self.slots = slots or ranks  # the member of each run along a tensor's dim
@@ -631,6 +649,19 @@ class Landing:
     def runs(self) -> list[tuple[int, int]]:
         """The runs of the first output along its dim, in the order they land."""
         return self._runs
+
+    def run(self, index: int) -> tuple[int, int]:
+        return self._runs[index]
+
+    def member(self, index: int) -> int:
+        """The member whose piece run ``index`` (of ``runs()``) is."""
+        return self.slots[self._runs[index][0] // self._size]
+
+    def runs_of(self, member: int) -> list[int]:
+        """The runs of ``member``'s piece (indices of ``runs()``), in their order along the
+        dim (the same on every member)."""
+        return sorted((i for i in range(len(self._runs)) if self.member(i) == member),
+                      key=lambda i: self._runs[i][0])
 
     def wait(self, run: int | None = None) -> tuple[torch.Tensor, ...]:
         """Until run ``run`` (of ``runs()``) is in place, or with None every run; the
@@ -662,18 +693,159 @@ class Landing:
                     out.narrow(dim, j * width, width).copy_(piece.narrow(dim, k * width, width))
 
 
-class Landed:
-    """Keys and values from two ``Landing`` gathers, waited for together."""
+Source = tuple["Landing", int]  # a ring gather and which of its outputs
 
-    def __init__(self, *landing: Landing) -> None:
-        self.landing = landing
+
+class Landed:
+    """An attention's keys and values from ``Landing`` gathers (None: one that is not),
+    waited for together (``graph.attention.Arriving``). The pieces that read them say which
+    runs (``read``); in the backward, with a ``leaving``, each gives its gradients of the
+    runs other members own to it (``leave``) and keeps this rank's own."""
+
+    def __init__(self, key: Source | None, value: Source | None) -> None:
+        self.sources = (key, value)
+        first = key or value
+        assert first is not None
+        self.first = first[0]
+        self.readers: dict[Any, tuple[int, ...]] = {}  # per reading piece, the runs it read
+        self.leaving: Leaving | None = None
 
     def runs(self) -> list[tuple[int, int]]:
-        return self.landing[0].runs()
+        return self.first.runs()
 
     def wait(self, run: int | None = None) -> None:
-        for gather in self.landing:
-            gather.wait(run)
+        for source in self.sources:
+            if source is not None:
+                source[0].wait(run)
+
+    def read(self, piece: Any, runs: Sequence[int]) -> None:
+        self.readers[piece] = tuple(runs)
+
+    def own(self, run: int) -> bool:
+        """Whether run ``run`` (of ``runs()``) is this rank's."""
+        return self.first.member(run) == self.first.rank
+
+    def leave(self, piece: Any, run: int, grads: Sequence[torch.Tensor]) -> bool:
+        """Give the leaving the gradients (the keys', the values') piece ``piece`` has of
+        run ``run``, another member's; False when none leaves (they go back whole)."""
+        if self.leaving is None:
+            return False
+        self.leaving.leave(piece, run, grads)
+        return True
+
+
+class Leaving:
+    """The gradients of ring attention's keys and values, each member's runs sent to it
+    as soon as every piece here that read them gave its part: step ``s`` of the ring sends
+    the member ``s`` before this rank its runs and takes this rank's from the member ``s``
+    after it, one collective of the group each, called in step order on every member (as
+    NCCL needs), during the backward, so the bytes move while it goes on. ``wait`` gives
+    the boxes the compiler named (``takes``: the keys' or values', from which member,
+    where in the whole gathered tensor) of what came."""
+
+    def __init__(self, rt: StepContext, landed: Landed,
+                 takes: Sequence[tuple[int, int, tuple[slice, ...]]]) -> None:
+        self.rt, self.landed, self.takes = rt, landed, list(takes)
+        self.roles = [role for role, s in enumerate(landed.sources) if s is not None]
+        first = landed.first
+        self.ranks, self.me = first.ranks, first.ranks.index(rt.rank)
+        self.parts: dict[int, dict[int, torch.Tensor]] = {}  # per run, by role: the sum here
+        self.given: dict[int, set[Any]] = {}  # per run, the pieces that gave theirs
+        self.came: dict[int, Started] = {}  # per member, its step's collective
+        self.step = 1  # the next step to start
+        self._start_ready()
+
+    def leave(self, piece: Any, run: int, grads: Sequence[torch.Tensor]) -> None:
+        parts = self.parts.setdefault(run, {})
+        with torch.no_grad():
+            for role in self.roles:
+                g = grads[role].detach()
+                parts[role] = g.clone() if role not in parts else parts[role].add_(g)
+        self.given.setdefault(run, set()).add(piece)
+        self._start_ready()
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        self._start_ready()
+        if self.step < len(self.ranks):
+            missing = [r for r in range(len(self.landed.runs())) if not self._complete(r)]
+            raise ChronotopeError(f"rank {self.rt.rank}: ring attention's backward gave no "
+                                  f"gradient of key runs {missing} that its forward read: "
+                                  f"this is a bug in chronotope")
+        came = {m: started.wait() for m, started in self.came.items()}
+        first = self.landed.first
+        mine = first.runs_of(self.rt.rank)
+        out = []
+        for role, src, box in self.takes:
+            dim = self._dim(role)
+            lo, hi = box[dim].start, box[dim].stop
+            run = next(r for r in mine if first.run(r)[0] <= lo and hi <= first.run(r)[1])
+            block = came[src][mine.index(run)][self.roles.index(role)]
+            shift = first.run(run)[0]
+            out.append(block[tuple(slice(lo - shift, hi - shift) if d == dim else s
+                                   for d, s in enumerate(box))])
+        return tuple(out)
+
+    def _complete(self, run: int) -> bool:
+        readers = {p for p, runs in self.landed.readers.items() if run in runs}
+        return readers <= self.given.get(run, set())
+
+    def _start_ready(self) -> None:
+        """Start every step whose runs are complete, in step order."""
+        first = self.landed.first
+        n = len(self.ranks)
+        mine = first.runs_of(self.rt.rank)
+        while self.step < n:
+            to = self.ranks[(self.me - self.step) % n]
+            runs = first.runs_of(to)
+            if not all(self._complete(r) for r in runs):
+                return
+            frm = self.ranks[(self.me + self.step) % n]
+            flat = self.rt._flat([self._block(r, role) for r in runs for role in self.roles])
+            size = sum(math.prod(self._shape(r, role)) for r in mine for role in self.roles)
+            at = self.ranks.index(frm)
+            self.came[frm] = self.rt.transport.all_to_all_rows(
+                [flat if m == to else flat[:0] for m in self.ranks], self.ranks, self.rt.rank,
+                True, [size if m == frm else 0 for m in self.ranks]).then(
+                    lambda got, at=at: self._split(got[at], mine))
+            for r in runs:  # sent: no longer kept here
+                self.parts.pop(r, None)
+            self.step += 1
+
+    def _output(self, role: int) -> torch.Tensor:
+        source = self.landed.sources[role]
+        assert source is not None
+        return source[0].outputs[source[1]]
+
+    def _dim(self, role: int) -> int:
+        source = self.landed.sources[role]
+        assert source is not None
+        return source[0].dims[source[1]]
+
+    def _shape(self, run: int, role: int) -> tuple[int, ...]:
+        lo, hi = self.landed.first.run(run)
+        dim = self._dim(role)
+        return tuple(hi - lo if d == dim else n for d, n in enumerate(self._output(role).shape))
+
+    def _block(self, run: int, role: int) -> torch.Tensor:
+        """This rank's sum of run ``run`` of a gradient (zeros: no piece here read it)."""
+        part = self.parts.get(run, {}).get(role)
+        if part is not None:
+            return part
+        out = self._output(role)
+        return torch.zeros(self._shape(run, role), dtype=out.dtype, device=out.device)
+
+    def _split(self, flat: torch.Tensor, mine: list[int]) -> list[list[torch.Tensor]]:
+        """What came from one member: per run of this rank's, each role's block."""
+        out, at = [], 0
+        for r in mine:
+            blocks = []
+            for role in self.roles:
+                shape = self._shape(r, role)
+                n = math.prod(shape)
+                blocks.append(_as(flat[at:at + n].view(shape), self._output(role).dtype))
+                at += n
+            out.append(blocks)
+        return out
 
 
 def _whole(shape: Sequence[int], dim: int, own: int, runs: int) -> tuple[int, ...]:

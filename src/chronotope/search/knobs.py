@@ -566,13 +566,16 @@ class Model:
                 seconds[i] = 2 * self.cluster.collective("all_to_all", chunk, groups)
                 continue
             gather = self.cluster.collective("all_gather", kv, groups)
+            scatter = self.cluster.collective("reduce_scatter", kv, groups)
             if k.attention == "ring":  # the forward's blocks land as its rows attend to
-                # those in place (a third of the attention's time), as the simulator has it
-                forward = self.times(k.tp, k.sequence, m)[i] / k.cp / 3
-                seconds[i] = max(0.0, gather - forward)
+                # those in place (a third of the attention's time), and the backward's
+                # gradients leave as it makes them (the other two), as the simulator has it
+                attention = self.times(k.tp, k.sequence, m)[i] / k.cp
+                seconds[i] = max(0.0, gather - attention / 3) + \
+                    max(0.0, scatter - 2 * attention / 3)
             else:
-                seconds[i] = gather
-            seconds[i] += gather + self.cluster.collective("reduce_scatter", kv, groups)
+                seconds[i] = gather + scatter
+            seconds[i] += gather  # gathered again for the backward
             held[i] = 2 * kv
         return seconds, held
 
