@@ -192,3 +192,15 @@ def test_a_ring_backward_sends_each_run_s_gradients_round_the_ring_as_attention_
     monkeypatch.setattr(Leaving, "_start_ready", recorded)
     trains_like_one_device(w, program)
     assert started and all(started)  # every step from inside the backward, as it goes
+
+
+def test_a_ring_backward_holds_no_more_than_the_gathered_one():
+    """What a ring's backward keeps for its steps (each layer's keys and values, the
+    gradients that came) goes once its layer's backward is done: its peak is the
+    all-gather's, however many layers came before."""
+    w, graph = captured("llama", seq_len=512, d_model=128, n_head=8, n_kv_head=2, n_layer=8,
+                        vocab_size=512, batch_size=2)
+    peaks = {a: max(run_in_threads(ct.compile(mesh(graph, cp=4, cp_attention=a)), w, 1,
+                                   Optim("sgd", 0.1), measure_memory=True).peak_memory)
+             for a in ("allgather", "ring")}
+    assert peaks["ring"] <= peaks["allgather"] * 1.01, peaks

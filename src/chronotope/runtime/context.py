@@ -21,6 +21,7 @@ import itertools
 import math
 import operator
 import time
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -119,7 +120,9 @@ class StepContext:
         self.transport = transport
         self.targets = targets
         self.entries: dict[str, _Entered] = {}
-        self._landed: dict[tuple, Landed] = {}  # ring attention's, by its gathers' outputs
+        # ring attention's, by its gathers' outputs: while its pieces' backward needs it
+        self._landed: weakref.WeakValueDictionary[tuple, Landed] = \
+            weakref.WeakValueDictionary()
         # what the rank stores: a piece reads these as leaves of its own (``_Entered``)
         self._stored = {id(t) for t in stored.values()}
         # each piece's outputs as where their gradients enter its graph (None: no gradient)
@@ -772,6 +775,7 @@ class Leaving:
                                   f"gradient of key runs {missing} that its forward read: "
                                   f"this is a bug in chronotope")
         came = {m: started.wait() for m, started in self.came.items()}
+        self.came, self.landed.leaving = {}, None  # (what came is held by its boxes alone)
         first = self.landed.first
         mine = first.runs_of(self.rt.rank)
         out = []
