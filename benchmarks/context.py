@@ -16,10 +16,12 @@ Balance: each rank's causal attention FLOPs (``cost.piece_flops``: a chunk late 
 sequence sees more keys), max over min, for the sequence cut in a zigzag (each rank
 chunks i and 2 cp - 1 - i) and in plain runs (goal: zigzag <= 1.05).
 
-Time: the median step time of cp over ``cp`` gloo processes against one process,
-and against torch's ``context_parallel`` (ring attention on DTensor) where it runs: it has
-no CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding
-rule), so only with ``--device cuda`` (one NCCL process per GPU).
+Time: the median step of a Llama under cp over ``cp`` processes (gloo on CPU, NCCL with
+``--device cuda``) against one process and against torch's ``context_parallel`` (ring
+attention on DTensor, head-tail balanced, gradients all-reduced over the group) on the same
+model and processes (goal: <= 1.0x), with each run's losses beside one process's. On CPU
+torch's ring is routed to its CPU flash kernel (``_cpu_ring_attention``): its dispatcher
+knows CUDA's fused ops only.
 
 Simulate: the predicted step of each attention variant on H100s (``ct.simulate``) for a
 Llama of d_model 1024, 16 heads over 4 key heads, 2 layers, 8,192 tokens in bf16, against
@@ -114,67 +116,134 @@ def balance_table(seq: int, cps: list[int], d_model: int) -> Table:
     return table
 
 
-def chronotope_step_time(w, cp: int, variant: str, steps: int) -> float:
-    graph = _graph(w)
-    program = ct.compile(make(graph, ParallelConfig("cp", cp, cp_attention=variant)))
-    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=600)
-    return statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:])
+def _cpu_ring_attention() -> None:
+    """Let torch's ring attention run on CPU: its dispatcher knows CUDA's fused attention ops
+    only, and CPU's ``sdpa`` is ``_scaled_dot_product_flash_attention_for_cpu``. Both of its
+    ops are routed to torch's own ``_templated_ring_attention`` (and backward), so the ring,
+    its load balancing and its merge are torch's, each block run by the CPU flash kernel."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    aten = torch.ops.aten
+
+    def local(args):
+        mesh = next(a for a in args if isinstance(a, DTensor)).device_mesh
+        return mesh, [a.to_local() if isinstance(a, DTensor) else a for a in args]
+
+    def sharded(mesh, tensors):
+        return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in tensors)
+
+    def forward(op, args, kwargs):
+        mesh, (q, k, v, *rest) = local(args)
+        dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("torch's ring attention takes no mask")
+        return sharded(mesh, ring._templated_ring_attention(
+            mesh.get_group(), 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+            is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale")))
+
+    def backward(op, args, kwargs):
+        mesh, (grad, q, k, v, out, lse, dropout_p, is_causal) = local(args)
+        return sharded(mesh, ring._templated_ring_attention_backward(
+            mesh.get_group(), 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+            logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale")))
+
+    ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = forward
+    ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = backward
 
 
-def _torch_worker(rank: int, world: int, seq: int, d_model: int, steps: int, port: int,
-                  out: str) -> None:
-    """One rank of torch's context_parallel on the same GPT: batch and labels sharded along
-    the sequence (head-tail load balanced), SDPA swapped for ring attention."""
+def _torch_worker(rank: int, world: int, seq: int, d_model: int, steps: int, device: str,
+                  port: int, out: str) -> None:
+    """One rank of torch's context_parallel on the same Llama: the batch, labels and rotary
+    tables sharded along the sequence (head-tail load balanced), SDPA swapped for ring
+    attention, the gradients all-reduced over the group as one flat tensor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        _cpu_ring_attention()
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
-    w = _workload("gpt", seq, d_model, device="cuda")
-    device_mesh = init_device_mesh("cuda", (world,))
-    opt = torch.optim.SGD(w.model.parameters(), lr=0.1)
+    w = _workload("llama", seq, d_model, device=device)
+    model = w.model
+    device_mesh = init_device_mesh(device, (world,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     idx, targets = (t.clone() for t in w.inputs)
-    times = []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times, losses = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with context_parallel(device_mesh, buffers=[idx, targets], buffer_seq_dims=[1, 1]):
-            w.model(idx, targets).backward()
+        with context_parallel(device_mesh, buffers=[idx, targets, model.cos, model.sin],
+                              buffer_seq_dims=[1, 1, 0, 0]):
+            loss = model(idx, targets)
+            loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads]).div_(world)
+        dist.all_reduce(flat)
+        for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(new)
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
-    gathered = [None] * world
+        losses.append(loss.detach().clone())
+    dist.all_reduce(mean := torch.stack(losses).div_(world))
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, times)
     if rank == 0:
-        torch.save([max(ts) for ts in zip(*gathered)], out)
+        torch.save(([max(ts) for ts in zip(*gathered)], mean.tolist()), out)
     dist.destroy_process_group()
 
 
-def torch_step_time(world: int, seq: int, d_model: int, steps: int) -> float:
+def torch_step(world: int, seq: int, d_model: int, steps: int, device: str
+               ) -> tuple[float, list[float]]:
+    """torch's median step and its losses, one process per rank."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "times.pt")
-        mp.start_processes(_torch_worker, args=(world, seq, d_model, steps, free_port(), out),
+        mp.start_processes(_torch_worker,
+                           args=(world, seq, d_model, steps, device, free_port(), out),
                            nprocs=world, join=True, start_method="spawn")
-        return statistics.median(torch.load(out)[1:])
+        times, losses = torch.load(out)
+        return statistics.median(times[1:]), losses
+
+
+def chronotope_step(w, cp: int, variant: str, steps: int) -> tuple[float, list[float]]:
+    """chronotope's median step (slowest rank) and its losses."""
+    graph = _graph(w)
+    program = ct.compile(make(graph, ParallelConfig("cp", cp, cp_attention=variant)))
+    results = launch(rank_specs(program, w), steps, Optim("sgd", 0.1), timeout=600)
+    return statistics.median([max(ts) for ts in zip(*(r[2] for r in results))][1:]), \
+        results[0][0]
 
 
 def time_table(seq: int, cps: list[int], d_model: int, steps: int, device: str) -> Table:
-    w = _workload("gpt", seq, d_model, device=device)
-    one = chronotope_step_time(w, 1, "allgather", steps)
-    table = Table(title=f"GPT d_model={d_model}, 2 layers, batch 2 x {seq} tokens on {device}: "
-                        f"median step time (ms) of {steps - 1} steps, slowest rank")
-    for col in ("cp", "attention", "chronotope", "/ one process", "torch context_parallel",
-                "chronotope / torch"):
+    w = _workload("llama", seq, d_model, device=device)
+    one, losses = chronotope_step(w, 1, "allgather", steps)
+    table = Table(title=f"Llama d_model={d_model}, 8 heads over 2 key heads, 2 layers, batch "
+                        f"2 x {seq} tokens, one process per rank on {device}: median step "
+                        f"(ms) of {steps - 1}, slowest rank; losses' largest relative "
+                        "difference from one process over the steps")
+    for col in ("cp", "attention", "step ms", "/ one process", "loss diff",
+                "torch context_parallel ms", "its loss diff", "chronotope / torch"):
         table.add_column(col, justify="right")
+
+    def diff(got: list[float]) -> str:
+        return f"{max(abs(a - b) / abs(b) for a, b in zip(got, losses)):.1e}"
+
     for cp in (c for c in cps if c > 1):
-        theirs = torch_step_time(cp, seq, d_model, steps) if device == "cuda" else None
+        theirs, their_losses = torch_step(cp, seq, d_model, steps, device)
         for variant in VARIANTS:
-            ours = chronotope_step_time(w, cp, variant, steps)
+            ours, our_losses = chronotope_step(w, cp, variant, steps)
             table.add_row(str(cp), variant, f"{ours * 1e3:.1f}", f"{ours / one:.2f}",
-                          f"{theirs * 1e3:.1f}" if theirs else "no CPU kernel",
-                          f"{ours / theirs:.2f}" if theirs else "-")
+                          diff(our_losses), f"{theirs * 1e3:.1f}", diff(their_losses),
+                          f"{ours / theirs:.2f}")
     return table
 
 
