@@ -79,7 +79,7 @@ class _Landing:
     """Keys and values whose runs land one at a time: NaN until waited for, so a piece
     that reads a run before its wait gives NaN."""
 
-    def __init__(self, key, value, runs, leaving=False):
+    def __init__(self, key, value, runs, leaving=None):
         self.whole = (key.detach().clone(), value.detach().clone())
         self.key, self.value = (torch.full_like(t, float("nan")).requires_grad_()
                                 for t in (key, value))
@@ -92,13 +92,11 @@ class _Landing:
     def read(self, piece, runs):
         self.read_by[piece] = tuple(runs)
 
-    def own(self, run):
-        return run in (0, 1)  # device 0's: chunks 0 and 3
-
-    def leave(self, piece, run, grads):
-        if self.leaving:
+    def leave(self, piece, run, grads):  # device 0's own runs: chunks 0 and 3
+        if self.leaving == "all" or (self.leaving == "others" and run not in (0, 1)):
             self.left[run] = grads
-        return self.leaving
+            return True
+        return False
 
     def wait(self, run):
         lo, hi = self._runs[run]
@@ -111,12 +109,13 @@ class _Landing:
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("ev", [16, 12])  # 12: the block kernel in plain matmuls
-@pytest.mark.parametrize("leaving", [False, True])
+@pytest.mark.parametrize("leaving", [None, "others", "all"])
 def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causal, gqa, ev,
                                                                            leaving):
     """A zigzag of 4 chunks over 2 devices: device 0 holds chunks 0 and 3, its runs of
     keys and values come own first, then device 1's (chunks 1 and 2). With ``leaving``
-    the gradients of device 1's runs are given to the ring (a block each), not returned."""
+    the gradients of device 1's runs (``others``), or of every run (``all``: the ring keeps
+    device 0's), are given to the ring a block each, not returned."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 16, 16, requires_grad=True)
     heads = 2 if gqa else 4
@@ -137,7 +136,9 @@ def test_ring_pieces_attend_to_each_run_as_it_lands_and_equal_the_whole_op(causa
         dq, dk, dv = torch.autograd.grad(out, (q, landing.key, landing.value),
                                          g[..., rows[0]:rows[1], :])
         assert set(landing.read_by[tuple(map(tuple, region))]) == set(seen)
-        assert set(landing.left) == ({2, 3} & set(seen) if leaving else set())
+        left = {"others": {2, 3}, "all": {0, 1, 2, 3}}.get(leaving, set())
+        assert set(landing.left) == left & set(seen)
+        dk, dv = dk.clone(), dv.clone()
         for run, (gk, gv) in landing.left.items():  # what left is not given back as well
             lo, hi = landing.runs()[run]
             assert not dk[..., lo:hi, :].any() and not dv[..., lo:hi, :].any()

@@ -87,6 +87,7 @@ class _Leaves:
     gathers: tuple[tuple[str, int] | None, ...]  # the readers' ``arriving``
     sources: dict[int, tuple[AllGather, int]]  # by role (keys 0, values 1): gather, output
     calls: list[int]  # its backward calls
+    grads: dict[str, int]  # the pieces' gradients of the keys (role 0) and values (1)
     sends: dict[int, tuple[int, int, Slices]] = field(default_factory=dict)  # at: dst, role, box
     dropped: set[int] = field(default_factory=set)  # the sums the sends read
     takes: list[tuple[str, int, int, Slices]] = field(default_factory=list)  # var, src, role..
@@ -158,7 +159,7 @@ def _leaves(rank: int, code: list[Instruction]) -> list[_Leaves]:
         if found is None:
             continue
         calls, grads = found
-        lv = _Leaves(arriving, sources, calls)
+        lv = _Leaves(arriving, sources, calls, grads)
         if _uses(rank, code, calls[0], grads, sources, lv):
             out.append(lv)
     return out
@@ -267,6 +268,7 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
     after: dict[int, list[Instruction]] = {}
     gone: set[int] = set()
     again: set[str] = set()  # second names of a box
+    rewritten: dict[int, Instruction] = {}  # sums of this rank's runs, reading what was kept
     for lv in leaves:
         gone |= {*lv.sends, *lv.dropped, *lv.gone, *lv.scatters}
         first = lv.first
@@ -281,6 +283,11 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
             else:
                 seen[at] = var
                 takes.append((var, src, role, box))
+        kept = _kept(code, lv, taken)
+        if kept is not None:
+            summed, here = kept
+            rewritten.update(summed)
+            takes += [(var, rank, role, box) for var, role, box in here]
         sums = []
         for k, outs in lv.scatters.items():
             scatter = code[k]
@@ -289,7 +296,13 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
                 gather, out = lv.sources[role]
                 box = _run(gather, out, rank)
                 mine = tuple(slice(0, s.stop - s.start) for s in box)
-                parts = [Part(d, box, mine, Fraction(1)) for d in srcs]
+                if kept is None:
+                    parts = [Part(d, box, mine, Fraction(1)) for d in srcs]
+                else:  # what the leaving kept of this rank's run
+                    here = fresh_name(f"{var}_here", taken)
+                    taken.add(here)
+                    takes.append((here, rank, role, box))
+                    parts = [Part(here, mine, mine, Fraction(1))]
                 for m in gather.ranks:
                     if m != rank:
                         came = fresh_name(f"{var}_from{m}", taken)
@@ -309,11 +322,48 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
             made.append(before[k])
         if k in gone:
             continue
+        ins = rewritten.get(k, ins)
         if isinstance(ins, Assemble) and again & {p.src for p in ins.parts}:
             ins = replace(ins, parts=[p for p in ins.parts if p.src not in again])
         made.append(ins)
         made += after.get(k, [])
     return made
+
+
+def _kept(code: list[Instruction], lv: _Leaves, taken: set[str]
+          ) -> tuple[dict[int, Assemble], list[tuple[str, int, Slices]]] | None:
+    """The sums of this rank's own runs from the pieces' gradients, each reading instead
+    the sum the leaving kept of its box (one name per box: the pieces' parts added as they
+    left), so that no piece makes a gradient of the whole keys and values; with the names
+    (role, box). None where such a sum comes before the last call or a box is read twice."""
+    summed: dict[int, Assemble] = {}
+    here: list[tuple[str, int, Slices]] = []
+    named: set[tuple] = set()
+    for k, ins in enumerate(code):
+        if k in lv.dropped or not isinstance(ins, Assemble) or \
+                not any(p.src in lv.grads for p in ins.parts):
+            continue
+        if k < lv.calls[-1] or ins.accumulate:
+            return None
+        parts: list[Part] = []
+        boxes: dict[tuple, Part] = {}
+        for p in ins.parts:
+            if p.src not in lv.grads:
+                parts.append(p)
+                continue
+            at = (lv.grads[p.src], tuple((s.start, s.stop) for s in p.src_slices))
+            if p.scale != 1 or at in named or boxes.get(at, p).dst_slices != p.dst_slices:
+                return None
+            if at not in boxes:
+                var = fresh_name(f"{ins.var}_here", taken)
+                taken.add(var)
+                here.append((var, at[0], p.src_slices))
+                boxes[at] = Part(var, tuple(slice(0, s.stop - s.start) for s in p.src_slices),
+                                 p.dst_slices, Fraction(1))
+                parts.append(boxes[at])
+        named |= set(boxes)
+        summed[k] = replace(ins, parts=parts)
+    return summed, here
 
 
 def _run(gather: AllGather, out: int, member: int) -> Slices:

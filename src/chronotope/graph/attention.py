@@ -32,16 +32,14 @@ class Arriving(Protocol):
     """Keys and values that come a run at a time (ring attention's blocks): the runs of
     their sequence in the order they arrive, this device's own first, and a wait until
     one is in place in the tensors the piece was given. A piece says which runs it reads;
-    its backward gives the gradients of the runs other devices own to ``leave`` (which
-    sends them on as the backward goes), where that takes them."""
+    its backward gives the gradients of each run to ``leave`` (which sends another
+    device's on as the backward goes, and sums this one's), where that takes them."""
 
     def runs(self) -> list[tuple[int, int]]: ...
 
     def wait(self, run: int) -> None: ...
 
     def read(self, piece: Any, runs: Sequence[int]) -> None: ...
-
-    def own(self, run: int) -> bool: ...
 
     def leave(self, piece: Any, run: int, grads: Sequence[torch.Tensor]) -> bool: ...
 
@@ -211,7 +209,7 @@ class _Runs(torch.autograd.Function):
         query, out, lse = ctx.saved_tensors
         key, value = ctx.key, ctx.value
         grad = grad.contiguous()
-        grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
+        grad_key = grad_value = None  # made where a run's gradient does not leave
         grad_query = None
         g, arriving = ctx.groups, ctx.arriving
         for k_, (lo, hi, causal) in enumerate(ctx.runs):
@@ -221,10 +219,13 @@ class _Runs(torch.autograd.Function):
             grad_query = q if grad_query is None else grad_query + q
             k, v = _shared(k, g), _shared(v, g)
             run = ctx.indices[k_] if arriving is not None else None
-            if run is None or arriving.own(run) or not arriving.leave(ctx.piece, run, (k, v)):
+            if run is None or not arriving.leave(ctx.piece, run, (k, v)):
+                if grad_key is None or grad_value is None:
+                    grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
                 grad_key[..., lo:hi, :] = k
                 grad_value[..., lo:hi, :] = v
-        return grad_query, grad_key, grad_value, None, None, None, None, None, None
+        return (grad_query, _or_zeros(grad_key, key), _or_zeros(grad_value, value), None, None,
+                None, None, None, None)
 
 
 class _Whole(torch.autograd.Function):
@@ -246,10 +247,15 @@ class _Whole(torch.autograd.Function):
         grad_key, grad_value = (torch.zeros_like(t) if g is None else g
                                 for g, t in zip((grad_key, grad_value), ctx.like))
         for run, (lo, hi) in enumerate(ctx.runs):
-            if not ctx.arriving.own(run):
-                ctx.arriving.leave(ctx.piece, run, (grad_key[..., lo:hi, :],
-                                                    grad_value[..., lo:hi, :]))
+            ctx.arriving.leave(ctx.piece, run, (grad_key[..., lo:hi, :],
+                                                grad_value[..., lo:hi, :]))
         return grad_key, grad_value, None, None
+
+
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``grad``, or zeros shaped like ``like`` that take no memory (every run's gradient
+    left: nothing reads this one)."""
+    return grad if grad is not None else like.new_zeros(()).expand(like.shape)
 
 
 def _block_of(t: torch.Tensor, lo: int, hi: int, groups: int, dtype: torch.dtype

@@ -730,8 +730,9 @@ class Landed:
 
     def leave(self, piece: Any, run: int, grads: Sequence[torch.Tensor]) -> bool:
         """Give the leaving the gradients (the keys', the values') piece ``piece`` has of
-        run ``run``, another member's; False when none leaves (they go back whole)."""
-        if self.leaving is None:
+        run ``run``: another member's, or this rank's where the leaving keeps them; False
+        when none leaves (they go back whole)."""
+        if self.leaving is None or (self.own(run) and not self.leaving.keeps):
             return False
         self.leaving.leave(piece, run, grads)
         return True
@@ -744,11 +745,14 @@ class Leaving:
     after it, one collective of the group each, called in step order on every member (as
     NCCL needs), during the backward, so the bytes move while it goes on. ``wait`` gives
     the boxes the compiler named (``takes``: the keys' or values', from which member,
-    where in the whole gathered tensor) of what came."""
+    where in the whole gathered tensor) of what came; a box from this rank is of the sum
+    its pieces gave of its own runs, which it then keeps (``keeps``): no piece makes a
+    gradient of the whole keys and values."""
 
     def __init__(self, rt: StepContext, landed: Landed,
                  takes: Sequence[tuple[int, int, tuple[slice, ...]]]) -> None:
         self.rt, self.landed, self.takes = rt, landed, list(takes)
+        self.keeps = any(src == rt.rank for _, src, _ in self.takes)
         self.roles = [role for role, s in enumerate(landed.sources) if s is not None]
         first = landed.first
         self.ranks, self.me = first.ranks, first.ranks.index(rt.rank)
@@ -783,7 +787,8 @@ class Leaving:
             dim = self._dim(role)
             lo, hi = box[dim].start, box[dim].stop
             run = next(r for r in mine if first.run(r)[0] <= lo and hi <= first.run(r)[1])
-            block = came[src][mine.index(run)][self.roles.index(role)]
+            block = self._block(run, role) if src == self.rt.rank else \
+                came[src][mine.index(run)][self.roles.index(role)]
             shift = first.run(run)[0]
             out.append(block[tuple(slice(lo - shift, hi - shift) if d == dim else s
                                    for d, s in enumerate(box))])
