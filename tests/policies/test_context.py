@@ -1,7 +1,9 @@
 """Context parallelism: every op cut along the sequence, equal to one device."""
 
 import pytest
+import torch
 from plan_testing import captured, trains_like_one_device
+from torch.utils._pytree import tree_leaves
 
 import chronotope as ct
 from chronotope.compile.program import AllGather, Forward, Refill, Reshard, Wait
@@ -192,6 +194,33 @@ def test_a_ring_backward_sends_each_run_s_gradients_round_the_ring_as_attention_
     monkeypatch.setattr(Leaving, "_start_ready", recorded)
     trains_like_one_device(w, program)
     assert started and all(started)  # every step from inside the backward, as it goes
+
+
+def test_a_ring_backward_makes_no_gradient_of_the_whole_keys_and_values(monkeypatch):
+    """Each run's gradient leaves for its owner, or is summed in the leaving where it is
+    this rank's own, as the pieces give them: a tensor the size of the whole gathered keys
+    is made by the gathers alone (the forward's and the backward's), never as a piece's
+    gradient of them (two per query chunk of a zigzag, zeros but for its own runs)."""
+    import chronotope.runtime.local as local
+
+    whole, made = (2, 4, 64, 8), []  # batch, heads, all the tokens, head size
+
+    class Watch(local.PeakMemory):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            made.extend(str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                        and tuple(t.shape) == whole and t.untyped_storage()._cdata not in given
+                        and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            return out
+
+    monkeypatch.setattr(local, "PeakMemory", Watch)
+    w, graph = captured("gpt", block_size=64, d_model=32, n_head=4, n_layer=2, vocab_size=64,
+                        batch_size=2)
+    run_in_threads(ct.compile(mesh(graph, cp=2, cp_attention="ring")), w, 1,
+                   Optim("sgd", 0.1), measure_memory=True)
+    assert made and set(made) <= {"aten.new_empty.default", "aten.cat.default"}, made
 
 
 def test_a_ring_backward_holds_no_more_than_the_gathered_one():
