@@ -285,9 +285,8 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
                 takes.append((var, src, role, box))
         kept = _kept(code, lv, taken)
         if kept is not None:
-            summed, here = kept
-            rewritten.update(summed)
-            takes += [(var, rank, role, box) for var, role, box in here]
+            rewritten.update(kept[0])
+            takes += [(var, rank, role, box) for var, role, box in kept[1]]
         sums = []
         for k, outs in lv.scatters.items():
             scatter = code[k]
@@ -299,10 +298,10 @@ def _left(rank: int, code: list[Instruction], leaves: list[_Leaves]) -> list[Ins
                 if kept is None:
                     parts = [Part(d, box, mine, Fraction(1)) for d in srcs]
                 else:  # what the leaving kept of this rank's run
-                    here = fresh_name(f"{var}_here", taken)
-                    taken.add(here)
-                    takes.append((here, rank, role, box))
-                    parts = [Part(here, mine, mine, Fraction(1))]
+                    name = fresh_name(f"{var}_here", taken)
+                    taken.add(name)
+                    takes.append((name, rank, role, box))
+                    parts = [Part(name, mine, mine, Fraction(1))]
                 for m in gather.ranks:
                     if m != rank:
                         came = fresh_name(f"{var}_from{m}", taken)
