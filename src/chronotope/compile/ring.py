@@ -338,7 +338,8 @@ def _kept(code: list[Instruction], lv: _Leaves, taken: set[str]
     summed: dict[int, Assemble] = {}
     here: list[tuple[str, int, Slices]] = []
     named: set[tuple] = set()
-    for k, ins in enumerate(code):
+    for k in range(lv.calls[0], len(code)):  # (the calls make the gradients)
+        ins = code[k]
         if k in lv.dropped or not isinstance(ins, Assemble) or \
                 not any(p.src in lv.grads for p in ins.parts):
             continue
