@@ -76,3 +76,33 @@ def test_a_model_already_parallelized_is_refused_in_one_line_saying_to_pass_it_u
     for how in ("parallelize_module", "fully_shard"):
         assert f"as {how} makes it): pass the model as written for one device" in said[how]
     assert "pass the model inside it (its .module)" in said["DDP"]
+
+
+
+class Mismatched(nn.Module):
+    """A model whose op does not run on the example batch, its output then iterated: fx,
+    without the shape that op would have made, stops there, with a complaint about the
+    iteration that hides the op's."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        h = self.proj(x) + self.bias  # 8 features against 3
+        return torch.stack([row.sum() for row in h]).mean()
+
+
+@pytest.mark.parametrize("frontend", ["auto", "fx"])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_op_that_fails_is_named_not_where_tracing_stopped_after_it(frontend, device):
+    line = inspect.getsourcelines(Mismatched.forward)[1] + 1
+    with pytest.raises(ct.CaptureError) as err:
+        ct.capture(Mismatched().to(device), torch.randn(2, 8), frontend=frontend)
+    message = str(err.value)
+    assert message.startswith("Mismatched: add (add) at "), message
+    assert f"test_capture_errors.py:{line}" in message
+    assert "fails on inputs [float32[2, 8], float32[3]]" in message
+    assert "Example batch: x float32[2, 8]" in message
+    assert ("cannot be iterated" in message) == (frontend == "fx")  # fx's own words, after

@@ -22,10 +22,10 @@ from torch.utils import _pytree as pytree
 
 from chronotope.errors import CaptureError
 from chronotope.graph.batch import Batch, identifiers, model_loss
-from chronotope.graph.convert import Converter, Leaf, OpFailed
+from chronotope.graph.convert import Converter, Leaf, OpFailed, op_failed, target_name
 from chronotope.graph.experts import hugging_face_experts, refuse_experts
 from chronotope.graph.functions import sign_functions
-from chronotope.graph.ir import Graph, Source, TensorKind
+from chronotope.graph.ir import Graph, Source, TensorKind, TensorMeta
 from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry, warn_unannotated
 from chronotope.graph.trace import (
@@ -134,6 +134,8 @@ def capture(
             except Exception as export_error:
                 if isinstance(fx_error, CaptureMismatch):
                     raise fx_error from None
+                if isinstance(fx_error, Stopped):
+                    raise fx_error.failed from export_error
                 raise _capture_error(name, "torch.fx", fx_error, export_error) from export_error
             if check:
                 try:
@@ -175,8 +177,17 @@ def _refuse_wrapped(model: nn.Module, name: str) -> None:
 def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
     placeholders = dict(zip(step.names, step.tensors))
     tracer = Tracer(placeholders, registry)
-    with hugging_face_experts(step.model):
-        fx_graph = tracer.trace(step)
+    try:
+        with hugging_face_experts(step.model):
+            fx_graph = tracer.trace(step)
+    except Exception as e:
+        if tracer.failed is None:
+            raise
+        node, inputs, cause = tracer.failed
+        batch = ", ".join(f"{n} {TensorMeta(tuple(t.shape), t.dtype)}"
+                          for n, t in placeholders.items())
+        raise Stopped(op_failed(name, f"{target_name(node.target)} ({node.name})", inputs,
+                                node.meta.get("source"), batch, cause), e) from e
     root = tracer.root
     params = {id(p): n for n, p in step.model.named_parameters()}
     buffers = {id(b): n for n, b in step.model.named_buffers()}
@@ -200,6 +211,16 @@ def capture_fx(step: Step, registry: OpRegistry, name: str) -> Graph:
         source=lambda n: n.meta.get("source"),
     )
     return conv.graph(loss, name, step.names, dict(step.model.named_parameters()))
+
+
+class Stopped(CaptureError):
+    """fx stopped tracing after an op failed on the example shapes: the op's failure (the
+    likelier cause: what it would have made was missing further on), kept to report should
+    torch.export fail too."""
+
+    def __init__(self, failed: CaptureError, stopped: Exception) -> None:
+        super().__init__(f"{failed}\n  (fx then stopped: {_first_line(stopped)})")
+        self.failed = failed
 
 
 def capture_export(step: Step, registry: OpRegistry, name: str) -> Graph:

@@ -101,6 +101,23 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in iter_tensors(tree) if _is_tensor(x)]
 
 
+def op_failed(model: str, op: str, inputs: list[torch.Tensor], source: Source | None,
+              batch: str, e: Exception) -> CaptureError:
+    """Why ``op`` of ``model`` cannot run on the example batch (``batch``, described): its
+    inputs' shapes and the op's own complaint, or that it reads tensor values in Python."""
+    shapes = ", ".join(str(TensorMeta(tuple(t.shape), t.dtype)) for t in inputs) or "none"
+    where = f" at {source}" if source else ""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "meta" in first and ("item" in first or "data-dependent" in first):
+        return CaptureError(
+            f"{model}: {op}{where} reads tensor values in Python (data-dependent control "
+            "flow); keep tensor values inside tensor ops, or wrap the code in a function "
+            "registered with @chronotope.register_op"
+        )
+    return OpFailed(f"{model}: {op}{where} fails on inputs [{shapes}]: {first}. Example batch: "
+                    f"{batch}; check the example inputs' shapes")
+
+
 def target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
@@ -481,21 +498,9 @@ class Converter:
 
     def op_failed(self, node: fx.Node, target: Any, inputs: list[torch.Tensor],
                   source: Source | None, e: Exception) -> CaptureError:
-        shapes = ", ".join(str(TensorMeta(tuple(t.shape), t.dtype)) for t in inputs) or "none"
-        where = f" at {source}" if source else ""
         batch = ", ".join(f"{t.name} {t.meta}" for t in self.batch)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "meta" in first and ("item" in first or "data-dependent" in first):
-            return CaptureError(
-                f"{self.model_name}: {target_name(target)} ({node.name}){where} reads tensor "
-                "values in Python (data-dependent control flow); keep tensor values inside "
-                "tensor ops, or wrap the code in a function registered with "
-                "@chronotope.register_op"
-            )
-        return OpFailed(
-            f"{self.model_name}: {target_name(target)} ({node.name}){where} fails on inputs "
-            f"[{shapes}]: {first}. Example batch: {batch}; check the example inputs' shapes"
-        )
+        return op_failed(self.model_name, f"{target_name(target)} ({node.name})", inputs,
+                         source, batch, e)
 
     def emit(self, node_name: str, target: Any, args: tuple, kwargs: dict,
              outs: list[torch.Tensor], source: Source | None) -> Op:

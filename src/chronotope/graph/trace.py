@@ -319,6 +319,9 @@ class Tracer(fx.Tracer):
         self.example = example
         self.registry = registry
         self.on_meta = False  # computing a meta value: factories run, they are not recorded
+        # the first call that failed on meta tensors (the converter reports it, but a trace
+        # that stops further on, for want of the shape it would have made, never gets there)
+        self.failed: tuple[fx.Node, list[torch.Tensor], Exception] | None = None
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self.module_ids = {id(m) for m in root.modules()}
@@ -385,7 +388,11 @@ class Tracer(fx.Tracer):
         self.on_meta = True
         try:
             return call_on_meta(node.op, node.target, args, kwargs, self.registry)
-        except Exception:  # reported by the converter, which knows the op's context
+        except Exception as e:  # reported by the converter, which knows the op's context
+            if self.failed is None:
+                inputs = [x for x in pytree.tree_leaves((args, kwargs))
+                          if isinstance(x, torch.Tensor)]
+                self.failed = (node, inputs, e)
             return None
         finally:
             self.on_meta = False
