@@ -8,7 +8,7 @@ import torch
 from plan_testing import trains_like_one_device
 
 import chronotope as ct
-from chronotope.compile.program import Exchange
+from chronotope.compile.program import AllReduce, Exchange
 from chronotope.errors import PlanError
 from chronotope.graph.experts import routed_experts
 from chronotope.graph.mask import covers_exactly_once
@@ -195,16 +195,26 @@ def test_experts_sent_no_token_or_one_or_dropped_ones_train_like_one_device(shap
 
 
 @pytest.mark.parametrize("sequence", [False, True])
-def test_tensor_parallel_lanes_dispatch_their_tokens_lane_by_lane(sequence):
+def test_tensor_parallel_lanes_exchange_their_tokens_lane_by_lane(sequence):
     """dp 2 x ep 2 x tp 2: ranks 0, 1 are replica 0's lanes, 2, 3 replica 1's. Each lane's
-    tokens go to the same lane of the other member, one exchange per lane."""
-    plan = mesh(capture(FAMILIES["mixtral"]()), dp=2, ep=2, tp=2, sequence=sequence)
+    tokens go to the same lane of the other member and come back from it alone, one
+    exchange per lane: a lane's part of each expert's output (its hidden features' share)
+    is combined on its own lane, and the lanes then sum theirs in one all-reduce of the
+    replica's tokens. Sent to every lane, each routed row would travel once per lane."""
+    family = FAMILIES["mixtral"]
+    plan = mesh(capture(family()), dp=2, ep=2, tp=2, sequence=sequence)
     program = ct.compile(plan)
     groups = [{ins.ranks for ins in code if isinstance(ins, Exchange)} for code in program.ranks]
     lane = [(0, 2), (1, 3), (0, 2), (1, 3)]
-    assert all(lane[r] in groups[r] for r in range(4)), groups
-    if sequence:  # each lane its own tokens, through whole experts: nothing else exchanges
-        assert groups == [{g} for g in lane]
+    assert groups == [{g} for g in lane], groups
+    if not sequence:  # the outputs, and the gradients of tokens and weights, summed over lanes
+        replica = [(0, 1), (0, 1), (2, 3), (2, 3)]
+        layers = sum(op.kind == "experts" for op in plan.graph.ops)
+        for r, code in enumerate(program.ranks):
+            summed = [k for ins in code if isinstance(ins, AllReduce) and ins.ranks == replica[r]
+                      for k in ins.keys if k.via[:1] == (("lanes", replica[r][0]),)]
+            assert len(summed) == 3 * layers, summed
+    trains_like_one_device(family(), program, steps=1)
 
 
 def test_the_simulator_prices_exchanges_as_the_rows_a_spreading_router_sends():

@@ -133,6 +133,11 @@ class Lowering:
         self.cells = cells_of(self.plan) if self.plan.micro > 1 else {}
         self.batched = batch_axes(self.plan.graph) if self.cells else {}
         self.route_of: dict[PlanOp, tuple[int, int] | None] = {}  # see ``routes``
+        self.readers: dict[tuple[PTensor, Mask], set[int]] = defaultdict(set)  # see ``lanes``
+        for rank, seq in checked.sequences.items():
+            for op in seq:
+                for v in op.inputs:
+                    self.readers[(v.ptensor, v.mask)].add(rank)
 
     # ---- building ------------------------------------------------------------------------
 
@@ -489,11 +494,21 @@ class Lowering:
                  pre: list[Instruction], reader: PlanOp | None) -> str:
         routed = self.routed(reader, v.ptensor) or any(self.routed(p, v.ptensor) for p, _ in found)
         pattern = None if routed else self.pattern(rank, v, found, pre)  # messages of rows
+        if routed and not self.routed(reader, v.ptensor) and \
+                (lanes := self.lanes(rank, v, found)) is not None:
+            mine, pattern = lanes  # this lane's parts combined, then summed over the lanes
+            pattern = replace(pattern, local=(self.summed(rank, v, mine, pre, reader),))
         if pattern is not None and pattern.key not in self.refused:
             # the collective, with no messages
             var = self.names.fresh(rank, v.ptensor.name, v.mask.shape)
             pre.append(Assemble(var, v.mask.shape, v.ptensor.dtype, [], pattern))
             return var
+        return self.summed(rank, v, found, pre, reader)
+
+    def summed(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]],
+               pre: list[Instruction], reader: PlanOp | None) -> str:
+        """A local name for the sum of what ``found`` holds of ``v``, its pieces fetched as
+        messages (``fetch``)."""
         found = self.presum(rank, v, found)
         parts = []
         for producer, m in found:
@@ -766,6 +781,42 @@ class Lowering:
         if experts:
             return (Rows(lo, hi, index, key, share), Rows(lo, hi, None, key, share), routing)
         return Rows(lo, hi, None, key, share), Rows(lo, hi, index, key, share), None
+
+    def lanes(self, rank: int, v: VTensor, found: list[tuple[PlanOp, Mask]]
+              ) -> tuple[list[tuple[PlanOp, Mask]], Pattern] | None:
+        """Where experts cut along their hidden features (tensor parallelism inside them)
+        hand back their parts of ``v`` (what they made, the gradients of their tokens and
+        weights), and each member of the group made its part over as many ranks as read
+        ``v`` alike: the pieces of this reader's lane, one per member (the combine then
+        moves each routed row once per lane, not once per lane and member's rank), and the
+        all-reduce over the readers that sums the lanes; the first lane's pieces also hold
+        what other ops add to ``v``. None where they do not line up, or that all-reduce was
+        refused."""
+        readers = sorted(self.readers.get((v.ptensor, v.mask), ()))
+        if len(readers) < 2 or rank not in readers:
+            return None
+        members: dict[tuple[int, int], list[tuple[PlanOp, Mask]]] = defaultdict(list)
+        others = []  # what else adds to it (a residual's gradient): the first lane's to add
+        for piece, m in found:
+            forward = piece.forward_op if piece.is_backward else piece
+            if forward.op.kind != "experts":
+                others.append((piece, m))
+            elif m.index != v.mask.index:
+                return None
+            else:
+                members[forward.inputs[3].mask.index[0]].append((piece, m))  # by its experts
+        lane = readers.index(rank)
+        mine = [] if lane else others
+        for pieces in members.values():
+            ranks = sorted(placed(p) for p, _ in pieces)
+            if len(ranks) != len(readers) or len(set(ranks)) < len(ranks):
+                return None
+            mine.append(next((p, m) for p, m in pieces if placed(p) == ranks[lane]))
+        key = Key(v.ptensor.name, v.mask.index, self.role(v.ptensor),
+                  tuple(("lanes", r) for r in readers))
+        if key in self.refused:
+            return None
+        return mine, Pattern(CollectiveKind.ALL_REDUCE, key, readers, ())
 
     def every_micro_batch(self, region: Mask, t: PTensor, held: Mask) -> Mask:
         """Micro-batch 0's ``region`` of ``t`` grown along the batch to every micro-batch's
