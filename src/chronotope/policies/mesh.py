@@ -92,23 +92,71 @@ def tensor_parallel_dims(graph: Graph, parts: int, experts: bool = True
     ``experts``, each Mixture-of-Experts layer's hidden features too (not under sequence
     parallelism: there each lane routes its own tokens through whole experts, exchanging
     them with its lane of the other members, where a lane's part of every expert would
-    read all of its group's tokens)."""
+    read all of its group's tokens).
+
+    Column-parallel projections widen and the row-parallel ones that sum their parts
+    narrow back. A narrowing projection whose cut a widening one would sum (a low-rank
+    pair: latent attention's down- and up-projections) is left whole instead, so that the
+    widening one is cut by its output features, and what they reach (attention's heads)
+    with it."""
+    whole: set[Op] = set()
+    tried: set[Op] = set()
+    while True:
+        out, inverted, _ = _tensor_parallel_dims(graph, parts, experts, whole)
+        trial = {n: w for n, w in inverted.items() if n not in tried}
+        if not trial:
+            return out
+        tried |= trial.keys()
+        # kept whole only where the widening one's cut then reaches a projection that sums
+        # it, no norm between (its heads through attention to the output projection)
+        closed = _tensor_parallel_dims(graph, parts, experts, whole | trial.keys())[2]
+        whole |= {n for n, w in trial.items() if w in closed}
+
+
+def _tensor_parallel_dims(graph: Graph, parts: int, experts: bool, whole: set[Op]
+                          ) -> tuple[dict[Op, TpSplit | None], dict[Op, Op], set[Op]]:
+    """``tensor_parallel_dims`` with the projections in ``whole`` left whole; the narrowing
+    projections whose cut a widening projection sums (with it); and the column-parallel
+    projections whose cut a projection sums, no op between reading it with a sum over it
+    (a norm: the features times their mean's inverse root)."""
     readers = _readers(graph)
     reader = feeders(graph)
     weights = {t for op in reader for t in op.outputs}
     axis: dict[PTensor, int] = {}
+    # the column-parallel projections a cut axis comes from, each with whether no op on
+    # its way from there summed over it
+    origins: dict[PTensor, dict[Op, bool]] = {}
+    partial: dict[PTensor, set[Op]] = {}  # made from a sum over such an axis (a norm's mean)
     fused: dict[PTensor, int] = {}
     out: dict[Op, TpSplit | None] = {}
+    inverted: dict[Op, Op] = {}
+    closed: set[Op] = set()
     for op in graph.ops:
         out[op] = None
         if op.signature is None:
             continue
         sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
         dim = carried_dim(op, axis)
+        made: dict[Op, bool] = {}
+        mixed = set().union(*(partial.get(t, ()) for t in op.inputs))
+        if mixed:
+            partial.update(dict.fromkeys(op.outputs, mixed))
         if dim is not None:
             chunks = still_fused(op, fused)
-        elif (dim := column_dim(op, weights)) is not None:
+            came = {o: c for t in op.inputs if t in axis for o, c in origins.get(t, {}).items()}
+            widths = _widths(op, weights)
+            if widths is not None and widths[0] == dim:  # a row-parallel projection
+                closed |= {o for o, c in came.items() if c}
+                if sizes[dim] < sizes[widths[1]]:  # it widens
+                    inverted.update({o: op for o in came if _narrows(o, weights)})
+            else:
+                made = {o: c and o not in mixed for o, c in came.items()}
+                if any(d.reduce for a in op.signature.inputs for ax in a for d in ax.factors
+                       if d.name == dim):
+                    partial.update(dict.fromkeys(op.outputs, mixed | set(came)))
+        elif op not in whole and (dim := column_dim(op, weights)) is not None:
             chunks = fused_parts(op.outputs[0], readers)
+            made = {op: True}
         elif op.kind == "experts" and experts:  # each device its part of the hidden features
             dim, chunks = "f", 1
         split = TpSplit(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
@@ -116,6 +164,8 @@ def tensor_parallel_dims(graph: Graph, parts: int, experts: bool = True
         if split is not None:
             carry(op, split.dim, axis)
             fused.update({t: split.chunks for t in op.outputs if split.chunks > 1})
+            if made:
+                origins.update(dict.fromkeys(op.outputs, made))
         out[op] = split
     # what makes a split op's weights from parameters is cut alike: each device keeps its
     # part of the parameter
@@ -125,7 +175,35 @@ def tensor_parallel_dims(graph: Graph, parts: int, experts: bool = True
             assert op.signature is not None  # (a feeder has one)
             sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
             out[op] = TpSplit(dim, chunks) if sizes[dim] % (chunks * parts) == 0 else None
-    return out
+    return out, inverted, closed
+
+
+def _widths(op: Op, weights: Collection[PTensor]) -> tuple[str, str] | None:
+    """A projection by a weight matrix's (input, output) feature dims: the one its 2-D
+    weight sums over and the one it makes."""
+    sig = op.signature
+    if sig is None or not op.outputs:
+        return None
+    made = {a.factors[0].name for a in sig.outputs[0]}
+    for t, tdims in zip(op.inputs, sig.inputs):
+        if (t.kind is not TensorKind.PARAM and t not in weights) or len(tdims) != 2:
+            continue
+        leads = [a.factors[0] for a in tdims]
+        summed = [d.name for d in leads if d.reduce]
+        kept = [d.name for d in leads if not d.reduce and d.name in made]
+        if len(summed) == 1 and len(kept) == 1:
+            return summed[0], kept[0]
+    return None
+
+
+def _narrows(op: Op, weights: Collection[PTensor]) -> bool:
+    """Whether a projection makes fewer features than it reads."""
+    widths = _widths(op, weights)
+    if widths is None:
+        return False
+    assert op.signature is not None  # (a projection has one)
+    sizes = op.signature.bind(op.input_shapes, [t.shape for t in op.outputs])
+    return sizes[widths[1]] < sizes[widths[0]]
 
 
 def _readers(graph: Graph) -> dict[PTensor, list[Op]]:
