@@ -3,7 +3,7 @@ data parallelism and with its experts shared out over 2 and 4 of the ranks, and 
 tensor parallelism (inside the experts too).
 
     python benchmarks/experts.py [--devices 4] [--experts 8] [--d-model 128] [--steps 4]
-                                 [--only time|search|lanes]
+                                 [--only time|search|lanes|latent]
 
 The model is transformers' MixtralForCausalLM from a small config (``--experts`` experts,
 top 2, 2 layers, batch 8 x 128 tokens, the router's balancing loss on), captured with its
@@ -24,6 +24,14 @@ together (and of them the exchanges' routed rows, as a spreading router sends th
 the simulated step. Each lane combines its part of the experts' outputs from its own lane
 of each member and the lanes sum theirs in one all-reduce, so a routed row travels once
 per lane (sent to every lane, ``dp 4 x tp 4 x ep 4`` moved 26.0 GiB and took 26.4 ms).
+
+Latent: a DeepSeek-V3-shaped model (its widths, 2 layers, 8 experts, top 2, on the meta
+device) on 8 x 4,096 tokens, 8 simulated H100s, under tp 8 and dp 2 x tp 4 x ep 2: the
+simulated step, the activations the plan holds on the fullest device, the bytes a step
+moves. Its low-rank down-projections stay whole and its up-projections are cut by heads
+(``tensor_parallel_dims``); cut by column at the down-projections, attention ran whole on
+every device: tp 8 took 1,451 ms with 207 GiB of activations per device, dp 2 x tp 4 x ep
+2 1,022 ms with 103.
 
 Search: Mixtral 8x7B (transformers' default config, on the meta device) at 64 samples of
 4,096 tokens on 64 H100s in bf16: the mesh search's plan next to dp x tp x ep grids, each
@@ -124,19 +132,57 @@ def lanes_table() -> Table:
     return table
 
 
+def latent_table() -> Table:
+    from chronotope.compile.simulate import simulate
+    from chronotope.cost.network import cluster_for
+
+    config = tf.DeepseekV3Config(vocab_size=4096, hidden_size=7168, intermediate_size=18432,
+                                 moe_intermediate_size=2048, num_hidden_layers=2,
+                                 num_attention_heads=128, num_key_value_heads=128,
+                                 n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                                 n_group=2, topk_group=1, first_k_dense_replace=1,
+                                 kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                 qk_nope_head_dim=128, v_head_dim=128,
+                                 max_position_embeddings=4096, use_cache=False,
+                                 attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = tf.DeepseekV3ForCausalLM(config).train()
+    ids = torch.randint(3, 4096, (8, 4096))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = ct.capture(Workload(model, (), {"input_ids": ids, "labels": ids},
+                                    name="deepseek-v3"))
+    cluster = cluster_for(8, "h100-sxm")
+    table = Table(title="DeepSeek-V3-shaped (2 layers, 8 experts, top 2), 8 x 4,096 tokens, "
+                        "8 simulated H100s: latent attention under tensor parallelism")
+    for col in ("plan", "step ms", "activations GiB / device", "GiB moved / step"):
+        table.add_column(col, justify="right" if col != "plan" else "left")
+    for dp, tp, ep in ((1, 8, 1), (2, 4, 2)):
+        plan = mesh(graph, dp=dp, tp=tp, ep=ep)
+        program = ct.compile(plan, cluster=cluster)
+        held = max(m.activations for m in plan.check().memory.values())
+        moved = sum(sum(program.traffic(r).values()) for r in range(program.ndevices))
+        label = " x ".join([f"dp {dp}"] * (dp > 1) + [f"tp {tp}"] + [f"ep {ep}"] * (ep > 1))
+        table.add_row(label, f"{simulate(program, cluster).step_time * 1e3:.0f}",
+                      f"{held / 2**30:.1f}", f"{moved / 2**30:.0f}")
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--only", choices=("time", "search", "lanes"))
+    p.add_argument("--only", choices=("time", "search", "lanes", "latent"))
     args = p.parse_args()
     if args.only in (None, "lanes"):
         Console(width=120).print(lanes_table())
+    if args.only in (None, "latent"):
+        Console(width=120).print(latent_table())
     if args.only in (None, "search"):
         Console(width=120).print(search_table())
-    if args.only in ("search", "lanes"):
+    if args.only in ("search", "lanes", "latent"):
         return
     w = workload(args.experts, args.d_model)
     with warnings.catch_warnings():
