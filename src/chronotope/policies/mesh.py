@@ -21,7 +21,7 @@ whose ops have signatures works.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +40,7 @@ from chronotope.graph.axes import (
 )
 from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
+from chronotope.graph.signature import Dim
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
 from chronotope.plan.plan import Fusion, PlanOp
 from chronotope.plan.steps import Kind, cells_of
@@ -181,19 +182,24 @@ def _tensor_parallel_dims(graph: Graph, parts: int, experts: bool, whole: set[Op
 def _widths(op: Op, weights: Collection[PTensor]) -> tuple[str, str] | None:
     """A projection by a weight matrix's (input, output) feature dims: the one its 2-D
     weight sums over and the one it makes."""
+    for summed, kept in _weight_dims(op, weights):
+        if len(summed) == 1 and len(kept) == 1:
+            return summed[0].name, kept[0].name
+    return None
+
+
+def _weight_dims(op: Op, weights: Collection[PTensor]) -> Iterator[tuple[list[Dim], list[Dim]]]:
+    """For each 2-D weight ``op`` reads (a parameter, or made from parameters: among
+    ``weights``), its dims the op sums over and those that reach the output."""
     sig = op.signature
     if sig is None or not op.outputs:
-        return None
+        return
     made = {a.factors[0].name for a in sig.outputs[0]}
     for t, tdims in zip(op.inputs, sig.inputs):
         if (t.kind is not TensorKind.PARAM and t not in weights) or len(tdims) != 2:
             continue
         leads = [a.factors[0] for a in tdims]
-        summed = [d.name for d in leads if d.reduce]
-        kept = [d.name for d in leads if not d.reduce and d.name in made]
-        if len(summed) == 1 and len(kept) == 1:
-            return summed[0], kept[0]
-    return None
+        yield [d for d in leads if d.reduce], [d for d in leads if not d.reduce and d.name in made]
 
 
 def _narrows(op: Op, weights: Collection[PTensor]) -> bool:
@@ -235,16 +241,9 @@ def column_dim(op: Op, weights: Collection[PTensor] = ()) -> str | None:
     ``addmm``, a matmul by a slice or transpose of a parameter, among ``weights``): the
     dim of its 2-D weight that is no sum and reaches the output, where the other one is
     summed over. A column-parallel cut splits it."""
-    sig = op.signature
-    if sig is None or not op.outputs:
-        return None
-    made = {a.factors[0].name for a in sig.outputs[0]}
-    for t, tdims in zip(op.inputs, sig.inputs):
-        if (t.kind is not TensorKind.PARAM and t not in weights) or len(tdims) != 2:
-            continue
-        leads = [a.factors[0] for a in tdims]
-        out = [d for d in leads if not d.reduce and d.name in made and d.splittable]
-        if len(out) == 1 and any(d.reduce for d in leads):
+    for summed, kept in _weight_dims(op, weights):
+        out = [d for d in kept if d.splittable]
+        if len(out) == 1 and summed:
             return out[0].name
     return None
 
