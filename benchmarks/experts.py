@@ -101,6 +101,17 @@ def search_table() -> Table:
     return table
 
 
+def _on_meta(model_class: type, config: object, batch: tuple[int, int], name: str) -> ct.Graph:
+    """A causal language model of ``config`` built on the meta device (no weights made),
+    captured on a batch of that many token ids, labels its inputs."""
+    with torch.device("meta"):
+        model = model_class(config).train()
+    ids = torch.randint(3, config.vocab_size, batch)  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.capture(Workload(model, (), {"input_ids": ids, "labels": ids}, name=name))
+
+
 def lanes_table() -> Table:
     from chronotope.compile.simulate import simulate
     from chronotope.cost.network import cluster_for
@@ -110,12 +121,7 @@ def lanes_table() -> Table:
                               num_local_experts=8, num_experts_per_tok=2,
                               max_position_embeddings=1024, use_cache=False,
                               attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = tf.MixtralForCausalLM(config).train()
-    ids = torch.randint(3, 512, (16, 1024))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(Workload(model, (), {"input_ids": ids, "labels": ids}, name="mixtral"))
+    graph = _on_meta(tf.MixtralForCausalLM, config, (16, 1024), "mixtral")
     cluster = cluster_for(16, "h100-sxm")
     table = Table(title="Mixtral-shaped (d_model 2,048, 8 experts, top 2, 2 layers), 16 x 1,024 "
                         "tokens, 16 simulated H100s: experts under tensor parallelism")
@@ -145,13 +151,7 @@ def latent_table() -> Table:
                                  qk_nope_head_dim=128, v_head_dim=128,
                                  max_position_embeddings=4096, use_cache=False,
                                  attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = tf.DeepseekV3ForCausalLM(config).train()
-    ids = torch.randint(3, 4096, (8, 4096))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = ct.capture(Workload(model, (), {"input_ids": ids, "labels": ids},
-                                    name="deepseek-v3"))
+    graph = _on_meta(tf.DeepseekV3ForCausalLM, config, (8, 4096), "deepseek-v3")
     cluster = cluster_for(8, "h100-sxm")
     table = Table(title="DeepSeek-V3-shaped (2 layers, 8 experts, top 2), 8 x 4,096 tokens, "
                         "8 simulated H100s: latent attention under tensor parallelism")
