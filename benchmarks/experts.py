@@ -112,6 +112,11 @@ def _on_meta(model_class: type, config: object, batch: tuple[int, int], name: st
         return ct.capture(Workload(model, (), {"input_ids": ids, "labels": ids}, name=name))
 
 
+def _label(dp: int, tp: int, ep: int) -> str:
+    """A mesh as its sizes above 1: ``dp 4 x tp 4 x ep 4``."""
+    return " x ".join(f"{k} {v}" for k, v in (("dp", dp), ("tp", tp), ("ep", ep)) if v > 1)
+
+
 def lanes_table() -> Table:
     from chronotope.compile.simulate import simulate
     from chronotope.cost.network import cluster_for
@@ -130,9 +135,7 @@ def lanes_table() -> Table:
     for dp, tp, ep in ((16, 1, 8), (8, 2, 8), (4, 4, 4), (4, 4, 1)):
         program = ct.compile(mesh(graph, dp=dp, tp=tp, ep=ep), cluster=cluster)
         traffic = [program.traffic(r) for r in range(program.ndevices)]
-        label = " x ".join([f"dp {dp}"] + [f"{k} {v}" for k, v in (("tp", tp), ("ep", ep))
-                                           if v > 1])
-        table.add_row(label, f"{sum(sum(t.values()) for t in traffic) / 2**30:.2f}",
+        table.add_row(_label(dp, tp, ep), f"{sum(sum(t.values()) for t in traffic) / 2**30:.2f}",
                       f"{sum(t['all_to_all'] for t in traffic) / 2**30:.2f}",
                       f"{simulate(program, cluster).step_time * 1e3:.2f}")
     return table
@@ -162,8 +165,7 @@ def latent_table() -> Table:
         program = ct.compile(plan, cluster=cluster)
         held = max(m.activations for m in plan.check().memory.values())
         moved = sum(sum(program.traffic(r).values()) for r in range(program.ndevices))
-        label = " x ".join([f"dp {dp}"] * (dp > 1) + [f"tp {tp}"] + [f"ep {ep}"] * (ep > 1))
-        table.add_row(label, f"{simulate(program, cluster).step_time * 1e3:.0f}",
+        table.add_row(_label(dp, tp, ep), f"{simulate(program, cluster).step_time * 1e3:.0f}",
                       f"{held / 2**30:.1f}", f"{moved / 2**30:.0f}")
     return table
 
