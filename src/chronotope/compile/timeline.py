@@ -74,6 +74,26 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
     times where given, or ``step_cost(rank, step)`` seconds where given (equal steps,
     to check a schedule's shape). ``bytes_per_s``: the link speed messages between
     ranks take (None: they take no time)."""
+    steps = step_times(plan, flops_per_s, step_cost, measured, bytes_per_s)
+    return Timeline(_replayed(steps, bytes_per_s), sorted(steps.order))
+
+
+@dataclass
+class StepTimes:
+    """What a pipeline plan's steps take: each rank's steps in order, each step's seconds
+    on its rank, and the bytes each step reads from another rank's step."""
+
+    order: dict[int, list[str]]
+    cost: dict[Key, float]
+    wire: dict[tuple[Key, Key], int]  # (sender step, reader step) -> bytes; 0: same rank
+
+
+def step_times(plan: Plan, flops_per_s: float = 1e12,
+               step_cost: Callable[[int, str], float] | None = None,
+               measured: dict[str, OpTime] | None = None,
+               bytes_per_s: float | None = None) -> StepTimes:
+    """The steps ``timeline`` plays (its arguments, read as it reads them); the order
+    search (``search/order.py``) orders them anew."""
     order = actions(plan)
     if not order:
         raise PlanError("this plan has no pipeline steps to draw: make it with "
@@ -107,7 +127,7 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
                                    for m in range(plan.micro)})
         wire = {((a, _micro(x, m)), (b, _micro(y, m))): n for ((a, x), (b, y)), n in wire.items()
                 for m in range(plan.micro)}
-    return Timeline(_replayed(order, cost, wire, bytes_per_s), sorted(order))
+    return StepTimes(order, cost, wire)
 
 
 def _micro(step: str, m: int) -> str:
@@ -135,10 +155,10 @@ class _StepCosts(Costs):
         return ready + took, took
 
 
-def _replayed(order: dict[int, list[str]], cost: dict[Key, float],
-          wire: dict[tuple[Key, Key], int], bytes_per_s: float | None) -> list[Bar]:
+def _replayed(steps: StepTimes, bytes_per_s: float | None) -> list[Bar]:
     """Each rank posts the receives of all its steps, then runs its steps in order, each
     after the messages it reads arrived, and sends what it made to the steps reading it."""
+    order, cost, wire = steps.order, steps.cost, steps.wire
     tag = {edge: i for i, edge in enumerate(wire)}
     code: dict[int, list] = {r: [] for r in range(max(order) + 1)}
     for (src, dst), nbytes in wire.items():

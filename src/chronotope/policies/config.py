@@ -23,6 +23,7 @@ from chronotope.policies.pipeline import (
     MULTI_STAGE,
     SCHEDULES,
     UNFOLDED,
+    Order,
     pipeline,
     read_schedule,
 )
@@ -44,7 +45,8 @@ class ParallelConfig:
     and ``swap``: "full" or "selective"; ``fold``: plan one micro-batch and run every
     one from it (default: pipelines fold, a mesh's with pp > 1 among them, but for
     co-shard and the schedules that run the model twice a step, chimera and 3f1b);
-    ``schedule``: csv's pipeline order, a torch pipelining CSV file; ``cp``: the
+    ``schedule``: the order of csv's pipeline, or of a family's (in its shape), as a
+    torch pipelining CSV file or an ``Order`` (the order search's); ``cp``: the
     context-parallel group of every op along the sequence (the cp policy: default all
     devices over tp x pp; the meshes and pipelines: default 1), ``cp_attention`` how its
     attention meets ("allgather", "ring" or "ulysses", see ``policies/context.py``);
@@ -61,7 +63,7 @@ class ParallelConfig:
     recompute: str | None = None
     swap: str | None = None
     fold: bool | None = None
-    schedule: str | None = None
+    schedule: str | Order | None = None
     cp: int | None = None
     cp_attention: str | None = None
     ep: int | None = None
@@ -135,10 +137,24 @@ def _pipeline(schedule: str) -> Builder:
         dp = c.devices // (stages * cp)
         chunks = (c.chunks or 2) if schedule in MULTI_STAGE else 1
         fold = c.fold if c.fold is not None else schedule not in UNFOLDED
-        return pipeline(graph, stages, _micro(graph, c, stages, dp), schedule, dp=dp,
+        return pipeline(graph, stages, _micro(graph, c, stages, dp), _order(c, schedule, say),
+                        dp=dp,
                         chunks=chunks, fold=fold, recompute=c.recompute, swap=c.swap, cp=cp,
                         cp_attention=c.cp_attention or "allgather", ep=c.ep or 1)
     return build
+
+
+def _order(c: ParallelConfig, family: str, say: Spelling) -> str | Order:
+    """The family's own order, or the one ``schedule`` writes down in its shape."""
+    if c.schedule is None:
+        return family
+    if isinstance(c.schedule, Order):
+        if c.schedule.family != family:
+            raise PlanError(f"{say.said('schedule', 'an order')} of the {c.schedule.family} "
+                            f"pipeline cannot run as {family}: give policy "
+                            f"{c.schedule.family}")
+        return c.schedule
+    return Order(family, read_schedule(c.schedule)[1])
 
 
 def _interlaced(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
@@ -168,6 +184,9 @@ def _csv(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:
         raise PlanError(f"csv needs {say.said('schedule', 'FILE.csv')}: a torch "
                         "pipelining CSV file, one row of actions such as 0F1, 0B0 per "
                         "pipeline rank")
+    if isinstance(c.schedule, Order):
+        raise PlanError(f"csv reads a CSV file; an order of the {c.schedule.family} pipeline "
+                        f"runs with policy {c.schedule.family}")
     schedule, rows = read_schedule(c.schedule)
     ranks = len(rows)
     steps = [step for row in rows.values() for step in row]
@@ -192,7 +211,8 @@ class Policy:
 
 _CONTEXT = frozenset({"cp", "cp_attention"})
 _MESH = frozenset({"tp", "pp", "micro", "fold", "ep"}) | _ACTIVATION_OPTIONS | _CONTEXT
-_PIPELINE = frozenset({"pp", "micro", "fold", "ep"}) | _ACTIVATION_OPTIONS | _CONTEXT
+_PIPELINE = frozenset({"pp", "micro", "fold", "ep", "schedule"}) | _ACTIVATION_OPTIONS | \
+    _CONTEXT
 
 POLICIES: dict[str, Policy] = {
     "dp": Policy(_flat(dp=True), _ACTIVATION_OPTIONS | {"ep"}, "data parallel"),

@@ -411,7 +411,9 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose from "
                         f"{', '.join(SCHEDULES)}")
-    if chunks < 1 or (chunks > 1 and isinstance(schedule, str) and schedule not in MULTI_STAGE):
+    # the built-in schedule whose shape this one keeps (a written Order's), if any
+    family = schedule if isinstance(schedule, str) else getattr(schedule, "family", None)
+    if chunks < 1 or (chunks > 1 and family is not None and family not in MULTI_STAGE):
         raise PlanError(f"{chunks} stages per rank need a schedule for several stages per "
                         f"rank ({', '.join(sorted(MULTI_STAGE))}), not {schedule!r}")
     batch = graph.batch_size
@@ -439,13 +441,13 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         _refuse_barriers(graph, batch_dim, tails, data, schedule, micro)
     if choices.stage is not None:
         stage = choices.stage
-    elif schedule in RECYCLING:  # stage k * pp + s: pass k of stage s
+    elif family in RECYCLING:  # stage k * pp + s: pass k of stage s
         stage, chunks = recycled_stages(graph, pp)
     else:
         stage = stages(graph, pp * chunks, micro_batched=micro > 1)
     run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
-    if fold and (schedule in UNFOLDED or coshard > 1):
-        raise PlanError(f"fold runs one pipeline over the stages: not {schedule!r} or "
+    if fold and (family in UNFOLDED or coshard > 1):
+        raise PlanError(f"fold runs one pipeline over the stages: not {family!r} or "
                         "co-shard; cut the micro-batches instead (fold=False, no --fold)")
     fold = fold and micro > 1
     accumulating = pp == 1 and chunks == 1 and micro > 1 and schedule in ("gpipe", "1f1b") \
@@ -456,7 +458,7 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         if (pp > 1 or fold or accumulating) and micro > 1 else {}
     # several pipelines over the same ranks (chimera): each its own copy of the stages,
     # numbered after the previous one's, and its share of the batch and micro-batches
-    ways = DIRECTIONS.get(schedule, 1) if isinstance(schedule, str) and orders else 1
+    ways = DIRECTIONS.get(family, 1) if family and orders else 1
     rank_of = _placement(orders, pp, chunks * ways)
     if dp * ways > 1 or micro > 1:  # what cannot take its share of the batch runs on all of it
         plan.unsplit = unsplit

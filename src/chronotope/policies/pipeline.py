@@ -20,6 +20,7 @@ import csv
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -209,6 +210,43 @@ def _list_schedule(ranks: int, micro: int, chains: tuple[tuple[int, ...], ...], 
 
 
 Schedule = Callable[[int, int, int, int], list[Step]]  # (rank, ranks, micro, chunks) -> steps
+
+
+@dataclass(frozen=True)
+class Order:
+    """A schedule written down: each pipeline rank's steps, in the shape of the built-in
+    ``family`` (which stages each rank holds, how many pipelines run, whether passes
+    recycle), as the order search (``search/order.py``) or a CSV file gives them. It
+    runs wherever a schedule's name does, for the plan it was made for."""
+
+    family: str
+    rows: dict[int, list[Step]]
+
+    def __call__(self, rank: int, ranks: int, micro: int, chunks: int) -> list[Step]:
+        if ranks != len(self.rows):
+            raise PlanError(f"this {self.family} order has {len(self.rows)} pipeline ranks, "
+                            f"the pipeline {ranks}")
+        mine = self.rows[rank]
+        (stages, runs), (shape, wanted) = map(_extent, (
+            mine, SCHEDULES[self.family](rank, ranks, micro, chunks)))
+        if (stages, runs) != (shape, wanted):
+            raise PlanError(f"this {self.family} order runs stages {stages} x {runs} "
+                            f"micro-batches on pipeline rank {rank}; {self.family} with {ranks} "
+                            f"ranks, {micro} micro-batches and chunks={chunks} runs stages "
+                            f"{shape} x {wanted} there")
+        return mine
+
+    def write(self, path: str) -> None:
+        """As torch pipelining's CSV: one row of actions per rank (``read_schedule``)."""
+        split = any(s.kind is Kind.W for row in self.rows.values() for s in row)
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([s.action(split) for s in self.rows[r]]
+                                    for r in sorted(self.rows))
+
+def _extent(steps: list[Step]) -> tuple[list[int], int]:
+    """The stages a rank's steps run, and how many micro-batches."""
+    return sorted({s for _, s, _ in steps}), max((m for _, _, m in steps), default=-1) + 1
+
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe,
