@@ -862,6 +862,57 @@ def cmd_timeline(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     return 0
 
 
+def cmd_order(args: argparse.Namespace, out: Console, emit: Emit) -> int:
+    from chronotope.search.order import search_order
+
+    if args.plan or _module_schedule(args.schedule):
+        raise ChronotopeError("order searches the order of a --policy pipeline (1f1b, zb1, "
+                              "zbv, chimera, 3f1b, ...), not of --plan or a module schedule")
+    workload = load_workload(args.model, device=default_device(args.model),
+                             batch_size=args.batch_size)
+    graph = _captured(workload, args)
+    measured = measure_ops(graph, workload) if args.measure else None
+    limit = args.limit[0] if args.limit and len(args.limit) == 1 else args.limit
+    try:
+        found = search_order(graph, _config(args), limit=limit, seconds=args.seconds,
+                             flops_per_s=args.flops, measured=measured,
+                             bytes_per_s=args.bandwidth or None)
+    except PlanError as e:
+        raise PlanError(f"--policy {args.policy} on --devices {args.devices}: {e}") from e
+    found.order.write(args.out)
+    solved = found.solved
+    if args.json:
+        emit({"model": args.model, "policy": args.policy, "devices": args.devices,
+              "status": solved.status, "search_s": solved.seconds,
+              "makespan_s": found.makespan, "bubble_ratio": found.bubble,
+              "given_makespan_s": found.given_makespan, "given_bubble_ratio": found.given_bubble,
+              "bound_s": solved.bound, "kept": found.kept, "limit": found.limit,
+              "file": args.out})
+        return 0
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices, "
+                        f"{found.plan.micro} micro-batches")
+    for col in ("order", "step ms", "bubble", "micro-batches kept per rank"):
+        table.add_column(col, justify="right")
+    for name, ms, bubble, kept in (
+            (f"{args.policy}'s own", found.given_makespan, found.given_bubble, found.given_kept),
+            (f"searched ({solved.status})", found.makespan, found.bubble, found.kept)):
+        table.add_row(name, f"{ms * 1e3:.3f}", f"{bubble:.1%}",
+                      " ".join(str(kept[r]) for r in sorted(kept)))
+    out.print(table)
+    how = "from each op's time measured here" if args.measure else \
+        f"estimated at {args.flops:.0e} FLOP/s"
+    out.print(f"searched in {solved.seconds:.1f} s, steps {how}; no order takes under "
+              f"{solved.bound * 1e3:.3f} ms within the limit of "
+              f"{' '.join(str(found.limit[r]) for r in sorted(found.limit))} micro-batches "
+              f"per rank; wrote {args.out}")
+    rerun = f"chronotope run {args.model} --policy {args.policy} --devices {args.devices} " \
+        f"--micro {found.plan.micro}" + (f" --chunks {args.chunks}" if args.chunks else "") + \
+        (f" --batch-size {args.batch_size}" if args.batch_size else "") + \
+        f" --schedule {args.out}"
+    out.print(f"run it with: {rerun}", markup=False, highlight=False)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     cluster = load_cluster(args.cluster)
     if cluster.nodes < 2 and cluster.per_node < 12:
@@ -973,6 +1024,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
+    "order": cmd_order,
     "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate, "train": cmd_train,
     "export": cmd_export, "plot": cmd_plot, "search": cmd_search, "tune": cmd_tune,
 }
@@ -1007,7 +1059,10 @@ def parser() -> argparse.ArgumentParser:
                                   "gloo processes"),
                         ("simulate", "predict a plan's step time, communication, bubble and "
                                      "memory per device on a cluster, without running it"),
-                        ("timeline", "draw a pipeline plan's steps per rank, with its bubble")):
+                        ("timeline", "draw a pipeline plan's steps per rank, with its bubble"),
+                        ("order", "search a pipeline's order of steps per rank (CP-SAT) for "
+                                  "the least step time within its activation memory; write "
+                                  "it as torch pipelining CSV")):
         cmd = sub.add_parser(name, help=help_)
         _model_positional(cmd)
         cmd.add_argument("--policy", choices=list(POLICIES), default="dp",
@@ -1076,8 +1131,9 @@ def parser() -> argparse.ArgumentParser:
                          help="FILE.py:fn: a module schedule instead of --policy, fn(sch) "
                               "applying shard, sync, checkpoint, cut_pipeline_stage... to the "
                               "model's modules (ct.schedule); FILE.csv: the pipeline order "
-                              "for --policy csv, in torch pipelining's CSV format (a row of "
-                              "actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
+                              "for --policy csv, or for a pipeline policy in its shape "
+                              "(chronotope order writes one), in torch pipelining's CSV "
+                              "format (a row of actions like 0F1, 0B0 or 0I0, 0W0 per rank)")
         cmd.add_argument("--knob", type=knob_value, action="append", metavar="NAME=VALUE",
                          help="the value a module schedule's sch.knob(NAME, ...) takes "
                               "(chronotope tune finds them); repeatable")
@@ -1085,7 +1141,7 @@ def parser() -> argparse.ArgumentParser:
                          help="options from a TOML file (model = \"gpt\", policy = \"tp\", "
                               "lr = 1e-3, ...; tables only group them); the command line's "
                               "override it")
-        if name != "timeline":
+        if name not in ("timeline", "order"):
             cmd.add_argument("--comm", choices=COMMS, default="rvd",
                              help="rvd: layout changes no single collective does take the "
                                   "cheapest path of collectives under --cluster's cost model; "
@@ -1133,9 +1189,20 @@ def parser() -> argparse.ArgumentParser:
                                   "runtime's time per instruction (as --devices processes "
                                   "sharing this machine's cores would run them) instead of "
                                   "FLOPs at the cluster's peak")
-        elif name == "timeline":
-            cmd.add_argument("--out", required=True, type=timeline_file,
-                             metavar="FILE.png|FILE.html")
+        elif name in ("timeline", "order"):
+            if name == "timeline":
+                cmd.add_argument("--out", required=True, type=timeline_file,
+                                 metavar="FILE.png|FILE.html")
+            else:
+                cmd.add_argument("--out", required=True, type=new_file, metavar="FILE.csv",
+                                 help="the order found, in torch pipelining's CSV format "
+                                      "(run it with --policy P --schedule FILE.csv)")
+                cmd.add_argument("--limit", type=positive_int, nargs="+", metavar="N",
+                                 help="the most micro-batches' activations each pipeline rank "
+                                      "keeps at once: one for all ranks, or one per rank "
+                                      "(default: what the policy's own order keeps)")
+                cmd.add_argument("--seconds", type=positive_float, default=10.0,
+                                 help="the solver's time limit (default 10)")
             cmd.add_argument("--flops", type=positive_float, default=1e12,
                              help="device speed for the durations, in FLOP/s (default 1e12)")
             cmd.add_argument("--bandwidth", type=non_negative_float, default=1e11,

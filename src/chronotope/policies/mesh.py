@@ -276,7 +276,9 @@ def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
     """For a model that runs itself again (recycling), each op's stage ``k * pp + s``:
     pass ``k`` (counted each time its first module runs again), and the stage ``s``
     its module has in the last pass, which is cut as ``stages`` cuts a model. Ops of no
-    module go with the op before them. Returns the stages and the number of passes."""
+    module go with the op before them, and no op runs on an earlier stage of its pass than
+    what it reads from that pass (a module that runs twice in a pass would otherwise send
+    a step's data back up the pipeline). Returns the stages and the number of passes."""
     mods = [op.source.module if op.source else "" for op in graph.ops]
     first = next((m for m in mods if m), "")
     pass_of, k = {}, -1
@@ -294,6 +296,8 @@ def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
     out, previous = {}, 0
     for op, mod in zip(graph.ops, mods):
         s = cut[op] if op in cut else of_module.get(mod, previous) if mod else previous
+        s = max([s, *(out[t.producer] - pass_of[op] * pp for t in op.inputs
+                      if t.producer in out and pass_of[t.producer] == pass_of[op])])
         out[op] = pass_of[op] * pp + s
         previous = s
     return out, passes

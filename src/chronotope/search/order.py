@@ -176,18 +176,21 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
         hint = {}
         horizon = sum(ticks.values()) + sum(t for before in waits.values()
                                             for t in before.values())
-    model = cp_model.CpModel()
-    start = {s: model.new_int_var(0, horizon - ticks[s], s.action()) for s in ticks}
-    span = {s: model.new_fixed_size_interval_var(start[s], ticks[s], "") for s in ticks}
-    for s, before in waits.items():
-        for p, t in before.items():
-            model.add(start[s] >= start[p] + ticks[p] + t)
     runs: dict[tuple[Kind, int], list[Step]] = defaultdict(list)
     for s in sorted(ticks, key=lambda s: s.micro):
         runs[(s.kind, s.stage)].append(s)
+    before = {s: dict(waits.get(s, {})) for s in ticks}
     for same in runs.values():
         for a, b in zip(same, same[1:]):
-            model.add(start[b] >= start[a] + ticks[a])
+            before[b].setdefault(a, 0)
+    head, tail = _paths(before, ticks)
+    model = cp_model.CpModel()
+    start = {s: model.new_int_var(head[s], max(head[s], horizon - ticks[s] - tail[s]),
+                                  s.action()) for s in ticks}
+    span = {s: model.new_fixed_size_interval_var(start[s], ticks[s], "") for s in ticks}
+    for s, waited in before.items():
+        for p, t in waited.items():
+            model.add(start[s] >= start[p] + ticks[p] + t)
     kept: dict[int, list] = defaultdict(list)
     for f, back in graph.releases().items():
         size = model.new_int_var(0, horizon, "")
@@ -219,6 +222,32 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
                       solver.best_objective_bound * tick, took)
     return Solved(orders, "optimal" if status == cp_model.OPTIMAL else "feasible", found,
                   solver.best_objective_bound * tick, took)
+
+
+def _paths(before: dict[Step, dict[Step, int]], ticks: Mapping[Step, int]
+           ) -> tuple[dict[Step, int], dict[Step, int]]:
+    """Each step's earliest start (the longest chain of waits before it) and the least
+    time after its end (the longest chain after it): the bounds of its start."""
+    order: list[Step] = []
+    seen: set[Step] = set()
+    for root in before:
+        todo = [(root, False)]
+        while todo:
+            s, done = todo.pop()
+            if done:
+                order.append(s)
+            elif s not in seen:
+                seen.add(s)
+                todo.append((s, True))
+                todo += [(p, False) for p in before[s] if p not in seen]
+    head = {s: 0 for s in before}
+    for s in order:  # every step after the steps it waits for
+        head[s] = max([0, *(head[p] + ticks[p] + t for p, t in before[s].items())])
+    tail = {s: 0 for s in before}
+    for s in reversed(order):
+        for p, t in before[s].items():
+            tail[p] = max(tail[p], t + ticks[s] + tail[s])
+    return head, tail
 
 
 def _refused(graph: StepGraph, limit: Mapping[int, int], infeasible: bool,
