@@ -889,8 +889,7 @@ def cmd_order(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               "bound_s": solved.bound, "kept": found.kept, "limit": found.limit,
               "file": args.out})
         return 0
-    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices, "
-                        f"{found.plan.micro} micro-batches")
+    table = Table(title=f"{args.model}: {args.policy} on {args.devices} devices")
     for col in ("order", "step ms", "bubble", "micro-batches kept per rank"):
         table.add_column(col, justify="right")
     for name, ms, bubble, kept in (
@@ -905,10 +904,9 @@ def cmd_order(args: argparse.Namespace, out: Console, emit: Emit) -> int:
               f"{solved.bound * 1e3:.3f} ms within the limit of "
               f"{' '.join(str(found.limit[r]) for r in sorted(found.limit))} micro-batches "
               f"per rank; wrote {args.out}")
-    rerun = f"chronotope run {args.model} --policy {args.policy} --devices {args.devices} " \
-        f"--micro {found.plan.micro}" + (f" --chunks {args.chunks}" if args.chunks else "") + \
-        (f" --batch-size {args.batch_size}" if args.batch_size else "") + \
-        f" --schedule {args.out}"
+    given = (("micro", args.micro), ("chunks", args.chunks), ("batch-size", args.batch_size))
+    rerun = f"chronotope run {args.model} --policy {args.policy} --devices {args.devices}" + \
+        "".join(f" --{k} {v}" for k, v in given if v) + f" --schedule {args.out}"
     out.print(f"run it with: {rerun}", markup=False, highlight=False)
     return 0
 
