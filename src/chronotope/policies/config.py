@@ -150,9 +150,9 @@ def _order(c: ParallelConfig, family: str, say: Spelling) -> str | Order:
         return family
     if isinstance(c.schedule, Order):
         if c.schedule.family != family:
-            raise PlanError(f"{say.said('schedule', 'an order')} of the {c.schedule.family} "
-                            f"pipeline cannot run as {family}: give policy "
-                            f"{c.schedule.family}")
+            raise PlanError(f"the order {say.name('schedule')} gives is one of the "
+                            f"{c.schedule.family} pipeline and cannot run as {family}: give "
+                            f"policy {c.schedule.family}")
         return c.schedule
     return Order(family, read_schedule(c.schedule)[1])
 

@@ -216,12 +216,18 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
         return Solved(graph.orders, "given", graph.makespan(graph.orders), 0.0, took)
     orders = {r: sorted(steps, key=lambda s: solver.value(start[s]))
               for r, steps in graph.orders.items()}
+    # no order is shorter in ticks than the solver's bound, nor in seconds than that
+    # bound times the least ratio of a step's (or message's) seconds to its ticks
+    ratio = min([graph.seconds[s] / (ticks[s] * tick) for s in ticks if graph.seconds[s]]
+                + [graph.after[s][p] / (t * tick) for s, before in waits.items()
+                   for p, t in before.items() if t and graph.after[s][p]], default=1.0)
+    bound = solver.best_objective_bound * tick * ratio
     found = graph.makespan(orders)
     if hint and graph.makespan(graph.orders) < found:  # (ticks round the times)
         return Solved(graph.orders, "given", graph.makespan(graph.orders),
-                      solver.best_objective_bound * tick, took)
+                      bound, took)
     return Solved(orders, "optimal" if status == cp_model.OPTIMAL else "feasible", found,
-                  solver.best_objective_bound * tick, took)
+                  min(bound, found), took)
 
 
 def _paths(before: dict[Step, dict[Step, int]], ticks: Mapping[Step, int]
