@@ -40,6 +40,7 @@ _ON_DEMAND = {"consolidate": "chronotope.runtime.checkpoint",
               "load_weights": "chronotope.runtime.checkpoint",
               "save": "chronotope.runtime.train", "train": "chronotope.runtime.train",
               "placements": "chronotope.runtime.dtensors",
+              "search_order": "chronotope.search.order",
               "to_dtensors": "chronotope.runtime.dtensors"}
 
 
@@ -57,6 +58,6 @@ __all__ = [
     "UnassignedOpError", "UnknownModelError", "VTensor", "Workload", "capture", "execute",
     "register_op", "Optim", "Program", "Rates", "ValueSplit", "compile", "consolidate", "load_plan",
     "load_weights", "placements", "policies", "run", "save", "to_dtensors", "schedule",
-    "schedule_primitive", "search",
+    "schedule_primitive", "search", "search_order",
     "SearchResult", "train", "tune",
 ]

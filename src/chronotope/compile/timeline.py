@@ -74,8 +74,8 @@ def timeline(plan: Plan, flops_per_s: float = 1e12,
     times where given, or ``step_cost(rank, step)`` seconds where given (equal steps,
     to check a schedule's shape). ``bytes_per_s``: the link speed messages between
     ranks take (None: they take no time)."""
-    steps = step_times(plan, flops_per_s, step_cost, measured, bytes_per_s)
-    return Timeline(_replayed(steps, bytes_per_s), sorted(steps.order))
+    times = step_times(plan, flops_per_s, step_cost, measured, bytes_per_s)
+    return Timeline(_replayed(times, bytes_per_s), sorted(times.order))
 
 
 @dataclass
@@ -155,10 +155,10 @@ class _StepCosts(Costs):
         return ready + took, took
 
 
-def _replayed(steps: StepTimes, bytes_per_s: float | None) -> list[Bar]:
+def _replayed(times: StepTimes, bytes_per_s: float | None) -> list[Bar]:
     """Each rank posts the receives of all its steps, then runs its steps in order, each
     after the messages it reads arrived, and sends what it made to the steps reading it."""
-    order, cost, wire = steps.order, steps.cost, steps.wire
+    order, cost, wire = times.order, times.cost, times.wire
     tag = {edge: i for i, edge in enumerate(wire)}
     code: dict[int, list] = {r: [] for r in range(max(order) + 1)}
     for (src, dst), nbytes in wire.items():

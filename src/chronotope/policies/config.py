@@ -154,7 +154,10 @@ def _order(c: ParallelConfig, family: str, say: Spelling) -> str | Order:
                             f"{c.schedule.family} pipeline and cannot run as {family}: give "
                             f"policy {c.schedule.family}")
         return c.schedule
-    return Order(family, read_schedule(c.schedule)[1])
+    try:
+        return Order(family, read_schedule(c.schedule)[1])
+    except PlanError as e:  # (its message starts with the file's name)
+        raise PlanError(f"{say.name('schedule')} {e}") from e
 
 
 def _interlaced(graph: Graph, c: ParallelConfig, say: Spelling) -> Plan:

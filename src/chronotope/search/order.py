@@ -203,8 +203,8 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
     last = model.new_int_var(0, horizon, "makespan")
     model.add_max_equality(last, [start[s] + ticks[s] for s in ticks])
     model.minimize(last)
-    for s, t in hint.items():
-        model.add_hint(start[s], int(t))
+    for s, at in hint.items():
+        model.add_hint(start[s], int(at))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = seconds
     solver.parameters.num_workers = workers
@@ -309,9 +309,8 @@ def search_order(graph: Graph, config: ParallelConfig, *,
         raise PlanError(f"the order search orders a pipeline: give one of "
                         f"{', '.join(SCHEDULES)} as the policy, not {config.policy!r}")
     given = make(graph, config)
-    times = dict(flops_per_s=flops_per_s, step_cost=step_cost, measured=measured,
-                 bytes_per_s=bytes_per_s)
-    steps = StepGraph.of(step_times(given, **times), bytes_per_s)
+    steps = StepGraph.of(step_times(given, flops_per_s, step_cost, measured, bytes_per_s),
+                         bytes_per_s)
     own = steps.kept(steps.orders)
     if limit is None:
         bound = own
@@ -326,7 +325,8 @@ def search_order(graph: Graph, config: ParallelConfig, *,
     solved = solve(steps, bound, seconds, workers)
     order = Order(config.policy, solved.orders)
     plan = make(graph, replace(config, schedule=order))
-    found, before = timeline(plan, **times), timeline(given, **times)
+    found, before = (timeline(p, flops_per_s, step_cost, measured, bytes_per_s)
+                     for p in (plan, given))
     return OrderResult(plan, order, solved, found.makespan, found.bubble_ratio,
                        before.makespan, before.bubble_ratio, steps.kept(solved.orders), own,
                        bound)
