@@ -1020,7 +1020,7 @@ def _resized(paths: tuple, numel: int, cluster) -> tuple:
             search(path.src, path.dst, (numel,), 4, cluster))
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace, Console, Emit], int]] = {
     "capture": cmd_capture, "plan": cmd_plan, "run": cmd_run, "timeline": cmd_timeline,
     "order": cmd_order,
     "bench": cmd_bench, "profile": cmd_profile, "simulate": cmd_simulate, "train": cmd_train,

@@ -293,11 +293,13 @@ def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
     for op, mod in zip(graph.ops, mods):
         if op in cut and mod:
             of_module.setdefault(mod, cut[op])
-    out, previous = {}, 0
+    out: dict[Op, int] = {}
+    previous = 0
     for op, mod in zip(graph.ops, mods):
         s = cut[op] if op in cut else of_module.get(mod, previous) if mod else previous
-        s = max([s, *(out[t.producer] - pass_of[op] * pp for t in op.inputs
-                      if t.producer in out and pass_of[t.producer] == pass_of[op])])
+        s = max([s, *(out[p] - pass_of[op] * pp for t in op.inputs
+                      if (p := t.producer) is not None and p in out
+                      and pass_of[p] == pass_of[op])])
         out[op] = pass_of[op] * pp + s
         previous = s
     return out, passes
