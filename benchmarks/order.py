@@ -62,12 +62,12 @@ def solve_table(seconds: float) -> Table:
     _, gpt = _graph("gpt", n_layer=8, batch_size=8)
     _, evoformer = _graph("evoformer", batch_size=8)
     cases = [("zb1: 4 stages x 8, split backwards", gpt, "zb1", 10, {"step_cost": _equal},
-              "equal units"),
-             ("zb1: 4 stages x 8, split backwards", gpt, "zb1", 10, {}, "FLOPs"),
+              "equal (units)"),
+             ("zb1: 4 stages x 8, split backwards", gpt, "zb1", 10, {}, "FLOPs at 1 TFLOP/s (us)"),
              ("zbv: 4 ranks x 2 stages x 8", _graph("gpt", n_layer=16, batch_size=8)[1],
-              "zbv", 10, {}, "FLOPs"),
+              "zbv", 10, {}, "FLOPs at 1 TFLOP/s (us)"),
              ("3f1b: Evoformer, 4 stages x 8", evoformer, "3f1b", 60, {}, "FLOPs")]
-    for label, graph, family, goal, cost, priced in cases:
+    for label, graph, family, goal, cost, priced in cases:  # (priced: what times the steps)
         found = search_order(graph, ParallelConfig(family, devices=4, micro=8),
                              seconds=min(seconds, goal), **cost)
         unit = 1.0 if cost else 1e6
@@ -121,7 +121,11 @@ def gloo_table(steps: int, rounds: int, micro: int) -> Table:
     step = {name: statistics.median(ts) for name, ts in runs.items()}
     table = Table(title=f"GPT d_model 256, vocab 16,384 (a heavy head stage), "
                         f"{shape['batch_size']} x 128 tokens, {micro} micro-batches on "
-                        f"{stages} gloo processes: steps timed here")
+                        f"{stages} gloo processes: steps timed here",
+                  caption=f"the search: {found.solved.status} in {found.solved.seconds:.1f} s, "
+                          f"no order under {found.solved.bound * 1e3:.1f} ms (simulated); "
+                          + ("zb1's own order" if plans["zb1, own order"].steps ==
+                             found.plan.steps else "an order of its own"))
     for col in ("schedule", "simulated ms", "measured ms", "measured / 1f1b"):
         table.add_column(col, justify="right")
     for name, plan in plans.items():
@@ -136,6 +140,7 @@ def main() -> None:
     p.add_argument("--only", choices=("solve", "gpt3", "gloo"))
     p.add_argument("--seconds", type=float, default=30.0, help="the solver's limit per order")
     p.add_argument("--micro", type=int, default=16, help="GPT-3's micro-batches")
+    p.add_argument("--gloo-micro", type=int, default=8, help="the gloo table's micro-batches")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
@@ -145,7 +150,7 @@ def main() -> None:
     if args.only in (None, "gpt3"):
         console.print(gpt3_table(args.seconds, args.micro))
     if args.only in (None, "gloo"):
-        console.print(gloo_table(args.steps, args.rounds, 4))
+        console.print(gloo_table(args.steps, args.rounds, args.gloo_micro))
 
 
 if __name__ == "__main__":
