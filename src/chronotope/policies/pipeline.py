@@ -243,6 +243,7 @@ class Order:
             csv.writer(f).writerows([s.action(split) for s in self.rows[r]]
                                     for r in sorted(self.rows))
 
+
 def _extent(steps: list[Step]) -> tuple[list[int], int]:
     """The stages a rank's steps run, and how many micro-batches."""
     return sorted({s for _, s, _ in steps}), max((m for _, _, m in steps), default=-1) + 1
