@@ -24,6 +24,7 @@ never returns worse. The order found runs on the plan rebuilt with it (``Order``
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from chronotope.cost.times import OpTime
 from chronotope.errors import PlanError
 from chronotope.graph.ir import Graph
 from chronotope.plan.plan import Plan
-from chronotope.plan.steps import Kind, Step
+from chronotope.plan.steps import Kind, Step, held_at_most
 from chronotope.policies.config import ParallelConfig, make
 from chronotope.policies.pipeline import SCHEDULES, Order
 
@@ -94,17 +95,10 @@ class StepGraph:
         return out
 
     def kept(self, orders: Mapping[int, Sequence[Step]]) -> dict[int, int]:
-        """Per rank, the most micro-batches' activations it keeps at once in ``orders``."""
-        releases = self.releases()
-        freed = set(releases.values())
-        out = {}
-        for r, steps in orders.items():
-            live = most = 0
-            for s in steps:
-                live += (s in releases) - (s in freed)
-                most = max(most, live)
-            out[r] = most
-        return out
+        """Per rank, the most micro-batches' activations it keeps at once in ``orders``
+        (those of stages with a backward, as ``plan.steps.held_at_most`` counts them)."""
+        kept = {f.stage: 1 for f in self.releases()}
+        return {r: int(held_at_most(steps, kept)) for r, steps in orders.items()}
 
     def play(self, orders: Mapping[int, Sequence[Step]],
              seconds: Mapping[Step, float] | None = None,
@@ -163,8 +157,8 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
     from ortools.sat.python import cp_model
 
     began = time.perf_counter()
-    limit = dict(graph.kept(graph.orders) if limit is None else limit)
     given = graph.kept(graph.orders)
+    limit = dict(given if limit is None else limit)
     tick = max(graph.seconds.values(), default=0.0) / RESOLUTION or 1.0
     ticks = {s: max(1, round(t / tick)) for s, t in graph.seconds.items()}
     waits = {s: {p: round(t / tick) for p, t in before.items()}
@@ -223,9 +217,9 @@ def solve(graph: StepGraph, limit: Mapping[int, int] | None = None,
                    for p, t in before.items() if t and graph.after[s][p]], default=1.0)
     bound = solver.best_objective_bound * tick * ratio
     found = graph.makespan(orders)
-    if hint and graph.makespan(graph.orders) < found:  # (ticks round the times)
-        return Solved(graph.orders, "given", graph.makespan(graph.orders),
-                      bound, took)
+    own = graph.makespan(graph.orders) if hint else math.inf
+    if own < found:  # (ticks round the times)
+        return Solved(graph.orders, "given", own, bound, took)
     return Solved(orders, "optimal" if status == cp_model.OPTIMAL else "feasible", found,
                   min(bound, found), took)
 
@@ -258,8 +252,8 @@ def _paths(before: dict[Step, dict[Step, int]], ticks: Mapping[Step, int]
 
 def _refused(graph: StepGraph, limit: Mapping[int, int], infeasible: bool,
              seconds: float) -> str:
-    least = {r: 1 for r, steps in graph.orders.items()
-             if any(s in graph.releases() for s in steps)}
+    releases = graph.releases()
+    least = {r: 1 for r, steps in graph.orders.items() if any(s in releases for s in steps)}
     low = [f"rank {r} ({limit[r]})" for r in sorted(limit) if limit[r] < least.get(r, 0)]
     if infeasible and low:
         return (f"no order keeps the activations within the limit on {', '.join(low)}: "
@@ -303,8 +297,9 @@ def search_order(graph: Graph, config: ParallelConfig, *,
     ``compile.timeline`` times it (``flops_per_s``, ``step_cost``, ``measured``,
     ``bytes_per_s``). ``limit``: the most micro-batches' activations each pipeline rank
     keeps at once (one number for all, one per rank; default the family's own order's).
-    Returns the plan in the order found, which ``config.replace(schedule=result.order)``
-    (or ``--schedule`` with its CSV, ``result.order.write``) builds again."""
+    Returns the plan in the order found, which ``dataclasses.replace(config,
+    schedule=result.order)`` (or ``--schedule`` with its CSV, ``result.order.write``)
+    builds again."""
     if config.policy not in SCHEDULES:
         raise PlanError(f"the order search orders a pipeline: give one of "
                         f"{', '.join(SCHEDULES)} as the policy, not {config.policy!r}")
