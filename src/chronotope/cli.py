@@ -60,7 +60,7 @@ from chronotope.runtime.optim import LR_SCHEDULES, Optim, resolve_class
 from chronotope.runtime.precision import DTYPES, REDUCE_DTYPES, Precision
 from chronotope.runtime.reference import compare, train_reference
 from chronotope.schedule import apply, schedule, tune
-from chronotope.search import METHODS, explain
+from chronotope.search import METHODS, Constraints, explain
 from chronotope.search import search as find_plan
 from chronotope.viz import plot_losses, save_timeline
 
@@ -727,6 +727,12 @@ def constraint(text: str) -> tuple[str, str]:
     return ops, cut
 
 
+def _constraints(args: argparse.Namespace) -> Constraints:
+    """``--constraints FILE`` and every ``--constrain OPS=CUT``, in that order."""
+    return Constraints([*Constraints.parse(args.constraints),
+                        *Constraints.parse(dict(args.constrain or ()), "--constrain")])
+
+
 def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
     workload = load_workload(args.model, device=default_device(args.model),
                              batch_size=args.batch_size)
@@ -736,7 +742,7 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
         result = find_plan(graph, args.devices, cluster,
                            memory=args.memory * 2 ** 30 if args.memory else None,
                            method=args.method, mesh=args.mesh, simulate=args.simulate,
-                           constraints=dict(args.constrain or ()), dtype=args.dtype,
+                           constraints=_constraints(args), dtype=args.dtype,
                            replica=lambda r: _captured(workload.replica(r), args))
     if args.out:
         result.plan.save(args.out)
@@ -755,11 +761,17 @@ def cmd_search(args: argparse.Namespace, out: Console, emit: Emit) -> int:
                         f"{result.variables:,} variables, "
                         f"{result.search_s:.2f} s) and the ready-made ones, "
                         + ("simulated" if result.simulated else "by the search's cost model"))
-    for col in ("plan", "step ms", "peak memory", "fits"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
+    constrained = bool(args.constraints or args.constrain)
+    for col in ("plan", "step ms", "peak memory", "fits",
+                *(("constraints",) if constrained else ())):
+        table.add_column(col, justify="left" if col in ("plan", "constraints") else "right")
     for c in result.candidates:
+        kept = ("breaks " + "; ".join(c["violates"]) if c.get("violates") else
+                "binding: " + "; ".join(c["binding"]) if c.get("binding") else
+                "none binding" if "binding" in c else "")
         table.add_row(c["plan"], f"{c['predicted_step_s'] * 1e3:.3f}",
-                      format_bytes(c["peak_memory_bytes"]), "yes" if c["fits"] else "no")
+                      format_bytes(c["peak_memory_bytes"]), "yes" if c["fits"] else "no",
+                      *((kept,) if constrained else ()))
     out.print(table)
     counts: dict[str, int] = {}
     for label in result.choices.values():
@@ -1269,8 +1281,13 @@ def parser() -> argparse.ArgumentParser:
                      help="write the plan found (run, plan, simulate take --plan)")
     sea.add_argument("--constrain", type=constraint, action="append", metavar="OPS=CUT",
                      help="ops or modules matching OPS (shell-style) may only be cut as CUT "
-                          "says on every mesh axis: 'h.*.mlp.*=split b*', 'lm_head=replicate'; "
-                          "repeatable (ILP only)")
+                          "says on every mesh axis: 'h.*.mlp.*=split b*', 'lm_head=replicate', "
+                          "'kind:embedding=replicate'; repeatable (ILP only)")
+    sea.add_argument("--constraints", type=Path, metavar="FILE.toml",
+                     help="constraints the plan keeps to: knobs fixed, listed or bounded "
+                          "(tp = 4, pp = [2, 4], micro = {min = 8}, schedule = \"zb1\", "
+                          "recompute, swap, sequence, zero) and op cuts under [cuts]; see "
+                          "docs/constraints.md")
     sea.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=None,
                      help="compile and simulate the cheapest plans found to pick one, or "
                           "compare them by the search's own cost model (default: simulate "

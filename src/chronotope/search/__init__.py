@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from chronotope.compile.rvd import is_shard
@@ -30,6 +31,15 @@ from chronotope.graph.ir import Graph, Op
 from chronotope.plan.check import format_bytes
 from chronotope.plan.plan import Plan
 from chronotope.search.build import build, build_pipeline
+from chronotope.search.constraints import (
+    Constraints,
+    Knob,
+    Memory,
+    joined,
+    knob_values,
+    pipeline_values,
+    smallest,
+)
 from chronotope.search.drec import DRecError, joint
 from chronotope.search.drec import Pipeline as DRecPipeline
 from chronotope.search.ilp import NoFit, Solution, first_reads, solve, updates_cut
@@ -75,7 +85,7 @@ class SearchResult:
     choices: dict[str, str] = field(default_factory=dict)  # op -> strategy, for reading
     mesh: str = ""  # the layout of the plan found: "2x4", or "2 stages x 4, 8 micro-batches"
     explored: list[dict[str, Any]] = field(default_factory=list)  # each option's optimum
-    timings: dict[str, float] = field(default_factory=dict)  # decide, build, check, simulate
+    timings: dict[str, float] = field(default_factory=dict)  # decide, build, check, simulate, bind
     simulated: bool = True  # the steps are the simulator's (else the search's cost model's)
 
 
@@ -95,8 +105,9 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
            memory: float | None = None, method: str = "auto",
            time_limit: float = 60.0, mesh: Sequence[int] | None = None,
            pipeline: bool = True, simulate: bool | None = None,
-           constraints: dict[str, str] | None = None, dtype: str = "fp32",
-           replica: Callable[[int], Graph] | None = None) -> SearchResult:
+           constraints: Constraints | Mapping[str, Any] | str | Path | None = None,
+           dtype: str = "fp32", replica: Callable[[int], Graph] | None = None
+           ) -> SearchResult:
     """The cheapest plan of ``graph`` over ``devices`` that fits ``memory`` bytes per
     device by the plan's own estimate (default: the cluster's device memory; ``math.inf``
     for no limit), computing in ``dtype`` ("fp32", "bf16", "fp16": priced at its FLOP
@@ -113,10 +124,14 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     replica(r))``); with it the mesh family builds data parallelism as replicas of one
     group (``plan.scale``), whose plan is as small at 1,024 devices as at 16.
 
-    ``constraints``: ``{pattern: strategies}``, shell-style, for the ILP: ops whose name or
-    module matches ``pattern`` keep the strategies whose label matches (``{"h.*.mlp.*":
-    "split b*"}``: the MLPs only cut along a batch dim; ``{"lm_head": "replicate"}``).
-    D-Rec searches its own space and takes none.
+    ``constraints``: what the plan must keep to (``search/constraints.py``), as
+    ``Constraints``, a TOML file's path or a mapping: knobs fixed or bounded (``{"tp": 4,
+    "pp": [2, 4], "micro": {"min": 8}, "schedule": "zb1", "recompute": "full"}``) and op
+    cuts, shell-style (``{"h.*.mlp.*": "split b*"}``: the MLPs only cut along a batch dim;
+    ``{"kind:embedding": "replicate"}``). Only the families that have every knob named
+    run; none that satisfies them all is an error naming the fewest that conflict and
+    what falls short; each candidate says which of them bound it (dropping one would
+    find a cheaper plan) or, ready-made, which it breaks.
 
     ``simulate``: compile and simulate the plans found and the ready-made data- and
     tensor-parallel plans to compare them (default: up to ``SIMULATED_UP_TO`` devices;
@@ -129,13 +144,12 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     if mesh is not None and math.prod(mesh) != devices:
         raise SearchError(f"mesh {'x'.join(map(str, mesh))} has {math.prod(mesh)} devices, "
                           f"not {devices}")
-    if constraints and method == "drec":
-        raise SearchError("D-Rec searches its own space and takes no constraints: use "
-                          "method='ilp'")
     if dtype not in DTYPES:
         raise SearchError(f"unknown dtype {dtype!r}: use {', '.join(DTYPES)}")
-    if constraints and method == "mesh":
-        raise SearchError("the mesh family takes no constraints: use method='ilp'")
+    wanted = Constraints.parse(constraints)
+    if method != "auto" and wanted.unhonoured(method):
+        raise SearchError(f"method={method!r} cannot keep to "
+                          f"{'; '.join(wanted.unhonoured(method))}: " + _who_can(wanted))
     if not isinstance(cluster, Cluster):
         cluster = cluster_for(devices, cluster)
     if simulate is None:
@@ -149,21 +163,24 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
     explored: list[dict[str, Any]] = []
     errors: list[SearchError] = []
     runs = {"mesh": lambda: _by_knobs(graph, devices, cluster, memory, dtype, replica,
-                                      explored, clock, simulate),
+                                      explored, clock, simulate, wanted),
             "ilp": lambda: _by_ilp(graph, devices, cluster, memory, time_limit, mesh,
-                                   pipeline, explored, clock, simulate, constraints, dtype),
+                                   pipeline, explored, clock, simulate, wanted, dtype),
             "drec": lambda: _by_drec(graph, devices, cluster, memory, explored, clock, dtype)}
-    for name in ("mesh", "ilp", "drec") if method == "auto" else (method,):
-        if name == "mesh" and method == "auto" and (constraints or mesh is not None):
-            continue  # the constraints and the mesh given are the per-op families'
+    names = [n for n in ("mesh", "ilp", "drec") if not wanted.unhonoured(n)] \
+        if method == "auto" else [method]
+    if not names:
+        raise SearchError("no family of the search keeps to all the constraints: "
+                          + _who_can(wanted))
+    for name in names:
+        if name == "mesh" and method == "auto" and mesh is not None:
+            continue  # the mesh given is the per-op families'
         if name != "mesh" and method == "auto" and devices > PER_OP_UP_TO:
             continue
         if name == "drec" and method == "auto" and (mesh is not None or devices & (devices - 1)):
             continue  # D-Rec halves the devices: only powers of two, no given mesh
         if name == "drec" and method == "auto" and found and not simulate:
             continue  # its symbolic cost knows no latency: not comparable to the ILP's
-        if name == "drec" and constraints:
-            continue
         try:
             found.append(runs[name]())
         except SearchError as e:
@@ -179,9 +196,12 @@ def search(graph: Graph, devices: int, cluster: Cluster | str | None = None,
                   for f in found]
         best = min(range(len(found)), key=lambda i: priced[i]["predicted_step_s"])
         candidates = [priced[best], *priced[:best], *priced[best + 1:]]
+        for i, c in enumerate(priced):
+            c["binding"] = found[i].binding
         if simulate and devices <= PER_OP_UP_TO:
-            candidates += [c for c in (_ready_made(graph, devices, name, cluster, dtype)
-                                       for name in ("dp", "tp")) if c is not None]
+            candidates += [c for c in (_ready_made(graph, devices, name, cluster, dtype,
+                                                   wanted) for name in ("dp", "tp"))
+                           if c is not None]
     for c in candidates:
         c["fits"] = memory is None or c["peak_memory_bytes"] <= memory
     f = found[best]
@@ -200,17 +220,31 @@ class _Found:
     model_s: float  # the step time by the search's own cost model
     variables: int = 0
     priced: dict[str, Any] | None = None  # simulated already
+    binding: list[str] = field(default_factory=list)  # constraints without which the
+    # search's model finds a cheaper plan that fits
 
 
 def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
             time_limit: float, mesh: Sequence[int] | None, pipeline: bool,
             explored: list[dict[str, Any]], clock: _Clock, simulate: bool,
-            constraints: dict[str, str] | None, dtype: str = "fp32") -> _Found:
+            wanted: Constraints, dtype: str = "fp32") -> _Found:
     """The ILP on every mesh, the stage DP's pipelines: the cheapest by the cost model
     whose plan the plan's own memory estimate fits; simulating, the fastest in the
     simulator of the cheapest few that fit and the cheapest of the other family."""
-    options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
-                                     pipeline, explored, constraints, dtype)
+
+    def cheapest(kept: Constraints, limit: float | None) -> float:
+        return ilp_options(graph, devices, cluster, limit, time_limit, mesh, pipeline,
+                           None, kept, dtype)[0][0][0]
+
+    try:
+        options, variables = ilp_options(graph, devices, cluster, memory, time_limit, mesh,
+                                         pipeline, explored, wanted, dtype)
+    except SearchError:
+        if not wanted:
+            raise
+        raise SearchError(_conflict(wanted, memory, cheapest)) from None
+    with clock("bind"):
+        binding = _binding(wanted, options[0][0], lambda kept: cheapest(kept, memory))
     peak, why, fitting = None, [], []
     families: set[bool] = set()  # pipelines or not, among those that fit
     other = 0  # tries at one more, the cheapest of the other family, should the model err
@@ -241,12 +275,15 @@ def _by_ilp(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
     if not fitting:
         raise SearchError(_too_big(memory, peak or 0.0) if peak is not None else
                           "no plan found could be built: " + "; ".join(why[:2]))
+    for f in fitting:
+        f.binding = binding
     return _fastest(fitting, cluster, explored, clock)
 
 
 def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
               dtype: str, replica: Callable[[int], Graph] | None,
-              explored: list[dict[str, Any]], clock: _Clock, simulate: bool) -> _Found:
+              explored: list[dict[str, Any]], clock: _Clock, simulate: bool,
+              wanted: Constraints) -> _Found:
     """The mesh policy's knobs, each point priced by ``knobs.Model``: the cheapest few that
     fit built and checked by the plan's own memory estimate (a point the estimate finds
     too big gives way to the next that would fit were the model as far off for it), the
@@ -257,7 +294,17 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
     if not ranked:
         raise SearchError(f"no mesh over {devices} devices divides the batch of "
                           f"{graph.batch_size} and the model's blocks")
-    fitting = [p for p in ranked if memory is None or p.memory <= memory]
+    values = [knob_values(p.knobs) for p in ranked]
+
+    def cheapest(kept: Constraints, limit: float | None) -> float:
+        return min((p.seconds for p, v in zip(ranked, values, strict=True)
+                    if (limit is None or p.memory <= limit) and kept.admits(v)),
+                   default=math.inf)
+
+    fitting = [p for p, v in zip(ranked, values, strict=True)
+               if (memory is None or p.memory <= memory) and wanted.admits(v)]
+    if not fitting and wanted:
+        raise SearchError(_conflict(wanted, memory, cheapest, ranked, values, devices))
     if not fitting:
         least = min(ranked, key=lambda p: p.memory)
         raise SearchError(
@@ -266,10 +313,10 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
             f"({least.knobs.label}; {format_bytes(least.states)} of it weights, gradients and "
             f"optimizer state); give more memory or devices, or compute in 16 bits")
     found: list[_Found] = []
-    wanted = FINALISTS if simulate else 1
+    finalists = FINALISTS if simulate else 1
     margin, built = 1.0, 0  # the most the estimate exceeded the model by, on points built
     for p in fitting:
-        if len(found) == wanted or built == 8 * wanted:
+        if len(found) == finalists or built == 8 * finalists:
             break
         if memory is not None and p.memory * margin > memory:
             continue  # would not fit by the estimate either, as the model misses by so far
@@ -295,6 +342,10 @@ def _by_knobs(graph: Graph, devices: int, cluster: Cluster, memory: float | None
         raise SearchError(f"the cheapest points that fit {format_bytes(memory or 0)} by the "
                           "search's model could not be built or do not fit by the plan's "
                           f"estimate: {tried[:400]}")
+    with clock("bind"):
+        binding = _binding(wanted, fitting[0].seconds, lambda kept: cheapest(kept, memory))
+    for f in found:
+        f.binding = binding
     return _fastest(found, cluster, explored, clock)
 
 
@@ -332,20 +383,22 @@ def _knobs_plan(graph: Graph, knobs: Knobs, dtype: str,
 def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
                 time_limit: float = 60.0, mesh: Sequence[int] | None = None,
                 pipeline: bool = True, explored: list[dict[str, Any]] | None = None,
-                constraints: dict[str, str] | None = None, dtype: str = "fp32"
+                constraints: Constraints | None = None, dtype: str = "fp32"
                 ) -> tuple[list[tuple[float, Any]], int]:
     """The ILP's decision, nothing built: its optimum on every mesh (or ``mesh``) as
     ``(solution, space, groups)`` and the stage DP's pipelines, cheapest first by the cost
-    model; and the variables solved.
+    model, those the ``constraints`` admit; and the variables solved.
     Raises SearchError naming what binds when nothing fits ``memory``."""
     explored = [] if explored is None else explored
+    constraints = constraints or Constraints()
     options: list[tuple[float, Any]] = []
     least, variables, refused = None, 0, []
     whole = Plan(graph, 1)  # the whole-op pieces every mesh's strategies start from
-    for shape in meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]:
+    shapes = meshes(devices, cluster.per_node) if mesh is None else [Mesh(tuple(mesh))]
+    for shape in shapes if constraints.admits(pipeline_values(1, 1)) else []:
         try:
             space = constrain(graph, strategies(graph, shape, cluster, whole=whole,
-                                                dtype=dtype), constraints)
+                                                dtype=dtype), constraints.cuts)
         except ConstraintError as e:  # a cut the constraints name that this mesh has not
             refused.append(f"mesh {shape}: {e}")
             continue
@@ -370,6 +423,11 @@ def ilp_options(graph: Graph, devices: int, cluster: Cluster, memory: float | No
                              "model_step_s": stages.seconds})
     if not options and least is None and refused:
         raise SearchError("; ".join(refused[:2]))
+    if not options and least is None:
+        raise SearchError(f"no mesh or pipeline over {devices} devices keeps to "
+                          f"{joined(constraints)}: the ILP tries one mesh (pp 1, one "
+                          "micro-batch) and pipelines of stages dividing the devices, s, 2s "
+                          f"or 4s micro-batches dividing the batch of {graph.batch_size}")
     if not options:
         space = strategies(graph, devices, cluster, whole=whole, dtype=dtype)
         raise SearchError(_no_fit(graph, space, devices, memory, least or 0.0))
@@ -503,16 +561,85 @@ def _simulated(name: str, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             "peak_memory_bytes": max(checked.memory[d].total for d in range(plan.ndevices))}
 
 
-def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster, dtype: str
-                ) -> dict[str, Any] | None:
+def _ready_made(graph: Graph, devices: int, name: str, cluster: Cluster, dtype: str,
+                wanted: Constraints) -> dict[str, Any] | None:
     from chronotope.policies import ParallelConfig, make
 
     try:
         plan = make(graph, ParallelConfig(name, devices))
         plan.dtype = dtype
-        return _simulated(name, plan, cluster)
+        degrees = {"dp": devices} if name == "dp" else {"tp": devices}
+        return {**_simulated(name, plan, cluster), "violates": wanted.violated(degrees)}
     except PlanError:
         return None
+
+
+def _who_can(wanted: Constraints) -> str:
+    """Which family keeps to each constraint some family cannot."""
+    def able(c: Any) -> str:
+        names = [f"method={f!r}" for f in ("mesh", "ilp") if not Constraints([c]).unhonoured(f)]
+        return " or ".join(names) or "no method"
+
+    return "; ".join(f"{c.name}: {able(c)}" for c in wanted
+                     if any(Constraints([c]).unhonoured(f) for f in ("mesh", "ilp")))
+
+
+def _binding(wanted: Constraints, best: float,
+             cheapest: Callable[[Constraints], float]) -> list[str]:
+    """The constraints without which (the others kept) the search's model finds a plan
+    that fits and is cheaper than ``best``."""
+    def cheaper(c: Any) -> bool:
+        try:
+            return cheapest(wanted.without(c)) < best * (1 - 1e-9)
+        except SearchError:
+            return False
+    return [c.name for c in wanted if cheaper(c)]
+
+
+def _conflict(wanted: Constraints, memory: float | None,
+              cheapest: Callable[[Constraints, float | None], float],
+              ranked: Sequence[Any] = (), values: Sequence[dict[str, Any]] = (),
+              devices: int = 0) -> str:
+    """The fewest constraints (the memory per device among them) that no plan keeps to
+    together, and what falls short: the memory the least of them needs, or the values the
+    space has of each degree named."""
+    given = [*wanted, *([Memory(memory)] if memory is not None else [])]
+
+    def split(cs: Sequence[Any]) -> tuple[Constraints, float | None]:
+        return (Constraints(c for c in cs if not isinstance(c, Memory)),
+                next((c.limit for c in cs if isinstance(c, Memory)), None))
+
+    def feasible(cs: Sequence[Any]) -> bool:
+        try:
+            return cheapest(*split(cs)) < math.inf
+        except SearchError:
+            return False
+
+    subset = smallest(given, feasible)
+    kept, limit = split(subset)
+    head = f"no plan keeps to {joined(subset)}" + (" together" if len(subset) > 1 else "")
+    if not ranked:  # the ILP's: its own message for just these says what falls short
+        try:
+            cheapest(kept, limit)
+        except SearchError as e:
+            return f"{head}: {e}"
+        return head
+    if limit is not None:
+        least = min((p for p, v in zip(ranked, values, strict=True) if kept.admits(v)),
+                    key=lambda p: p.memory)
+        return (f"{head}: the least a plan of {joined(kept) or 'the space'} needs is about "
+                f"{format_bytes(least.memory)} ({least.knobs.label}), "
+                f"{format_bytes(least.memory - limit)} over; drop or widen one, or give more "
+                "memory or devices")
+    has = []
+    for c in kept:
+        if isinstance(c, Knob):
+            rest = kept.without(c)
+            seen = sorted({v[c.knob] for v in values if rest.admits(v)}, key=str)
+            has.append(f"{c.knob} can be {', '.join(map(str, seen)) or 'nothing'}"
+                       + (f" with {joined(rest)}" if rest else ""))
+    return (f"{head}: over {devices} devices " + "; ".join(has) +
+            " (degrees divide the devices and the batch, tp stays within a node)")
 
 
 def explain(result: SearchResult) -> dict[str, Any]:
@@ -598,10 +725,12 @@ def _no_fit(graph: Graph, space, devices: int, memory: float | None, least: floa
         if held > worst_bytes:
             worst, worst_bytes = t, held
     largest = f" (the most: {worst.name}, {format_bytes(worst_bytes)})" if worst else ""
+    over = f" ({format_bytes(least - memory)} over)" if memory else ""
     return (f"no plan over {devices} devices fits {format_bytes(memory or 0)} per device: the "
-            f"least any needs is about {format_bytes(least)}: weights, gradients and optimizer "
-            f"state {format_bytes(states)} at their best cut{largest}, activations the rest; "
-            "give more memory or devices")
+            f"least any needs is about {format_bytes(least)}{over}: weights, gradients and "
+            f"optimizer state {format_bytes(states)} at their best cut{largest}, activations "
+            "the rest; give more memory or devices")
 
 
-__all__ = ["METHODS", "SearchError", "SearchResult", "explain", "ilp_options", "search"]
+__all__ = ["METHODS", "Constraints", "SearchError", "SearchResult", "explain", "ilp_options",
+           "search"]

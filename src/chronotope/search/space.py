@@ -31,6 +31,7 @@ from chronotope.graph.ops import DEFAULT_REGISTRY
 from chronotope.graph.registry import OpRegistry
 from chronotope.plan.algo import Algorithm, Piece, Replicate, Split, ValueSplit, partition
 from chronotope.plan.plan import Plan
+from chronotope.search.constraints import ConstraintError
 
 IRREGULAR = "?"  # pieces no placement describes
 TRAINING_FLOPS = 3.0  # a backward costs twice its forward
@@ -129,23 +130,18 @@ def strategies(graph: Graph, mesh: Mesh | int, cluster: Cluster,
     return out
 
 
-class ConstraintError(ChronotopeError):
-    """A search constraint names no op, or leaves one no way to run."""
-
-
 def constrain(graph: Graph, space: dict[Op, list[Strategy]],
               constraints: dict[str, str] | None) -> dict[Op, list[Strategy]]:
     """``space`` where each op whose name or module matches a pattern of ``constraints``
-    keeps the strategies it allows, shell-style: ``"split b*"`` cuts every mesh axis
-    along a batch dim, ``"replicate"`` none; ``"split b0 x split n"`` names each axis'
-    cut. ZeRO's cut of the update is allowed either way. Ops alike keep one list, as
-    ``repeated`` needs."""
+    (``kind:<kind>``: whose op kind does) keeps the strategies it allows, shell-style:
+    ``"split b*"`` cuts every mesh axis along a batch dim, ``"replicate"`` none; ``"split
+    b0 x split n"`` names each axis' cut. ZeRO's cut of the update is allowed either way.
+    Ops alike keep one list, as ``repeated`` needs."""
     if not constraints:
         return space
     out, kept = dict(space), {}
     for pattern, allowed in constraints.items():
-        matched = [op for op in graph.ops if space.get(op) and (
-            fnmatch(op.name, pattern) or op.source and fnmatch(op.source.module, pattern))]
+        matched = [op for op in graph.ops if space.get(op) and _selects(pattern, op)]
         if not matched:
             raise ConstraintError(f"the constraint {pattern!r} matches no op or module of "
                                   f"{graph.name!r} that a plan cuts")
@@ -159,6 +155,12 @@ def constrain(graph: Graph, space: dict[Op, list[Strategy]],
                                       f"{op.name} no strategy; it has: {labels}")
             out[op] = kept[key]
     return out
+
+
+def _selects(pattern: str, op: Op) -> bool:
+    if pattern.startswith("kind:"):
+        return fnmatch(op.kind, pattern[len("kind:"):])
+    return fnmatch(op.name, pattern) or bool(op.source and fnmatch(op.source.module, pattern))
 
 
 def _allows(allowed: str, s: Strategy) -> bool:

@@ -31,6 +31,7 @@ from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.plan.algo import Split
 from chronotope.plan.plan import Plan, differentiable
 from chronotope.policies.mesh import _crossing
+from chronotope.search.constraints import Constraints, pipeline_values
 from chronotope.search.ilp import NoFit, Solution, _edge, solve
 from chronotope.search.space import (
     ConstraintError,
@@ -69,20 +70,22 @@ class Pipeline:
 
 
 def pipelines(graph: Graph, devices: int, cluster: Cluster, memory: float | None,
-              time_limit: float = 60.0, constraints: dict[str, str] | None = None,
+              time_limit: float = 60.0, constraints: Constraints | None = None,
               dtype: str = "fp32") -> list[Pipeline]:
     """Every pipeline the DP finds that fits, cheapest first: stage counts that divide the
-    devices, micro-batches from one to four per stage that divide the batch
-    (``constraints``: as ``space.constrain`` takes them)."""
+    devices, micro-batches from one to four per stage that divide the batch, those the
+    ``constraints`` admit (and their cuts)."""
     batch = graph.batch_size or 1
     cuts = cut_positions(graph)
     needs_grad = differentiable(graph)
     crossed = {c: crossing_bytes(graph, c, needs_grad) for c in cuts}
     found = []
-    spaces = _Spaces(graph, cluster, constraints, dtype)
+    constraints = constraints or Constraints()
+    spaces = _Spaces(graph, cluster, constraints.cuts, dtype)
     solved: dict[tuple, tuple[list[Op], Solution]] = {}  # stages alike are solved once
     for s in range(2, min(devices, len(cuts) + 1) + 1):
-        micros = [m for m in (s, 2 * s, 4 * s) if batch % m == 0]
+        micros = [m for m in (s, 2 * s, 4 * s)
+                  if batch % m == 0 and constraints.admits(pipeline_values(s, m))]
         if devices % s or not micros:
             continue
         d = devices // s
