@@ -20,6 +20,7 @@ whose ops have signatures works.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,7 @@ from chronotope.graph.ir import Graph, Op, PTensor, TensorKind
 from chronotope.graph.mask import Mask, equal_runs
 from chronotope.graph.signature import Dim
 from chronotope.plan import Plan, Replicate, Split, ValueSplit
+from chronotope.plan.check import data_edges
 from chronotope.plan.plan import Fusion, PlanOp
 from chronotope.plan.steps import Kind, cells_of
 from chronotope.policies.context import context
@@ -64,11 +66,14 @@ class TpSplit:
     tensor's placement (``compile/rvd.py``'s ``shard(d)`` is that).
 
     A fused projection (q, k and v side by side) is cut into its ``chunks`` first,
-    so that device ``j`` gets part ``j`` of each and its readers find them locally.
+    so that device ``j`` gets part ``j`` of each and its readers find them locally;
+    ``of``: the dim the chunks are cut along where it is not ``dim`` (the reshape that
+    stacks q, k and v on an axis of their own: cut along it, then along the heads).
     """
 
     dim: str
     chunks: int = 1
+    of: str | None = None
 
 
 @dataclass
@@ -160,11 +165,17 @@ def _tensor_parallel_dims(graph: Graph, parts: int, experts: bool, whole: set[Op
             made = {op: True}
         elif op.kind == "experts" and experts:  # each device its part of the hidden features
             dim, chunks = "f", 1
-        split = TpSplit(dim, chunks) if dim is not None and sizes[dim] % (chunks * parts) == 0 \
-            else None
+        heads = _unstacked(op, dim, fused, sizes) if dim is not None else None
+        if heads is not None:
+            split = TpSplit(heads, fused[op.inputs[0]], dim) if sizes[heads] % parts == 0 \
+                else None
+        else:
+            split = TpSplit(dim, chunks) if dim is not None and \
+                sizes[dim] % (chunks * parts) == 0 else None
         if split is not None:
             carry(op, split.dim, axis)
-            fused.update({t: split.chunks for t in op.outputs if split.chunks > 1})
+            if split.of is None:
+                fused.update({t: split.chunks for t in op.outputs if split.chunks > 1})
             if made:
                 origins.update(dict.fromkeys(op.outputs, made))
         out[op] = split
@@ -259,17 +270,54 @@ def still_fused(op: Op, fused: dict[PTensor, int]) -> int:
 
 def fused_parts(t: PTensor, readers: dict[PTensor, list[Op]]) -> int:
     """How many equal runs of ``t``'s last axis its slicing readers take (q, k, v: 3),
-    through reshapes that keep the last axis (a Conv1D's 2-D output made 3-D again)."""
+    through reshapes that keep the last axis (a Conv1D's 2-D output made 3-D again), or
+    how many parts a reshape stacks it into that are then sliced apart (``stacked``)."""
     while len(readers.get(t, ())) == 1:
         only = readers[t][0]
         if only.kind != "reshape" or only.outputs[0].shape[-1:] != t.shape[-1:]:
-            break
+            return stacked(t, only, readers)
         t = only.outputs[0]
-    runs = sorted({op.region[-1] for op in readers.get(t, ())
+    return _runs(t, len(t.shape) - 1, readers)
+
+
+def _runs(t: PTensor, a: int, readers: dict[PTensor, list[Op]]) -> int:
+    """How many equal runs of ``t``'s axis ``a`` its slicing readers take (1: none)."""
+    runs = sorted({op.region[a] for op in readers.get(t, ())
                    if op.region is not None and op.inputs[0] is t})
-    if len(runs) < 2 or equal_runs(Mask(((0, t.shape[-1]),)), [Mask((r,)) for r in runs]) is None:
+    if len(runs) < 2 or equal_runs(Mask(((0, t.shape[a]),)), [Mask((r,)) for r in runs]) is None:
         return 1
     return len(runs)
+
+
+def stacked(t: PTensor, reshape: Op, readers: dict[PTensor, list[Op]]) -> int:
+    """The parts of ``t``'s last axis a reshape stacks on an axis of their own that its
+    readers then slice apart, through permutes: ``qkv(x).view(b, n, 3, heads, d)
+    .permute(2, 0, 3, 1, 4)`` and ``q, k, v = qkv[0], qkv[1], qkv[2]`` (1: none)."""
+    sig = reshape.signature
+    if reshape.kind != "reshape" or sig is None or len(sig.inputs[0][-1].factors) < 3:
+        return 1
+    lead = sig.inputs[0][-1].factors[0].name
+    u = reshape.outputs[0]
+    a = next((i for i, ax in enumerate(sig.outputs[0]) if ax.factors[0].name == lead), None)
+    while a is not None and len(readers.get(u, ())) == 1 and readers[u][0].kind in (
+            "permute", "transpose") and (p := readers[u][0]).signature is not None:
+        name = p.signature.inputs[0][a].factors[0].name
+        a = next((i for i, ax in enumerate(p.signature.outputs[0])
+                  if ax.factors[0].name == name), None)
+        u = p.outputs[0]
+    return 1 if a is None else _runs(u, a, readers)
+
+
+def _unstacked(op: Op, dim: str, fused: dict[PTensor, int], sizes: dict[str, int]
+               ) -> str | None:
+    """Where ``op`` is the reshape that stacks a fused input's parts on an axis of their
+    own (``stacked``): the dim after that axis (the heads), which each part is cut along."""
+    t = op.inputs[0] if op.inputs else None
+    if op.kind != "reshape" or t not in fused or sizes.get(dim) != fused[t]:
+        return None
+    assert op.signature is not None
+    factors = [f.name for f in op.signature.inputs[0][-1].factors]
+    return factors[1] if factors[0] == dim and len(factors) > 2 else None
 
 
 def recycled_stages(graph: Graph, pp: int) -> tuple[dict[Op, int], int]:
@@ -532,15 +580,25 @@ def mesh(graph: Graph, dp: int = 1, tp: int = 1, *, pp: int = 1, micro: int = 1,
         _fold(plan, cells, dp, cp * tp, micro, orders, rank_of)
     elif orders:
         _schedule(plan, cells, dp, micro // ways, orders, rank_of)
-    for key, parts in sharded.items():
-        _coshard(plan, parts, f"coshard{key[0]}.{key[1]}.{key[2]}")
+    apart = {key[0] for key, parts in sharded.items()
+             if not _coshard(plan, parts, f"coshard{key[0]}.{key[1]}.{key[2]}")}
+    if apart:
+        runs = [next(op for op, i in spans.items() if i == span) for span in sorted(apart)]
+        warnings.warn(f"co-shard: {len(runs)} runs read their pieces across the cut (a slice "
+                      "of a cut axis) and run as tensor-parallel pieces, not one part after "
+                      "another: those from " + ", ".join(
+                          f"{op.name} ({op.source.module})" if op.source else op.name
+                          for op in runs), stacklevel=2)
     return plan
 
 
 def _spans(graph: Graph, splits: dict[Op, TpSplit | None]) -> dict[Op, int]:
     """Split ops connected through what they read from each other, numbered: the runs a
-    co-shard part goes through before the next part starts. Only runs that end in a sum
-    (an attention, an MLP: a split reduced dim) are kept; a run whose pieces are read
+    co-shard part goes through before the next part starts. A run ends at its sum: what
+    reads a sum's result needs every part's first, so it starts no part of the run (a
+    residual stream cut along the features after a row-parallel projection would join
+    the layers into one run, each part waiting on the others). Only runs that end in a
+    sum (an attention, an MLP: a split reduced dim) are kept; a run whose pieces are read
     whole (a vocabulary projection) would only move its activations around."""
     made_by = {t: op for op in graph.ops for t in op.outputs}
     root: dict[Op, Op] = {}
@@ -551,34 +609,69 @@ def _spans(graph: Graph, splits: dict[Op, TpSplit | None]) -> dict[Op, int]:
             op = root[op]
         return op
 
+    sums = {op for op, split in splits.items() if split is not None and _reduces(op, split.dim)}
     for op in graph.ops:
         if splits.get(op) is None:
             continue
         root[op] = op
         for t in op.inputs:
             other = made_by.get(t)
-            if other in root:
+            if other in root and other not in sums:
                 root[find(other)] = find(op)
-    summed = {find(op) for op in root if _reduces(op, splits[op].dim)}
+    summed = {find(op) for op in sums}
+    kept = summed - _reentered(graph, {op: find(op) for op in root}, made_by)
     ids: dict[Op, int] = {}
-    return {op: ids.setdefault(find(op), len(ids)) for op in root if find(op) in summed}
+    return {op: ids.setdefault(find(op), len(ids)) for op in root if find(op) in kept}
+
+
+def _reentered(graph: Graph, run: dict[Op, Op], made_by: dict[PTensor, Op]) -> set[Op]:
+    """The runs that an op outside them reads and feeds back into (a residual stream cut
+    along the features, beside a norm that reads all of it): its parts cannot run one
+    after another, each part's way back waiting on every part."""
+    left: dict[Op, set[Op]] = {}  # op -> the runs (not its own) it reads from, at any depth
+    out: set[Op] = set()
+    for op in graph.ops:
+        came: set[Op] = set()
+        for t in op.inputs:
+            other = made_by.get(t)
+            if other is None:
+                continue
+            if other in run:
+                came.add(run[other])
+            came |= left.get(other, set())
+        if op in run:  # back in a run it left (its own run's reads are inside the run)
+            out |= {run[op] for t in op.inputs if (other := made_by.get(t)) is not None
+                    and run.get(other) is not run[op] and run[op] in left.get(other, ())}
+            came.discard(run[op])
+        if came:
+            left[op] = came
+    return out
 
 
 def _reduces(op: Op, dim: str) -> bool:
     return any(d.name == dim and d.reduce for d in op.signature.dims())
 
 
-def _coshard(plan: Plan, parts: list[list[PlanOp]], name: str) -> None:
+def _coshard(plan: Plan, parts: list[list[PlanOp]], name: str) -> bool:
     """Co-shard parts run one after another, forward and backward, each made again right
-    before its backward: one part's activations are alive at a time."""
+    before its backward: one part's activations are alive at a time. Not where a piece
+    reads a later part's (a slice across the cut: multi-query attention's keys taken out
+    of a fused projection), which would wait on it: returns whether they were ordered."""
+    part_of = {piece: c for c, pieces in enumerate(parts) for piece in pieces}
+    if any(part_of[e.src] > part_of[e.dst]  # type: ignore[index]
+           for e in data_edges([p for pieces in parts for p in pieces])):
+        return False
     groups = [plan.group(pieces, f"{name}.{c}") for c, pieces in enumerate(parts)]
-    for pieces in parts:
-        for piece in pieces:
+    learns = any(v.ptensor in plan.requires_grad for p in part_of for v in p.outputs)
+    if learns:  # (a frozen layer has no backward to make them again for)
+        for piece in part_of:
             if piece not in plan.swapped:
                 plan.recompute(piece)
     for a, b in zip(groups, groups[1:]):
         plan.order(a, b)
-        plan.order(plan.backward(a), plan.backward(b))
+        if learns:
+            plan.order(plan.backward(a), plan.backward(b))
+    return True
 
 
 def checkpointed(graph: Graph, how: str | None, what: str, batch_dim: dict[Op, str | None],
@@ -835,7 +928,8 @@ def _tensor_parallel(plan: Plan, piece: PlanOp, tp: TpSplit | None, seq: str | N
     pieces by co-shard part (empty when the op is not sharded)."""
     if tp is not None:
         n = len(devices) * coshard
-        chunks = plan.trans(piece, Split(tp.dim, tp.chunks)) if tp.chunks > 1 else [piece]
+        chunks = plan.trans(piece, Split(tp.of or tp.dim, tp.chunks)) if tp.chunks > 1 \
+            else [piece]
         cut = [plan.trans(c, Split(tp.dim, n)) for c in chunks]
         for subs in cut:
             for k, sub in enumerate(subs):
