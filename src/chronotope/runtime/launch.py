@@ -1,12 +1,13 @@
 """Running a Program as real processes on torch.distributed (gloo on CPU, NCCL on GPU).
 
-``run_processes`` spawns one worker per rank on this machine (``spawn``, which
-``runtime.train`` uses too). A worker that dies or stops answering makes the
-others fail within the timeout with an error naming it, and every worker exits.
-A worker whose launcher is gone (killed, its terminal closed) exits within a
-second. Ctrl-C or SIGTERM to the launcher (a scheduler preempting the job) is
-passed on to the workers, which a training run lets end their step together and
-save (``Stop``); others are stopped; either way ``Interrupted`` says so.
+``run_processes`` starts one worker per rank on this machine (``spawn``, which
+``runtime.train`` uses too), forked from a server that imported torch once. A worker
+that dies or stops answering makes the others fail within the timeout with an error
+naming it, and every worker exits. A worker whose launcher is gone (killed, its
+terminal closed) exits at once. Ctrl-C or SIGTERM to the launcher (a scheduler
+preempting the job) is passed on to the workers, which a training run lets end their
+step together and save (``Stop``); others are stopped; either way ``Interrupted`` says
+so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -154,15 +155,17 @@ def train_rank(spec: RankSpec, steps: int, optim: Optim, backend: str, timeout: 
 
 
 def _worker(index: int, payload: str, world: int, backend: str, port: int, timeout: float,
-            out_dir: str, launcher: int) -> None:
-    threading.Thread(target=die_with, args=(launcher,), daemon=True).start()
+            out_dir: str, launcher: Connection) -> None:
+    threading.Thread(target=exit_with, args=(launcher,), daemon=True).start()
     # A worker's own processes (DataLoader workers) start as in a plain script on this
-    # platform (fork on Linux), not by spawn, which this worker inherited: spawn imports
-    # torch again in each, seconds per loader.
+    # platform (fork on Linux), not as this worker started: spawn imports torch again in
+    # each, seconds per loader.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     try:
         # Loaded here, not by multiprocessing: what fails to load is reported like any error.
-        fn, args = torch.load(payload, weights_only=False)
+        fn, args, environ = torch.load(payload, weights_only=False)
+        os.environ.clear()  # the launcher's, now: a forkserver's is the one it started with
+        os.environ.update(environ)
         if backend == "gloo":  # workers share this machine's cores: no oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=index,
@@ -182,10 +185,28 @@ def _worker(index: int, payload: str, world: int, backend: str, port: int, timeo
 
 
 def die_with(launcher: int) -> None:
-    """Exit once the launcher is gone: no worker trains on, orphaned, after it."""
+    """Exit once the launcher, this process's parent, is gone: no worker trains on,
+    orphaned, after it."""
     while os.getppid() == launcher:
         time.sleep(ORPHAN_POLL)
     os._exit(1)
+
+
+def exit_with(launcher: Connection) -> None:
+    """Exit once the launcher is gone, which closes its end of the pipe: a worker forked
+    by a server has the server, not the launcher, as its parent."""
+    try:
+        launcher.recv()
+    except EOFError:
+        pass
+    os._exit(1)
+
+
+# Workers fork from a server that imported torch and chronotope once, where the platform
+# has one: a spawned worker imports them again, seconds per worker on a busy machine.
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+if START == "forkserver":
+    multiprocessing.get_context(START).set_forkserver_preload(["torch", "chronotope"])
 
 
 def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
@@ -196,19 +217,23 @@ def spawn(fn, world: int, args: tuple = (), backend: str = "gloo",
     with tempfile.TemporaryDirectory(prefix="chronotope-run-") as out_dir:
         payload = os.path.join(out_dir, "args.pt")
         try:
-            torch.save((fn, args), payload)
+            torch.save((fn, args, dict(os.environ)), payload)
         except Exception as e:
             raise WorkerError(f"cannot send {getattr(fn, '__qualname__', fn)} and its arguments "
                               f"to worker processes: {type(e).__name__}: {e}") from e
-        ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(), timeout,
-                                                out_dir, os.getpid()),
-                                 nprocs=world, join=False, start_method="spawn")
-        stopped: list[int] = []
-        try:
-            with _passed_on(ctx.processes, stopped):
-                codes = _wait(ctx.processes, watch, stopped)
-        finally:  # on a failure, or an interrupt here: no worker outlives the run
-            _stop(ctx.processes)
+        # Open until the run ends or this process is gone: then the workers exit.
+        alive, launcher = multiprocessing.Pipe(duplex=False)
+        with launcher:
+            ctx = mp.start_processes(_worker, args=(payload, world, backend, free_port(),
+                                                    timeout, out_dir, alive),
+                                     nprocs=world, join=False, start_method=START)
+            alive.close()
+            stopped: list[int] = []
+            try:
+                with _passed_on(ctx.processes, stopped):
+                    codes = _wait(ctx.processes, watch, stopped)
+            finally:  # on a failure, or an interrupt here: no worker outlives the run
+                _stop(ctx.processes)
         if stopped:
             raise Interrupted(f"interrupted by {signal.Signals(stopped[0]).name}", stopped[0])
         if codes is not None and not _finished(world, out_dir):
