@@ -9,10 +9,13 @@ gradient between them flows inside autograd, and the pieces share one call.
 What crosses the region's edge (gradients arriving from outside, gradients of
 its leaves) is computed exactly as before, so communication does not change.
 The weight-gradient part of a split backward runs after its region's call.
-A region also runs its recomputed forward pieces again first (``plan.recompute``);
-an edge between a recomputed piece and a kept one is never linked, and a recomputed
-piece that links to none of a region starts its own (co-shard parts then each
-make their activations again only when their own backward runs).
+A region also runs its recomputed forward pieces again first (``plan.recompute``),
+and, without a graph, the recomputed pieces that make what they read, back to what
+the forward kept: the forward keeps only a recomputed run's inputs, however many
+regions its backward is cut into. An edge between a recomputed piece and a kept one
+is never linked, and a recomputed piece that links to none of a region starts its
+own (co-shard parts then each make their activations again only when their own
+backward runs).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from chronotope.compile.program import (
     Instruction,
     Load,
     Part,
+    Reshard,
     Slices,
     WeightGrad,
     covers,
@@ -72,6 +76,9 @@ class _Fuser:
             for k, var in enumerate(graded):
                 self.output_of[var] = (fwd.op, k)
         self.linked: set[tuple[PlanOp, int]] = set()  # (forward piece, input position)
+        self.made_again: set[str] = set()  # what the regions so far ran again
+        # gathered and freed after the forward, filled again right before their backward
+        self.resharded = {v for ins in code if isinstance(ins, Reshard) for v in ins.vars}
 
     def run(self) -> list[Instruction]:
         out: list[Instruction] = []
@@ -96,20 +103,72 @@ class _Fuser:
         self.close(region, out)
         return [self.patched(ins) for ins in out]
 
+    def again(self, ins: Instruction | None) -> bool:
+        """Whether ``ins`` may run again in the backward: a recomputed piece, or a view of
+        what those or other views make, reading nothing freed since (gathered, resharded).
+        Not a sum of parts (co-shard parts' outputs added up): kept, it spares making
+        every part again for what reads it."""
+        if isinstance(ins, Forward):
+            return ins.recompute and not self.resharded.intersection(ins.ins)
+        boxes = {tuple((s.start, s.stop) for s in p.dst_slices) for p in ins.parts} \
+            if isinstance(ins, Assemble) else set()
+        return isinstance(ins, Assemble) and not ins.accumulate and len(boxes) == len(
+            ins.parts) and all(
+            p.src not in self.resharded and isinstance(
+                source := self.defined.get(p.src), (Forward, Assemble))
+            and (isinstance(source, Assemble) or source.recompute) for p in ins.parts)
+
     def close(self, region: _Region, out: list[Instruction]) -> None:
         if region.members:
-            remade: list[Forward | Assemble] = [self.forwards[m.ops[0].forward_op]
-                                                for m in region.members
-                                                if self.forwards[m.ops[0].forward_op].recompute]
-            made = {v for f in remade for v in writes(f)}
-            views = {id(a): a for f in remade for v in reads(f)  # views between them, again
-                     if isinstance(a := self.defined.get(v), Assemble)
-                     and all(p.src in made for p in a.parts)}
-            remade = sorted([*remade, *views.values()], key=lambda i: self.position[id(i)])
+            remade = self.remade([self.forwards[m.ops[0].forward_op] for m in region.members
+                                  if self.forwards[m.ops[0].forward_op].recompute])
             out.append(Backward(tuple(m.ops[0] for m in region.members),
                                 tuple(map(tuple, region.grads)), tuple(map(tuple, region.outs)),
-                                tuple(remade)))
+                                remade))
         out += region.deferred.values()
+
+    def remade(self, pieces: list[Forward]) -> tuple[Forward | Assemble, ...]:
+        """What a region runs again first, in order: its recomputed pieces and the views
+        between them, with their graph, and, without one, the recomputed pieces and views
+        that make what those read, back to what the forward kept (or an earlier region
+        made again): the forward keeps a recomputed run's inputs only, however many
+        regions its backward takes (a co-shard part's attention, cut where its q, k and v
+        meet)."""
+        chosen: dict[int, Forward | Assemble] = {id(f): f for f in pieces}
+        made = {v for f in pieces for v in writes(f)}
+        for f in pieces:
+            for v in reads(f):
+                self.viewed(v, made, chosen)
+        graphed = set(chosen)
+        wanted = [v for f in chosen.values() for v in reads(f)]
+        while wanted:
+            v = wanted.pop()
+            source = self.defined.get(v)
+            if v in made or v in self.made_again or id(source) in chosen \
+                    or not self.again(source):
+                continue
+            assert isinstance(source, (Forward, Assemble))
+            chosen[id(source)] = source
+            made.update(writes(source))
+            wanted += reads(source)
+        self.made_again |= made
+        return tuple(i if id(i) in graphed or isinstance(i, Assemble) else replace(
+            i, grad=tuple(False for _ in i.grad), out_grad=(), linked=())
+            for i in sorted(chosen.values(), key=lambda i: self.position[id(i)]))
+
+    def viewed(self, var: str, made: set[str], found: dict[int, Forward | Assemble]) -> bool:
+        """Whether ``var`` is made in the region or a view of what is (at any depth); the
+        views are added to ``found`` and ``made``: run again, they join its graph."""
+        if var in made:
+            return True
+        a = self.defined.get(var)
+        if not isinstance(a, Assemble) or not a.parts or a.accumulate:
+            return False
+        if not all(self.viewed(p.src, made, found) for p in a.parts):
+            return False
+        found[id(a)] = a
+        made.add(a.var)
+        return True
 
     def join(self, region: _Region, b: Backward, out: list[Instruction]) -> bool:
         """Add piece ``b`` to ``region`` if every gradient it reads is known before the
@@ -209,8 +268,9 @@ class _Fuser:
 
     def patched(self, ins: Instruction) -> Instruction:
         if isinstance(ins, Backward) and ins.recompute:
-            return replace(ins, recompute=tuple(self.linked_inputs(f) if isinstance(f, Forward)
-                                                else f for f in ins.recompute))
+            return replace(ins, recompute=tuple(
+                self.linked_inputs(f) if isinstance(f, Forward) and any(f.grad) else f
+                for f in ins.recompute))
         return self.linked_inputs(ins) if isinstance(ins, Forward) else ins
 
     def linked_inputs(self, ins: Forward) -> Forward:

@@ -611,6 +611,11 @@ def _no_grad(ins: Forward) -> list[str]:
             "with torch.no_grad():", *("    " + line for line in body[1:])]
 
 
+def _plain(ins: Forward) -> bool:
+    """A piece that takes and passes no gradient."""
+    return not any(ins.grad) and not ins.out_grad
+
+
 def _backward(ins: Backward, autograd: _Autograd | None) -> list[str]:
     """One autograd call: gradients arriving for the pieces' outputs in, their leaves'
     gradients out (those flowing between the pieces stay inside autograd)."""
@@ -618,8 +623,10 @@ def _backward(ins: Backward, autograd: _Autograd | None) -> list[str]:
     if ins.recompute:
         lines.append(f"# recompute {len(ins.recompute)} forward pieces, with their graph")
         for f, freed in zip(ins.recompute, ins.frees or ((),) * len(ins.recompute)):
-            lines += _forward(f, autograd)[1:] if isinstance(f, Forward) else \
-                render_instruction(f, autograd)
+            if isinstance(f, Forward):  # what its inputs are made of: again without a graph
+                lines += (_no_grad(f) if _plain(f) else _forward(f, autograd))[1:]
+            else:
+                lines += render_instruction(f, autograd)
             if freed:
                 lines += render_instruction(Free(freed))
     return lines + _backward_call(ins, autograd)
