@@ -1285,8 +1285,8 @@ def parser() -> argparse.ArgumentParser:
                           "'kind:embedding=replicate'; repeatable (ILP only)")
     sea.add_argument("--constraints", type=Path, metavar="FILE.toml",
                      help="constraints the plan keeps to: knobs fixed, listed or bounded "
-                          "(tp = 4, pp = [2, 4], micro = {min = 8}, schedule = \"zb1\", "
-                          "recompute, swap, sequence, zero) and op cuts under [cuts]; see "
+                          "(tp = 4, pp = [2, 4], micro = {min = 8}, coshard = 2, schedule = "
+                          "\"zb1\", recompute, swap, sequence, zero) and op cuts under [cuts]; see "
                           "docs/constraints.md")
     sea.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=None,
                      help="compile and simulate the cheapest plans found to pick one, or "

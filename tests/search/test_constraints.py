@@ -67,6 +67,7 @@ def test_a_constraint_that_does_not_parse_is_named_with_its_file(tmp_path, text,
     ({"sequence": True}, lambda r: "sequence parallel" in r.mesh),
     ({"zero": "zero3"}, lambda r: r.plan.param_storage == "owned"),
     ({"micro": {"min": 4}}, lambda r: r.plan.micro >= 4),
+    ({"coshard": 2}, lambda r: "co-shard 2" in r.mesh and r.plan.recomputed),
 ])
 def test_the_plan_found_keeps_to_each_knob_constraint(gpt, constraints, kept):
     result = search(gpt, 4, constraints=constraints, simulate=False)

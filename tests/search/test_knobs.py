@@ -35,7 +35,8 @@ KNOBS = [Knobs(1, 1, 1, 1), Knobs(1, 8, 1, 1), Knobs(2, 4, 1, 4), Knobs(1, 1, 4,
          Knobs(2, 2, 2, 4, recompute="full", sequence=True), Knobs(1, 1, 8, 16, zero_bubble=True),
          Knobs(1, 2, 4, 16, recompute="full", zero_bubble=True), Knobs(1, 2, 4, 8, swap=True),
          Knobs(2, 4, 1, 4, swap=True), Knobs(8, 1, 1, 1, zero3=True),
-         Knobs(4, 2, 1, 1, zero3=True)]
+         Knobs(4, 2, 1, 1, zero3=True), Knobs(4, 2, 1, 2, coshard=2),
+         Knobs(2, 4, 1, 1, coshard=4, recompute="full")]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -61,6 +62,9 @@ def test_the_space_holds_every_degree_recompute_interleaving_and_sequence_parall
                                              Knobs(4, 2, 1, 1, zero3=True),
                                              Knobs(2, 4, 1, 1, zero3=True)]
     assert {k.shard for k in space if k.dp > 1} == {False, True}
+    # co-shard unfolded: without stages, context, experts or sequence parallelism
+    assert {k.coshard for k in space} == {1, 2, 4}
+    assert all(k.pp == k.cp == 1 and not k.sequence for k in space if k.coshard > 1)
     assert not any(k.shard for k in points(model, 8, 8))  # without replicas to shard over
 
 

@@ -1,7 +1,8 @@
 """What an expert knows about the plan, as constraints the search keeps to.
 
 A constraint either narrows the knobs of a point (``tp = 4``, ``pp in 2, 4``, ``micro
-in 4..16``, ``schedule = zb1``, ``recompute = full``, ``swap``, ``sequence``, ``zero``)
+in 4..16``, ``coshard = 2``, ``schedule = zb1``, ``recompute = full``, ``swap``,
+``sequence``, ``zero``)
 or the cuts of ops (``Cut("h.*.attn.*", "split n*")``: ops by name or module pattern,
 or ``kind:attention`` by op kind, keep the strategies whose label matches). A family of
 the search honours the constraints whose knobs it has: the mesh policy's knobs all
@@ -31,7 +32,7 @@ from typing import Any
 from chronotope.errors import ChronotopeError
 from chronotope.plan.check import format_bytes
 
-DEGREES = ("dp", "tp", "pp", "micro", "chunks", "cp", "ep")
+DEGREES = ("dp", "tp", "pp", "micro", "chunks", "cp", "ep", "coshard")
 CHOICES: dict[str, tuple[Any, ...]] = {
     "schedule": ("none", "1f1b", "zb1", "interleaved"),  # "none": no pipeline
     "recompute": ("none", "selective", "full"),
@@ -184,15 +185,16 @@ class Constraints(tuple[Constraint, ...]):
 
 
 _DEFAULTS: dict[str, Any] = {"dp": 1, "tp": 1, "pp": 1, "micro": 1, "chunks": 1, "cp": 1,
-                             "ep": 1, "schedule": "none", "recompute": "none", "swap": False,
-                             "sequence": False, "zero": "none"}
+                             "ep": 1, "coshard": 1, "schedule": "none", "recompute": "none",
+                             "swap": False, "sequence": False, "zero": "none"}
 _FIXED = {"schedule": ("none", "1f1b"), "recompute": ("none",), "swap": (False,)}
 
 
 def knob_values(k: Any) -> dict[str, Any]:
     """A mesh point's (``knobs.Knobs``) value of every knob."""
     return {"dp": k.dp, "tp": k.tp, "pp": k.pp, "micro": k.micro, "chunks": k.chunks,
-            "cp": k.cp, "ep": k.ep, "schedule": k.schedule if k.pp > 1 else "none",
+            "cp": k.cp, "ep": k.ep, "coshard": k.coshard,
+            "schedule": k.schedule if k.pp > 1 else "none",
             "recompute": k.recompute or "none", "swap": k.swap, "sequence": k.sequence,
             "zero": "zero3" if k.zero3 else "zero1" if k.shard else "none"}
 

@@ -66,6 +66,7 @@ from chronotope.plan.storage import unit
 from chronotope.policies.context import context
 from chronotope.policies.mesh import (
     _crossing,
+    _spans,
     checkpointed,
     data_only,
     mesh,
@@ -112,6 +113,7 @@ class Knobs:
     cp: int = 1  # context parallel: every op along the sequence over cp groups of tp
     attention: str = "allgather"  # how its attention meets (``policies/context.py``)
     ep: int = 1  # expert parallel: MoE layers' experts shared out over ep of the dp replicas
+    coshard: int = 1  # each attention and MLP in this many parts a device runs in turn
 
     @property
     def devices(self) -> int:
@@ -133,6 +135,8 @@ class Knobs:
             text += f", {self.chunks} stages per rank"
         if self.zero_bubble:
             text += ", zero bubble"
+        if self.coshard > 1:
+            text += f", co-shard {self.coshard}"
         if self.recompute:
             text += f", recompute {self.recompute}"
         if self.swap:
@@ -160,8 +164,8 @@ class Knobs:
         plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
                     schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
                     swap="full" if self.swap else None,
-                    sequence=self.sequence, fold=self.micro > 1, cp=self.cp,
-                    cp_attention=self.attention, ep=self.ep)
+                    sequence=self.sequence, fold=self.micro > 1 and self.coshard == 1,
+                    cp=self.cp, cp_attention=self.attention, ep=self.ep, coshard=self.coshard)
         plan.dtype = dtype
         return plan.scale(self.dp // dp, self.shard) if dp != self.dp else plan
 
@@ -227,6 +231,7 @@ class Model:
         self._times: dict[tuple, np.ndarray] = {}
         self._stages: dict[tuple[int, bool], np.ndarray] = {}
         self._recomputed: dict[str | None, np.ndarray] = {}
+        self._cosharded: dict[tuple[int, int], np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
         self._crossed: dict[int, float] = {}
         self._networks_of: dict[tuple[int, int, int, int], np.ndarray] = {}
@@ -319,14 +324,15 @@ class Model:
             self._terms[key] = np.array(rows).reshape(len(self.ops), 10)
         return self._terms[key]
 
-    def kept_across(self, tp: int, sequence: bool, how: str | None) -> np.ndarray:
+    def kept_across(self, k: Knobs) -> np.ndarray:
         """Per op, the bytes (whole batch) of its outputs kept from the forward to the
         backward because recomputation crosses them: a recomputed op's that an op not
         recomputed saves, and (not counted as saved already) an op's that a recomputed
         one reads, to run again (the logits into a recomputed loss)."""
-        key = (tp, sequence, how)
+        tp, sequence = k.tp, k.sequence
+        key = (tp, sequence, k.recompute, k.coshard)
         if key not in self._kept_across:
-            again, choice, m = self.recomputed(how), self.choice(tp, sequence), Mesh((tp,))
+            again, choice, m = self.again(k), self.choice(tp, sequence), Mesh((tp,))
             out = np.zeros(len(self.ops))
             for i, op in enumerate(self.ops):
                 if op not in choice:
@@ -382,6 +388,26 @@ class Model:
             self._recomputed[how] = np.array([op in ops for op in self.ops], dtype=bool)
         return self._recomputed[how]
 
+    def cosharded(self, tp: int, coshard: int) -> np.ndarray:
+        """Per op, whether co-shard runs it in ``coshard`` parts, each made again before its
+        backward: the runs of ops cut ``tp * coshard`` ways that end in a sum
+        (``policies.mesh``'s spans: attentions, MLPs)."""
+        key = (tp, coshard)
+        if key not in self._cosharded:
+            ops = _spans(self.graph, tensor_parallel_dims(self.graph, tp * coshard)) \
+                if coshard > 1 else {}
+            self._cosharded[key] = np.array([op in ops for op in self.ops], dtype=bool)
+        return self._cosharded[key]
+
+    def coshards(self, tp: int) -> list[int]:
+        """1, and the co-shard parts (2, 4) that leave something to run in parts."""
+        return [1] + [c for c in (2, 4) if self.cosharded(tp, c).any()]
+
+    def again(self, k: Knobs) -> np.ndarray:
+        """Per op, whether its backward makes its activations again: recomputed, or one
+        co-shard part of it at a time."""
+        return self.recomputed(k.recompute) | self.cosharded(k.tp, k.coshard)
+
     def sends(self, k: Knobs, m: int, stage_of: np.ndarray) -> float:
         """Seconds of one micro-batch's messages between consecutive stages on the
         slowest boundary, forward and back: every tensor-parallel rank sends its copy (a
@@ -415,7 +441,9 @@ class Model:
             terms = terms * np.where(self.expert_weights, 1 / k.ep, 1.0)[:, None] ** _WEIGHTS
         stage_of = self.stage_of(k.pp * k.chunks, k.micro > 1)
         rank_of = stage_of % k.pp
-        again = self.recomputed(k.recompute)
+        again = self.again(k)
+        # a co-shard part's backward holds and makes again its part alone
+        parts = np.where(self.cosharded(k.tp, k.coshard), k.coshard, 1)
         context, gathered = self.context(k, m)
         routed, gathered_tokens = self.routed(k, m)
         context, gathered = context + routed, gathered + gathered_tokens
@@ -496,13 +524,14 @@ class Model:
         # again, but not its inputs read in another layout than made (gathered copies),
         # which it keeps to run again whether its backward saves them or not
         kept = np.where(again, terms[:, 8] / m, terms[:, 1] / m + terms[:, 2] + terms[:, 7] / m) \
-            + self.kept_across(k.tp, k.sequence, k.recompute) / m - out
+            + self.kept_across(k) / m - out
         per_micro = np.bincount(stage_of, weights=kept, minlength=k.pp * k.chunks)
         # the backward's working set, a swapped op's saved tensors brought back for its
         # backward, and a recomputed layer's made again (a zero-bubble backward keeps every
         # layer's for its later weight gradients)
-        remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0)
-        transient = [terms[rank_of == r, 6].max(initial=0.0) / m + out[rank_of == r].max(
+        remade = np.where(again, terms[:, 1] / m + terms[:, 2], 0.0) / parts
+        holds = terms[:, 6] / parts
+        transient = [holds[rank_of == r].max(initial=0.0) / m + out[rank_of == r].max(
             initial=0.0) + gathered[rank_of == r].max(initial=0.0) + (
             remade[rank_of == r].sum() if k.zero_bubble else np.bincount(
                 self.units[rank_of == r], weights=remade[rank_of == r]).max(initial=0.0))
@@ -716,10 +745,15 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                             if recompute == "selective" and not attention or \
                                     swap and not model.cluster.host_bandwidth:
                                 continue
-                            for sequence in (False, True) if tp > 1 else (False,):
+                            # co-shard: unfolded, so tried without stages or context,
+                            # experts or sequence parallelism (whose cuts it would change)
+                            alone = pp == 1 and cp == 1 and ep == 1 and not swap
+                            parts = model.coshards(tp) if alone else [1]
+                            for sequence, coshard in [(False, c) for c in parts] + \
+                                    [(True, 1)] * (tp > 1):
                                 for shard in (False, True) if dp > 1 and replicas else (False,):
                                     yield Knobs(dp, tp, pp, micro, chunks, recompute,
                                                 sequence, shard, zero_bubble, swap, cp=cp,
-                                                attention=way, ep=ep)
+                                                attention=way, ep=ep, coshard=coshard)
                 if pp == 1 and dp > 1 and cp == 1 and devices <= ZERO3_UP_TO:  # one plan
                     yield Knobs(dp, tp, 1, 1, zero3=True)  # of every device
