@@ -23,8 +23,7 @@ from tests.fuzz.families import FAMILIES, OPTIM, family, reference
 from tests.fuzz.plans import RandomPlan, script
 
 TOLERANCE = 1e-5
-TIMEOUT = 90.0  # seconds a rank waits on another before the run counts as hung (the suite
-# shares the machine's cores with another worker)
+TIMEOUT = 30.0  # seconds a rank waits on another before the run counts as hung
 NAMES = sorted(FAMILIES)
 
 
