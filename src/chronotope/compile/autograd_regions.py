@@ -110,10 +110,10 @@ class _Fuser:
         every part again for what reads it."""
         if isinstance(ins, Forward):
             return ins.recompute and not self.resharded.intersection(ins.ins)
-        boxes = {tuple((s.start, s.stop) for s in p.dst_slices) for p in ins.parts} \
-            if isinstance(ins, Assemble) else set()
-        return isinstance(ins, Assemble) and not ins.accumulate and len(boxes) == len(
-            ins.parts) and all(
+        if not isinstance(ins, Assemble) or ins.accumulate:
+            return False
+        boxes = {tuple((s.start, s.stop) for s in p.dst_slices) for p in ins.parts}
+        return len(boxes) == len(ins.parts) and all(
             p.src not in self.resharded and isinstance(
                 source := self.defined.get(p.src), (Forward, Assemble))
             and (isinstance(source, Assemble) or source.recompute) for p in ins.parts)
