@@ -6,9 +6,13 @@ import json
 
 import pytest
 
+import chronotope as ct
 from chronotope.cli import main
 from chronotope.graph.capture import capture
 from chronotope.models import get_workload
+from chronotope.plan.steps import Step
+from chronotope.runtime.local import Optim, run_in_threads
+from chronotope.runtime.reference import compare, train_reference
 from chronotope.search import Constraints, SearchError, explain, search
 from chronotope.search.constraints import ConstraintError, Cut, Knob
 
@@ -146,3 +150,22 @@ def test_the_cli_reads_a_constraints_file_and_shows_what_binds(tmp_path, capsys)
     path.write_text("tp = 3\n")
     assert main(["search", "gpt", "--devices", "4", "--constraints", str(path)]) != 0
     assert "no plan keeps to tp = 3" in capsys.readouterr().err
+
+
+def test_a_3f1b_schedule_is_searched_for_a_model_that_recycles_and_trains_like_one_device():
+    """The Evoformer runs itself four times a step, the first three without gradients:
+    held to 3F1B, the search puts a stage of every pass on each pipeline rank and runs
+    the backward of the last pass alone; a model that runs once has no 3F1B point."""
+    w = get_workload("evoformer", batch_size=8)
+    found = search(capture(w), 4, method="mesh", constraints={"schedule": "3f1b"})
+    assert "3F1B over 4 passes" in found.mesh and found.candidates[0]["binding"] == [
+        "schedule = 3f1b"]
+    steps = [s for row in ct.policies.actions(found.plan).values() for a in row
+             if (s := Step.parse(a)) is not None]
+    pp = 1 + max(s.stage for s in steps) // 4
+    assert pp > 1 and {s.stage // pp for s in steps if s.kind.name == "B"} == {3}
+    run = run_in_threads(ct.compile(found.plan), w, 2, Optim("sgd", 0.1))
+    assert compare(run, train_reference(w, 2, Optim("sgd", 0.1))).within(1e-5)
+    with pytest.raises(SearchError, match="schedule = 3f1b"):
+        search(capture(get_workload("gpt", batch_size=8)), 4, method="mesh",
+               constraints={"schedule": "3f1b"})

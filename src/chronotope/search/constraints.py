@@ -34,7 +34,7 @@ from chronotope.plan.check import format_bytes
 
 DEGREES = ("dp", "tp", "pp", "micro", "chunks", "cp", "ep", "coshard")
 CHOICES: dict[str, tuple[Any, ...]] = {
-    "schedule": ("none", "1f1b", "zb1", "interleaved"),  # "none": no pipeline
+    "schedule": ("none", "1f1b", "zb1", "interleaved", "3f1b"),  # "none": no pipeline
     "recompute": ("none", "selective", "full"),
     "swap": (False, True),
     "sequence": (False, True),

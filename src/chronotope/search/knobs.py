@@ -70,6 +70,7 @@ from chronotope.policies.mesh import (
     checkpointed,
     data_only,
     mesh,
+    recycled_stages,
     stages,
     tensor_parallel_dims,
 )
@@ -114,6 +115,7 @@ class Knobs:
     attention: str = "allgather"  # how its attention meets (``policies/context.py``)
     ep: int = 1  # expert parallel: MoE layers' experts shared out over ep of the dp replicas
     coshard: int = 1  # each attention and MLP in this many parts a device runs in turn
+    recycle: bool = False  # 3F1B: a stage of each recycling pass per rank (``chunks`` passes)
 
     @property
     def devices(self) -> int:
@@ -121,6 +123,8 @@ class Knobs:
 
     @property
     def schedule(self) -> str:
+        if self.recycle:
+            return "3f1b"
         if self.chunks > 1:
             return "interleaved"
         return "zb1" if self.zero_bubble else "1f1b"
@@ -131,7 +135,9 @@ class Knobs:
         cp = f" x cp {self.cp}{way}" if self.cp > 1 else ""
         cp += f", experts over ep {self.ep}" if self.ep > 1 else ""
         text = f"dp {self.dp} x tp {self.tp} x pp {self.pp}{cp}, {self.micro} micro-batches"
-        if self.chunks > 1:
+        if self.recycle:
+            text += f", 3F1B over {self.chunks} passes"
+        elif self.chunks > 1:
             text += f", {self.chunks} stages per rank"
         if self.zero_bubble:
             text += ", zero bubble"
@@ -162,9 +168,10 @@ class Knobs:
             raise PlanError("the optimizer state is shared out over data-parallel replicas "
                             "(plan.scale): give the graph of one replica's rows (replica=)")
         plan = mesh(unit, dp=dp, tp=self.tp, pp=self.pp, micro=self.micro,
-                    schedule=self.schedule, chunks=self.chunks, recompute=self.recompute,
-                    swap="full" if self.swap else None,
-                    sequence=self.sequence, fold=self.micro > 1 and self.coshard == 1,
+                    schedule=self.schedule, chunks=1 if self.recycle else self.chunks,
+                    recompute=self.recompute, swap="full" if self.swap else None,
+                    sequence=self.sequence,
+                    fold=self.micro > 1 and self.coshard == 1 and not self.recycle,
                     cp=self.cp, cp_attention=self.attention, ep=self.ep, coshard=self.coshard)
         plan.dtype = dtype
         return plan.scale(self.dp // dp, self.shard) if dp != self.dp else plan
@@ -230,6 +237,8 @@ class Model:
         self._terms: dict[tuple, np.ndarray] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._stages: dict[tuple[int, bool], np.ndarray] = {}
+        self._recycled: dict[int, np.ndarray] = {}
+        self.passes = recycled_stages(graph, 1)[1]  # how often the model runs itself a step
         self._recomputed: dict[str | None, np.ndarray] = {}
         self._cosharded: dict[tuple[int, int], np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
@@ -382,6 +391,21 @@ class Model:
             self._stages[key] = np.array([cut[op] for op in self.ops])
         return self._stages[key]
 
+    def recycled(self, pp: int) -> np.ndarray:
+        """Each op's stage under 3F1B: ``k * pp + s`` for stage ``s`` of pass ``k``."""
+        if pp not in self._recycled:
+            cut = recycled_stages(self.graph, pp)[0]
+            self._recycled[pp] = np.array([cut[op] for op in self.ops])
+        return self._recycled[pp]
+
+    def schedules(self, pp: int) -> list[tuple[int, bool, bool]]:
+        """(chunks, zero bubble, recycle) of the pipeline schedules tried over ``pp`` stage
+        ranks: 1F1B, ZB-H1, interleaved and, for a model that runs itself again, 3F1B."""
+        if pp == 1:
+            return [(1, False, False)]
+        recycling = [(self.passes, False, True)] if self.passes > 1 else []
+        return [(c, z, False) for c, z in SCHEDULE_KNOBS] + recycling
+
     def recomputed(self, how: str | None) -> np.ndarray:
         if how not in self._recomputed:
             ops = set(checkpointed(self.graph, how, "recompute", self.batch_dim, self.keep))
@@ -439,7 +463,8 @@ class Model:
         terms = self.terms(k.tp, k.sequence) * share[:, None] ** _ALONG
         if k.ep > 1:  # each device keeps its share of the experts' weights
             terms = terms * np.where(self.expert_weights, 1 / k.ep, 1.0)[:, None] ** _WEIGHTS
-        stage_of = self.stage_of(k.pp * k.chunks, k.micro > 1)
+        stage_of = self.recycled(k.pp) if k.recycle else \
+            self.stage_of(k.pp * k.chunks, k.micro > 1)
         rank_of = stage_of % k.pp
         again = self.again(k)
         # a co-shard part's backward holds and makes again its part alone
@@ -736,8 +761,9 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                 rows = model.batch // dp
                 for ep, micro in ((e, m) for e in model.sharing(dp)
                                   for m in range(1, rows + 1) if rows % m == 0):
-                    for chunks, zero_bubble in SCHEDULE_KNOBS if pp > 1 else ((1, False),):
-                        if chunks > 1 and (micro % pp or pp * chunks > model.blocks):
+                    for chunks, zero_bubble, recycle in model.schedules(pp):
+                        if chunks > 1 and not recycle and (micro % pp or
+                                                           pp * chunks > model.blocks):
                             continue
                         if zero_bubble and micro < pp:
                             continue  # nothing to fill the bubble with
@@ -754,6 +780,7 @@ def points(model: Model, devices: int, per_node: int, replicas: bool = False
                                 for shard in (False, True) if dp > 1 and replicas else (False,):
                                     yield Knobs(dp, tp, pp, micro, chunks, recompute,
                                                 sequence, shard, zero_bubble, swap, cp=cp,
-                                                attention=way, ep=ep, coshard=coshard)
+                                                attention=way, ep=ep, coshard=coshard,
+                                                recycle=recycle)
                 if pp == 1 and dp > 1 and cp == 1 and devices <= ZERO3_UP_TO:  # one plan
                     yield Knobs(dp, tp, 1, 1, zero3=True)  # of every device
