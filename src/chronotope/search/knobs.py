@@ -238,7 +238,7 @@ class Model:
         self._times: dict[tuple, np.ndarray] = {}
         self._stages: dict[tuple[int, bool], np.ndarray] = {}
         self._recycled: dict[int, np.ndarray] = {}
-        self.passes = recycled_stages(graph, 1)[1]  # how often the model runs itself a step
+        self.passes = _recycling(graph, self.needs_grad)
         self._recomputed: dict[str | None, np.ndarray] = {}
         self._cosharded: dict[tuple[int, int], np.ndarray] = {}
         self._sends: dict[tuple, float] = {}
@@ -702,6 +702,16 @@ class Model:
         if k.micro == 1:
             return float(mine.sum())
         return float((_alive(rank, k.pp, k.micro, k.chunks, k.schedule) @ mine).max())
+
+
+def _recycling(graph: Graph, needs_grad: set[PTensor]) -> int:
+    """How often the model runs itself a step, the passes before the last without
+    gradients (recycling, which 3F1B pipelines); 1 for any other model (one that calls a
+    module again within its pass of gradients: T5's shared embedding)."""
+    stage, passes = recycled_stages(graph, 1)
+    if any(stage[op] < passes - 1 and t in needs_grad for op in graph.ops for t in op.outputs):
+        return 1
+    return passes
 
 
 def _served(op: Op, made_for: dict[Op, Op]) -> Op:
